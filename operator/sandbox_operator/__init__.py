@@ -1,0 +1,1 @@
+"""Sandbox operator: Kopf handlers reconciling Sandbox, Execution and Snapshot."""
