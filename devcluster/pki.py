@@ -1,0 +1,331 @@
+"""Certificates and keys for a local control plane, made with `cryptography`.
+
+Everything lives in one directory per cluster. `ensure_pki` is idempotent: a
+complete, valid set is reused as it is (so kubeconfigs handed out earlier keep
+working); anything missing, unreadable or close to expiry makes it regenerate
+the whole set, because certificates signed by a replaced CA would be useless.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+# Long enough that a dev cluster never expires under someone's feet, short
+# enough to stay a sane certificate.
+VALIDITY = datetime.timedelta(days=365)
+# Regenerate when less than this is left, rather than fail mid-run.
+RENEW_BEFORE = datetime.timedelta(days=7)
+
+# SANs of the API server's serving certificate: loopback for everything on this
+# machine, the in-cluster names for clients that use the `kubernetes` Service.
+APISERVER_DNS_NAMES = (
+    "localhost",
+    "kubernetes",
+    "kubernetes.default",
+    "kubernetes.default.svc",
+    "kubernetes.default.svc.cluster.local",
+)
+
+PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
+
+
+@dataclass(frozen=True)
+class CertPair:
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True)
+class PKI:
+    """Paths of every file `ensure_pki` writes."""
+
+    directory: Path
+    ca: CertPair
+    apiserver: CertPair
+    """Serving certificate of kube-apiserver."""
+    admin: CertPair
+    """Client certificate in group system:masters, for the admin kubeconfig."""
+    controller_manager: CertPair
+    """Client certificate CN=system:kube-controller-manager (bootstrap RBAC knows it)."""
+    controller_manager_serving: CertPair
+    """Serving certificate of kube-controller-manager's health/metrics port."""
+    apiserver_kubelet_client: CertPair
+    """What kube-apiserver presents to kubelets (logs, exec); used once a node exists."""
+    front_proxy_ca: CertPair
+    """Separate CA for the aggregation layer's request-header authentication."""
+    front_proxy_client: CertPair
+    service_account_key: Path
+    """RSA private key that signs service-account tokens."""
+    service_account_pub: Path
+
+
+def _paths(directory: Path) -> PKI:
+    def pair(name: str) -> CertPair:
+        return CertPair(directory / f"{name}.crt", directory / f"{name}.key")
+
+    return PKI(
+        directory=directory,
+        ca=pair("ca"),
+        apiserver=pair("apiserver"),
+        admin=pair("admin"),
+        controller_manager=pair("controller-manager"),
+        controller_manager_serving=pair("controller-manager-serving"),
+        apiserver_kubelet_client=pair("apiserver-kubelet-client"),
+        front_proxy_ca=pair("front-proxy-ca"),
+        front_proxy_client=pair("front-proxy-client"),
+        service_account_key=directory / "sa.key",
+        service_account_pub=directory / "sa.pub",
+    )
+
+
+def _all_files(pki: PKI) -> list[Path]:
+    pairs = [
+        pki.ca,
+        pki.apiserver,
+        pki.admin,
+        pki.controller_manager,
+        pki.controller_manager_serving,
+        pki.apiserver_kubelet_client,
+        pki.front_proxy_ca,
+        pki.front_proxy_client,
+    ]
+    files = [path for pair in pairs for path in (pair.cert, pair.key)]
+    return [*files, pki.service_account_key, pki.service_account_pub]
+
+
+def _certificates(pki: PKI) -> list[Path]:
+    return [path for path in _all_files(pki) if path.suffix == ".crt"]
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    """Atomic write, so a crash never leaves a half-written key for the next run."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _key_pem(key: PrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _name(common_name: str, organization: str | None = None) -> x509.Name:
+    attributes = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    if organization:
+        # Kubernetes maps O= of a client certificate to the user's groups.
+        attributes.insert(0, x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
+    return x509.Name(attributes)
+
+
+def _new_key() -> ec.EllipticCurvePrivateKey:
+    # P-256: every client here (Go, OpenSSL via Python) accepts it, and it is
+    # generated in microseconds where RSA takes a noticeable part of a second.
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _builder(subject: x509.Name, issuer: x509.Name, key: PrivateKey) -> x509.CertificateBuilder:
+    now = datetime.datetime.now(datetime.UTC)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        # Backdated a little so a clock step right after generation does not
+        # make the certificate "not yet valid".
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + VALIDITY)
+    )
+
+
+def _make_ca(common_name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = _new_key()
+    name = _name(common_name)
+    cert = (
+        _builder(name, name, key)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def _make_leaf(
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    common_name: str,
+    *,
+    organization: str | None = None,
+    server: bool = False,
+    client: bool = False,
+    dns_names: tuple[str, ...] = (),
+    ip_addresses: tuple[str, ...] = (),
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = _new_key()
+    usages = []
+    if server:
+        usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
+    if client:
+        usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
+    builder = (
+        _builder(_name(common_name, organization), ca_cert.subject, key)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_encipherment=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                content_commitment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+    )
+    if dns_names or ip_addresses:
+        alt_names: list[x509.GeneralName] = [x509.DNSName(name) for name in dns_names]
+        alt_names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses]
+        builder = builder.add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+    return builder.sign(ca_key, hashes.SHA256()), key
+
+
+def _usable(pki: PKI, apiserver_ips: tuple[str, ...]) -> bool:
+    """True when every file exists, parses, is not near expiry and SANs still fit."""
+    if not all(path.is_file() for path in _all_files(pki)):
+        return False
+    deadline = datetime.datetime.now(datetime.UTC) + RENEW_BEFORE
+    try:
+        for path in _certificates(pki):
+            cert = x509.load_pem_x509_certificate(path.read_bytes())
+            if cert.not_valid_after_utc < deadline:
+                return False
+        for path in _all_files(pki):
+            if path.suffix == ".key":
+                serialization.load_pem_private_key(path.read_bytes(), password=None)
+        # Leaves must come from the CAs on disk (they are made together).
+        ca = x509.load_pem_x509_certificate(pki.ca.cert.read_bytes())
+        front_ca = x509.load_pem_x509_certificate(pki.front_proxy_ca.cert.read_bytes())
+        for pair in (pki.apiserver, pki.admin, pki.controller_manager):
+            x509.load_pem_x509_certificate(pair.cert.read_bytes()).verify_directly_issued_by(ca)
+        client = x509.load_pem_x509_certificate(pki.front_proxy_client.cert.read_bytes())
+        client.verify_directly_issued_by(front_ca)
+        serving = x509.load_pem_x509_certificate(pki.apiserver.cert.read_bytes())
+        sans = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        present = {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+    except (ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
+        return False
+    return set(apiserver_ips) <= present
+
+
+def ensure_pki(directory: Path, *, apiserver_ips: tuple[str, ...] = ("127.0.0.1",)) -> PKI:
+    """Create (or reuse) the cluster's CA, certificates and service-account keys.
+
+    `apiserver_ips` are the IP SANs of the serving certificate; the first
+    Service IP (the `kubernetes` Service's ClusterIP) belongs there too.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+    pki = _paths(directory)
+    if _usable(pki, apiserver_ips):
+        return pki
+
+    ca_cert, ca_key = _make_ca("sandbox-operator-devcluster-ca")
+    front_ca_cert, front_ca_key = _make_ca("sandbox-operator-devcluster-front-proxy-ca")
+    leaves: dict[CertPair, tuple[x509.Certificate, ec.EllipticCurvePrivateKey]] = {
+        pki.apiserver: _make_leaf(
+            ca_cert,
+            ca_key,
+            "kube-apiserver",
+            server=True,
+            dns_names=APISERVER_DNS_NAMES,
+            ip_addresses=apiserver_ips,
+        ),
+        pki.admin: _make_leaf(
+            ca_cert, ca_key, "devcluster-admin", organization="system:masters", client=True
+        ),
+        pki.controller_manager: _make_leaf(
+            ca_cert, ca_key, "system:kube-controller-manager", client=True
+        ),
+        pki.controller_manager_serving: _make_leaf(
+            ca_cert,
+            ca_key,
+            "kube-controller-manager",
+            server=True,
+            dns_names=("localhost",),
+            ip_addresses=("127.0.0.1",),
+        ),
+        pki.apiserver_kubelet_client: _make_leaf(
+            ca_cert,
+            ca_key,
+            "kube-apiserver-kubelet-client",
+            organization="system:masters",
+            client=True,
+        ),
+        # The aggregation layer only trusts this CN (--requestheader-allowed-names).
+        pki.front_proxy_client: _make_leaf(
+            front_ca_cert, front_ca_key, "front-proxy-client", client=True
+        ),
+    }
+    # RSA for the token signer: RS256 is what every token consumer supports.
+    sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+    pem = serialization.Encoding.PEM
+    # Keys first and CA certificates last: `_usable` needs every file, so an
+    # interrupted run is detected and redone rather than half reused.
+    for path in _all_files(pki):
+        path.unlink(missing_ok=True)
+    for pair, (cert, key) in leaves.items():
+        _write(pair.key, _key_pem(key), 0o600)
+        _write(pair.cert, cert.public_bytes(pem), 0o644)
+    _write(pki.service_account_key, _key_pem(sa_key), 0o600)
+    _write(
+        pki.service_account_pub,
+        sa_key.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo),
+        0o644,
+    )
+    _write(pki.front_proxy_ca.key, _key_pem(front_ca_key), 0o600)
+    _write(pki.front_proxy_ca.cert, front_ca_cert.public_bytes(pem), 0o644)
+    _write(pki.ca.key, _key_pem(ca_key), 0o600)
+    _write(pki.ca.cert, ca_cert.public_bytes(pem), 0o644)
+    return pki
