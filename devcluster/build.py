@@ -69,7 +69,9 @@ def _go(args: list[str], cwd: Path) -> str:
 
 def _staging_modules(kubernetes_version: str, workdir: Path) -> list[str]:
     """Modules that kubernetes' go.mod points at ./staging (unusable from outside)."""
-    info = json.loads(_go(["mod", "download", "-json", f"k8s.io/kubernetes@{kubernetes_version}"], workdir))
+    info = json.loads(
+        _go(["mod", "download", "-json", f"k8s.io/kubernetes@{kubernetes_version}"], workdir)
+    )
     gomod = Path(info["GoMod"]).read_text()
     return sorted(set(re.findall(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/", gomod, re.MULTILINE)))
 
@@ -81,7 +83,9 @@ def _install(built: Path, target_dir: Path) -> None:
         os.replace(binary, target_dir / binary.name)
 
 
-def kubernetes_binaries(commands: tuple[str, ...] = versions.KUBERNETES_COMMANDS) -> dict[str, Path]:
+def kubernetes_binaries(
+    commands: tuple[str, ...] = versions.KUBERNETES_COMMANDS,
+) -> dict[str, Path]:
     """Paths of the requested Kubernetes commands, building the missing ones."""
     bin_dir = cache_root() / "bin" / f"kubernetes-{versions.KUBERNETES}"
     wanted = {name: bin_dir / name for name in commands}
@@ -102,7 +106,10 @@ def kubernetes_binaries(commands: tuple[str, ...] = versions.KUBERNETES_COMMANDS
         )
         _go(["get", f"k8s.io/kubernetes@{versions.KUBERNETES}"], workdir)
         with tempfile.TemporaryDirectory(dir=workdir) as out:
-            _go(["build", "-o", out + "/", *[f"k8s.io/kubernetes/cmd/{name}" for name in missing]], workdir)
+            _go(
+                ["build", "-o", out + "/", *[f"k8s.io/kubernetes/cmd/{name}" for name in missing]],
+                workdir,
+            )
             _install(Path(out), bin_dir)
     return wanted
 

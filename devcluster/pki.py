@@ -70,7 +70,9 @@ class PKI:
     service_account_pub: Path
 
 
-def _paths(directory: Path) -> PKI:
+def paths(directory: Path) -> PKI:
+    """Where the files of `ensure_pki` are (without creating or checking them)."""
+
     def pair(name: str) -> CertPair:
         return CertPair(directory / f"{name}.crt", directory / f"{name}.key")
 
@@ -266,7 +268,7 @@ def ensure_pki(directory: Path, *, apiserver_ips: tuple[str, ...] = ("127.0.0.1"
     """
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
-    pki = _paths(directory)
+    pki = paths(directory)
     if _usable(pki, apiserver_ips):
         return pki
 

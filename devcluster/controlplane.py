@@ -1,0 +1,672 @@
+"""A real Kubernetes control plane on loopback: etcd, kube-apiserver, kube-controller-manager.
+
+For tests and local use only. Each cluster has a name and a state directory
+(`<cache root>/clusters/<name>` unless given) holding its PKI, kubeconfigs, etcd
+data, logs and the PID records of its processes, so clusters of different
+names never collide and a later process (the CLI's `down`, or the next `up`
+after a crash) can find and stop what an earlier one started.
+
+Components are a list of `Component`s started in order, each waited on until
+its health probe passes, and stopped in reverse order. A node tier (kubelet,
+containerd, scheduler, CSI sidecars) is meant to extend `ControlPlane.components`
+in a subclass rather than rewrite this module.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import fcntl
+import http.client
+import ipaddress
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import yaml
+
+from devcluster import build, pki, processes
+
+log = logging.getLogger("devcluster")
+
+DEFAULT_NAME = "dev"
+DEFAULT_SERVICE_CIDR = "10.96.0.0/16"
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+# Ports are drawn below the kernel's ephemeral range: the kernel never hands
+# those out to outgoing connections, so a port that was free when chosen stays
+# free until the component binds it (barring another cluster picking it too,
+# which the start retries handle).
+_PORT_RANGE_START = 20000
+_ADDRESS_IN_USE = "address already in use"
+
+
+def clusters_root() -> Path:
+    return build.cache_root() / "clusters"
+
+
+def probe_https(port: int, path: str, context: ssl.SSLContext, *, host: str = "127.0.0.1") -> bool:
+    """True when GET https://host:port/path answers 200 with body "ok"."""
+    return _probe(http.client.HTTPSConnection(host, port, timeout=2.0, context=context), path)
+
+
+def probe_http_json(port: int, path: str, check: Callable[[object], bool]) -> bool:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        body = response.read()
+        return response.status == 200 and check(json.loads(body))
+    except (OSError, http.client.HTTPException, ValueError):
+        return False
+    finally:
+        connection.close()
+
+
+def _probe(connection: http.client.HTTPConnection, path: str) -> bool:
+    # http.client rather than urllib: urllib would route loopback through an
+    # HTTPS_PROXY from the environment.
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status == 200 and response.read().strip() == b"ok"
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+
+
+@dataclass
+class Component:
+    """One process of the cluster: how to run it and how to know it is serving."""
+
+    name: str
+    argv: list[str]
+    ready: Callable[[], bool]
+    """One quick probe (a couple of seconds at most); True once the component serves."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to the minimal environment every component gets."""
+    ports: list[int] = field(default_factory=list)
+    """Ports it listens on (recorded, so stop() can be checked against them)."""
+    ready_timeout: float = 120.0
+    cleanup: Callable[[], None] | None = None
+    """Run after its processes are gone (e.g. unmount, delete interfaces)."""
+
+
+@dataclass(frozen=True)
+class Ports:
+    etcd_client: int
+    etcd_peer: int
+    apiserver: int
+    controller_manager: int
+
+    def all(self) -> list[int]:
+        return [self.etcd_client, self.etcd_peer, self.apiserver, self.controller_manager]
+
+
+@dataclass(frozen=True)
+class ComponentStatus:
+    name: str
+    pid: int
+    running: bool
+    ready: bool
+
+
+@dataclass(frozen=True)
+class Status:
+    name: str
+    state_dir: Path
+    server: str | None
+    components: list[ComponentStatus]
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self.components) and all(c.running and c.ready for c in self.components)
+
+
+class ControlPlaneError(RuntimeError):
+    """The cluster could not be started or stopped; the message says which part and why."""
+
+
+def _free_ports(count: int) -> list[int]:
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    high = max(low - 1, _PORT_RANGE_START + 1000)
+    taken = processes.listening_ports()
+    chosen: list[int] = []
+    while len(chosen) < count:
+        port = random.randint(_PORT_RANGE_START, high)
+        if port in taken or port in chosen:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        chosen.append(port)
+    return chosen
+
+
+def _log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class ControlPlane:
+    """etcd + kube-apiserver + kube-controller-manager on 127.0.0.1.
+
+    `start()` (also when a stale cluster of the same name is left over: that one
+    is killed and its etcd data wiped first), `stop()`, `status()`. After start:
+    `server`, `kubeconfig` (admin, system:masters), `kubectl` (the pinned build;
+    call it by this path, a different kubectl may be on PATH), `logs_dir`.
+    Usable as a context manager.
+    """
+
+    def __init__(
+        self,
+        name: str = DEFAULT_NAME,
+        *,
+        state_dir: Path | None = None,
+        service_cidr: str = DEFAULT_SERVICE_CIDR,
+        die_with_parent: bool = False,
+        stop_grace: float = 10.0,
+        start_attempts: int = 3,
+    ) -> None:
+        if not _NAME_RE.match(name):
+            raise ValueError(f"cluster name {name!r} must match {_NAME_RE.pattern}")
+        self.name = name
+        self.state_dir = state_dir or clusters_root() / name
+        self.service_cidr = service_cidr
+        self.die_with_parent = die_with_parent
+        self.stop_grace = stop_grace
+        self.start_attempts = start_attempts
+        self.start_duration: float | None = None
+        """Seconds the last start() took (binaries already built), for reporting."""
+        self._popens: dict[str, subprocess.Popen[bytes]] = {}
+
+    # ---- layout ---------------------------------------------------------------
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.state_dir / "pki"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.state_dir / "run"
+
+    @property
+    def etcd_dir(self) -> Path:
+        return self.state_dir / "etcd"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.state_dir / "admin.kubeconfig"
+
+    @property
+    def _cluster_file(self) -> Path:
+        return self.state_dir / "cluster.json"
+
+    @property
+    def _lock_file(self) -> Path:
+        # Beside the state dir, not in it: `down` removes the state dir while
+        # holding the lock.
+        return self.state_dir.parent / f".{self.state_dir.name}.lock"
+
+    @property
+    def kubectl(self) -> Path:
+        return build.kubernetes_binaries()["kubectl"]
+
+    def _read_cluster_file(self) -> dict[str, object]:
+        try:
+            data = json.loads(self._cluster_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    @property
+    def ports(self) -> Ports:
+        data = self._read_cluster_file().get("ports")
+        if not isinstance(data, dict):
+            raise ControlPlaneError(f"cluster {self.name!r} has not been started")
+        return Ports(**{key: int(value) for key, value in data.items()})
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.ports.apiserver}"
+
+    def kubectl_command(self, *args: str) -> list[str]:
+        """argv for the pinned kubectl against this cluster as admin."""
+        return [str(self.kubectl), f"--kubeconfig={self.kubeconfig}", *args]
+
+    def env(self) -> dict[str, str]:
+        """Environment for a child process (e.g. the operator) to talk to this cluster."""
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+
+    # ---- components ----------------------------------------------------------
+
+    def components(self, ports: Ports, certs: pki.PKI) -> list[Component]:
+        """The processes of this cluster, in start order. Subclasses append to it."""
+        etcd = build.etcd_binary()
+        kube = build.kubernetes_binaries()
+        admin_tls = self._client_context(certs)
+        kcm_tls = ssl.create_default_context(cafile=str(certs.ca.cert))
+        kcm_kubeconfig = self.state_dir / "controller-manager.kubeconfig"
+        peer = f"http://127.0.0.1:{ports.etcd_peer}"
+        client = f"http://127.0.0.1:{ports.etcd_client}"
+        return [
+            Component(
+                name="etcd",
+                argv=[
+                    str(etcd),
+                    "--name=default",
+                    f"--data-dir={self.etcd_dir}",
+                    # Plain HTTP on loopback: nothing but this cluster's API
+                    # server talks to it, and TLS would only cost start time.
+                    f"--listen-client-urls={client}",
+                    f"--advertise-client-urls={client}",
+                    f"--listen-peer-urls={peer}",
+                    f"--initial-advertise-peer-urls={peer}",
+                    f"--initial-cluster=default={peer}",
+                    "--initial-cluster-state=new",
+                    # A throwaway cluster: durability across power loss is not
+                    # worth an fsync per write on a shared CI disk.
+                    "--unsafe-no-fsync",
+                ],
+                ready=lambda: probe_http_json(
+                    ports.etcd_client,
+                    "/health",
+                    lambda body: isinstance(body, dict) and body.get("health") == "true",
+                ),
+                ports=[ports.etcd_client, ports.etcd_peer],
+                ready_timeout=60.0,
+            ),
+            Component(
+                name="kube-apiserver",
+                argv=[
+                    str(kube["kube-apiserver"]),
+                    f"--etcd-servers={client}",
+                    "--bind-address=127.0.0.1",
+                    "--advertise-address=127.0.0.1",
+                    f"--secure-port={ports.apiserver}",
+                    # Only used when no certificate is given; keeps it away
+                    # from the default /var/run/kubernetes all the same.
+                    f"--cert-dir={self.state_dir / 'apiserver-certs'}",
+                    f"--tls-cert-file={certs.apiserver.cert}",
+                    f"--tls-private-key-file={certs.apiserver.key}",
+                    f"--client-ca-file={certs.ca.cert}",
+                    "--authorization-mode=Node,RBAC",
+                    "--enable-admission-plugins=NodeRestriction",
+                    "--allow-privileged=true",
+                    f"--service-cluster-ip-range={self.service_cidr}",
+                    f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+                    f"--service-account-key-file={certs.service_account_pub}",
+                    f"--service-account-signing-key-file={certs.service_account_key}",
+                    f"--kubelet-client-certificate={certs.apiserver_kubelet_client.cert}",
+                    f"--kubelet-client-key={certs.apiserver_kubelet_client.key}",
+                    # Aggregation layer (metrics-server, extension API servers).
+                    f"--requestheader-client-ca-file={certs.front_proxy_ca.cert}",
+                    "--requestheader-allowed-names=front-proxy-client",
+                    "--requestheader-username-headers=X-Remote-User",
+                    "--requestheader-group-headers=X-Remote-Group",
+                    "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                    f"--proxy-client-cert-file={certs.front_proxy_client.cert}",
+                    f"--proxy-client-key-file={certs.front_proxy_client.key}",
+                    # The `kubernetes` Service's endpoints would be 127.0.0.1,
+                    # which Endpoints validation rejects (loopback), so the
+                    # reconciler would only log errors. Nothing in the cluster
+                    # can reach a loopback API server through a Service anyway.
+                    "--endpoint-reconciler-type=none",
+                ],
+                ready=lambda: probe_https(ports.apiserver, "/readyz", admin_tls),
+                ports=[ports.apiserver],
+                ready_timeout=180.0,
+            ),
+            Component(
+                name="kube-controller-manager",
+                argv=[
+                    str(kube["kube-controller-manager"]),
+                    f"--kubeconfig={kcm_kubeconfig}",
+                    # Delegated authn/authz of its own HTTPS port (healthz is
+                    # always allowed; metrics need a permitted client).
+                    f"--authentication-kubeconfig={kcm_kubeconfig}",
+                    f"--authorization-kubeconfig={kcm_kubeconfig}",
+                    "--bind-address=127.0.0.1",
+                    f"--secure-port={ports.controller_manager}",
+                    f"--cert-dir={self.state_dir / 'controller-manager-certs'}",
+                    f"--tls-cert-file={certs.controller_manager_serving.cert}",
+                    f"--tls-private-key-file={certs.controller_manager_serving.key}",
+                    f"--client-ca-file={certs.ca.cert}",
+                    f"--requestheader-client-ca-file={certs.front_proxy_ca.cert}",
+                    # Every default controller: garbage collector, namespace,
+                    # serviceaccount, serviceaccount-token, workloads, ...
+                    "--controllers=*",
+                    "--use-service-account-credentials=true",
+                    "--leader-elect=false",
+                    f"--cluster-name={self.name}",
+                    f"--service-cluster-ip-range={self.service_cidr}",
+                    f"--root-ca-file={certs.ca.cert}",
+                    f"--service-account-private-key-file={certs.service_account_key}",
+                    f"--cluster-signing-cert-file={certs.ca.cert}",
+                    f"--cluster-signing-key-file={certs.ca.key}",
+                ],
+                ready=lambda: probe_https(ports.controller_manager, "/healthz", kcm_tls),
+                ports=[ports.controller_manager],
+                ready_timeout=120.0,
+            ),
+        ]
+
+    @staticmethod
+    def _client_context(certs: pki.PKI) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(certs.ca.cert))
+        context.load_cert_chain(str(certs.admin.cert), str(certs.admin.key))
+        return context
+
+    def _base_env(self) -> dict[str, str]:
+        # A minimal environment: ETCD_* variables become etcd flags, and
+        # KUBECONFIG or proxy settings of the caller must not leak in.
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home())}
+        for key in ("TMPDIR", "LANG", "TZ"):
+            if key in os.environ:
+                env[key] = os.environ[key]
+        return env
+
+    # ---- kubeconfigs -----------------------------------------------------------
+
+    def _write_kubeconfig(
+        self, path: Path, server: str, certs: pki.PKI, user: pki.CertPair
+    ) -> None:
+        def b64(file: Path) -> str:
+            return base64.b64encode(file.read_bytes()).decode()
+
+        context = f"devcluster-{self.name}"
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": context,
+                    "cluster": {"server": server, "certificate-authority-data": b64(certs.ca.cert)},
+                }
+            ],
+            "users": [
+                {
+                    "name": context,
+                    # Embedded, so the file keeps working when copied elsewhere.
+                    "user": {
+                        "client-certificate-data": b64(user.cert),
+                        "client-key-data": b64(user.key),
+                    },
+                }
+            ],
+            "contexts": [{"name": context, "context": {"cluster": context, "user": context}}],
+            "current-context": context,
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(config, sort_keys=False))
+        tmp.chmod(0o600)
+        os.replace(tmp, path)
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """One start/stop of a given cluster at a time, across processes."""
+        self._lock_file.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock_file.open("w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _records(self) -> list[processes.ProcessRecord]:
+        """PID records on disk, in start order."""
+        order = self._read_cluster_file().get("started", [])
+        records = []
+        for name in order if isinstance(order, list) else []:
+            path = self.run_dir / f"{name}.json"
+            with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+                records.append(processes.ProcessRecord.load(path))
+        return records
+
+    def _write_cluster_file(self, **updates: object) -> None:
+        data = self._read_cluster_file()
+        data.update(updates)
+        tmp = self._cluster_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, self._cluster_file)
+
+    def start(self) -> None:
+        """Start the cluster and wait until every component is ready.
+
+        A leftover cluster of the same name (crashed run, killed CLI) is
+        stopped and its etcd data removed first, so every start is clean.
+        Raises ControlPlaneError with the failing component's log tail.
+        """
+        # Build (or wait for a concurrent build) outside the cluster lock and
+        # outside the timed part: a cold build takes tens of minutes.
+        build.etcd_binary()
+        build.kubernetes_binaries()
+        with self._locked():
+            self._stop_locked()
+            began = time.monotonic()
+            for attempt in range(1, self.start_attempts + 1):
+                try:
+                    self._start_locked()
+                except _PortCollisionError as error:
+                    self._stop_locked()
+                    if attempt == self.start_attempts:
+                        raise ControlPlaneError(str(error)) from error
+                    log.warning("%s; retrying with other ports", error)
+                    continue
+                except BaseException:
+                    # Also on KeyboardInterrupt: never leave half a cluster.
+                    self._stop_locked()
+                    raise
+                break
+            self.start_duration = time.monotonic() - began
+            self._write_cluster_file(start_seconds=round(self.start_duration, 2))
+
+    def _start_locked(self) -> None:
+        for directory in (self.state_dir, self.run_dir, self.logs_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        self.state_dir.chmod(0o700)
+        first_service_ip = str(next(ipaddress.ip_network(self.service_cidr).hosts()))
+        certs = pki.ensure_pki(self.pki_dir, apiserver_ips=("127.0.0.1", first_service_ip))
+        ports = Ports(*_free_ports(4))
+        owner = os.getpid()
+        self._write_cluster_file(
+            name=self.name,
+            ports=dataclasses.asdict(ports),
+            started=[],
+            owner_pid=owner,
+            owner_start_ticks=processes.process_start_ticks(owner),
+            created=time.time(),
+        )
+        server = f"https://127.0.0.1:{ports.apiserver}"
+        self._write_kubeconfig(self.kubeconfig, server, certs, certs.admin)
+        self._write_kubeconfig(
+            self.state_dir / "controller-manager.kubeconfig",
+            server,
+            certs,
+            certs.controller_manager,
+        )
+        started: list[str] = []
+        for component in self.components(ports, certs):
+            self._launch(component)
+            started.append(component.name)
+            # Recorded before waiting, so a crash during the wait still leaves
+            # a record that the next start()/stop() can clean up.
+            self._write_cluster_file(started=started)
+            self._wait_ready(component)
+        log.info("cluster %s is up at %s", self.name, server)
+
+    def _launch(self, component: Component) -> None:
+        popen, record = processes.launch(
+            component.name,
+            component.argv,
+            env={**self._base_env(), **component.env},
+            log_path=self.logs_dir / f"{component.name}.log",
+            cwd=self.state_dir,
+            ports=component.ports,
+            die_with_parent=self.die_with_parent,
+        )
+        self._popens[component.name] = popen
+        record.save(self.run_dir / f"{component.name}.json")
+
+    def _wait_ready(self, component: Component) -> None:
+        popen = self._popens[component.name]
+        log_path = self.logs_dir / f"{component.name}.log"
+        deadline = time.monotonic() + component.ready_timeout
+        while True:
+            code = popen.poll()
+            if code is not None:
+                tail = _log_tail(log_path)
+                message = (
+                    f"{component.name} exited with code {code} while starting "
+                    f"(log {log_path}):\n{tail}"
+                )
+                if _ADDRESS_IN_USE in tail.lower():
+                    raise _PortCollisionError(message)
+                raise ControlPlaneError(message)
+            if component.ready():
+                return
+            if time.monotonic() >= deadline:
+                raise ControlPlaneError(
+                    f"{component.name} not ready after {component.ready_timeout:.0f}s "
+                    f"(log {log_path}):\n{_log_tail(log_path)}"
+                )
+            time.sleep(0.2)
+
+    def stop(self, *, remove_state: bool = False) -> None:
+        """Kill every process of this cluster and verify none is left.
+
+        SIGTERM to each component's process group in reverse start order,
+        SIGKILL after `stop_grace` seconds. Works on a cluster started by
+        another process, from the PID records. `remove_state` also deletes
+        the state directory (PKI, kubeconfig, data, logs).
+        """
+        with self._locked():
+            self._stop_locked()
+            if remove_state:
+                shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def _stop_locked(self) -> None:
+        errors = []
+        records = {record.name: record for record in self._records()}
+        cleanups: dict[str, Callable[[], None]] = {}
+        if records and self.pki_dir.exists():
+            # Rebuild the component list only for its cleanup hooks, with the
+            # recorded ports; no process is started by this.
+            with contextlib.suppress(Exception):
+                certs = pki.paths(self.pki_dir)
+                for component in self.components(self.ports, certs):
+                    if component.cleanup is not None:
+                        cleanups[component.name] = component.cleanup
+        for name in reversed(list(records)):
+            try:
+                processes.terminate(
+                    records[name], grace=self.stop_grace, popen=self._popens.pop(name, None)
+                )
+                if name in cleanups:
+                    cleanups[name]()
+            except Exception as error:  # keep stopping the others, report all
+                errors.append(f"{name}: {error}")
+        if errors:
+            raise ControlPlaneError("could not stop cluster cleanly: " + "; ".join(errors))
+        leftovers = [r for r in records.values() if processes.group_members(r.pid)]
+        if leftovers:
+            raise ControlPlaneError(f"processes left behind: {leftovers}")
+        # Records are removed only once their processes are verified gone.
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        shutil.rmtree(self.etcd_dir, ignore_errors=True)
+        if self._cluster_file.exists():
+            self._write_cluster_file(started=[])
+
+    def pids(self) -> dict[str, int]:
+        """PID (= process group id) of each recorded component that is running."""
+        return {r.name: r.pid for r in self._records() if r.is_running()}
+
+    def status(self) -> Status:
+        records = self._records()
+        ready: dict[str, bool] = {}
+        if records and self.pki_dir.exists():
+            with contextlib.suppress(ControlPlaneError, OSError, ValueError):
+                certs = pki.paths(self.pki_dir)
+                for component in self.components(self.ports, certs):
+                    ready[component.name] = component.ready()
+        components = [
+            ComponentStatus(r.name, r.pid, r.is_running(), ready.get(r.name, False))
+            for r in records
+        ]
+        server = self.server if records else None
+        return Status(self.name, self.state_dir, server, components)
+
+    def is_healthy(self) -> bool:
+        return self.status().healthy
+
+    def owner_alive(self) -> bool:
+        """Whether the process that last started this cluster still runs."""
+        data = self._read_cluster_file()
+        pid, ticks = data.get("owner_pid"), data.get("owner_start_ticks")
+        if not isinstance(pid, int):
+            return False
+        return processes.process_start_ticks(pid) == ticks
+
+    def __enter__(self) -> ControlPlane:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ControlPlane(name={self.name!r}, state_dir={str(self.state_dir)!r})"
+
+
+class _PortCollisionError(ControlPlaneError):
+    """A component lost the race for a port chosen as free; start again with others."""
+
+
+def sweep_orphans(prefix: str) -> list[str]:
+    """Stop and remove clusters named `prefix*` whose starting process is gone.
+
+    For test runs: a pytest killed with SIGKILL leaves its state dir behind
+    (its processes die with it). Clusters of live processes are left alone.
+    """
+    root = clusters_root()
+    removed: list[str] = []
+    if not root.is_dir():
+        return removed
+    for state_dir in sorted(root.iterdir()):
+        if not state_dir.is_dir() or not state_dir.name.startswith(prefix):
+            continue
+        cluster = ControlPlane(state_dir.name, state_dir=state_dir)
+        if cluster.owner_alive():
+            continue
+        cluster.stop(remove_state=True)
+        removed.append(state_dir.name)
+    return removed
