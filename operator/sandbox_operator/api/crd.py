@@ -1,0 +1,197 @@
+"""Generate CustomResourceDefinitions from the pydantic models.
+
+Pydantic's JSON Schema is close to, but not, a Kubernetes structural schema:
+references must be inlined, `Optional[X]` must become plain X (absence means
+unset), titles are noise, and enums must carry their type. This module does
+those rewrites and nothing else, so the models stay the one source of truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from sandbox_operator.api.common import CATEGORY, GROUP, VERSION
+from sandbox_operator.api.execution import ExecutionSpec, ExecutionStatus
+from sandbox_operator.api.sandbox import SandboxSpec, SandboxStatus
+from sandbox_operator.api.snapshot import SnapshotSpec, SnapshotStatus
+
+JSON = dict[str, Any]
+
+_DROPPED_KEYS = {"title"}
+
+
+@dataclass(frozen=True)
+class Kind:
+    kind: str
+    plural: str
+    short_names: list[str]
+    spec: type[BaseModel]
+    status: type[BaseModel]
+    columns: list[JSON] = field(default_factory=list)
+    description: str = ""
+
+
+def _column(name: str, json_path: str, type_: str = "string", priority: int = 0) -> JSON:
+    column: JSON = {"name": name, "type": type_, "jsonPath": json_path}
+    if priority:
+        column["priority"] = priority
+    return column
+
+
+_AGE = _column("Age", ".metadata.creationTimestamp", "date")
+
+KINDS: tuple[Kind, ...] = (
+    Kind(
+        kind="Sandbox",
+        plural="sandboxes",
+        short_names=["sbx"],
+        spec=SandboxSpec,
+        status=SandboxStatus,
+        description="An isolated, stateful code-execution sandbox: a pod, a workspace, an agent.",
+        columns=[
+            _column("Phase", ".status.phase"),
+            _column("Ready", '.status.conditions[?(@.type=="Ready")].status'),
+            _column("Runtime", ".status.image", priority=1),
+            _column("Pod IP", ".status.podIP", priority=1),
+            _column("Last Activity", ".status.lastActivity", "date", priority=1),
+            _AGE,
+        ],
+    ),
+    Kind(
+        kind="Execution",
+        plural="executions",
+        short_names=["sbxexec"],
+        spec=ExecutionSpec,
+        status=ExecutionStatus,
+        description="One command run in a sandbox, with its outcome recorded in status.",
+        columns=[
+            _column("Sandbox", ".status.sandbox"),
+            _column("Phase", ".status.phase"),
+            _column("Exit", ".status.exitCode", "integer"),
+            _column("Duration", ".status.duration"),
+            _AGE,
+        ],
+    ),
+    Kind(
+        kind="Snapshot",
+        plural="snapshots",
+        short_names=["sbxsnap"],
+        spec=SnapshotSpec,
+        status=SnapshotStatus,
+        description="A sandbox workspace captured as a CSI VolumeSnapshot.",
+        columns=[
+            _column("Sandbox", ".spec.sandboxRef.name"),
+            _column("Tag", ".spec.tag"),
+            _column("Ready", ".status.readyToUse", "boolean"),
+            _column("Size", ".status.restoreSize"),
+            _AGE,
+        ],
+    ),
+)
+
+
+def _resolve(schema: JSON, defs: dict[str, JSON]) -> JSON:
+    """Inline $refs and rewrite pydantic idioms into structural-schema form."""
+    if "$ref" in schema:
+        target = defs[schema["$ref"].rsplit("/", 1)[-1]]
+        siblings = {k: v for k, v in schema.items() if k != "$ref"}
+        return _resolve({**target, **siblings}, defs)
+
+    out: JSON = {}
+    for key, value in schema.items():
+        if key in _DROPPED_KEYS:
+            continue
+        if key == "anyOf":
+            variants = [v for v in value if v.get("type") != "null"]
+            if len(variants) != 1:
+                raise ValueError(f"unions other than Optional[X] are not structural: {value}")
+            inner = _resolve(variants[0], defs)
+            # The outer keys (description, default, validations) win over the inner ones,
+            # but validations from both sides are kept.
+            rules = inner.pop("x-kubernetes-validations", [])
+            out = {**inner, **out}
+            if rules:
+                out["x-kubernetes-validations"] = [*rules, *out.get("x-kubernetes-validations", [])]
+            continue
+        if key == "properties":
+            out[key] = {name: _resolve(prop, defs) for name, prop in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            out[key] = _resolve(value, defs)
+        elif key == "x-kubernetes-validations":
+            out[key] = [*out.get(key, []), *value]
+        elif key == "default" and value is None:
+            continue
+        elif key == "additionalProperties" and value is False:
+            # Structural schemas forbid it next to `properties`; the server prunes instead.
+            continue
+        else:
+            out[key] = value
+    if "enum" in out and "type" not in out:
+        out["type"] = "string"
+    if "const" in out:
+        out["enum"] = [out.pop("const")]
+        out.setdefault("type", "string")
+    # type and description first: the generated YAML is read by people too.
+    head = {k: out[k] for k in ("type", "description") if k in out}
+    return {**head, **out}
+
+
+def openapi_schema(model: type[BaseModel]) -> JSON:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    defs = raw.pop("$defs", {})
+    return _resolve(raw, defs)
+
+
+def crd(kind: Kind) -> JSON:
+    spec_schema = openapi_schema(kind.spec)
+    status_schema = openapi_schema(kind.status)
+    schema: JSON = {
+        "type": "object",
+        "description": kind.description,
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema,
+            "status": status_schema,
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{kind.plural}.{GROUP}",
+            "labels": {"app.kubernetes.io/part-of": "sandbox-operator"},
+        },
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": kind.kind,
+                "listKind": f"{kind.kind}List",
+                "plural": kind.plural,
+                "singular": kind.kind.lower(),
+                "shortNames": kind.short_names,
+                "categories": [CATEGORY],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": kind.columns,
+                    "schema": {"openAPIV3Schema": schema},
+                }
+            ],
+        },
+    }
+
+
+def all_crds() -> dict[str, JSON]:
+    """File name -> CRD object, for every kind."""
+    return {f"{kind.plural}.{GROUP}.yaml": crd(kind) for kind in KINDS}

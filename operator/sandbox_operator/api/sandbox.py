@@ -1,0 +1,158 @@
+"""The Sandbox resource: an isolated, stateful pod with a workspace and an agent."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import ConfigDict, Field
+
+from sandbox_operator.api.common import (
+    DNS_LABEL_PATTERN,
+    DNS_SUBDOMAIN_PATTERN,
+    Condition,
+    Duration,
+    EnvVar,
+    Model,
+    Quantity,
+    cel,
+    validations,
+)
+
+_POSITIVE = "quantity(self).isGreaterThan(quantity('0'))"
+
+
+class OnIdle(StrEnum):
+    DELETE = "Delete"
+    PAUSE = "Pause"
+
+
+class EgressPolicy(StrEnum):
+    """What the sandbox may reach.
+
+    Internet: public addresses only (no cluster-internal or metadata access).
+    None: no egress at all. Cluster: anything, cluster services included.
+    """
+
+    INTERNET = "Internet"
+    NONE = "None"
+    CLUSTER = "Cluster"
+
+
+class Resources(Model):
+    """Requests equal limits: a sandbox gets exactly what it asks for."""
+
+    cpu: Annotated[Quantity | None, Field(json_schema_extra=validations(cel(_POSITIVE, "cpu must be greater than zero")))] = None
+    memory: Annotated[Quantity | None, Field(json_schema_extra=validations(cel(_POSITIVE, "memory must be greater than zero")))] = None
+    ephemeral_storage: Annotated[Quantity | None, Field(json_schema_extra=validations(cel(_POSITIVE, "ephemeralStorage must be greater than zero")))] = None
+
+
+class Workspace(Model):
+    """The sandbox's persistent working directory, mounted at /workspace."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel(
+                "!(has(self.ephemeral) && self.ephemeral && has(self.storageClassName))",
+                "storageClassName cannot be set for an ephemeral workspace",
+            )
+        )
+    )
+
+    ephemeral: bool = Field(
+        default=False, description="Use an emptyDir instead of a PersistentVolumeClaim."
+    )
+    size: Annotated[
+        Quantity | None,
+        Field(json_schema_extra=validations(cel(_POSITIVE, "size must be greater than zero"))),
+    ] = Field(default=None, description="Workspace size; the operator default applies when unset.")
+    storage_class_name: Annotated[
+        str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
+    ] = None
+
+
+class Lifecycle(Model):
+    idle_timeout: Duration | None = Field(
+        default=None,
+        description="Tear down after this long without exec or file activity (agent-reported).",
+    )
+    max_lifetime: Duration | None = Field(
+        default=None, description="Tear down this long after creation, whatever the activity."
+    )
+    on_idle: OnIdle = Field(default=OnIdle.DELETE, description="What idle timeout does.")
+
+
+class ExposedPort(Model):
+    name: Annotated[str, Field(pattern=DNS_LABEL_PATTERN, max_length=15)]
+    port: Annotated[int, Field(ge=1, le=65535)]
+    protocol: Annotated[str, Field(pattern="^(TCP|UDP)$")] = "TCP"
+
+
+class Network(Model):
+    egress: EgressPolicy = EgressPolicy.INTERNET
+    exposed_ports: Annotated[list[ExposedPort], Field(max_length=16)] = Field(
+        default_factory=list,
+        description="Ports of the sandbox container published through a Service.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["port"]},
+    )
+
+
+class SandboxSpec(Model):
+    """Desired state of a Sandbox."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel(
+                "!(has(self.runtime) && has(self.image))",
+                "set at most one of runtime or image",
+            ),
+            cel(
+                "!(has(self.workspace) && has(self.workspace.ephemeral) && self.workspace.ephemeral"
+                " && has(self.lifecycle) && has(self.lifecycle.onIdle)"
+                " && self.lifecycle.onIdle == 'Pause')",
+                "lifecycle.onIdle: Pause needs a persistent workspace (workspace.ephemeral is true)",
+            ),
+        )
+    )
+
+    runtime: Annotated[str | None, Field(pattern=DNS_LABEL_PATTERN, max_length=63)] = Field(
+        default=None, description="A runtime from the operator's catalog, e.g. python or node."
+    )
+    image: Annotated[str | None, Field(min_length=1, max_length=512, pattern=r"^\S+$")] = Field(
+        default=None, description="A container image with python3 >= 3.9 (instead of runtime)."
+    )
+    image_pull_policy: Annotated[str | None, Field(pattern="^(Always|IfNotPresent|Never)$")] = None
+    resources: Resources = Field(default_factory=Resources)
+    workspace: Workspace = Field(default_factory=Workspace)
+    env: Annotated[list[EnvVar], Field(max_length=128)] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    paused: bool = Field(default=False, description="Delete the pod, keep the workspace.")
+    lifecycle: Lifecycle = Field(default_factory=Lifecycle)
+    network: Network = Field(default_factory=Network)
+    runtime_class_name: Annotated[str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)] = Field(
+        default=None, description="Passed through to the pod, e.g. gvisor or kata."
+    )
+    node_selector: Annotated[dict[str, str], Field(max_length=32)] = Field(default_factory=dict)
+
+
+class SandboxStatus(Model):
+    """Observed state, written only by the operator."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    phase: str | None = None
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    pod_name: str | None = None
+    pod_ip: str | None = None
+    agent_endpoint: str | None = None
+    workspace_claim: str | None = None
+    image: str | None = None
+    last_activity: str | None = None
+    idle_deadline: str | None = None
+    expires_at: str | None = None
+    active_executions: int | None = None
+    restarts: int | None = None
+    message: str | None = None

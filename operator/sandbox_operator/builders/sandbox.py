@@ -1,0 +1,322 @@
+"""Desired children of a Sandbox, as plain dicts. Pure: no I/O, no clock.
+
+Every child is named deterministically from the sandbox, labelled so the
+operator can watch only its own pods, and owned by the Sandbox so the garbage
+collector removes it when the Sandbox goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sandbox_operator.api.common import API_VERSION
+from sandbox_operator.api.sandbox import EgressPolicy, SandboxSpec
+from sandbox_operator.config import Settings
+
+JSON = dict[str, Any]
+
+LABEL_SANDBOX = "sandbox.dev/sandbox"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "sandbox-operator"
+
+WORKSPACE_PATH = "/workspace"
+RUNTIME_DIR = "/sandbox/run"
+TOKEN_DIR = "/var/run/sandbox-agent/token"
+TOKEN_KEY = "token"
+AGENT_CONTAINER = "agent"
+SANDBOX_CONTAINER = "sandbox"
+
+# The runtime directory holds only the runner script and its socket.
+_RUNTIME_DIR_LIMIT = "16Mi"
+_AGENT_LOG_LIMIT = "256Mi"
+
+
+@dataclass(frozen=True)
+class SandboxRef:
+    """What a builder needs to know about the Sandbox object itself."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+def names(sandbox: str) -> dict[str, str]:
+    """Deterministic child names; the CRD caps sandbox names so these stay valid."""
+    return {
+        "pod": sandbox,
+        "claim": f"{sandbox}-workspace",
+        "secret": f"{sandbox}-agent-token",
+        "service": sandbox,
+        "network_policy": sandbox,
+    }
+
+
+def labels(sandbox: str) -> dict[str, str]:
+    return {LABEL_SANDBOX: sandbox, LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def _meta(ref: SandboxRef, name: str) -> JSON:
+    return {
+        "name": name,
+        "namespace": ref.namespace,
+        "labels": labels(ref.name),
+        "ownerReferences": [
+            {
+                "apiVersion": API_VERSION,
+                "kind": "Sandbox",
+                "name": ref.name,
+                "uid": ref.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
+
+
+def image_of(spec: SandboxSpec, settings: Settings) -> str:
+    """The runtime image; raises ValueError naming the catalog when unknown."""
+    if spec.image:
+        return spec.image
+    runtime = spec.runtime or settings.default_runtime
+    if runtime not in settings.runtimes:
+        known = ", ".join(sorted(settings.runtimes)) or "none"
+        raise ValueError(f"unknown runtime {runtime!r}; this cluster offers: {known}")
+    return settings.runtimes[runtime].image
+
+
+def build_secret(ref: SandboxRef, token: str) -> JSON:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(ref, names(ref.name)["secret"]),
+        "type": "Opaque",
+        "stringData": {TOKEN_KEY: token},
+    }
+
+
+def build_claim(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON | None:
+    """The workspace PVC, or None for an ephemeral (emptyDir) workspace."""
+    if spec.workspace.ephemeral:
+        return None
+    claim: JSON = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(ref, names(ref.name)["claim"]),
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {
+                "requests": {"storage": spec.workspace.size or settings.default_workspace_size}
+            },
+        },
+    }
+    storage_class = spec.workspace.storage_class_name or settings.default_storage_class
+    if storage_class:
+        claim["spec"]["storageClassName"] = storage_class
+    return claim
+
+
+def _resources(cpu: str, memory: str, ephemeral: str) -> JSON:
+    amounts = {"cpu": cpu, "memory": memory, "ephemeral-storage": ephemeral}
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _restricted(uid: int, read_only_root: bool) -> JSON:
+    """A container security context that passes Pod Security Standards `restricted`."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": read_only_root,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _env(spec: SandboxSpec) -> list[JSON]:
+    return [var.to_wire() for var in spec.env]
+
+
+def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
+    child = names(ref.name)
+    image = image_of(spec, settings)
+    pull_policy = spec.image_pull_policy or settings.image_pull_policy
+    agent_http = {"path": "/readyz", "port": "agent"}
+
+    if spec.workspace.ephemeral:
+        workspace_volume: JSON = {
+            "name": "workspace",
+            "emptyDir": {"sizeLimit": spec.workspace.size or settings.default_workspace_size},
+        }
+    else:
+        workspace_volume = {"name": "workspace", "persistentVolumeClaim": {"claimName": child["claim"]}}
+
+    agent = {
+        "name": AGENT_CONTAINER,
+        "image": settings.agent_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        # A native sidecar: starts (and copies the runner) before the sandbox
+        # container, lives as long as the pod.
+        "restartPolicy": "Always",
+        "env": [
+            {"name": "SANDBOX_AGENT_PORT", "value": str(settings.agent_port)},
+            {"name": "SANDBOX_AGENT_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
+            {"name": "SANDBOX_AGENT_WORKSPACE", "value": WORKSPACE_PATH},
+            {"name": "SANDBOX_AGENT_RUNTIME_DIR", "value": RUNTIME_DIR},
+            {"name": "SANDBOX_AGENT_LOG_DIR", "value": "/sandbox/logs"},
+            {"name": "TMPDIR", "value": "/tmp"},
+        ],
+        "ports": [{"name": "agent", "containerPort": settings.agent_port, "protocol": "TCP"}],
+        # The sandbox container starts only once this probe passes, so the
+        # runner script is in place by then.
+        "startupProbe": {
+            "httpGet": {"path": "/healthz", "port": "agent"},
+            "periodSeconds": 1,
+            "failureThreshold": 60,
+        },
+        "readinessProbe": {"httpGet": agent_http, "periodSeconds": 2, "failureThreshold": 2},
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "agent"},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+        "securityContext": {**_restricted(settings.agent_uid, True), "runAsGroup": settings.fs_group},
+        "resources": _resources(
+            settings.agent_cpu, settings.agent_memory, settings.agent_ephemeral_storage
+        ),
+        "volumeMounts": [
+            {"name": "workspace", "mountPath": WORKSPACE_PATH},
+            {"name": "runtime", "mountPath": RUNTIME_DIR},
+            {"name": "agent-token", "mountPath": TOKEN_DIR, "readOnly": True},
+            {"name": "agent-logs", "mountPath": "/sandbox/logs"},
+            {"name": "agent-tmp", "mountPath": "/tmp"},
+        ],
+    }
+    sandbox = {
+        "name": SANDBOX_CONTAINER,
+        "image": image,
+        "imagePullPolicy": pull_policy,
+        # The runner is placed by the agent; the image only needs python3 >= 3.9.
+        "command": ["python3", f"{RUNTIME_DIR}/runner.py"],
+        "workingDir": WORKSPACE_PATH,
+        "env": [
+            {"name": "HOME", "value": WORKSPACE_PATH},
+            {"name": "SANDBOX_RUNNER_SOCKET", "value": f"{RUNTIME_DIR}/runner.sock"},
+            *_env(spec),
+        ],
+        "securityContext": {**_restricted(settings.sandbox_uid, False), "runAsGroup": settings.fs_group},
+        "resources": _resources(
+            spec.resources.cpu or settings.default_cpu,
+            spec.resources.memory or settings.default_memory,
+            spec.resources.ephemeral_storage or settings.default_ephemeral_storage,
+        ),
+        "volumeMounts": [
+            {"name": "workspace", "mountPath": WORKSPACE_PATH},
+            {"name": "runtime", "mountPath": RUNTIME_DIR},
+        ],
+        "ports": [
+            {"name": port.name, "containerPort": port.port, "protocol": port.protocol}
+            for port in spec.network.exposed_ports
+        ],
+    }
+    pod_spec: JSON = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": 10,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": settings.sandbox_uid,
+            "runAsGroup": settings.fs_group,
+            "fsGroup": settings.fs_group,
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "initContainers": [agent],
+        "containers": [sandbox],
+        "volumes": [
+            workspace_volume,
+            {"name": "runtime", "emptyDir": {"sizeLimit": _RUNTIME_DIR_LIMIT}},
+            {"name": "agent-logs", "emptyDir": {"sizeLimit": _AGENT_LOG_LIMIT}},
+            {"name": "agent-tmp", "emptyDir": {"sizeLimit": _AGENT_LOG_LIMIT}},
+            {
+                "name": "agent-token",
+                "secret": {"secretName": child["secret"], "defaultMode": 0o440},
+            },
+        ],
+    }
+    if spec.runtime_class_name:
+        pod_spec["runtimeClassName"] = spec.runtime_class_name
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            **_meta(ref, child["pod"]),
+            "annotations": {"sandbox.dev/image": image},
+        },
+        "spec": pod_spec,
+    }
+
+
+def build_service(ref: SandboxRef, spec: SandboxSpec) -> JSON | None:
+    """A ClusterIP Service for the exposed ports, or None when nothing is exposed."""
+    if not spec.network.exposed_ports:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(ref, names(ref.name)["service"]),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": labels(ref.name),
+            "ports": [
+                {"name": p.name, "port": p.port, "targetPort": p.port, "protocol": p.protocol}
+                for p in spec.network.exposed_ports
+            ],
+        },
+    }
+
+
+def _peer(namespace: str, pod_labels: dict[str, str]) -> JSON:
+    return {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+        "podSelector": {"matchLabels": dict(pod_labels)},
+    }
+
+
+def build_network_policy(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
+    agent_peers = [_peer(settings.operator_namespace, settings.operator_pod_labels)]
+    if settings.gateway_pod_labels:
+        agent_peers.append(_peer(settings.operator_namespace, settings.gateway_pod_labels))
+    ingress: list[JSON] = [
+        {"from": agent_peers, "ports": [{"port": settings.agent_port, "protocol": "TCP"}]}
+    ]
+    if spec.network.exposed_ports:
+        ingress.append(
+            {"ports": [{"port": p.port, "protocol": p.protocol} for p in spec.network.exposed_ports]}
+        )
+
+    egress: list[JSON]
+    if spec.network.egress == EgressPolicy.NONE:
+        egress = []
+    elif spec.network.egress == EgressPolicy.CLUSTER:
+        egress = [{}]
+    else:
+        dns = [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]
+        egress = [
+            {"to": [_peer(settings.dns_namespace, settings.dns_pod_labels)], "ports": dns},
+            {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": list(settings.private_cidrs)}}]},
+        ]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(ref, names(ref.name)["network_policy"]),
+        "spec": {
+            "podSelector": {"matchLabels": labels(ref.name)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": ingress,
+            "egress": egress,
+        },
+    }

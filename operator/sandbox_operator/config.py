@@ -1,0 +1,110 @@
+"""Operator settings: images, runtime catalog, defaults. Configuration, not code.
+
+Read once at startup from the YAML file named by `SANDBOX_OPERATOR_CONFIG` (the
+chart mounts it from a ConfigMap); any field may be overridden by an environment
+variable `SANDBOX_OPERATOR_<FIELD>` holding JSON or a plain string. Which
+namespaces are watched is Kopf's own flag (`--all-namespaces` or `--namespace`),
+rendered by the chart from its values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from sandbox_operator.api.common import Duration, Quantity
+
+
+class Runtime(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    image: str
+    description: str = ""
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    agent_image: str = "sandbox-agent:dev"
+    image_pull_policy: str = "IfNotPresent"
+    runtimes: dict[str, Runtime] = Field(
+        default_factory=lambda: {
+            "python": Runtime(image="sandbox-runtime-python:dev", description="Python 3"),
+            "node": Runtime(image="sandbox-runtime-node:dev", description="Node.js and Python 3"),
+        }
+    )
+    default_runtime: str = "python"
+
+    # Defaults for fields a Sandbox leaves unset.
+    default_cpu: Quantity = "1"
+    default_memory: Quantity = "1Gi"
+    default_ephemeral_storage: Quantity = "2Gi"
+    default_workspace_size: Quantity = "1Gi"
+    default_storage_class: str | None = None
+    default_idle_timeout: Duration | None = "30m"
+    default_max_lifetime: Duration | None = None
+
+    # The agent sidecar.
+    agent_port: Annotated[int, Field(ge=1, le=65535)] = 8080
+    agent_cpu: Quantity = "250m"
+    agent_memory: Quantity = "256Mi"
+    agent_ephemeral_storage: Quantity = "512Mi"
+    # Distinct UIDs: user code must not be able to act as the agent.
+    sandbox_uid: int = 1000
+    agent_uid: int = 1001
+    # Shared group of both containers: workspace files stay usable by both.
+    fs_group: int = 1000
+
+    # NetworkPolicy: who may reach the agent, and what "Internet" egress excludes.
+    operator_namespace: str = "sandbox-system"
+    operator_pod_labels: dict[str, str] = Field(
+        default_factory=lambda: {"app.kubernetes.io/name": "sandbox-operator"}
+    )
+    gateway_pod_labels: dict[str, str] | None = None
+    private_cidrs: list[str] = Field(
+        default_factory=lambda: [
+            "10.0.0.0/8",
+            "172.16.0.0/12",
+            "192.168.0.0/16",
+            "100.64.0.0/10",
+            "169.254.0.0/16",
+        ]
+    )
+    dns_namespace: str = "kube-system"
+    dns_pod_labels: dict[str, str] = Field(default_factory=lambda: {"k8s-app": "kube-dns"})
+
+    # Snapshots.
+    volume_snapshot_class: str | None = None
+
+    # Reconciliation.
+    reconcile_interval_seconds: float = 30.0
+    activity_poll_seconds: float = 15.0
+    agent_timeout_seconds: float = 5.0
+    metrics_port: int = 8000
+    max_workers: int = 32
+
+
+def load(environ: dict[str, str] | None = None) -> Settings:
+    env = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    path = env.get("SANDBOX_OPERATOR_CONFIG")
+    if path:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of settings")
+        data.update(loaded)
+    prefix = "SANDBOX_OPERATOR_"
+    for name in Settings.model_fields:
+        raw = env.get(prefix + name.upper())
+        if raw is None:
+            continue
+        try:
+            data[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            data[name] = raw
+    return Settings.model_validate(data)

@@ -1,0 +1,181 @@
+"""A small async Kubernetes API client on httpx.
+
+The `kubernetes` package resolves credentials (kubeconfig or in-cluster
+service account); requests go through one pooled httpx.AsyncClient so the Kopf
+event loop never blocks on I/O and no response is deserialised into generated
+model classes we would only turn back into dicts.
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+
+JSON = dict[str, Any]
+
+_IN_CLUSTER_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+_TOKEN_REREAD_SECONDS = 60.0
+
+MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def resource_path(
+    api_version: str,
+    plural: str,
+    namespace: str | None = None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> str:
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    parts = [base]
+    if namespace:
+        parts.append(f"namespaces/{namespace}")
+    parts.append(plural)
+    if name:
+        parts.append(name)
+    if subresource:
+        parts.append(subresource)
+    return "/".join(parts)
+
+
+class Kube:
+    def __init__(
+        self,
+        base_url: str,
+        verify: ssl.SSLContext | bool,
+        token: str | None = None,
+        token_file: Path | None = None,
+    ) -> None:
+        self._token = token
+        self._token_file = token_file
+        self._token_read_at = 0.0
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        self._http = httpx.AsyncClient(
+            base_url=base_url, verify=verify, timeout=30.0, limits=limits
+        )
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        """In-cluster credentials when running in a pod, else the kubeconfig."""
+        configuration = k8s_client.Configuration()
+        in_cluster = _IN_CLUSTER_TOKEN.exists()
+        if in_cluster:
+            k8s_config.load_incluster_config(client_configuration=configuration)
+        else:
+            k8s_config.load_kube_config(client_configuration=configuration)
+        context = ssl.create_default_context(cafile=configuration.ssl_ca_cert)
+        if configuration.cert_file:
+            context.load_cert_chain(configuration.cert_file, configuration.key_file)
+        token = None
+        auth = configuration.api_key.get("authorization") or configuration.api_key.get(
+            "BearerToken"
+        )
+        if auth:
+            token = auth.removeprefix("Bearer ").strip()
+        return cls(
+            configuration.host,
+            context if configuration.verify_ssl else False,
+            token=token,
+            # Projected service-account tokens rotate: re-read the file, never cache forever.
+            token_file=_IN_CLUSTER_TOKEN if in_cluster else None,
+        )
+
+    def _headers(self) -> dict[str, str]:
+        if self._token_file and time.monotonic() - self._token_read_at > _TOKEN_REREAD_SECONDS:
+            self._token = self._token_file.read_text().strip()
+            self._token_read_at = time.monotonic()
+        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> httpx.Response:
+        headers = self._headers()
+        if body is not None:
+            headers["Content-Type"] = content_type
+        return await self._http.request(
+            method, path, json=body, params=params, headers=headers
+        )
+
+    @staticmethod
+    def _raise(response: httpx.Response) -> None:
+        try:
+            payload = response.json()
+            reason, message = payload.get("reason", ""), payload.get("message", response.text)
+        except ValueError:
+            reason, message = "", response.text
+        raise KubeError(response.status_code, reason, message)
+
+    async def get(self, path: str, params: dict[str, str] | None = None) -> JSON | None:
+        """The object, or None when it does not exist."""
+        response = await self.request("GET", path, params=params)
+        if response.status_code == 404:
+            return None
+        if response.status_code >= 400:
+            self._raise(response)
+        result: JSON = response.json()
+        return result
+
+    async def create(self, path: str, body: JSON) -> JSON | None:
+        """Create; None when it already exists (409), so callers stay idempotent."""
+        response = await self.request("POST", path, body=body)
+        if response.status_code == 409:
+            return None
+        if response.status_code >= 400:
+            self._raise(response)
+        result: JSON = response.json()
+        return result
+
+    async def patch(self, path: str, body: Any, content_type: str = MERGE_PATCH) -> JSON | None:
+        """Patch; None when the object is gone."""
+        response = await self.request("PATCH", path, body=body, content_type=content_type)
+        if response.status_code == 404:
+            return None
+        if response.status_code >= 400:
+            self._raise(response)
+        result: JSON = response.json()
+        return result
+
+    async def delete(
+        self,
+        path: str,
+        *,
+        grace_seconds: int | None = None,
+        propagation: str = "Background",
+        uid: str | None = None,
+    ) -> bool:
+        """Delete; False when it was already gone. `uid` guards against a namesake."""
+        body: JSON = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": propagation}
+        if grace_seconds is not None:
+            body["gracePeriodSeconds"] = grace_seconds
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        response = await self.request("DELETE", path, body=body)
+        if response.status_code in (404, 409):
+            return False
+        if response.status_code >= 400:
+            self._raise(response)
+        return True
+
+    async def close(self) -> None:
+        await self._http.aclose()
