@@ -667,6 +667,15 @@ def sweep_orphans(prefix: str) -> list[str]:
         cluster = ControlPlane(state_dir.name, state_dir=state_dir)
         if cluster.owner_alive():
             continue
-        cluster.stop(remove_state=True)
+        try:
+            cluster.stop(remove_state=True)
+        except ControlPlaneError as error:
+            # Not this session's problem to fail on; but say so.
+            log.warning("could not remove orphaned cluster %s: %s", state_dir.name, error)
+            continue
         removed.append(state_dir.name)
+    # Lock files of clusters that are gone (names with a dead PID are never reused).
+    for lock in root.glob(f".{prefix}*.lock"):
+        if not (root / lock.name[1:].removesuffix(".lock")).exists():
+            lock.unlink(missing_ok=True)
     return removed
