@@ -93,7 +93,9 @@ def _runtime_condition(pod: JSON) -> Cond:
     """Is the user's runtime container up, and if not, why (in plain words)?"""
     status = container_status(pod, SANDBOX_CONTAINER)
     if status is None:
-        return Cond("RuntimeReady", FALSE, REASON_RUNTIME_STARTING, "waiting for the agent to start")
+        return Cond(
+            "RuntimeReady", FALSE, REASON_RUNTIME_STARTING, "waiting for the agent to start"
+        )
     state = status.get("state", {})
     if "running" in state:
         return Cond("RuntimeReady", TRUE, REASON_RUNTIME_RUNNING)
@@ -110,9 +112,12 @@ def _runtime_condition(pod: JSON) -> Cond:
         return Cond("RuntimeReady", FALSE, REASON_RUNTIME_NO_PYTHON, f"{_PYTHON_HINT}: {message}")
     if "python" in text and "too old" in text:
         return Cond("RuntimeReady", FALSE, REASON_RUNTIME_NO_PYTHON, f"{_PYTHON_HINT}: {message}")
-    if reason in ("CrashLoopBackOff", "RunContainerError", "CreateContainerError", "StartError") or (
-        terminated and status.get("restartCount", 0) > 0
-    ):
+    if reason in (
+        "CrashLoopBackOff",
+        "RunContainerError",
+        "CreateContainerError",
+        "StartError",
+    ) or (terminated and status.get("restartCount", 0) > 0):
         detail = message or reason
         return Cond("RuntimeReady", FALSE, REASON_RUNTIME_FAILED, f"{detail}; {_PYTHON_HINT}")
     return Cond("RuntimeReady", FALSE, REASON_RUNTIME_STARTING, message or reason or "starting")

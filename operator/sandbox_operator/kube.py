@@ -75,9 +75,9 @@ class Kube:
         configuration = k8s_client.Configuration()
         in_cluster = _IN_CLUSTER_TOKEN.exists()
         if in_cluster:
-            k8s_config.load_incluster_config(client_configuration=configuration)
+            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         else:
-            k8s_config.load_kube_config(client_configuration=configuration)
+            k8s_config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         context = ssl.create_default_context(cafile=configuration.ssl_ca_cert)
         if configuration.cert_file:
             context.load_cert_chain(configuration.cert_file, configuration.key_file)
@@ -113,9 +113,7 @@ class Kube:
         headers = self._headers()
         if body is not None:
             headers["Content-Type"] = content_type
-        return await self._http.request(
-            method, path, json=body, params=params, headers=headers
-        )
+        return await self._http.request(method, path, json=body, params=params, headers=headers)
 
     @staticmethod
     def _raise(response: httpx.Response) -> None:

@@ -135,7 +135,7 @@ def _resolve(schema: JSON, defs: dict[str, JSON]) -> JSON:
         out["enum"] = [out.pop("const")]
         out.setdefault("type", "string")
     # type and description first: the generated YAML is read by people too.
-    head = {k: out[k] for k in ("type", "description") if k in out}
+    head: JSON = {k: out[k] for k in ("type", "description") if k in out}
     return {**head, **out}
 
 

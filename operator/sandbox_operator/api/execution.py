@@ -77,8 +77,15 @@ class ExecutionSpec(Model):
                 "exactly one of command or script must be set",
             ),
             immutable(
-                "sandboxRef", "sandboxTemplate", "command", "script", "env", "workingDir",
-                "stdin", "files", "timeout",
+                "sandboxRef",
+                "sandboxTemplate",
+                "command",
+                "script",
+                "env",
+                "workingDir",
+                "stdin",
+                "files",
+                "timeout",
             ),
         )
     )
@@ -88,7 +95,9 @@ class ExecutionSpec(Model):
         default=None,
         description="One-shot: a disposable sandbox created for this run and deleted after it.",
     )
-    command: Annotated[list[Annotated[str, Field(max_length=32768)]] | None, Field(min_length=1, max_length=1024)] = None
+    command: Annotated[
+        list[Annotated[str, Field(max_length=32768)]] | None, Field(min_length=1, max_length=1024)
+    ] = None
     script: Annotated[str | None, Field(min_length=1, max_length=262144)] = Field(
         default=None, description="A shell script, run with /bin/sh -c in the sandbox."
     )

@@ -42,9 +42,22 @@ class EgressPolicy(StrEnum):
 class Resources(Model):
     """Requests equal limits: a sandbox gets exactly what it asks for."""
 
-    cpu: Annotated[Quantity | None, Field(json_schema_extra=validations(cel(_POSITIVE, "cpu must be greater than zero")))] = None
-    memory: Annotated[Quantity | None, Field(json_schema_extra=validations(cel(_POSITIVE, "memory must be greater than zero")))] = None
-    ephemeral_storage: Annotated[Quantity | None, Field(json_schema_extra=validations(cel(_POSITIVE, "ephemeralStorage must be greater than zero")))] = None
+    cpu: Annotated[
+        Quantity | None,
+        Field(json_schema_extra=validations(cel(_POSITIVE, "cpu must be greater than zero"))),
+    ] = None
+    memory: Annotated[
+        Quantity | None,
+        Field(json_schema_extra=validations(cel(_POSITIVE, "memory must be greater than zero"))),
+    ] = None
+    ephemeral_storage: Annotated[
+        Quantity | None,
+        Field(
+            json_schema_extra=validations(
+                cel(_POSITIVE, "ephemeralStorage must be greater than zero")
+            )
+        ),
+    ] = None
 
 
 class Workspace(Model):
@@ -110,7 +123,7 @@ class SandboxSpec(Model):
                 "!(has(self.workspace) && has(self.workspace.ephemeral) && self.workspace.ephemeral"
                 " && has(self.lifecycle) && has(self.lifecycle.onIdle)"
                 " && self.lifecycle.onIdle == 'Pause')",
-                "lifecycle.onIdle: Pause needs a persistent workspace (workspace.ephemeral is true)",
+                "lifecycle.onIdle: Pause needs a persistent workspace (not workspace.ephemeral)",
             ),
         )
     )
@@ -131,9 +144,9 @@ class SandboxSpec(Model):
     paused: bool = Field(default=False, description="Delete the pod, keep the workspace.")
     lifecycle: Lifecycle = Field(default_factory=Lifecycle)
     network: Network = Field(default_factory=Network)
-    runtime_class_name: Annotated[str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)] = Field(
-        default=None, description="Passed through to the pod, e.g. gvisor or kata."
-    )
+    runtime_class_name: Annotated[
+        str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
+    ] = Field(default=None, description="Passed through to the pod, e.g. gvisor or kata.")
     node_selector: Annotated[dict[str, str], Field(max_length=32)] = Field(default_factory=dict)
 
 

@@ -32,7 +32,9 @@ class SnapshotSpec(Model):
     )
 
     sandbox_ref: LocalObjectReference
-    tag: Annotated[str | None, Field(max_length=128, pattern=r"^[A-Za-z0-9][-._A-Za-z0-9]*$")] = None
+    tag: Annotated[str | None, Field(max_length=128, pattern=r"^[A-Za-z0-9][-._A-Za-z0-9]*$")] = (
+        None
+    )
     description: Annotated[str | None, Field(max_length=1024)] = None
     volume_snapshot_class_name: Annotated[
         str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)

@@ -149,7 +149,10 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
             "emptyDir": {"sizeLimit": spec.workspace.size or settings.default_workspace_size},
         }
     else:
-        workspace_volume = {"name": "workspace", "persistentVolumeClaim": {"claimName": child["claim"]}}
+        workspace_volume = {
+            "name": "workspace",
+            "persistentVolumeClaim": {"claimName": child["claim"]},
+        }
 
     agent = {
         "name": AGENT_CONTAINER,
@@ -180,7 +183,10 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
             "periodSeconds": 10,
             "failureThreshold": 6,
         },
-        "securityContext": {**_restricted(settings.agent_uid, True), "runAsGroup": settings.fs_group},
+        "securityContext": {
+            **_restricted(settings.agent_uid, True),
+            "runAsGroup": settings.fs_group,
+        },
         "resources": _resources(
             settings.agent_cpu, settings.agent_memory, settings.agent_ephemeral_storage
         ),
@@ -204,7 +210,10 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
             {"name": "SANDBOX_RUNNER_SOCKET", "value": f"{RUNTIME_DIR}/runner.sock"},
             *_env(spec),
         ],
-        "securityContext": {**_restricted(settings.sandbox_uid, False), "runAsGroup": settings.fs_group},
+        "securityContext": {
+            **_restricted(settings.sandbox_uid, False),
+            "runAsGroup": settings.fs_group,
+        },
         "resources": _resources(
             spec.resources.cpu or settings.default_cpu,
             spec.resources.memory or settings.default_memory,
@@ -295,7 +304,11 @@ def build_network_policy(ref: SandboxRef, spec: SandboxSpec, settings: Settings)
     ]
     if spec.network.exposed_ports:
         ingress.append(
-            {"ports": [{"port": p.port, "protocol": p.protocol} for p in spec.network.exposed_ports]}
+            {
+                "ports": [
+                    {"port": p.port, "protocol": p.protocol} for p in spec.network.exposed_ports
+                ]
+            }
         )
 
     egress: list[JSON]

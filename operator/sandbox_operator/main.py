@@ -1,0 +1,123 @@
+"""Kopf registration: wires decorators to the per-kind handler modules. Thin.
+
+Run with `kopf run -m sandbox_operator --all-namespaces` (or `--namespace X`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+import kopf
+from prometheus_client import start_http_server
+
+from sandbox_operator import config, metrics
+from sandbox_operator.agent_client import AgentClient
+from sandbox_operator.api.common import GROUP
+from sandbox_operator.builders.sandbox import LABEL_MANAGED_BY, LABEL_SANDBOX, MANAGED_BY
+from sandbox_operator.handlers import sandbox
+from sandbox_operator.kube import Kube
+
+# Read at import: the timer interval is fixed when handlers are registered.
+SETTINGS = config.load()
+SANDBOX = (GROUP, "sandboxes")
+OWN_PODS = {LABEL_MANAGED_BY: MANAGED_BY}
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    # Kopf's bookkeeping under the project's own prefix, never kopf.zalando.org.
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    # Watch only our own pods, filtered by the API server, not in this process.
+    settings.watching.label_selectors["", "v1", "pods"] = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+    settings.execution.max_workers = SETTINGS.max_workers
+    # Handler chatter stays in logs; Events are for what users should see.
+    settings.posting.level = logging.WARNING
+    settings.networking.connect_timeout = 10
+    memo.runtime = sandbox.Runtime(
+        settings=SETTINGS,
+        kube=Kube.from_environment(),
+        agents=AgentClient(timeout=SETTINGS.agent_timeout_seconds),
+    )
+    if SETTINGS.metrics_port:
+        start_http_server(SETTINGS.metrics_port)
+
+
+@kopf.on.cleanup()
+async def close(memo: Any, **_: Any) -> None:
+    runtime: sandbox.Runtime = memo.runtime
+    await runtime.kube.close()
+    await runtime.agents.close()
+
+
+@asynccontextmanager
+async def _measured(kind: str, trigger: str) -> AsyncIterator[None]:
+    started = time.perf_counter()
+    result = "error"
+    try:
+        yield
+        result = "ok"
+    except kopf.TemporaryError:
+        result = "retry"
+        raise
+    finally:
+        metrics.RECONCILES.labels(kind, trigger, result).inc()
+        metrics.RECONCILE_SECONDS.labels(kind, trigger).observe(time.perf_counter() - started)
+
+
+def _runtime(memo: Any) -> sandbox.Runtime:
+    runtime: sandbox.Runtime = memo.runtime
+    return runtime
+
+
+@kopf.on.create(*SANDBOX)
+@kopf.on.update(*SANDBOX)
+@kopf.on.resume(*SANDBOX)
+async def sandbox_changed(
+    body: kopf.Body, memo: Any, logger: kopf.Logger, reason: str, **_: Any
+) -> None:
+    async with _measured("Sandbox", str(reason)):
+        await sandbox.reconcile(_runtime(memo), dict(body), memo, logger, full=True)
+
+
+@kopf.timer(*SANDBOX, interval=SETTINGS.reconcile_interval_seconds, initial_delay=1.0)
+async def sandbox_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+    if body["metadata"].get("deletionTimestamp"):
+        return
+    async with _measured("Sandbox", "timer"):
+        # A bad spec was already reported in status by the change handler.
+        with suppress(kopf.PermanentError):
+            await sandbox.reconcile(_runtime(memo), dict(body), memo, logger, full=False)
+
+
+@kopf.on.delete(*SANDBOX)
+async def sandbox_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+    async with _measured("Sandbox", "delete"):
+        await sandbox.teardown(_runtime(memo), dict(body), logger)
+
+
+@kopf.on.event("", "v1", "pods", labels=OWN_PODS)
+async def pod_event(type: str, body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+    """A sandbox pod changed: refresh its Sandbox's status, recreate it if it ended."""
+    runtime = _runtime(memo)
+    meta = body["metadata"]
+    name = (meta.get("labels") or {}).get(LABEL_SANDBOX)
+    if not name:
+        return
+    path = sandbox._path("sandboxes", meta["namespace"], name)
+    owner = await runtime.kube.get(path)
+    if owner is None or owner["metadata"].get("deletionTimestamp"):
+        return
+    pod = None if type == "DELETED" else dict(body)
+    async with _measured("Sandbox", "pod-event"):
+        with suppress(kopf.PermanentError):
+            await sandbox.reconcile(
+                runtime, owner, memo, logger, full=False, pod=pod, pod_known=True
+            )

@@ -1,0 +1,62 @@
+"""Prometheus metrics of the operator, served on settings.metrics_port."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import REGISTRY, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+RECONCILES = Counter(
+    "sandbox_operator_reconciles_total",
+    "Reconciliations by kind, trigger and result.",
+    ["kind", "trigger", "result"],
+)
+RECONCILE_SECONDS = Histogram(
+    "sandbox_operator_reconcile_duration_seconds",
+    "Time spent in one reconciliation.",
+    ["kind", "trigger"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+POD_RECREATIONS = Counter(
+    "sandbox_operator_pod_recreations_total",
+    "Sandbox pods recreated after failing, eviction or deletion.",
+)
+TEARDOWNS = Counter(
+    "sandbox_operator_lifecycle_actions_total",
+    "Automatic lifecycle actions (idle delete, idle pause, max lifetime).",
+    ["action"],
+)
+AGENT_ERRORS = Counter(
+    "sandbox_operator_agent_errors_total",
+    "Failed calls from the operator to sandbox agents.",
+)
+
+
+class PhaseCollector(Collector):
+    """Sandboxes by phase, from the phases the operator last wrote."""
+
+    def __init__(self) -> None:
+        self.phases: dict[tuple[str, str], str] = {}
+
+    def set(self, namespace: str, name: str, phase: str) -> None:
+        self.phases[(namespace, name)] = phase
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.phases.pop((namespace, name), None)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "sandbox_operator_sandboxes", "Sandboxes by phase.", labels=["phase"]
+        )
+        counts: dict[str, int] = {}
+        for phase in self.phases.values():
+            counts[phase] = counts.get(phase, 0) + 1
+        for phase, count in sorted(counts.items()):
+            family.add_metric([phase], count)
+        yield family
+
+
+PHASES = PhaseCollector()
+REGISTRY.register(PHASES)
