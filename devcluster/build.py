@@ -30,7 +30,8 @@ log = logging.getLogger("devcluster.build")
 # Bump whenever the way binaries are built changes (flags, ldflags): binaries
 # stamped with another recipe are rebuilt rather than silently reused.
 # 2: version ldflags (the API server reported v0.0.0-master) and -s -w.
-RECIPE = 2
+# 3: buildDate is the release time of the module, not 1970.
+RECIPE = 3
 
 
 def cache_root() -> Path:
@@ -85,7 +86,10 @@ def _kubernetes_module(kubernetes_version: str, workdir: Path) -> tuple[list[str
     )
     gomod = Path(info["GoMod"]).read_text()
     staging = re.findall(r"^\s*(k8s\.io/[\w.-]+)\s+=>\s+\./staging/", gomod, re.MULTILINE)
-    released = str(info.get("Time") or "1970-01-01T00:00:00Z")
+    # `go mod download -json` has no time; the .info file beside it does.
+    released = "1970-01-01T00:00:00Z"
+    with contextlib.suppress(KeyError, OSError, ValueError):
+        released = str(json.loads(Path(info["Info"]).read_text())["Time"])
     return sorted(set(staging)), released
 
 

@@ -231,6 +231,11 @@ class ControlPlane:
         return self.state_dir.parent / f".{self.state_dir.name}.lock"
 
     @property
+    def ca_cert(self) -> Path:
+        """The cluster CA (PEM): verifies the API server, signs its client certificates."""
+        return pki.paths(self.pki_dir).ca.cert
+
+    @property
     def kubectl(self) -> Path:
         return build.kubernetes_binaries()["kubectl"]
 
