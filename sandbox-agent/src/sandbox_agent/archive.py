@@ -1,0 +1,227 @@
+"""Tar download and upload of workspace directories.
+
+Upload is validated before anything is written: every entry's name, type and
+size is checked in one pass over the headers (so a member claiming a huge
+size is refused before its data is decompressed), then extraction runs with
+tarfile's "data" filter as a second line of defence against escapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import stat as st
+import tarfile
+import threading
+from collections.abc import Iterator
+from typing import IO, Any
+
+from . import models
+from .config import Settings
+from .errors import ApiError, bad_request
+from .files import os_errors
+from .paths import Workspace
+
+CHUNK = 1 << 20
+
+
+def _refuse(name: str, why: str) -> ApiError:
+    return ApiError(
+        400, "archive_entry_refused", f"archive entry {name[:200]!r}: {why}", {"entry": name[:300]}
+    )
+
+
+def _group_like_owner(mode: int) -> int:
+    """Give the group the owner's bits: the sandbox user shares our group, not our UID."""
+    mode &= 0o777
+    return mode | ((mode & 0o700) >> 3)
+
+
+def _check_member(m: tarfile.TarInfo, names: set[str]) -> None:
+    name = m.name
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if name.startswith("/") or "\\" in name:
+        raise _refuse(name, "absolute path")
+    if ".." in parts:
+        raise _refuse(name, "'..' component")
+    if "\0" in name:
+        raise _refuse(name, "NUL in name")
+    if m.ischr() or m.isblk() or m.isfifo() or not (
+        m.isreg() or m.isdir() or m.issym() or m.islnk()
+    ):
+        raise _refuse(name, "device files, FIFOs and other special files are not allowed")
+    if m.issym():
+        target = m.linkname
+        if target.startswith("/"):
+            raise _refuse(name, "absolute symlink target")
+        base = os.path.dirname("/".join(parts))
+        resolved = os.path.normpath(os.path.join("/root", base, target))
+        if not resolved.startswith("/root/") and resolved != "/root":
+            raise _refuse(name, "symlink points outside the extraction directory")
+    if m.islnk():
+        target = os.path.normpath(m.linkname.lstrip("./") or ".")
+        if m.linkname.startswith("/") or ".." in target.split("/") or target not in names:
+            raise _refuse(name, "hard link to a file outside the archive")
+    names.add(os.path.normpath("/".join(parts) or "."))
+
+
+def scan(tar: tarfile.TarFile, s: Settings) -> list[tarfile.TarInfo]:
+    members: list[tarfile.TarInfo] = []
+    names: set[str] = set()
+    total = 0
+    while True:
+        try:
+            m = tar.next()
+        except tarfile.TarError as exc:
+            raise bad_request("invalid_archive", f"not a valid tar archive: {exc}") from None
+        except (EOFError, OSError, ValueError) as exc:
+            raise bad_request("invalid_archive", f"archive is truncated or corrupt: {exc}") from None
+        if m is None:
+            break
+        if len(members) >= s.max_archive_entries:
+            raise ApiError(
+                413, "archive_too_large", f"archive has more than {s.max_archive_entries} entries"
+            )
+        _check_member(m, names)
+        total += max(m.size, 0)
+        if total > s.max_extract_bytes:
+            raise ApiError(
+                413,
+                "archive_too_large",
+                f"archive unpacks to more than {s.max_extract_bytes} bytes",
+            )
+        members.append(m)
+    return members
+
+
+def _filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    try:
+        new = tarfile.data_filter(member, dest)
+    except tarfile.FilterError as exc:
+        raise _refuse(member.name, str(exc)) from None
+    if new is None:
+        return None
+    if member.isreg() or member.isdir():
+        base = 0o700 if member.isdir() else 0o600
+        return new.replace(mode=_group_like_owner(member.mode | base), deep=False)
+    return new
+
+
+def extract(ws: Workspace, rel: str, spool: IO[bytes], s: Settings) -> models.ArchiveResult:
+    dest = ws.resolve(rel)
+    with os_errors(rel):
+        os.makedirs(dest, exist_ok=True)
+    ws.confine(os.path.realpath(dest), rel)
+    try:
+        tar = tarfile.open(fileobj=spool, mode="r:*")
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise bad_request("invalid_archive", f"not a valid tar archive: {exc}") from None
+    with tar:
+        members = scan(tar, s)
+        total = 0
+        for m in members:
+            # Re-check against the live filesystem right before writing: user
+            # code may have planted a symlink in the destination.
+            target_rel = os.path.normpath(os.path.join(rel, m.name))
+            ws.resolve(target_rel, follow=False)
+            with os_errors(target_rel):
+                if m.isreg() or m.issym():
+                    # tarfile does not replace an existing symlink atomically;
+                    # remove what is there so we never write through it.
+                    existing = os.path.join(dest, m.name)
+                    if os.path.islink(existing):
+                        os.unlink(existing)
+                try:
+                    tar.extract(m, dest, filter=_filter)  # type: ignore[arg-type]
+                except (tarfile.TarError, EOFError) as exc:
+                    raise bad_request("invalid_archive", f"cannot extract {m.name!r}: {exc}") from None
+            total += max(m.size, 0)
+    return models.ArchiveResult(path=ws.relative(dest), entries=len(members), bytes=total)
+
+
+class _QueueWriter:
+    """File-like sink for tarfile that hands ~1 MiB chunks to another thread."""
+
+    def __init__(self, q: queue.Queue[bytes | BaseException | None]) -> None:
+        self.q = q
+        self.buf = bytearray()
+
+    def write(self, data: bytes) -> int:
+        self.buf += data
+        if len(self.buf) >= CHUNK:
+            self.q.put(bytes(self.buf))
+            self.buf.clear()
+        return len(data)
+
+    def flush(self) -> None:
+        if self.buf:
+            self.q.put(bytes(self.buf))
+            self.buf.clear()
+
+
+def _add_tree(ws: Workspace, tar: tarfile.TarFile, root: str, arc_root: str) -> None:
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames.sort()
+        for name in [".", *sorted(filenames), *dirnames]:
+            path = dirpath if name == "." else os.path.join(dirpath, name)
+            if name != "." and os.path.isdir(path) and not os.path.islink(path):
+                continue  # directories are added when os.walk enters them
+            rel = os.path.relpath(path, root)
+            arcname = arc_root if rel == "." else f"{arc_root}/{rel}" if arc_root else rel
+            try:
+                s = os.lstat(path)
+            except OSError:
+                continue
+            if st.S_ISREG(s.st_mode):
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+                except OSError:
+                    continue
+                with os.fdopen(fd, "rb") as f:
+                    ws.check_fd(fd, rel)
+                    ti = tar.gettarinfo(arcname=arcname or ".", fileobj=f)
+                    tar.addfile(ti, f)
+            elif st.S_ISDIR(s.st_mode) or st.S_ISLNK(s.st_mode):
+                if arcname:
+                    tar.add(path, arcname=arcname, recursive=False)
+            # sockets, FIFOs and devices are left out
+
+
+def stream_tar(ws: Workspace, rel: str, gzip: bool) -> Iterator[bytes]:
+    """Blocking generator of tar bytes; run from a thread."""
+    root = ws.resolve(rel)
+    if not os.path.isdir(root):
+        with os_errors(rel):
+            os.stat(root)
+        raise bad_request("not_a_directory", f"not a directory: {rel}")
+    q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=8)
+    writer = _QueueWriter(q)
+
+    def produce() -> None:
+        try:
+            with tarfile.open(
+                fileobj=writer,  # type: ignore[arg-type]
+                mode="w|gz" if gzip else "w|",
+                format=tarfile.PAX_FORMAT,
+            ) as tar:
+                _add_tree(ws, tar, root, "")
+            writer.flush()
+            q.put(None)
+        except BaseException as exc:
+            q.put(exc)
+
+    t = threading.Thread(target=produce, daemon=True, name="tar-producer")
+    t.start()
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def close_quietly(f: Any) -> None:
+    with contextlib.suppress(OSError):
+        f.close()

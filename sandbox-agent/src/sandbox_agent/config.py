@@ -1,0 +1,123 @@
+"""Agent settings, all from environment variables (the pod spec is the config file)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+MiB = 1 << 20
+
+
+class ConfigError(Exception):
+    """A setting is missing or malformed; the agent refuses to start."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "0.0.0.0"
+    port: int = 8080
+    token_file: str = ""
+    workspace: str = "/workspace"
+    runtime_dir: str = "/sandbox/run"
+    runner_socket: str = ""  # default: <runtime_dir>/runner.sock
+    log_dir: str = "/tmp/sandbox-agent/logs"
+    shell: str = "/bin/sh"
+    umask: int = 0o002
+    # exec limits
+    default_timeout: float = 180.0
+    max_timeout: float = 3600.0
+    max_concurrent_executions: int = 32
+    max_capture_bytes: int = 4 * MiB  # per stream, in memory (tail kept)
+    max_log_bytes: int = 64 * MiB  # per execution, on disk
+    max_log_dir_bytes: int = 1024 * MiB  # all logs; oldest finished pruned
+    max_records: int = 1000  # finished executions remembered (idempotency window)
+    kill_grace: float = 5.0  # wait for the runner to confirm a kill before "lost"
+    # request limits
+    max_body_bytes: int = 8 * MiB  # JSON bodies and stdin
+    max_upload_bytes: int = 4096 * MiB  # file and archive uploads
+    max_extract_bytes: int = 8192 * MiB  # total unpacked size of one archive
+    max_archive_entries: int = 100_000
+    max_read_bytes: int = 4096 * MiB  # one file read
+    search_max_results: int = 1000
+    search_max_file_bytes: int = 8 * MiB
+    search_max_files: int = 100_000
+    list_max_entries: int = 10_000
+    metrics_auth: bool = True
+
+    @property
+    def socket_path(self) -> str:
+        return self.runner_socket or os.path.join(self.runtime_dir, "runner.sock")
+
+
+_ENV = {
+    "host": "SANDBOX_AGENT_HOST",
+    "port": "SANDBOX_AGENT_PORT",
+    "token_file": "SANDBOX_AGENT_TOKEN_FILE",
+    "workspace": "SANDBOX_AGENT_WORKSPACE",
+    "runtime_dir": "SANDBOX_AGENT_RUNTIME_DIR",
+    "runner_socket": "SANDBOX_AGENT_RUNNER_SOCKET",
+    "log_dir": "SANDBOX_AGENT_LOG_DIR",
+    "shell": "SANDBOX_AGENT_SHELL",
+    "umask": "SANDBOX_AGENT_UMASK",
+    "default_timeout": "SANDBOX_AGENT_DEFAULT_TIMEOUT",
+    "max_timeout": "SANDBOX_AGENT_MAX_TIMEOUT",
+    "max_concurrent_executions": "SANDBOX_AGENT_MAX_CONCURRENT_EXECUTIONS",
+    "max_capture_bytes": "SANDBOX_AGENT_MAX_CAPTURE_BYTES",
+    "max_log_bytes": "SANDBOX_AGENT_MAX_LOG_BYTES",
+    "max_log_dir_bytes": "SANDBOX_AGENT_MAX_LOG_DIR_BYTES",
+    "max_records": "SANDBOX_AGENT_MAX_RECORDS",
+    "kill_grace": "SANDBOX_AGENT_KILL_GRACE",
+    "max_body_bytes": "SANDBOX_AGENT_MAX_BODY_BYTES",
+    "max_upload_bytes": "SANDBOX_AGENT_MAX_UPLOAD_BYTES",
+    "max_extract_bytes": "SANDBOX_AGENT_MAX_EXTRACT_BYTES",
+    "max_archive_entries": "SANDBOX_AGENT_MAX_ARCHIVE_ENTRIES",
+    "max_read_bytes": "SANDBOX_AGENT_MAX_READ_BYTES",
+    "search_max_results": "SANDBOX_AGENT_SEARCH_MAX_RESULTS",
+    "search_max_file_bytes": "SANDBOX_AGENT_SEARCH_MAX_FILE_BYTES",
+    "search_max_files": "SANDBOX_AGENT_SEARCH_MAX_FILES",
+    "list_max_entries": "SANDBOX_AGENT_LIST_MAX_ENTRIES",
+    "metrics_auth": "SANDBOX_AGENT_METRICS_AUTH",
+}
+
+
+def env_names() -> dict[str, str]:
+    """Setting name -> environment variable (documented in the README)."""
+    return dict(_ENV)
+
+
+def load(environ: Mapping[str, str] | None = None) -> Settings:
+    env = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for f in fields(Settings):
+        name = _ENV[f.name]
+        raw = env.get(name)
+        if raw is None or raw == "":
+            continue
+        default = getattr(Settings, f.name)
+        try:
+            if isinstance(default, bool):
+                if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError(raw)
+                values[f.name] = raw.lower() in ("1", "true", "yes")
+            elif f.name == "umask":
+                values[f.name] = int(raw, 8)
+            elif isinstance(default, int):
+                values[f.name] = int(raw)
+            elif isinstance(default, float):
+                values[f.name] = float(raw)
+            else:
+                values[f.name] = raw
+        except ValueError:
+            raise ConfigError(f"{name}={raw!r} is not a valid value") from None
+        value = values[f.name]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise ConfigError(f"{name} must not be negative")
+    settings = Settings(**values)  # type: ignore[arg-type]
+    if not 0 < settings.port < 65536:
+        raise ConfigError("SANDBOX_AGENT_PORT must be 1..65535")
+    if settings.default_timeout <= 0 or settings.max_timeout < settings.default_timeout:
+        raise ConfigError("need 0 < SANDBOX_AGENT_DEFAULT_TIMEOUT <= SANDBOX_AGENT_MAX_TIMEOUT")
+    if settings.max_concurrent_executions < 1:
+        raise ConfigError("SANDBOX_AGENT_MAX_CONCURRENT_EXECUTIONS must be >= 1")
+    return settings

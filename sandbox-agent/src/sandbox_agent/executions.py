@@ -1,0 +1,526 @@
+"""Execution records: lifecycle, captured output, on-disk logs, idempotency.
+
+Output goes two places: an in-memory tail per stream (bounded, returned in
+results) and an append-only log file per execution (bounded, read by cursor
+and streamed). The log is a sequence of records ``0x1e, stream, u32 length,
+data``; a cursor is a byte offset of a record boundary in that file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import codecs
+import hashlib
+import json
+import os
+import signal as _signal
+import struct
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from . import metrics, models
+from .config import Settings
+from .errors import ApiError, conflict, not_found
+from .runner_client import RunnerClient
+
+REC = struct.Struct(">BBI")
+REC_MAGIC = 0x1E
+STREAM_OUT, STREAM_ERR = 1, 2
+_STREAM_NAME = {STREAM_OUT: "stdout", STREAM_ERR: "stderr"}
+
+
+def rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def signal_name(sig: int) -> str | None:
+    try:
+        return _signal.Signals(sig).name
+    except ValueError:
+        return None
+
+
+@dataclass
+class Chunk:
+    stream: int
+    data: bytes
+    cursor: int  # just after this chunk
+
+
+class Execution:
+    """One command. Implements runner_client.Channel."""
+
+    def __init__(
+        self,
+        mgr: ExecutionManager,
+        req: models.ExecRequest,
+        argv: list[str],
+        timeout: float,
+        fingerprint: str,
+    ) -> None:
+        self.mgr = mgr
+        self.id = "ex-" + uuid.uuid4().hex
+        self.key = req.idempotency_key
+        self.fingerprint = fingerprint
+        self.command = req.command
+        self.argv = argv
+        self.cwd = req.cwd
+        self.env = req.env
+        self.timeout = timeout
+        self.background = req.background
+        self.status: models.ExecutionStatus = "running"
+        self.created = time.time()
+        self.started: float | None = None
+        self.finished: float | None = None
+        self.pid: int | None = None
+        self.exit_code: int | None = None
+        self.signal: int | None = None
+        self.timed_out = False
+        self.cancelled = False
+        self.user_killed = False
+        self.error: models.RunError | None = None
+        self.usage: dict[str, Any] = {}
+        self.capture = {STREAM_OUT: bytearray(), STREAM_ERR: bytearray()}
+        self.truncated = {STREAM_OUT: False, STREAM_ERR: False}
+        self.totals = {STREAM_OUT: 0, STREAM_ERR: 0}
+        self.log_fd = -1
+        self.log_path = os.path.join(mgr.settings.log_dir, self.id + ".log")
+        self.log_size = 0
+        self.log_truncated = False
+        self.log_pruned = False
+        self.stdin_open = False
+        self.channel = 0
+        self.done = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] = []
+        self._timers: list[asyncio.TimerHandle] = []
+
+    # -- runner events -----------------------------------------------------
+
+    def on_started(self, pid: int) -> None:
+        if self.pid is not None:
+            return
+        self.pid = pid
+        self.started = time.time()
+        self._notify()
+
+    def on_output(self, stderr: bool, data: bytes) -> None:
+        if self.finished is not None:
+            return
+        stream = STREAM_ERR if stderr else STREAM_OUT
+        n = len(data)
+        self.totals[stream] += n
+        metrics.EXEC_OUTPUT_BYTES.labels(_STREAM_NAME[stream]).inc(n)
+        cap = self.mgr.settings.max_capture_bytes
+        buf = self.capture[stream]
+        buf += data
+        # Trim lazily (at twice the cap) so a flood costs O(n), not O(n^2).
+        if len(buf) > 2 * cap or (len(buf) > cap and n >= cap):
+            del buf[: len(buf) - cap]
+            self.truncated[stream] = True
+        self._log(stream, data)
+        self._notify()
+
+    def on_exit(self, exit_code: int | None, signal: int | None, usage: dict[str, Any]) -> None:
+        self.exit_code = exit_code
+        self.signal = signal
+        self.usage = usage
+        if self.cancelled:
+            status: models.ExecutionStatus = "cancelled"
+        elif self.timed_out:
+            status = "timed_out"
+        else:
+            status = "completed"
+        self._finish(status)
+
+    def on_spawn_failed(self, message: str) -> None:
+        self.error = models.RunError(code="spawn_failed", message=message)
+        self._finish("failed")
+
+    def on_lost(self, code: str, message: str) -> None:
+        self.error = models.RunError(code=code, message=message)
+        self._finish("lost")
+
+    # -- output ------------------------------------------------------------
+
+    def _log(self, stream: int, data: bytes) -> None:
+        if self.log_truncated:
+            return
+        need = REC.size + len(data)
+        if self.log_size + need > self.mgr.settings.max_log_bytes or not self.mgr.reserve_log(
+            self, need
+        ):
+            self.log_truncated = True
+            return
+        try:
+            if self.log_fd < 0:
+                self.log_fd = os.open(
+                    self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+                )
+            os.write(self.log_fd, REC.pack(REC_MAGIC, stream, len(data)) + data)
+            self.log_size += need
+        except OSError:
+            self.mgr.release_log(need)
+            self.log_truncated = True
+
+    def read_log(self, cursor: int, max_bytes: int) -> list[Chunk]:
+        """Records from ``cursor``; at least one if any, then up to max_bytes."""
+        if cursor < 0 or cursor > self.log_size:
+            raise ApiError(400, "invalid_cursor", "cursor is outside the output log")
+        if self.log_pruned:
+            raise ApiError(410, "log_pruned", "the output log was pruned to stay under the cap")
+        if cursor == self.log_size:
+            return []
+        out: list[Chunk] = []
+        with open(self.log_path, "rb") as f:
+            f.seek(cursor)
+            total = 0
+            while cursor < self.log_size and (not out or total < max_bytes):
+                head = f.read(REC.size)
+                if len(head) < REC.size:
+                    break
+                magic, stream, length = REC.unpack(head)
+                if magic != REC_MAGIC or stream not in _STREAM_NAME:
+                    raise ApiError(400, "invalid_cursor", "cursor is not at a record boundary")
+                data = f.read(length)
+                cursor += REC.size + len(data)
+                total += len(data)
+                if out and out[-1].stream == stream:
+                    out[-1] = Chunk(stream, out[-1].data + data, cursor)
+                else:
+                    out.append(Chunk(stream, data, cursor))
+        return out
+
+    async def wait_change(self, timeout: float) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+    def _notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    # -- control -----------------------------------------------------------
+
+    def send_signal(self, sig: int, *, by_user: bool = True) -> None:
+        if self.finished is not None:
+            raise conflict("not_running", f"execution {self.id} is not running")
+        if by_user and sig == _signal.SIGKILL:
+            self.user_killed = True
+        self.mgr.runner.signal(self.channel, sig)
+
+    def kill(self, reason: str) -> None:
+        """SIGKILL the process group; if the runner never confirms, give up on it."""
+        if self.finished is not None:
+            return
+        self.mgr.runner.signal(self.channel, _signal.SIGKILL)
+        self._later(
+            self.mgr.settings.kill_grace,
+            self._unconfirmed_kill,
+            reason,
+        )
+
+    def _unconfirmed_kill(self, reason: str) -> None:
+        if self.finished is None:
+            self.mgr.runner.forget(self.channel)
+            self.on_lost(
+                "runner_unresponsive",
+                f"the runner did not confirm the kill ({reason}) within "
+                f"{self.mgr.settings.kill_grace:g}s",
+            )
+
+    def on_timeout(self) -> None:
+        if self.finished is None:
+            self.timed_out = True
+            self.kill("timeout")
+
+    def cancel(self, grace: float) -> None:
+        if self.finished is not None:
+            raise conflict("not_running", f"execution {self.id} is not running")
+        self.cancelled = True
+        if grace > 0:
+            self.mgr.runner.signal(self.channel, _signal.SIGTERM)
+            self._later(grace, self.kill, "cancel")
+        else:
+            self.kill("cancel")
+
+    def write_stdin(self, data: bytes, close: bool) -> None:
+        if self.finished is not None or not self.stdin_open:
+            raise conflict("stdin_closed", "stdin of this execution is not open")
+        if data:
+            self.mgr.runner.stdin(self.channel, data)
+        if close:
+            self.mgr.runner.close_stdin(self.channel)
+            self.stdin_open = False
+
+    def _later(self, delay: float, fn: Any, *args: Any) -> None:
+        self._timers.append(asyncio.get_running_loop().call_later(delay, fn, *args))
+
+    def _finish(self, status: models.ExecutionStatus) -> None:
+        if self.finished is not None:
+            return
+        self.finished = time.time()
+        self.status = status
+        self.stdin_open = False
+        for t in self._timers:
+            t.cancel()
+        self._timers.clear()
+        if self.log_fd >= 0:
+            os.close(self.log_fd)
+            self.log_fd = -1
+        self.mgr.finished(self)
+        self.done.set()
+        self._notify()
+
+    # -- views -------------------------------------------------------------
+
+    @property
+    def oom_killed(self) -> bool:
+        return (
+            self.signal == _signal.SIGKILL
+            and not self.timed_out
+            and not self.cancelled
+            and not self.user_killed
+        )
+
+    def view(self, output: bool = True) -> models.Execution:
+        end = self.finished
+        start = self.started
+        return models.Execution(
+            id=self.id,
+            idempotency_key=self.key,
+            status=self.status,
+            command=self.command,
+            argv=self.argv,
+            cwd=self.cwd,
+            timeout_seconds=self.timeout,
+            background=self.background,
+            pid=self.pid,
+            exit_code=self.exit_code,
+            signal=self.signal,
+            signal_name=signal_name(self.signal) if self.signal else None,
+            timed_out=self.timed_out,
+            cancelled=self.cancelled,
+            oom_killed=self.oom_killed,
+            error=self.error,
+            created_at=rfc3339(self.created),
+            started_at=rfc3339(start) if start else None,
+            finished_at=rfc3339(end) if end else None,
+            duration_seconds=round(end - (start or self.created), 6) if end else None,
+            stdout=self.capture[STREAM_OUT][-self.mgr.settings.max_capture_bytes :].decode(
+                "utf-8", "replace"
+            )
+            if output
+            else None,
+            stderr=self.capture[STREAM_ERR][-self.mgr.settings.max_capture_bytes :].decode(
+                "utf-8", "replace"
+            )
+            if output
+            else None,
+            stdout_truncated=self.truncated[STREAM_OUT]
+            or len(self.capture[STREAM_OUT]) > self.mgr.settings.max_capture_bytes,
+            stderr_truncated=self.truncated[STREAM_ERR]
+            or len(self.capture[STREAM_ERR]) > self.mgr.settings.max_capture_bytes,
+            stdout_bytes=self.totals[STREAM_OUT],
+            stderr_bytes=self.totals[STREAM_ERR],
+            output_cursor=self.log_size,
+            log_truncated=self.log_truncated,
+            stdin_open=self.stdin_open,
+            user_cpu_seconds=self.usage.get("user"),
+            system_cpu_seconds=self.usage.get("system"),
+            max_rss_kib=self.usage.get("maxrss"),
+        )
+
+    def chunk_view(self, c: Chunk, b64: bool, decoder: Any = None) -> models.OutputChunk:
+        name = "stdout" if c.stream == STREAM_OUT else "stderr"
+        if b64:
+            return models.OutputChunk(
+                stream=name, data_base64=base64.b64encode(c.data).decode(), cursor=c.cursor
+            )
+        text = decoder.decode(c.data) if decoder else c.data.decode("utf-8", "replace")
+        return models.OutputChunk(stream=name, data=text, cursor=c.cursor)
+
+
+class ExecutionManager:
+    def __init__(self, settings: Settings, runner: RunnerClient, on_activity: Any) -> None:
+        self.settings = settings
+        self.runner = runner
+        self.on_activity = on_activity
+        self.records: dict[str, Execution] = {}
+        self.by_key: dict[str, Execution] = {}
+        self.active = 0
+        self.log_bytes = 0
+
+    def fingerprint(self, req: models.ExecRequest, argv: list[str], timeout: float) -> str:
+        blob = json.dumps(
+            [argv, req.cwd, sorted(req.env.items()), req.stdin, req.stdin_base64, timeout],
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def submit(
+        self, req: models.ExecRequest, argv: list[str], cwd_rel: str, stdin: bytes | None
+    ) -> tuple[Execution, bool]:
+        """Start (or, for a known idempotency key, find) an execution."""
+        timeout = req.timeout_seconds or self.settings.default_timeout
+        if timeout > self.settings.max_timeout:
+            raise ApiError(
+                400,
+                "timeout_too_large",
+                f"timeoutSeconds may be at most {self.settings.max_timeout:g}",
+            )
+        fp = self.fingerprint(req, argv, timeout)
+        if req.idempotency_key is not None:
+            existing = self.by_key.get(req.idempotency_key)
+            if existing is not None:
+                if existing.fingerprint != fp:
+                    raise conflict(
+                        "idempotency_key_reused",
+                        "this idempotency key was used for a different command",
+                        id=existing.id,
+                    )
+                return existing, True
+        if self.active >= self.settings.max_concurrent_executions:
+            raise ApiError(
+                429,
+                "too_many_executions",
+                f"at most {self.settings.max_concurrent_executions} executions may run at once",
+            )
+        if not self.runner.connected:
+            raise ApiError(503, "runner_unavailable", self.runner.last_error or "no runner")
+        ex = Execution(self, req, argv, timeout, fp)
+        ex.cwd = cwd_rel
+        want_stdin = stdin is not None or req.stdin_open
+        try:
+            ex.channel = self.runner.spawn(ex, argv, req.env, cwd_rel, want_stdin)
+        except ConnectionError as exc:
+            raise ApiError(503, "runner_unavailable", str(exc)) from None
+        except ValueError as exc:
+            raise ApiError(413, "command_too_large", str(exc)) from None
+        self.records[ex.id] = ex
+        if ex.key is not None:
+            self.by_key[ex.key] = ex
+        self.active += 1
+        metrics.ACTIVE.set(self.active)
+        self.on_activity()
+        ex.stdin_open = want_stdin
+        if stdin:
+            self.runner.stdin(ex.channel, stdin)
+        if want_stdin and not req.stdin_open:
+            self.runner.close_stdin(ex.channel)
+            ex.stdin_open = False
+        ex._later(timeout, ex.on_timeout)
+        return ex, False
+
+    def get(self, ex_id: str) -> Execution:
+        ex = self.records.get(ex_id)
+        if ex is None:
+            raise not_found(f"execution {ex_id!r}")
+        return ex
+
+    def finished(self, ex: Execution) -> None:
+        self.active -= 1
+        metrics.ACTIVE.set(self.active)
+        metrics.EXECUTIONS.labels(ex.status).inc()
+        if ex.finished is not None:
+            metrics.DURATION.observe(ex.finished - (ex.started or ex.created))
+        self.on_activity()
+        self._prune_records()
+
+    def remove(self, ex: Execution) -> None:
+        if ex.finished is None:
+            raise conflict("still_running", "cancel the execution before deleting it")
+        self._drop(ex)
+
+    def _drop(self, ex: Execution) -> None:
+        self.records.pop(ex.id, None)
+        if ex.key is not None and self.by_key.get(ex.key) is ex:
+            del self.by_key[ex.key]
+        self._drop_log(ex)
+
+    def _drop_log(self, ex: Execution) -> None:
+        if ex.log_size and not ex.log_pruned:
+            try:
+                os.unlink(ex.log_path)
+            except OSError:
+                pass
+            self.log_bytes -= ex.log_size
+            ex.log_pruned = True
+
+    def _prune_records(self) -> None:
+        excess = len(self.records) - self.active - self.settings.max_records
+        if excess <= 0:
+            return
+        for ex in list(self.records.values()):
+            if excess <= 0:
+                break
+            if ex.finished is not None:
+                self._drop(ex)
+                excess -= 1
+
+    def reserve_log(self, ex: Execution, need: int) -> bool:
+        """Account for log bytes, pruning the oldest finished logs to make room."""
+        cap = self.settings.max_log_dir_bytes
+        if self.log_bytes + need > cap:
+            for other in list(self.records.values()):
+                if self.log_bytes + need <= cap:
+                    break
+                if other.finished is not None and other.log_size and not other.log_pruned:
+                    self._drop_log(other)
+        if self.log_bytes + need > cap:
+            return False
+        self.log_bytes += need
+        return True
+
+    def release_log(self, n: int) -> None:
+        self.log_bytes -= n
+
+    def fail_all_running(self) -> None:
+        for ex in list(self.records.values()):
+            if ex.finished is None:
+                ex.on_lost("agent_stopping", "the agent is shutting down")
+
+
+async def stream_events(
+    ex: Execution, cursor: int, b64: bool, *, started_event: bool
+) -> AsyncIterator[models.StreamEvent]:
+    """Events from ``cursor`` until the execution ends and all output was sent."""
+    if started_event:
+        yield models.StreamEvent(type="started", execution=ex.view(output=False))
+    decoders = {
+        s: codecs.getincrementaldecoder("utf-8")("replace") for s in (STREAM_OUT, STREAM_ERR)
+    }
+    while True:
+        chunks = ex.read_log(cursor, 1 << 20)
+        for c in chunks:
+            v = ex.chunk_view(c, b64, decoders[c.stream])
+            yield models.StreamEvent(
+                type="output", stream=v.stream, data=v.data, data_base64=v.data_base64, cursor=v.cursor
+            )
+            cursor = c.cursor
+        if not chunks:
+            if ex.finished is not None and cursor >= ex.log_size:
+                break
+            await ex.wait_change(15.0)
+    if not b64:
+        for s, d in decoders.items():
+            tail = d.decode(b"", final=True)
+            if tail:
+                yield models.StreamEvent(
+                    type="output", stream=_STREAM_NAME[s], data=tail, cursor=cursor  # type: ignore[arg-type]
+                )
+    if ex.log_truncated:
+        yield models.StreamEvent(type="truncated", cursor=cursor)
+    yield models.StreamEvent(type="finished", execution=ex.view(output=False), cursor=cursor)

@@ -1,0 +1,382 @@
+"""Request and response shapes of the HTTP API.
+
+msgspec structs: they validate requests, encode responses fast, and generate
+the JSON Schemas of the OpenAPI document, so the contract cannot drift from
+the code. JSON field names are camelCase like the Kubernetes side.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+Path = Annotated[
+    str,
+    Meta(
+        max_length=4096,
+        description="Path relative to the workspace root ('.' is the root). Absolute paths, "
+        "'..' components and symlinks that leave the workspace are refused.",
+    ),
+]
+OctalMode = Annotated[
+    str, Meta(pattern="^0?[0-7]{3,4}$", description="Permission bits in octal, e.g. '0644'")
+]
+ExecutionStatus = Literal["running", "completed", "timed_out", "cancelled", "failed", "lost"]
+
+
+class _Base(msgspec.Struct, rename="camel", kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class _Out(msgspec.Struct, rename="camel", kw_only=True):
+    pass
+
+
+# -- errors and health ----------------------------------------------------
+
+
+class ErrorDetail(_Out, kw_only=True):
+    code: Annotated[str, Meta(description="Stable machine-readable code, e.g. 'not_found'")]
+    message: str
+    details: dict[str, Any] | None = None
+
+
+class ErrorBody(_Out, kw_only=True):
+    error: ErrorDetail
+
+
+class Health(_Out, kw_only=True):
+    status: str
+
+
+class Readiness(_Out, kw_only=True):
+    status: Literal["ready", "not_ready"]
+    reason: str | None = None
+    message: str | None = None
+    runner_version: str | None = None
+
+
+# -- exec -----------------------------------------------------------------
+
+
+class ExecRequest(_Base, kw_only=True):
+    command: (
+        Annotated[
+            str,
+            Meta(
+                min_length=1,
+                max_length=1 << 20,
+                description="Shell command, run as [SANDBOX_AGENT_SHELL, '-c', command]",
+            ),
+        ]
+        | None
+    ) = None
+    argv: (
+        Annotated[
+            list[Annotated[str, Meta(max_length=1 << 20)]],
+            Meta(min_length=1, max_length=4096, description="Program and arguments, no shell"),
+        ]
+        | None
+    ) = None
+    env: Annotated[
+        dict[str, str], Meta(description="Added to the sandbox container's environment")
+    ] = msgspec.field(default_factory=dict)
+    cwd: Path = "."
+    timeout_seconds: (
+        Annotated[
+            float,
+            Meta(gt=0, description="Kill the process group after this long (default 180)"),
+        ]
+        | None
+    ) = None
+    stdin: Annotated[str, Meta(description="Written to stdin (UTF-8)")] | None = None
+    stdin_base64: Annotated[str, Meta(description="Written to stdin (base64)")] | None = None
+    stdin_open: Annotated[
+        bool, Meta(description="Keep stdin open for POST .../stdin (else EOF after 'stdin')")
+    ] = False
+    background: Annotated[
+        bool, Meta(description="Return 202 at once instead of waiting for the exit")
+    ] = False
+    idempotency_key: (
+        Annotated[
+            str,
+            Meta(
+                min_length=1,
+                max_length=256,
+                description="Same key twice runs once; the second call returns the first "
+                "execution (running or finished). Also accepted as the Idempotency-Key header.",
+            ),
+        ]
+        | None
+    ) = None
+
+
+class RunError(_Out, kw_only=True):
+    code: Annotated[
+        str, Meta(description="spawn_failed, runner_lost, runner_unresponsive, agent_restarted")
+    ]
+    message: str
+
+
+class Execution(_Out, kw_only=True):
+    id: str
+    idempotency_key: str | None = None
+    status: ExecutionStatus
+    command: str | None = None
+    argv: list[str]
+    cwd: str
+    timeout_seconds: float
+    background: bool
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: Annotated[int, Meta(description="Terminating signal number")] | None = None
+    signal_name: str | None = None
+    timed_out: bool = False
+    cancelled: bool = False
+    oom_killed: Annotated[
+        bool,
+        Meta(
+            description="Killed by SIGKILL that neither the timeout nor a cancel sent: "
+            "almost always the kernel OOM killer"
+        ),
+    ] = False
+    error: RunError | None = None
+    created_at: str
+    started_at: str | None = None
+    finished_at: str | None = None
+    duration_seconds: float | None = None
+    stdout: Annotated[str, Meta(description="Captured stdout tail (UTF-8, lossy)")] | None = None
+    stderr: Annotated[str, Meta(description="Captured stderr tail (UTF-8, lossy)")] | None = None
+    stdout_truncated: Annotated[
+        bool, Meta(description="stdout exceeded the in-memory cap; only the tail is here")
+    ] = False
+    stderr_truncated: bool = False
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    output_cursor: Annotated[int, Meta(description="End of the on-disk output log")] = 0
+    log_truncated: Annotated[
+        bool, Meta(description="The on-disk log hit its cap; later output is not in it")
+    ] = False
+    stdin_open: bool = False
+    user_cpu_seconds: float | None = None
+    system_cpu_seconds: float | None = None
+    max_rss_kib: int | None = None
+
+
+class ExecutionList(_Out, kw_only=True):
+    executions: list[Execution]
+
+
+class OutputChunk(_Out, kw_only=True):
+    stream: Literal["stdout", "stderr"]
+    data: str | None = None
+    data_base64: str | None = None
+    cursor: Annotated[int, Meta(description="Cursor just after this chunk")]
+
+
+class OutputPage(_Out, kw_only=True):
+    chunks: list[OutputChunk]
+    cursor: Annotated[int, Meta(description="Pass back to continue after these chunks")]
+    finished: Annotated[bool, Meta(description="The execution ended and all output was read")]
+    status: ExecutionStatus
+    log_truncated: bool = False
+
+
+class StreamEvent(_Out, kw_only=True, omit_defaults=True):
+    type: Literal["started", "output", "truncated", "finished"]
+    execution: Execution | None = None
+    stream: Literal["stdout", "stderr"] | None = None
+    data: str | None = None
+    data_base64: str | None = None
+    cursor: int | None = None
+
+
+class StdinRequest(_Base, kw_only=True):
+    data: Annotated[str, Meta(description="UTF-8 text to write")] = ""
+    data_base64: str | None = None
+    close: Annotated[bool, Meta(description="Close stdin after writing")] = False
+
+
+class StdinResult(_Out, kw_only=True):
+    bytes: int
+    stdin_open: bool
+
+
+class SignalRequest(_Base, kw_only=True):
+    signal: Annotated[
+        str | Annotated[int, Meta(ge=1, le=64)],
+        Meta(description="Name ('TERM', 'SIGKILL') or number; sent to the process group"),
+    ]
+
+
+class CancelRequest(_Base, kw_only=True):
+    grace_seconds: Annotated[
+        float, Meta(ge=0, le=300, description="SIGTERM, then SIGKILL after this long (0: SIGKILL)")
+    ] = 0.0
+
+
+# -- info -----------------------------------------------------------------
+
+
+class Info(_Out, kw_only=True):
+    version: str
+    runner_version: str | None
+    runner_connected: bool
+    runner_uid: int | None = None
+    runner_python: str | None = None
+    last_activity: Annotated[str, Meta(description="RFC 3339 UTC; exec and file calls only")]
+    active_executions: int
+    started_at: str
+    uptime_seconds: float
+    workspace: str
+
+
+class SyncResult(_Out, kw_only=True):
+    synced: bool
+    duration_seconds: float
+
+
+# -- files ----------------------------------------------------------------
+
+
+class FileInfo(_Out, kw_only=True):
+    path: str
+    name: str
+    type: Literal["file", "directory", "symlink", "other"]
+    size: int
+    mode: Annotated[str, Meta(description="Permission bits in octal, e.g. '0644'")]
+    modified_at: str
+    uid: int
+    gid: int
+    symlink_target: str | None = None
+
+
+class FileList(_Out, kw_only=True):
+    path: str
+    entries: list[FileInfo]
+    truncated: bool
+
+
+class WriteRequest(_Base, kw_only=True):
+    path: Path
+    content: str | None = None
+    content_base64: str | None = None
+    mode: OctalMode | None = None
+    parents: bool = True
+
+
+class MkdirRequest(_Base, kw_only=True):
+    path: Path
+    parents: bool = True
+    mode: OctalMode | None = None
+    exist_ok: bool = True
+
+
+class RemoveRequest(_Base, kw_only=True):
+    path: Path
+    recursive: bool = False
+    missing_ok: bool = False
+
+
+class Removed(_Out, kw_only=True):
+    path: str
+    removed: bool
+
+
+class MoveRequest(_Base, kw_only=True):
+    source: Path
+    destination: Path
+    overwrite: bool = False
+    parents: bool = True
+
+
+class SearchRequest(_Base, kw_only=True):
+    pattern: Annotated[str, Meta(min_length=1, max_length=4096, description="Python regex")]
+    path: Path = "."
+    glob: Annotated[str, Meta(max_length=1024)] | None = None
+    ignore_case: bool = False
+    fixed_string: bool = False
+    max_results: Annotated[int, Meta(ge=1)] | None = None
+    include_hidden: bool = False
+
+
+class SearchMatch(_Out, kw_only=True):
+    path: str
+    line: int
+    column: int
+    text: str
+
+
+class SearchResult(_Out, kw_only=True):
+    matches: list[SearchMatch]
+    truncated: bool
+    files_scanned: int
+    files_skipped: Annotated[int, Meta(description="Binary, unreadable or over the size cap")]
+
+
+class FindRequest(_Base, kw_only=True):
+    pattern: Annotated[
+        str,
+        Meta(
+            min_length=1,
+            max_length=1024,
+            description="Glob matched against names, or against relative paths if it has '/'",
+        ),
+    ]
+    path: Path = "."
+    type: Literal["file", "directory", "any"] = "any"
+    max_depth: Annotated[int, Meta(ge=0, le=256)] | None = None
+    max_results: Annotated[int, Meta(ge=1)] | None = None
+    include_hidden: bool = True
+
+
+class FindResult(_Out, kw_only=True):
+    paths: list[str]
+    truncated: bool
+
+
+class PatchRequest(_Base, kw_only=True):
+    patch: Annotated[str, Meta(min_length=1, description="Unified diff (git or diff -u)")]
+    strip: (
+        Annotated[
+            int,
+            Meta(ge=0, le=32, description="Leading components to strip (default: auto a/ b/)"),
+        ]
+        | None
+    ) = None
+    dry_run: bool = False
+
+
+class PatchedFile(_Out, kw_only=True):
+    path: str
+    status: Literal["modified", "created", "deleted"]
+    hunks: int
+
+
+class PatchResult(_Out, kw_only=True):
+    files: list[PatchedFile]
+    dry_run: bool
+
+
+class ReplaceRequest(_Base, kw_only=True):
+    path: Path
+    find: Annotated[str, Meta(min_length=1)]
+    replace: str
+    all: Annotated[bool, Meta(description="Replace every match (else exactly one must exist)")] = (
+        False
+    )
+    regex: bool = False
+    expected_count: Annotated[int, Meta(ge=0)] | None = None
+
+
+class ReplaceResult(_Out, kw_only=True):
+    path: str
+    replacements: int
+
+
+class ArchiveResult(_Out, kw_only=True):
+    path: str
+    entries: int
+    bytes: int

@@ -1,0 +1,213 @@
+"""Apply unified diffs (``diff -u`` / ``git diff``) to the workspace.
+
+All hunks of all files are checked before anything is written, so a conflict
+leaves the workspace untouched. A hunk may have drifted (the file changed
+above it); the nearest exact match of its old lines is used, as patch(1)
+does without fuzz.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from . import files, models
+from .errors import ApiError, bad_request, conflict
+from .paths import Workspace
+
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+@dataclass
+class Hunk:
+    old_start: int
+    old: list[str] = field(default_factory=list)
+    new: list[str] = field(default_factory=list)
+    old_noeol: bool = False
+    new_noeol: bool = False
+
+
+@dataclass
+class FilePatch:
+    old_path: str
+    new_path: str
+    hunks: list[Hunk] = field(default_factory=list)
+
+
+def _header_path(line: str) -> str:
+    # "--- a/x\t2024-01-01 ..." : the timestamp after a tab is not part of the name
+    p = line[4:].split("\t", 1)[0].rstrip("\r")
+    if p.startswith('"') and p.endswith('"') and len(p) > 1:
+        p = p[1:-1]
+    return p
+
+
+def parse(text: str) -> list[FilePatch]:
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    out: list[FilePatch] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+            fp = FilePatch(_header_path(line), _header_path(lines[i + 1]))
+            out.append(fp)
+            i += 2
+            continue
+        m = _HUNK.match(line)
+        if m:
+            if not out:
+                raise bad_request("invalid_patch", f"hunk before any file header (line {i + 1})")
+            old_len = int(m.group(2)) if m.group(2) is not None else 1
+            new_len = int(m.group(4)) if m.group(4) is not None else 1
+            hunk = Hunk(int(m.group(1)))
+            i += 1
+            seen_old = seen_new = 0
+            last = ""
+            while i < len(lines) and (seen_old < old_len or seen_new < new_len):
+                body = lines[i]
+                tag, rest = (body[:1], body[1:]) if body else (" ", "")
+                if tag == " ":
+                    hunk.old.append(rest)
+                    hunk.new.append(rest)
+                    seen_old += 1
+                    seen_new += 1
+                elif tag == "-":
+                    hunk.old.append(rest)
+                    seen_old += 1
+                elif tag == "+":
+                    hunk.new.append(rest)
+                    seen_new += 1
+                elif tag == "\\":
+                    pass
+                else:
+                    raise bad_request("invalid_patch", f"unexpected line {i + 1} in hunk: {body!r}")
+                last = tag
+                i += 1
+            if seen_old != old_len or seen_new != new_len:
+                raise bad_request("invalid_patch", "hunk is shorter than its header says")
+            # "\ No newline at end of file" refers to the line just above it.
+            while i < len(lines) and lines[i].startswith("\\"):
+                if last in (" ", "-"):
+                    hunk.old_noeol = True
+                if last in (" ", "+"):
+                    hunk.new_noeol = True
+                i += 1
+            out[-1].hunks.append(hunk)
+            continue
+        i += 1  # "diff --git", "index", mode lines and prose are ignored
+    if not out:
+        raise bad_request("invalid_patch", "no file headers (--- / +++) found in the patch")
+    return out
+
+
+def _strip(path: str, n: int) -> str:
+    parts = path.split("/")
+    if n >= len(parts):
+        raise bad_request("invalid_patch", f"cannot strip {n} components from {path!r}")
+    return "/".join(parts[n:])
+
+
+def _find(lines: list[str], old: list[str], expected: int, lo: int) -> int:
+    """Index where ``old`` occurs in ``lines`` at or after ``lo``, nearest to ``expected``."""
+    if not old:
+        return min(max(expected, lo), len(lines))
+    best = -1
+    for start in range(lo, len(lines) - len(old) + 1):
+        if lines[start : start + len(old)] == old and (
+            best < 0 or abs(start - expected) < abs(best - expected)
+        ):
+            best = start
+    return best
+
+
+def apply(ws: Workspace, req: models.PatchRequest, max_bytes: int) -> models.PatchResult:
+    patches = parse(req.patch)
+    results: list[models.PatchedFile] = []
+    writes: list[tuple[str, bytes | None, int | None]] = []
+    for fp in patches:
+        creating = fp.old_path == "/dev/null"
+        deleting = fp.new_path == "/dev/null"
+        strip = req.strip
+        if strip is None:
+            a, b = fp.old_path, fp.new_path
+            strip = (
+                1
+                if (a.startswith("a/") or creating) and (b.startswith("b/") or deleting)
+                and not (creating and deleting)
+                else 0
+            )
+        rel = _strip(fp.old_path if deleting else fp.new_path, strip)
+        ws.resolve(rel, follow=False)
+        if creating:
+            real = ws.resolve(rel, follow=False)
+            if os.path.lexists(real):
+                raise conflict("patch_conflict", f"{rel} already exists", path=rel)
+            lines: list[str] = []
+            eol = True
+            mode = None
+        else:
+            raw = files.read_all(ws, rel, max_bytes)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise bad_request("not_text", f"{rel} is not UTF-8 text") from None
+            eol = text.endswith("\n") or text == ""
+            lines = text.split("\n")
+            if eol:
+                lines.pop()
+            mode = None
+        offset = 0
+        floor = 0
+        for n, h in enumerate(fp.hunks, start=1):
+            expected = max(h.old_start - 1, 0) + offset if h.old else h.old_start + offset
+            at = _find(lines, h.old, expected, floor)
+            if at < 0:
+                raise conflict(
+                    "patch_conflict",
+                    f"hunk {n} of {rel} does not apply: its context was not found",
+                    path=rel,
+                    hunk=n,
+                    expectedLine=h.old_start,
+                    expected="\n".join(h.old[:20]),
+                )
+            touches_end = at + len(h.old) == len(lines)
+            if touches_end and h.old and h.old_noeol == eol:
+                raise conflict(
+                    "patch_conflict",
+                    f"hunk {n} of {rel} disagrees about the newline at end of file",
+                    path=rel,
+                    hunk=n,
+                )
+            lines[at : at + len(h.old)] = h.new
+            if touches_end:
+                eol = not h.new_noeol
+            offset += len(h.new) - len(h.old)
+            floor = at + len(h.new)
+        if deleting:
+            if lines:
+                raise conflict(
+                    "patch_conflict", f"{rel} is not empty after removing its lines", path=rel
+                )
+            writes.append((rel, None, None))
+            results.append(models.PatchedFile(path=rel, status="deleted", hunks=len(fp.hunks)))
+            continue
+        body = "\n".join(lines) + ("\n" if eol and lines else "")
+        writes.append((rel, body.encode("utf-8"), mode))
+        results.append(
+            models.PatchedFile(
+                path=rel, status="created" if creating else "modified", hunks=len(fp.hunks)
+            )
+        )
+    if not req.dry_run:
+        for rel, data, mode in writes:
+            if data is None:
+                try:
+                    os.unlink(ws.resolve(rel, follow=False))
+                except OSError as exc:
+                    raise ApiError(409, "patch_conflict", f"cannot delete {rel}: {exc}") from None
+            else:
+                files.write_bytes(ws, rel, data, mode, parents=True)
+    return models.PatchResult(files=results, dry_run=req.dry_run)

@@ -1,0 +1,659 @@
+#!/usr/bin/env python3
+"""Sandbox runner: the entrypoint of the sandbox container.
+
+It listens on a Unix socket in a directory shared with the agent sidecar and
+spawns the commands the agent relays, each in its own session (so a whole
+process group can be signalled), streams their stdout/stderr back, feeds
+stdin, reports exit status with resource usage, and reaps orphans (it is
+PID 1 of its container).
+
+Constraints that shape this file:
+- stdlib only, Python >= 3.9 syntax: it runs in the user's image, with
+  whatever python3 that image ships. The agent copies this very file into
+  the shared runtime directory at start-up.
+- one thread, one selector loop: no locks, and os.chdir() before
+  posix_spawn is safe because nothing else runs concurrently.
+
+Wire format (both directions): a 9-byte header ``>IBI`` = payload length,
+frame type, channel (the agent's execution number on this connection),
+followed by the payload. Control payloads are JSON objects; output and stdin
+payloads are raw bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import time
+from typing import Any
+
+__version__ = "0.1.0"
+PROTOCOL = 1
+
+HEADER = struct.Struct(">IBI")
+# Largest payload either side may send. The agent enforces it on what it
+# reads from us (it treats this process as untrusted); we enforce it on what
+# the agent sends.
+MAX_PAYLOAD = 1 << 20
+READ_CHUNK = 256 * 1024
+
+# agent -> runner
+T_HELLO = 1
+T_SPAWN = 2
+T_STDIN = 3
+T_STDIN_CLOSE = 4
+T_SIGNAL = 5
+T_PING = 6
+# runner -> agent
+T_HELLO_ACK = 65
+T_STARTED = 66
+T_STDOUT = 67
+T_STDERR = 68
+T_EXIT = 69
+T_SPAWN_FAILED = 70
+T_PONG = 71
+
+# Output keeps flowing after the leader exits while a background grandchild
+# holds the pipes; wait this long for EOF, then report the exit anyway
+# rather than hang until the grandchild dies.
+DRAIN_GRACE = float(os.environ.get("SANDBOX_RUNNER_DRAIN_SECONDS", "0.5"))
+# Stop reading children's pipes while this much output is queued for a slow
+# agent: the children then block on write, which is the backpressure we want.
+WBUF_HIGH = 8 << 20
+WBUF_LOW = 1 << 20
+# Python ignores SIGPIPE (and we install handlers for others); a spawned
+# command must start with default dispositions like from a shell.
+_RESET_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in (
+        "SIGPIPE",
+        "SIGXFSZ",
+        "SIGCHLD",
+        "SIGTERM",
+        "SIGINT",
+        "SIGHUP",
+        "SIGQUIT",
+        "SIGUSR1",
+        "SIGUSR2",
+        "SIGALRM",
+        "SIGTSTP",
+        "SIGTTIN",
+        "SIGTTOU",
+    )
+    if hasattr(signal, name)
+)
+
+
+def _log(msg: str) -> None:
+    sys.stderr.write("sandbox-runner: " + msg + "\n")
+    sys.stderr.flush()
+
+
+def _set_nonblocking(fd: int) -> None:
+    os.set_blocking(fd, False)
+
+
+class Child:
+    """One spawned command and the pipes we hold for it."""
+
+    __slots__ = (
+        "channel",
+        "conn",
+        "drain_deadline",
+        "err_fd",
+        "exit_time",
+        "in_fd",
+        "out_fd",
+        "pid",
+        "rusage",
+        "start_time",
+        "status",
+        "stdin_buf",
+        "stdin_close",
+    )
+
+    def __init__(self, conn: Conn, channel: int, pid: int) -> None:
+        self.conn: Conn | None = conn
+        self.channel = channel
+        self.pid = pid
+        self.out_fd = -1
+        self.err_fd = -1
+        self.in_fd = -1
+        self.stdin_buf = bytearray()
+        self.stdin_close = False
+        self.status: int | None = None
+        self.rusage: Any = None
+        self.start_time = time.time()
+        self.exit_time = 0.0
+        self.drain_deadline = 0.0
+
+
+class Conn:
+    """One agent connection; several may coexist (e.g. across agent restarts)."""
+
+    __slots__ = ("children", "closed", "rbuf", "sock", "wbuf")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.rbuf = bytearray()
+        self.wbuf = bytearray()
+        self.children: dict[int, Child] = {}
+        self.closed = False
+
+
+class Runner:
+    def __init__(self, sock_path: str, workspace: str, socket_mode: int) -> None:
+        self.sock_path = sock_path
+        self.workspace = workspace
+        self.sel = selectors.DefaultSelector()
+        self.by_pid: dict[int, Child] = {}
+        self.by_fd: dict[int, tuple[Child, int]] = {}
+        self.conns: dict[int, Conn] = {}
+        self.stopping = 0.0
+        self.base_env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_RUNNER_")}
+
+        self.wake_r, self.wake_w = os.pipe()
+        _set_nonblocking(self.wake_r)
+        _set_nonblocking(self.wake_w)
+        signal.set_wakeup_fd(self.wake_w)
+        # Handlers only exist so that the wakeup fd is written; the loop does
+        # the work (reaping, shutdown) outside signal context.
+        signal.signal(signal.SIGCHLD, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
+
+        try:
+            os.unlink(sock_path)
+        except FileNotFoundError:
+            pass
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(sock_path)
+        os.chmod(sock_path, socket_mode)
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        self.sel.register(self.listener, selectors.EVENT_READ, "listen")
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum in (signal.SIGTERM, signal.SIGINT) and not self.stopping:
+            self.stopping = time.monotonic()
+
+    # -- main loop -------------------------------------------------------
+
+    def serve(self) -> int:
+        stop_sent = False
+        while True:
+            if self.stopping:
+                if not stop_sent:
+                    stop_sent = True
+                    self._signal_all(signal.SIGTERM)
+                if not self.by_pid or time.monotonic() - self.stopping > 3.0:
+                    self._signal_all(signal.SIGKILL)
+                    return 0
+            timeout = self._next_timeout()
+            for key, mask in self.sel.select(timeout):
+                tag = key.data
+                if tag == "wake":
+                    self._drain_wakeup()
+                elif tag == "listen":
+                    self._accept()
+                elif isinstance(tag, Conn):
+                    if mask & selectors.EVENT_READ:
+                        self._conn_readable(tag)
+                    if not tag.closed and mask & selectors.EVENT_WRITE:
+                        self._flush(tag)
+                else:
+                    self._pipe_event(key.fd)
+            self._reap()
+            self._check_drain_deadlines()
+
+    def _next_timeout(self) -> float | None:
+        deadlines = [c.drain_deadline for c in self._pending_children() if c.drain_deadline]
+        if self.stopping:
+            deadlines.append(time.monotonic() + 0.1)
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) - time.monotonic())
+
+    def _pending_children(self) -> list[Child]:
+        out = []
+        for conn in self.conns.values():
+            out.extend(conn.children.values())
+        return out
+
+    def _drain_wakeup(self) -> None:
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _signal_all(self, sig: int) -> None:
+        for pid in list(self.by_pid):
+            try:
+                os.killpg(pid, sig)
+            except OSError:
+                pass
+
+    # -- connections -----------------------------------------------------
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            return
+        sock.setblocking(False)
+        conn = Conn(sock)
+        self.conns[sock.fileno()] = conn
+        self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _close_conn(self, conn: Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        try:
+            self.sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        self.conns.pop(conn.sock.fileno(), None)
+        conn.sock.close()
+        # Nobody can observe these commands any more (the agent reports them
+        # as lost), so do not leave them running invisibly.
+        for child in list(conn.children.values()):
+            if child.status is None:
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            self._close_child_fds(child)
+            child.conn = None
+        conn.children.clear()
+
+    def _conn_readable(self, conn: Conn) -> None:
+        try:
+            data = conn.sock.recv(READ_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close_conn(conn)
+            return
+        if not data:
+            self._close_conn(conn)
+            return
+        conn.rbuf += data
+        buf = conn.rbuf
+        pos = 0
+        while len(buf) - pos >= HEADER.size:
+            length, ftype, channel = HEADER.unpack_from(buf, pos)
+            if length > MAX_PAYLOAD:
+                _log("frame too large from client; closing connection")
+                self._close_conn(conn)
+                return
+            end = pos + HEADER.size + length
+            if len(buf) < end:
+                break
+            payload = bytes(buf[pos + HEADER.size : end])
+            pos = end
+            try:
+                self._dispatch(conn, ftype, channel, payload)
+            except (ValueError, TypeError, KeyError) as exc:
+                _log("bad frame from client (%s); closing connection" % (exc,))
+                self._close_conn(conn)
+                return
+            if conn.closed:
+                return
+        if pos:
+            del buf[:pos]
+
+    def _send(self, conn: Conn | None, ftype: int, channel: int, payload: bytes) -> None:
+        if conn is None or conn.closed:
+            return
+        frame = HEADER.pack(len(payload), ftype, channel) + payload
+        if conn.wbuf:
+            conn.wbuf += frame
+            return
+        try:
+            sent = conn.sock.send(frame)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close_conn(conn)
+            return
+        if sent < len(frame):
+            conn.wbuf += frame[sent:]
+            self.sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+            if len(conn.wbuf) > WBUF_HIGH:
+                self._set_output_paused(conn, True)
+
+    def _send_json(self, conn: Conn | None, ftype: int, channel: int, obj: Any) -> None:
+        self._send(conn, ftype, channel, json.dumps(obj, separators=(",", ":")).encode())
+
+    def _flush(self, conn: Conn) -> None:
+        try:
+            sent = conn.sock.send(conn.wbuf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close_conn(conn)
+            return
+        del conn.wbuf[:sent]
+        if not conn.wbuf:
+            self.sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        if len(conn.wbuf) < WBUF_LOW:
+            self._set_output_paused(conn, False)
+
+    def _set_output_paused(self, conn: Conn, paused: bool) -> None:
+        for child in conn.children.values():
+            for fd in (child.out_fd, child.err_fd):
+                if fd < 0:
+                    continue
+                try:
+                    if paused:
+                        self.sel.unregister(fd)
+                    else:
+                        self.sel.register(fd, selectors.EVENT_READ, "pipe")
+                except (KeyError, ValueError):
+                    pass
+
+    # -- frames ----------------------------------------------------------
+
+    def _dispatch(self, conn: Conn, ftype: int, channel: int, payload: bytes) -> None:
+        if ftype == T_HELLO:
+            self._send_json(
+                conn,
+                T_HELLO_ACK,
+                0,
+                {
+                    "protocol": PROTOCOL,
+                    "version": __version__,
+                    "pid": os.getpid(),
+                    "uid": os.getuid(),
+                    "gid": os.getgid(),
+                    "python": "%d.%d.%d" % sys.version_info[:3],
+                },
+            )
+        elif ftype == T_PING:
+            self._send(conn, T_PONG, channel, payload)
+        elif ftype == T_SPAWN:
+            if channel in conn.children:
+                raise ValueError("channel %d already in use" % channel)
+            self._spawn(conn, channel, json.loads(payload))
+        elif ftype == T_STDIN:
+            child = conn.children.get(channel)
+            if child is not None and child.in_fd >= 0 and not child.stdin_close:
+                child.stdin_buf += payload
+                self._write_stdin(child)
+        elif ftype == T_STDIN_CLOSE:
+            child = conn.children.get(channel)
+            if child is not None and child.in_fd >= 0:
+                child.stdin_close = True
+                self._write_stdin(child)
+        elif ftype == T_SIGNAL:
+            child = conn.children.get(channel)
+            sig = int(json.loads(payload)["signal"])
+            if child is not None:
+                try:
+                    os.killpg(child.pid, sig)
+                except OSError:
+                    pass
+        else:
+            raise ValueError("unknown frame type %d" % ftype)
+
+    def _spawn(self, conn: Conn, channel: int, req: dict[str, Any]) -> None:
+        argv = [str(a) for a in req["argv"]]
+        if not argv or any("\0" in a for a in argv):
+            raise ValueError("bad argv")
+        env = dict(self.base_env)
+        for k, v in dict(req.get("env") or {}).items():
+            env[str(k)] = str(v)
+        cwd = os.path.join(self.workspace, str(req.get("cwd") or "."))
+        want_stdin = bool(req.get("stdin"))
+
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        in_r = in_w = -1
+        actions: list[tuple[Any, ...]] = [
+            (os.POSIX_SPAWN_DUP2, out_w, 1),
+            (os.POSIX_SPAWN_DUP2, err_w, 2),
+        ]
+        if want_stdin:
+            in_r, in_w = os.pipe()
+            actions.insert(0, (os.POSIX_SPAWN_DUP2, in_r, 0))
+        else:
+            actions.insert(0, (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0))
+        try:
+            # Single-threaded, so changing our own cwd around the spawn is the
+            # portable way to give the child a cwd (posix_spawn has no chdir).
+            os.chdir(cwd)
+            try:
+                pid = os.posix_spawnp(
+                    argv[0],
+                    argv,
+                    env,
+                    file_actions=actions,
+                    setsid=True,
+                    setsigdef=_RESET_SIGNALS,
+                    setsigmask=(),
+                )
+            finally:
+                os.chdir(self.workspace)
+        except OSError as exc:
+            for fd in (out_r, out_w, err_r, err_w, in_r, in_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._send_json(
+                conn,
+                T_SPAWN_FAILED,
+                channel,
+                {"errno": exc.errno or 0, "message": "%s: %s" % (exc.strerror or exc, argv[0])},
+            )
+            return
+        os.close(out_w)
+        os.close(err_w)
+        if in_r >= 0:
+            os.close(in_r)
+        child = Child(conn, channel, pid)
+        child.out_fd = out_r
+        child.err_fd = err_r
+        for fd, ftype in ((out_r, T_STDOUT), (err_r, T_STDERR)):
+            _set_nonblocking(fd)
+            self.by_fd[fd] = (child, ftype)
+            self.sel.register(fd, selectors.EVENT_READ, "pipe")
+        if in_w >= 0:
+            _set_nonblocking(in_w)
+            child.in_fd = in_w
+        conn.children[channel] = child
+        self.by_pid[pid] = child
+        self._send_json(conn, T_STARTED, channel, {"pid": pid, "startedAt": child.start_time})
+
+    def _write_stdin(self, child: Child) -> None:
+        fd = child.in_fd
+        if fd < 0:
+            return
+        while child.stdin_buf:
+            try:
+                n = os.write(fd, child.stdin_buf)
+            except BlockingIOError:
+                break
+            except OSError:
+                # EPIPE: the command closed its stdin; drop what is left.
+                child.stdin_buf.clear()
+                child.stdin_close = True
+                break
+            del child.stdin_buf[:n]
+        want_write = bool(child.stdin_buf)
+        registered = fd in self.by_fd
+        if want_write and not registered:
+            self.by_fd[fd] = (child, 0)
+            self.sel.register(fd, selectors.EVENT_WRITE, "pipe")
+        elif not want_write and registered:
+            self.sel.unregister(fd)
+            del self.by_fd[fd]
+        if not want_write and child.stdin_close:
+            os.close(fd)
+            child.in_fd = -1
+
+    # -- children ----------------------------------------------------------
+
+    def _pipe_event(self, fd: int) -> None:
+        entry = self.by_fd.get(fd)
+        if entry is None:
+            return
+        child, ftype = entry
+        if ftype == 0:
+            self._write_stdin(child)
+            return
+        try:
+            data = os.read(fd, READ_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            self._send(child.conn, ftype, child.channel, data)
+            return
+        self._close_fd(fd)
+        if ftype == T_STDOUT:
+            child.out_fd = -1
+        else:
+            child.err_fd = -1
+        self._maybe_finish(child)
+
+    def _close_fd(self, fd: int) -> None:
+        if fd < 0:
+            return
+        if self.by_fd.pop(fd, None) is not None:
+            try:
+                self.sel.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+        os.close(fd)
+
+    def _close_child_fds(self, child: Child) -> None:
+        for fd in (child.out_fd, child.err_fd, child.in_fd):
+            self._close_fd(fd)
+        child.out_fd = child.err_fd = child.in_fd = -1
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status, rusage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            except InterruptedError:
+                continue
+            if pid == 0:
+                return
+            child = self.by_pid.pop(pid, None)
+            if child is None:
+                continue  # an orphan re-parented to us: reaping it is all we owe it
+            child.status = status
+            child.rusage = rusage
+            child.exit_time = time.time()
+            if child.in_fd >= 0:
+                self._close_fd(child.in_fd)
+                child.in_fd = -1
+            self._maybe_finish(child)
+
+    def _maybe_finish(self, child: Child) -> None:
+        if child.status is None:
+            return
+        if child.out_fd >= 0 or child.err_fd >= 0:
+            if not child.drain_deadline:
+                child.drain_deadline = time.monotonic() + DRAIN_GRACE
+            return
+        self._finish(child)
+
+    def _check_drain_deadlines(self) -> None:
+        now = time.monotonic()
+        for child in self._pending_children():
+            if child.drain_deadline and child.drain_deadline <= now:
+                # Drain what is already buffered, then give up on the holders.
+                for fd in (child.out_fd, child.err_fd):
+                    if fd >= 0:
+                        self._pipe_event(fd)
+                self._close_child_fds(child)
+                self._finish(child)
+
+    def _finish(self, child: Child) -> None:
+        conn = child.conn
+        status = child.status
+        if conn is None or status is None:
+            return
+        child.conn = None  # report exactly once
+        child.drain_deadline = 0.0
+        conn.children.pop(child.channel, None)
+        ru = child.rusage
+        msg: dict[str, Any] = {
+            "pid": child.pid,
+            "exitedAt": child.exit_time,
+            "userSeconds": ru.ru_utime if ru else 0.0,
+            "systemSeconds": ru.ru_stime if ru else 0.0,
+            "maxRssKiB": ru.ru_maxrss if ru else 0,
+        }
+        if os.WIFSIGNALED(status):
+            msg["signal"] = os.WTERMSIG(status)
+            msg["coreDumped"] = os.WCOREDUMP(status)
+        else:
+            msg["exitCode"] = os.WEXITSTATUS(status)
+        self._send_json(conn, T_EXIT, child.channel, msg)
+
+
+def _set_subreaper() -> None:
+    """Adopt orphans even when we are not PID 1 (tests, debug shells)."""
+    if os.getpid() == 1 or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def main() -> int:
+    here = os.path.dirname(os.path.abspath(__file__))
+    sock_path = os.environ.get("SANDBOX_RUNNER_SOCKET") or os.path.join(here, "runner.sock")
+    workspace = os.path.abspath(os.environ.get("SANDBOX_RUNNER_WORKSPACE") or os.getcwd())
+    try:
+        mode = int(os.environ.get("SANDBOX_RUNNER_SOCKET_MODE", "0660"), 8)
+        umask = int(os.environ.get("SANDBOX_RUNNER_UMASK", "0002"), 8)
+    except ValueError:
+        _log("SANDBOX_RUNNER_SOCKET_MODE and SANDBOX_RUNNER_UMASK must be octal")
+        return 2
+    # Group-writable files by default: the agent (another UID in the same
+    # group) edits what user commands create.
+    os.umask(umask)
+    _set_subreaper()
+    try:
+        os.chdir(workspace)
+        runner = Runner(sock_path, workspace, mode)
+    except OSError as exc:
+        _log("cannot start: %s" % (exc,))
+        return 1
+    _log("%s listening on %s (workspace %s)" % (__version__, sock_path, workspace))
+    try:
+        return runner.serve()
+    finally:
+        try:
+            os.unlink(sock_path)
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # pragma: no cover - SIGINT before handlers exist
+        sys.exit(130)
+    except OSError as exc:  # pragma: no cover
+        if exc.errno == errno.EADDRINUSE:
+            _log("socket in use")
+        raise

@@ -1,0 +1,328 @@
+"""Agent side of the runner socket.
+
+The runner executes under the sandbox user's UID, so anything may be on the
+other end of this socket. Every frame is bounded (runner.MAX_PAYLOAD), every
+JSON payload is type-checked, unknown frames or channels end the connection,
+and the hand-shake and pings have deadlines. Losing the connection ends every
+in-flight execution with ``runner_lost`` instead of leaving it hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+from typing import Any, Protocol
+
+from . import runner as wire
+
+log = logging.getLogger("sandbox_agent.runner")
+
+HELLO_TIMEOUT = 3.0
+RECONNECT_DELAY = 0.1
+
+
+class ProtocolViolation(Exception):
+    pass
+
+
+class Channel(Protocol):
+    """What an execution must accept from the runner connection."""
+
+    def on_started(self, pid: int) -> None: ...
+    def on_output(self, stderr: bool, data: bytes) -> None: ...
+    def on_exit(self, exit_code: int | None, signal: int | None, usage: dict[str, Any]) -> None: ...
+    def on_spawn_failed(self, message: str) -> None: ...
+    def on_lost(self, code: str, message: str) -> None: ...
+
+
+def _obj(payload: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolViolation(f"invalid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ProtocolViolation("expected a JSON object")
+    return value
+
+
+def _int(obj: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if type(v) is not int or not lo <= v <= hi:
+        raise ProtocolViolation(f"{key} out of range")
+    return v
+
+
+def _num(obj: dict[str, Any], key: str) -> float | None:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if type(v) not in (int, float) or not 0 <= v < 1e12:
+        raise ProtocolViolation(f"{key} out of range")
+    return float(v)
+
+
+def _str(obj: dict[str, Any], key: str, limit: int) -> str:
+    v = obj.get(key, "")
+    if not isinstance(v, str):
+        raise ProtocolViolation(f"{key} must be a string")
+    return v[:limit]
+
+
+class _Wire(asyncio.Protocol):
+    def __init__(self, client: RunnerClient) -> None:
+        self.client = client
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.closed = asyncio.get_running_loop().create_future()
+        self.hello: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.channels: dict[int, Channel] = {}
+        self.pings: dict[bytes, asyncio.Future[None]] = {}
+        self.next_channel = 1
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport; duck-type it.
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+        if not self.hello.done():
+            self.hello.set_exception(ConnectionError("runner closed the connection"))
+        for fut in self.pings.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError("runner connection lost"))
+        channels, self.channels = self.channels, {}
+        reason = self.client.lost_reason or (
+            "runner_lost",
+            "the runner connection closed while the command was running "
+            "(runner exited, crashed or was replaced)",
+        )
+        for ch in channels.values():
+            ch.on_lost(*reason)
+        self.client.connection_closed(self)
+
+    def send(self, ftype: int, channel: int, payload: bytes = b"") -> None:
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionError("runner not connected")
+        self.transport.write(wire.HEADER.pack(len(payload), ftype, channel) + payload)
+
+    def abort(self, code: str, message: str) -> None:
+        log.warning("dropping runner connection: %s", message)
+        self.client.lost_reason = (code, message)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        pos = 0
+        size = wire.HEADER.size
+        try:
+            while len(buf) - pos >= size:
+                length, ftype, chan = wire.HEADER.unpack_from(buf, pos)
+                if length > wire.MAX_PAYLOAD:
+                    raise ProtocolViolation(f"frame of {length} bytes exceeds the limit")
+                end = pos + size + length
+                if len(buf) < end:
+                    break
+                self._dispatch(ftype, chan, bytes(buf[pos + size : end]))
+                pos = end
+        except ProtocolViolation as exc:
+            self.abort("runner_protocol_error", f"runner protocol violation: {exc}")
+            return
+        if pos:
+            del buf[:pos]
+
+    def _dispatch(self, ftype: int, chan: int, payload: bytes) -> None:
+        if ftype == wire.T_STDOUT or ftype == wire.T_STDERR:
+            ch = self.channels.get(chan)
+            if ch is None:
+                raise ProtocolViolation(f"output for unknown channel {chan}")
+            ch.on_output(ftype == wire.T_STDERR, payload)
+        elif ftype == wire.T_STARTED:
+            ch = self.channels.get(chan)
+            if ch is None:
+                raise ProtocolViolation(f"start for unknown channel {chan}")
+            pid = _int(_obj(payload), "pid", 1, 1 << 31)
+            if pid is None:
+                raise ProtocolViolation("start without pid")
+            ch.on_started(pid)
+        elif ftype == wire.T_EXIT:
+            ch = self.channels.pop(chan, None)
+            if ch is None:
+                raise ProtocolViolation(f"exit for unknown channel {chan}")
+            obj = _obj(payload)
+            code = _int(obj, "exitCode", 0, 255)
+            sig = _int(obj, "signal", 1, 128)
+            if (code is None) == (sig is None):
+                raise ProtocolViolation("exit needs exactly one of exitCode and signal")
+            usage = {
+                "user": _num(obj, "userSeconds"),
+                "system": _num(obj, "systemSeconds"),
+                "maxrss": _int(obj, "maxRssKiB", 0, 1 << 50),
+            }
+            ch.on_exit(code, sig, usage)
+        elif ftype == wire.T_SPAWN_FAILED:
+            ch = self.channels.pop(chan, None)
+            if ch is None:
+                raise ProtocolViolation(f"spawn failure for unknown channel {chan}")
+            ch.on_spawn_failed(_str(_obj(payload), "message", 1000))
+        elif ftype == wire.T_PONG:
+            fut = self.pings.pop(payload, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        elif ftype == wire.T_HELLO_ACK:
+            if self.hello.done():
+                raise ProtocolViolation("duplicate hello")
+            obj = _obj(payload)
+            if obj.get("protocol") != wire.PROTOCOL:
+                raise ProtocolViolation(f"unsupported protocol {obj.get('protocol')!r}")
+            info = {
+                "version": _str(obj, "version", 64),
+                "pid": _int(obj, "pid", 1, 1 << 31),
+                "uid": _int(obj, "uid", 0, 1 << 32),
+                "python": _str(obj, "python", 32),
+            }
+            self.hello.set_result(info)
+        else:
+            raise ProtocolViolation(f"unknown frame type {ftype}")
+
+
+class RunnerClient:
+    """Keeps one connection to the runner, reconnecting while the agent lives."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self.wire: _Wire | None = None
+        self.info: dict[str, Any] | None = None
+        self.last_error = "not connected yet"
+        self.lost_reason: tuple[str, str] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self.on_change: list[Any] = []
+
+    @property
+    def connected(self) -> bool:
+        return self.wire is not None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.wire is not None and self.wire.transport is not None:
+            self.wire.transport.close()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                _, proto = await asyncio.wait_for(
+                    loop.create_unix_connection(lambda: _Wire(self), self.socket_path),
+                    HELLO_TIMEOUT,
+                )
+                proto.send(wire.T_HELLO, 0, json.dumps({"protocol": wire.PROTOCOL}).encode())
+                info = await asyncio.wait_for(asyncio.shield(proto.hello), HELLO_TIMEOUT)
+            except (OSError, TimeoutError, ConnectionError) as exc:
+                self.last_error = self._describe(exc)
+                await asyncio.sleep(RECONNECT_DELAY)
+                continue
+            except asyncio.CancelledError:
+                raise
+            self.lost_reason = None
+            self.wire = proto
+            self.info = info
+            self.last_error = ""
+            log.info("runner connected: %s", info)
+            self._notify()
+            await proto.closed
+            await asyncio.sleep(RECONNECT_DELAY)
+
+    def _describe(self, exc: BaseException) -> str:
+        if isinstance(exc, FileNotFoundError):
+            return f"runner socket {self.socket_path} does not exist (runner not started?)"
+        if isinstance(exc, ConnectionRefusedError):
+            return f"nothing listens on {self.socket_path} (runner exited?)"
+        if isinstance(exc, PermissionError):
+            return f"permission denied on {self.socket_path} (check fsGroup / socket mode)"
+        if isinstance(exc, TimeoutError):
+            return "runner did not answer the hand-shake in time"
+        return f"cannot connect to runner: {exc}"
+
+    def connection_closed(self, proto: _Wire) -> None:
+        if self.wire is proto:
+            self.wire = None
+            self.info = None
+            self.last_error = (self.lost_reason or ("", "runner connection lost"))[1]
+            log.warning("runner disconnected: %s", self.last_error)
+            self._notify()
+
+    def _notify(self) -> None:
+        for cb in self.on_change:
+            cb()
+
+    # -- operations used by executions ------------------------------------
+
+    def spawn(
+        self, ch: Channel, argv: list[str], env: dict[str, str], cwd: str, stdin: bool
+    ) -> int:
+        w = self.wire
+        if w is None:
+            raise ConnectionError(self.last_error)
+        chan = w.next_channel
+        w.next_channel = (chan + 1) & 0xFFFFFFFF or 1
+        payload = json.dumps({"argv": argv, "env": env, "cwd": cwd, "stdin": stdin}).encode()
+        if len(payload) > wire.MAX_PAYLOAD:
+            raise ValueError("command, arguments and environment exceed 1 MiB")
+        w.channels[chan] = ch
+        w.send(wire.T_SPAWN, chan, payload)
+        return chan
+
+    def forget(self, chan: int) -> None:
+        if self.wire is not None:
+            self.wire.channels.pop(chan, None)
+
+    def stdin(self, chan: int, data: bytes) -> None:
+        w = self.wire
+        if w is None:
+            raise ConnectionError(self.last_error)
+        step = wire.MAX_PAYLOAD
+        for i in range(0, len(data), step):
+            w.send(wire.T_STDIN, chan, data[i : i + step])
+
+    def close_stdin(self, chan: int) -> None:
+        if self.wire is not None:
+            self.wire.send(wire.T_STDIN_CLOSE, chan)
+
+    def signal(self, chan: int, sig: int) -> None:
+        if self.wire is not None:
+            self.wire.send(wire.T_SIGNAL, chan, json.dumps({"signal": sig}).encode())
+
+    async def ping(self, timeout: float = 1.0) -> bool:
+        w = self.wire
+        if w is None:
+            return False
+        token = secrets.token_bytes(8)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        w.pings[token] = fut
+        try:
+            w.send(wire.T_PING, 0, token)
+            await asyncio.wait_for(fut, timeout)
+            return True
+        except (TimeoutError, ConnectionError):
+            return False
+        finally:
+            w.pings.pop(token, None)
+
+
+def socket_exists(path: str) -> bool:
+    return os.path.exists(path)

@@ -1,0 +1,114 @@
+"""Start-up: settings, token (fail closed), runner placement, uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from .config import ConfigError, Settings, load
+
+log = logging.getLogger("sandbox_agent")
+
+
+class StartupError(Exception):
+    pass
+
+
+def read_token(path: str) -> bytes:
+    if not path:
+        raise StartupError("SANDBOX_AGENT_TOKEN_FILE is not set; refusing to start without auth")
+    try:
+        token = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise StartupError(f"cannot read token file {path}: {exc.strerror}") from None
+    if not token:
+        raise StartupError(f"token file {path} is empty; refusing to start without auth")
+    if len(token) < 16:
+        raise StartupError(f"token in {path} is shorter than 16 bytes; refusing a weak token")
+    return token
+
+
+def place_runner(runtime_dir: str) -> str:
+    """Copy our runner.py into the shared directory atomically, mode 0644."""
+    src = Path(__file__).with_name("runner.py").read_bytes()
+    os.makedirs(runtime_dir, exist_ok=True)
+    dest = os.path.join(runtime_dir, "runner.py")
+    fd, tmp = tempfile.mkstemp(prefix=".runner.", suffix=".py", dir=runtime_dir)
+    try:
+        os.write(fd, src)
+        os.fchmod(fd, 0o644)
+        os.fsync(fd)
+        os.close(fd)
+        os.replace(tmp, dest)
+    except BaseException:
+        os.close(fd) if _is_open(fd) else None
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return dest
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def prepare(settings: Settings) -> bytes:
+    token = read_token(settings.token_file)
+    # Files we create must be writable by the sandbox user (same group).
+    os.umask(settings.umask)
+    if not os.path.isdir(settings.workspace):
+        raise StartupError(f"workspace {settings.workspace} is not a directory")
+    try:
+        os.makedirs(settings.log_dir, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=settings.log_dir)
+        probe.close()
+    except OSError as exc:
+        raise StartupError(f"log dir {settings.log_dir} is not writable: {exc.strerror}") from None
+    try:
+        dest = place_runner(settings.runtime_dir)
+    except OSError as exc:
+        raise StartupError(
+            f"cannot place runner.py in {settings.runtime_dir}: {exc.strerror}"
+        ) from None
+    log.info("runner placed at %s; expecting its socket at %s", dest, settings.socket_path)
+    return token
+
+
+def main() -> int:
+    logging.basicConfig(
+        level=os.environ.get("SANDBOX_AGENT_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        settings = load()
+        token = prepare(settings)
+    except (ConfigError, StartupError) as exc:
+        print(f"sandbox-agent: {exc}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from .app import build_app
+
+    config = uvicorn.Config(
+        build_app(settings, token),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level=os.environ.get("SANDBOX_AGENT_LOG_LEVEL", "info").lower(),
+        timeout_graceful_shutdown=5,
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
