@@ -8,7 +8,7 @@ from decimal import Decimal
 from typing import Annotated, Any
 
 from kubernetes.utils.quantity import parse_quantity
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
 GROUP = "sandbox.dev"
@@ -83,14 +83,31 @@ def parse_duration(value: str) -> timedelta:
 _NUMBER = r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
 QUANTITY_PATTERN = rf"^{_NUMBER}(([KMGTPE]i)|[numkMGTPE]|([eE]{_NUMBER}))?$"
 
+
+def _quantity_text(value: object) -> object:
+    # Manifests say `cpu: 2` as often as `cpu: "2"`; keep one form in code.
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 Quantity = Annotated[
     str,
-    Field(
-        pattern=QUANTITY_PATTERN,
-        max_length=32,
-        description='A Kubernetes quantity such as "500m", "2", "512Mi" or "10Gi".',
+    BeforeValidator(_quantity_text),
+    Field(pattern=QUANTITY_PATTERN, max_length=32),
+    # int-or-string on the wire, like every quantity in Kubernetes. The syntax is
+    # checked by the CEL rule of each field (POSITIVE_QUANTITY), whose message
+    # reads better than a regular expression.
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "maxLength": 32,
+            "description": 'A Kubernetes quantity such as "500m", 2, "512Mi" or "10Gi".',
+        }
     ),
 ]
+
+# CEL for "strictly positive", for either form of a quantity.
+POSITIVE_QUANTITY = "type(self) == int ? self > 0 : quantity(self).isGreaterThan(quantity('0'))"
 
 
 def quantity_value(value: str) -> Decimal:

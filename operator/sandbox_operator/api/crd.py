@@ -104,6 +104,9 @@ def _resolve(schema: JSON, defs: dict[str, JSON]) -> JSON:
     for key, value in schema.items():
         if key in _DROPPED_KEYS:
             continue
+        if key == "anyOf" and schema.get("x-kubernetes-int-or-string"):
+            out[key] = value
+            continue
         if key == "anyOf":
             variants = [v for v in value if v.get("type") != "null"]
             if len(variants) != 1:

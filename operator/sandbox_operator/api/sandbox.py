@@ -10,6 +10,7 @@ from pydantic import ConfigDict, Field
 from sandbox_operator.api.common import (
     DNS_LABEL_PATTERN,
     DNS_SUBDOMAIN_PATTERN,
+    POSITIVE_QUANTITY,
     Condition,
     Duration,
     EnvVar,
@@ -18,8 +19,6 @@ from sandbox_operator.api.common import (
     cel,
     validations,
 )
-
-_POSITIVE = "quantity(self).isGreaterThan(quantity('0'))"
 
 
 class OnIdle(StrEnum):
@@ -44,17 +43,28 @@ class Resources(Model):
 
     cpu: Annotated[
         Quantity | None,
-        Field(json_schema_extra=validations(cel(_POSITIVE, "cpu must be greater than zero"))),
+        Field(
+            json_schema_extra=validations(
+                cel(POSITIVE_QUANTITY, "cpu must be a positive quantity such as 500m, 2 or 1Gi")
+            )
+        ),
     ] = None
     memory: Annotated[
         Quantity | None,
-        Field(json_schema_extra=validations(cel(_POSITIVE, "memory must be greater than zero"))),
+        Field(
+            json_schema_extra=validations(
+                cel(POSITIVE_QUANTITY, "memory must be a positive quantity such as 500m, 2 or 1Gi")
+            )
+        ),
     ] = None
     ephemeral_storage: Annotated[
         Quantity | None,
         Field(
             json_schema_extra=validations(
-                cel(_POSITIVE, "ephemeralStorage must be greater than zero")
+                cel(
+                    POSITIVE_QUANTITY,
+                    "ephemeralStorage must be a positive quantity such as 500m, 2 or 1Gi",
+                )
             )
         ),
     ] = None
@@ -77,7 +87,11 @@ class Workspace(Model):
     )
     size: Annotated[
         Quantity | None,
-        Field(json_schema_extra=validations(cel(_POSITIVE, "size must be greater than zero"))),
+        Field(
+            json_schema_extra=validations(
+                cel(POSITIVE_QUANTITY, "size must be a positive quantity such as 500m, 2 or 1Gi")
+            )
+        ),
     ] = Field(default=None, description="Workspace size; the operator default applies when unset.")
     storage_class_name: Annotated[
         str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
@@ -159,7 +173,7 @@ class SandboxStatus(Model):
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list)
     pod_name: str | None = None
-    pod_ip: str | None = None
+    pod_ip: str | None = Field(default=None, alias="podIP")
     agent_endpoint: str | None = None
     workspace_claim: str | None = None
     image: str | None = None
