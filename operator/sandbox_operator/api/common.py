@@ -107,7 +107,10 @@ Quantity = Annotated[
 ]
 
 # CEL for "strictly positive", for either form of a quantity.
-POSITIVE_QUANTITY = "type(self) == int ? self > 0 : quantity(self).isGreaterThan(quantity('0'))"
+POSITIVE_QUANTITY = (
+    "type(self) == int ? self > 0"
+    " : (isQuantity(self) ? quantity(self).isGreaterThan(quantity('0')) : false)"
+)
 
 
 def quantity_value(value: str) -> Decimal:
