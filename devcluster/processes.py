@@ -184,6 +184,8 @@ def terminate(
             raise RuntimeError(
                 f"{record.name}: processes {group_members(pgid)} of group {pgid} survived SIGKILL"
             )
+    # The group can be empty while our child is still an unreaped zombie.
+    _reap(popen)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
