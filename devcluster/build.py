@@ -151,12 +151,25 @@ def _install(built: Path, target_dir: Path, started: float, version: str) -> Non
     log.info("built %s in %.0fs", ", ".join(names), stamp["seconds"])
 
 
+def kubernetes_paths(
+    commands: tuple[str, ...] = versions.KUBERNETES_COMMANDS,
+) -> dict[str, Path]:
+    """Where the Kubernetes commands are (or will be) installed; builds nothing."""
+    bin_dir = cache_root() / "bin" / f"kubernetes-{versions.KUBERNETES}"
+    return {name: bin_dir / name for name in commands}
+
+
+def etcd_path() -> Path:
+    """Where etcd is (or will be) installed; builds nothing."""
+    return cache_root() / "bin" / f"etcd-{versions.ETCD}" / "etcd"
+
+
 def kubernetes_binaries(
     commands: tuple[str, ...] = versions.KUBERNETES_COMMANDS,
 ) -> dict[str, Path]:
     """Paths of the requested Kubernetes commands, building the missing ones."""
-    bin_dir = cache_root() / "bin" / f"kubernetes-{versions.KUBERNETES}"
-    wanted = {name: bin_dir / name for name in commands}
+    wanted = kubernetes_paths(commands)
+    bin_dir = next(iter(wanted.values())).parent
     if all(_is_current(path) for path in wanted.values()):
         return wanted
     with _build_lock("kubernetes"):
@@ -203,8 +216,8 @@ func main() { etcdmain.Main(os.Args) }
 
 
 def etcd_binary() -> Path:
-    bin_dir = cache_root() / "bin" / f"etcd-{versions.ETCD}"
-    binary = bin_dir / "etcd"
+    binary = etcd_path()
+    bin_dir = binary.parent
     if _is_current(binary):
         return binary
     with _build_lock("etcd"):
@@ -226,9 +239,8 @@ def etcd_binary() -> Path:
 
 def binaries_current(commands: tuple[str, ...] = versions.KUBERNETES_COMMANDS) -> bool:
     """True when etcd and `commands` are built by the current recipe (no build needed)."""
-    root = cache_root() / "bin"
-    kube = [root / f"kubernetes-{versions.KUBERNETES}" / name for name in commands]
-    return all(_is_current(path) for path in [root / f"etcd-{versions.ETCD}" / "etcd", *kube])
+    paths = [etcd_path(), *kubernetes_paths(commands).values()]
+    return all(_is_current(path) for path in paths)
 
 
 def _du(path: Path) -> int:

@@ -30,7 +30,7 @@ import socket
 import ssl
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -267,10 +267,21 @@ class ControlPlane:
 
     # ---- components ----------------------------------------------------------
 
-    def components(self, ports: Ports, certs: pki.PKI) -> list[Component]:
+    def binaries(self, *, build_missing: bool) -> dict[str, Path]:
+        """Binaries the components run, by name. Subclasses add theirs.
+
+        stop() and status() pass build_missing=False: they must never start a
+        build that takes minutes just to look at a cluster.
+        """
+        if build_missing:
+            return {"etcd": build.etcd_binary(), **build.kubernetes_binaries()}
+        return {"etcd": build.etcd_path(), **build.kubernetes_paths()}
+
+    def components(
+        self, ports: Ports, certs: pki.PKI, binaries: Mapping[str, Path]
+    ) -> list[Component]:
         """The processes of this cluster, in start order. Subclasses append to it."""
-        etcd = build.etcd_binary()
-        kube = build.kubernetes_binaries()
+        etcd = binaries["etcd"]
         admin_tls = self._client_context(certs)
         kcm_tls = ssl.create_default_context(cafile=str(certs.ca.cert))
         kcm_kubeconfig = self.state_dir / "controller-manager.kubeconfig"
@@ -306,7 +317,7 @@ class ControlPlane:
             Component(
                 name="kube-apiserver",
                 argv=[
-                    str(kube["kube-apiserver"]),
+                    str(binaries["kube-apiserver"]),
                     f"--etcd-servers={client}",
                     "--bind-address=127.0.0.1",
                     "--advertise-address=127.0.0.1",
@@ -347,7 +358,7 @@ class ControlPlane:
             Component(
                 name="kube-controller-manager",
                 argv=[
-                    str(kube["kube-controller-manager"]),
+                    str(binaries["kube-controller-manager"]),
                     f"--kubeconfig={kcm_kubeconfig}",
                     # Delegated authn/authz of its own HTTPS port (healthz is
                     # always allowed; metrics need a permitted client).
@@ -468,14 +479,13 @@ class ControlPlane:
         """
         # Build (or wait for a concurrent build) outside the cluster lock and
         # outside the timed part: a cold build takes tens of minutes.
-        build.etcd_binary()
-        build.kubernetes_binaries()
+        binaries = self.binaries(build_missing=True)
         with self._locked():
             self._stop_locked()
             began = time.monotonic()
             for attempt in range(1, self.start_attempts + 1):
                 try:
-                    self._start_locked()
+                    self._start_locked(binaries)
                 except _PortCollisionError as error:
                     self._stop_locked()
                     if attempt == self.start_attempts:
@@ -490,7 +500,7 @@ class ControlPlane:
             self.start_duration = time.monotonic() - began
             self._write_cluster_file(start_seconds=round(self.start_duration, 2))
 
-    def _start_locked(self) -> None:
+    def _start_locked(self, binaries: Mapping[str, Path]) -> None:
         for directory in (self.state_dir, self.run_dir, self.logs_dir):
             directory.mkdir(parents=True, exist_ok=True)
         self.state_dir.chmod(0o700)
@@ -515,7 +525,7 @@ class ControlPlane:
             certs.controller_manager,
         )
         started: list[str] = []
-        for component in self.components(ports, certs):
+        for component in self.components(ports, certs, binaries):
             self._launch(component)
             started.append(component.name)
             # Recorded before waiting, so a crash during the wait still leaves
@@ -583,7 +593,8 @@ class ControlPlane:
             # recorded ports; no process is started by this.
             with contextlib.suppress(Exception):
                 certs = pki.paths(self.pki_dir)
-                for component in self.components(self.ports, certs):
+                binaries = self.binaries(build_missing=False)
+                for component in self.components(self.ports, certs, binaries):
                     if component.cleanup is not None:
                         cleanups[component.name] = component.cleanup
         for name in reversed(list(records)):
@@ -616,7 +627,8 @@ class ControlPlane:
         if records and self.pki_dir.exists():
             with contextlib.suppress(ControlPlaneError, OSError, ValueError):
                 certs = pki.paths(self.pki_dir)
-                for component in self.components(self.ports, certs):
+                binaries = self.binaries(build_missing=False)
+                for component in self.components(self.ports, certs, binaries):
                     ready[component.name] = component.ready()
         components = [
             ComponentStatus(r.name, r.pid, r.is_running(), ready.get(r.name, False))
