@@ -27,6 +27,7 @@ TERMINATING = "Terminating"
 # Reasons.
 REASON_READY = "SandboxReady"
 REASON_INVALID_SPEC = "InvalidSpec"
+REASON_CREATE_FAILED = "CreateFailed"
 REASON_PAUSED = "Paused"
 REASON_PAUSING = "Pausing"
 REASON_POD_MISSING = "PodMissing"
@@ -69,6 +70,8 @@ class Observed:
     pod: JSON | None
     claim: JSON | None
     invalid: str | None = None
+    # The API server refused a child (quota, admission, missing ServiceAccount...).
+    create_error: str | None = None
 
 
 def _pod_condition(pod: JSON, kind: str) -> JSON | None:
@@ -128,6 +131,8 @@ def compute(observed: Observed) -> tuple[str, list[Cond]]:
     if observed.invalid:
         bad = Cond("Ready", FALSE, REASON_INVALID_SPEC, observed.invalid)
         return FAILED, [bad]
+    if observed.create_error:
+        return PENDING, [Cond("Ready", FALSE, REASON_CREATE_FAILED, observed.create_error)]
 
     conds: list[Cond] = []
     if observed.ephemeral:

@@ -13,13 +13,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
-from devcluster import processes
-from devcluster.controlplane import ControlPlane
+from devcluster import pki, processes
+from devcluster.controlplane import Component, ControlPlane, ControlPlaneError, Ports
 
 pytestmark = pytest.mark.integration
 
@@ -42,6 +42,21 @@ def assert_nothing_left(
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", port))
             sock.listen()
+
+
+def processes_using(state_dir: Path) -> list[int]:
+    """PIDs of live processes with the state dir on their command line."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or processes.is_zombie(int(entry.name)):
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(state_dir).encode() in cmdline:
+            found.append(int(entry.name))
+    return found
 
 
 def snapshot(cluster: ControlPlane) -> tuple[dict[str, int], dict[str, int | None], list[int]]:
@@ -71,6 +86,7 @@ def test_stop_kills_everything_and_frees_ports(
     own_cluster.stop()
 
     assert_nothing_left(pids, ticks, ports)
+    assert processes_using(own_cluster.state_dir) == []
     assert own_cluster.pids() == {}
     assert not own_cluster.is_healthy()
     # Logs stay for a look after stop(); they go only with remove_state.
@@ -134,7 +150,36 @@ def test_cli_up_is_idempotent_and_down_removes_everything(control_plane: Control
         down = run_cli("down", "--name", name)
         assert down.returncode == 0, down.stderr
         assert_nothing_left(pids, ticks, ports)
+        assert processes_using(cluster.state_dir) == []
         assert not cluster.state_dir.exists()
         assert run_cli("down", "--name", name).returncode == 0, "down twice must work"
+    finally:
+        cluster.stop(remove_state=True)
+
+
+class BrokenApiServer(ControlPlane):
+    """The API server refuses to start (an unknown flag), after etcd is up."""
+
+    def components(
+        self, ports: Ports, certs: pki.PKI, binaries: Mapping[str, Path]
+    ) -> list[Component]:
+        components = super().components(ports, certs, binaries)
+        for component in components:
+            if component.name == "kube-apiserver":
+                component.argv.append("--no-such-flag-for-this-test")
+        return components
+
+
+def test_failed_start_reports_the_log_and_leaves_nothing(control_plane: ControlPlane) -> None:
+    cluster = BrokenApiServer(f"pytest-{os.getpid()}-broken", die_with_parent=True)
+    try:
+        with pytest.raises(ControlPlaneError) as failure:
+            cluster.start()
+        message = str(failure.value)
+        assert "kube-apiserver exited" in message
+        assert "no-such-flag-for-this-test" in message, "the log tail belongs in the error"
+        # etcd had started; the failed start must have stopped it again.
+        assert cluster.pids() == {}
+        assert processes_using(cluster.state_dir) == []
     finally:
         cluster.stop(remove_state=True)

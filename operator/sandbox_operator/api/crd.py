@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sandbox_operator.api.common import CATEGORY, GROUP, VERSION
+from sandbox_operator.api.common import CATEGORY, GROUP, VERSION, cel
 from sandbox_operator.api.execution import ExecutionSpec, ExecutionStatus
 from sandbox_operator.api.sandbox import SandboxSpec, SandboxStatus
 from sandbox_operator.api.snapshot import SnapshotSpec, SnapshotStatus
@@ -32,6 +32,8 @@ class Kind:
     status: type[BaseModel]
     columns: list[JSON] = field(default_factory=list)
     description: str = ""
+    # Rules on the whole object, e.g. on metadata.name, which child names derive from.
+    rules: list[JSON] = field(default_factory=list)
 
 
 def _column(name: str, json_path: str, type_: str = "string", priority: int = 0) -> JSON:
@@ -51,6 +53,15 @@ KINDS: tuple[Kind, ...] = (
         spec=SandboxSpec,
         status=SandboxStatus,
         description="An isolated, stateful code-execution sandbox: a pod, a workspace, an agent.",
+        rules=[
+            cel(
+                "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')"
+                " && size(self.metadata.name) <= 50",
+                "a Sandbox name must start with a letter, use only lowercase letters, digits"
+                " and '-', and be at most 50 characters (its pod, service and claim names"
+                " derive from it)",
+            )
+        ],
         columns=[
             _column("Phase", ".status.phase"),
             _column("Ready", '.status.conditions[?(@.type=="Ready")].status'),
@@ -155,6 +166,7 @@ def crd(kind: Kind) -> JSON:
         "type": "object",
         "description": kind.description,
         "required": ["spec"],
+        **({"x-kubernetes-validations": kind.rules} if kind.rules else {}),
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},

@@ -179,6 +179,9 @@ class SandboxStatus(Model):
     image: str | None = None
     last_activity: str | None = None
     idle_deadline: str | None = None
+    idle_paused_at: str | None = Field(
+        default=None, description="Set when the idle policy paused the sandbox; cleared on resume."
+    )
     expires_at: str | None = None
     active_executions: int | None = None
     restarts: int | None = None

@@ -7,11 +7,12 @@ so a missed event or an operator restart at any moment costs nothing.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -24,7 +25,7 @@ from sandbox_operator.api.common import parse_duration
 from sandbox_operator.api.sandbox import OnIdle, SandboxSpec
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.config import Settings
-from sandbox_operator.kube import MERGE_PATCH, Kube, resource_path
+from sandbox_operator.kube import MERGE_PATCH, Kube, KubeError, resource_path
 
 JSON = dict[str, Any]
 
@@ -33,6 +34,7 @@ POD_HASH_ANNOTATION = "sandbox.dev/pod-spec-hash"
 SANDBOXES = ("sandbox.dev/v1alpha1", "sandboxes")
 # How long teardown waits for a graceful pod exit before forcing it.
 POD_DELETE_PATIENCE = timedelta(seconds=60)
+CREATE_RETRY_SECONDS = 3
 
 
 @dataclass
@@ -42,6 +44,19 @@ class Runtime:
     settings: Settings
     kube: Kube
     agents: AgentClient
+    # One reconciliation per Sandbox at a time: create/update handlers, the timer
+    # and pod events all converge the same object and must not interleave.
+    locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    # The status this process last wrote per Sandbox. The operator is the only
+    # writer of status, so this is fresher than a body Kopf received earlier.
+    statuses: dict[tuple[str, str], JSON] = field(default_factory=dict)
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.locks.pop((namespace, name), None)
+        self.statuses.pop((namespace, name), None)
 
 
 def event(body: JSON, kind: str, reason: str, message: str) -> None:
@@ -242,13 +257,17 @@ async def write_status(rt: Runtime, body: JSON, status: JSON) -> None:
     """Patch status only when it changed: every write costs the API server."""
     old = body.get("status") or {}
     meta = body["metadata"]
-    metrics.PHASES.set(meta["namespace"], meta["name"], status.get("phase", ""))
+    key = (meta["namespace"], meta["name"])
+    metrics.PHASES.set(*key, status.get("phase", ""))
     if _same(old, status):
+        rt.statuses[key] = status
         return
     patch: JSON = {"status": {**{k: None for k in old if k not in status}, **status}}
-    await rt.kube.patch(
+    written = await rt.kube.patch(
         _path("sandboxes", meta["namespace"], meta["name"], "status"), patch, MERGE_PATCH
     )
+    if written is not None:
+        rt.statuses[key] = status
     body["status"] = status
 
 
@@ -334,6 +353,24 @@ async def reconcile(
     """Converge one Sandbox. `full` re-ensures every child (create/update/resume);
     otherwise only the pod is checked (timer, pod events) to keep API load low."""
     meta = body["metadata"]
+    async with rt.lock(meta["namespace"], meta["name"]):
+        known = rt.statuses.get((meta["namespace"], meta["name"]))
+        if known is not None:
+            body = {**body, "status": known}
+        await _reconcile(rt, body, memo, logger, full=full, pod=pod, pod_known=pod_known)
+
+
+async def _reconcile(
+    rt: Runtime,
+    body: JSON,
+    memo: Any,
+    logger: kopf.Logger,
+    *,
+    full: bool,
+    pod: JSON | None,
+    pod_known: bool,
+) -> None:
+    meta = body["metadata"]
     spec, invalid = parse_spec(body, rt.settings)
     now = now_utc()
     if invalid is not None:
@@ -351,14 +388,31 @@ async def reconcile(
         raise kopf.PermanentError(invalid)
     assert spec is not None
     ref = ref_of(body)
-    if full:
-        await ensure_children(rt, ref, spec, converge=True)
-    if not pod_known:
-        pod = await rt.kube.get(_path("pods", ref.namespace, build.names(ref.name)["pod"]))
-    if pod is None and not full and not effective_paused(body, spec):
-        # The pod is gone (evicted, deleted): its siblings may be too.
-        await ensure_children(rt, ref, spec, converge=False)
-    pod = await ensure_pod(rt, body, spec, pod, logger)
+    try:
+        if full:
+            await ensure_children(rt, ref, spec, converge=True)
+        if not pod_known:
+            pod = await rt.kube.get(_path("pods", ref.namespace, build.names(ref.name)["pod"]))
+        if pod is None and not full and not effective_paused(body, spec):
+            # The pod is gone (evicted, deleted): its siblings may be too.
+            await ensure_children(rt, ref, spec, converge=False)
+        pod = await ensure_pod(rt, body, spec, pod, logger)
+    except KubeError as exc:
+        if exc.status >= 500 or exc.status == 429:
+            raise kopf.TemporaryError(f"API server: {exc}", delay=CREATE_RETRY_SECONDS) from exc
+        # Refused (quota, admission policy, a namespace still being set up):
+        # say so in status and try again; the cause is usually outside our reach.
+        observed = conditions.Observed(
+            generation=meta.get("generation", 0),
+            paused=False,
+            deleting=False,
+            ephemeral=spec.workspace.ephemeral,
+            pod=None,
+            claim=None,
+            create_error=f"{exc.status} {exc.reason}: {exc.message}",
+        )
+        await write_status(rt, body, build_status(body, spec, observed, rt.settings, now, {}))
+        raise kopf.TemporaryError(str(exc), delay=CREATE_RETRY_SECONDS) from exc
 
     extra: JSON = {}
     paused = effective_paused(body, spec)
@@ -378,7 +432,7 @@ async def reconcile(
         if changes.get("idlePausedAt"):
             # Paused by the idle policy just now: converge again as a paused sandbox.
             body["status"] = {**(body.get("status") or {}), **status, **changes}
-            await reconcile(rt, body, memo, logger, full=False, pod=pod, pod_known=True)
+            await _reconcile(rt, body, memo, logger, full=False, pod=pod, pod_known=True)
             return
         status.update(changes)
     status = {k: v for k, v in status.items() if v is not None}
@@ -389,6 +443,7 @@ async def teardown(rt: Runtime, body: JSON, logger: kopf.Logger) -> None:
     """Finalizer: stop the pod first (no writes in flight), then let GC take the rest."""
     ref = ref_of(body)
     metrics.PHASES.forget(ref.namespace, ref.name)
+    rt.forget(ref.namespace, ref.name)
     path = _path("pods", ref.namespace, build.names(ref.name)["pod"])
     pod = await rt.kube.get(path)
     if pod is None:

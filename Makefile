@@ -1,0 +1,77 @@
+# One entry point for every task. `make help` lists them.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CLUSTER ?= dev
+
+.DEFAULT_GOAL := help
+
+.PHONY: help
+help: ## List the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(VENV)/.installed: pyproject.toml sandbox-agent/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q -e '.[dev]' -e './sandbox-agent[dev]'
+	touch $@
+
+.PHONY: install
+install: $(VENV)/.installed ## Create .venv with the operator, the agent and dev tools
+
+.PHONY: crds
+crds: install ## Regenerate crds/ and the chart's CRD copies from the models
+	$(PY) -m sandbox_operator.api.generate
+
+.PHONY: lint
+lint: install ## ruff (lint + format check) and mypy --strict
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy operator devcluster tests sandbox-agent/src benchmarks
+
+.PHONY: binaries
+binaries: install ## Build (or reuse) the pinned Kubernetes and etcd binaries
+	$(PY) -m devcluster.build
+
+.PHONY: test
+test: install binaries ## Lint, then every test tier that runs on this machine
+	$(MAKE) lint
+	$(PY) -m pytest -p devcluster.pytest_plugin tests sandbox-agent/tests
+
+.PHONY: test-unit
+test-unit: install ## Fast tests: models, builders, conditions, CRD freshness
+	$(PY) -m pytest tests/unit
+
+.PHONY: test-integration
+test-integration: install binaries ## Operator against a real control plane
+	$(PY) -m pytest -p devcluster.pytest_plugin tests/integration tests/devcluster
+
+.PHONY: test-agent
+test-agent: install ## The sandbox agent and runner as real processes
+	$(PY) -m pytest sandbox-agent/tests
+
+.PHONY: cluster-up
+cluster-up: install ## Start a local control plane (etcd, apiserver, controller-manager)
+	$(PY) -m devcluster up --name $(CLUSTER)
+
+.PHONY: cluster-down
+cluster-down: install ## Stop the local control plane and remove its state
+	$(PY) -m devcluster down --name $(CLUSTER)
+
+KUBECTL = $$($(PY) -c 'from devcluster import build; print(build.kubernetes_binaries()["kubectl"])')
+
+.PHONY: run
+run: install ## Run the operator locally against the cluster-up cluster
+	export KUBECONFIG=$$($(PY) -m devcluster kubeconfig --name $(CLUSTER)) && \
+	$(KUBECTL) apply -f crds/ && \
+	$(VENV)/bin/kopf run -m sandbox_operator --all-namespaces --standalone
+
+.PHONY: bench
+bench: install binaries ## Benchmarks: agent vs subprocess floor; 1,000 Sandboxes
+	$(PY) benchmarks/agent_bench.py
+	$(PY) benchmarks/sandbox_scale.py
+
+.PHONY: clean
+clean: ## Remove the virtualenv and caches inside the repo (not the binary cache)
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

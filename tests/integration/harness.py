@@ -1,0 +1,281 @@
+"""Real processes for the integration tier: the operator (through Kopf) and
+sandbox agents with their runners, plus the kubelet's part played by the test.
+
+This tier has no kubelet: the tests patch pod status as a kubelet would, and
+run a real agent + runner bound to a loopback address used as the pod IP.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kubernetes import client as k8s
+
+VENV_BIN = Path(sys.executable).parent
+T = TypeVar("T")
+
+_loopback_hosts = itertools.count(2)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def next_pod_ip() -> str:
+    """A fresh 127.0.0.x address (all of 127/8 reaches loopback on Linux)."""
+    n = next(_loopback_hosts)
+    return f"127.0.{n // 250}.{n % 250 + 2}"
+
+
+def wait_for(
+    probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2
+) -> T:
+    """Poll until `probe` returns something truthy; fail with `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def _log_tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class OperatorProcess:
+    """`kopf run -m sandbox_operator` as a child process, killable at will."""
+
+    def __init__(self, kubeconfig: Path, log_dir: Path, env: dict[str, str]) -> None:
+        self.kubeconfig = kubeconfig
+        self.log_dir = log_dir
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self.health_port = 0
+        self.metrics_port = 0
+
+    @property
+    def log(self) -> Path:
+        return self.log_dir / f"operator-{self.starts}.log"
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        self.starts += 1
+        self.health_port, self.metrics_port = free_port(), free_port()
+        env = {
+            **os.environ,
+            **self.env,
+            "KUBECONFIG": str(self.kubeconfig),
+            "SANDBOX_OPERATOR_METRICS_PORT": str(self.metrics_port),
+        }
+        argv = [
+            str(VENV_BIN / "kopf"), "run", "-m", "sandbox_operator", "--all-namespaces",
+            "--standalone", f"--liveness=http://127.0.0.1:{self.health_port}/healthz",
+        ]
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(self._healthy, 60, f"operator liveness (log: {self.log})")
+
+    def _healthy(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            raise AssertionError(f"operator exited:\n{_log_tail(self.log)}")
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.health_port}/healthz", timeout=1
+            ) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, no finalizer handling, like a node failure."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text: str = response.read().decode()
+            return text
+
+    def errors(self) -> list[str]:
+        """Tracebacks in the current log: a handler crashed somewhere."""
+        return [line for line in _log_tail(self.log, 100000).splitlines() if "Traceback" in line]
+
+
+class AgentProcess:
+    """A real agent and a real runner, wired as in a pod, on one loopback IP."""
+
+    def __init__(self, root: Path, ip: str, port: int, token: str) -> None:
+        self.root = root
+        self.ip = ip
+        self.port = port
+        self.workspace = root / "workspace"
+        self.runtime_dir = root / "run"
+        self.token_file = root / "token"
+        for directory in (self.workspace, self.runtime_dir, root / "logs"):
+            directory.mkdir(parents=True, exist_ok=True)
+        self.token_file.write_text(token)
+        self.agent: subprocess.Popen[bytes] | None = None
+        self.runner: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {
+            **os.environ,
+            "SANDBOX_AGENT_HOST": self.ip,
+            "SANDBOX_AGENT_PORT": str(self.port),
+            "SANDBOX_AGENT_TOKEN_FILE": str(self.token_file),
+            "SANDBOX_AGENT_WORKSPACE": str(self.workspace),
+            "SANDBOX_AGENT_RUNTIME_DIR": str(self.runtime_dir),
+            "SANDBOX_AGENT_LOG_DIR": str(self.root / "logs"),
+        }
+        with (self.root / "agent.log").open("wb") as log:
+            self.agent = subprocess.Popen(
+                [str(VENV_BIN / "sandbox-agent")], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        runner = self.runtime_dir / "runner.py"
+        wait_for(runner.exists, 30, "the agent to place runner.py")
+        runner_env = {
+            "PATH": os.environ["PATH"],
+            "SANDBOX_RUNNER_SOCKET": str(self.runtime_dir / "runner.sock"),
+            "HOME": str(self.workspace),
+        }
+        with (self.root / "runner.log").open("wb") as log:
+            self.runner = subprocess.Popen(
+                ["python3", str(runner)], env=runner_env, cwd=self.workspace,
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+        wait_for(self.ready, 30, f"agent readiness at {self.ip}:{self.port}")
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.ip}:{self.port}/readyz", timeout=1) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def call(self, method: str, path: str, body: bytes | None = None) -> Any:
+        import json
+
+        request = urllib.request.Request(
+            f"http://{self.ip}:{self.port}{path}",
+            data=body,
+            method=method,
+            headers={
+                "Authorization": f"Bearer {self.token_file.read_text()}",
+                "Content-Type": "application/json",
+            },
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read() or b"null")
+
+    def stop(self) -> None:
+        for proc in (self.runner, self.agent):
+            if proc and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+
+
+class Node:
+    """The kubelet's part: write pod status as a kubelet would."""
+
+    def __init__(self, core: k8s.CoreV1Api) -> None:
+        self.core = core
+
+    def run_pod(self, namespace: str, name: str, ip: str, *, agent_ready: bool = True) -> None:
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        ready = "True" if agent_ready else "False"
+        status = {
+            "phase": "Running",
+            "podIP": ip,
+            "podIPs": [{"ip": ip}],
+            "hostIP": "127.0.0.1",
+            "startTime": now,
+            "conditions": [
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
+                {"type": "Initialized", "status": "True", "lastTransitionTime": now},
+                {"type": "ContainersReady", "status": ready, "lastTransitionTime": now},
+                {"type": "Ready", "status": ready, "lastTransitionTime": now},
+            ],
+            "initContainerStatuses": [
+                _container("agent", "sandbox-agent:dev", agent_ready, {"running": {"startedAt": now}})
+            ],
+            "containerStatuses": [
+                _container("sandbox", "sandbox-runtime-python:dev", True, {"running": {"startedAt": now}})
+            ],
+        }
+        self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+
+    def fail_pod(self, namespace: str, name: str, reason: str = "Evicted") -> None:
+        self.core.patch_namespaced_pod_status(
+            name,
+            namespace,
+            {"status": {"phase": "Failed", "reason": reason, "message": f"the node says: {reason}"}},
+        )
+
+    def crash_runtime(self, namespace: str, name: str, message: str) -> None:
+        state = {"waiting": {"reason": "RunContainerError", "message": message}}
+        self.core.patch_namespaced_pod_status(
+            name,
+            namespace,
+            {
+                "status": {
+                    "phase": "Running",
+                    "podIP": "127.0.0.1",
+                    "conditions": [{"type": "PodScheduled", "status": "True"}],
+                    "containerStatuses": [_container("sandbox", "img:1", False, state, restarts=2)],
+                }
+            },
+        )
+
+
+def _container(
+    name: str, image: str, ready: bool, state: dict[str, Any], restarts: int = 0
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "image": image,
+        "imageID": f"sha256:{name}",
+        "ready": ready,
+        "started": True,
+        "restartCount": restarts,
+        "state": state,
+    }
+
+
+def secret_token(core: k8s.CoreV1Api, namespace: str, sandbox: str) -> str:
+    secret = core.read_namespaced_secret(f"{sandbox}-agent-token", namespace)
+    return base64.b64decode(secret.data["token"]).decode()

@@ -1,0 +1,169 @@
+"""Pure builders: the desired children of a Sandbox, and the security baseline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sandbox_operator.api.sandbox import SandboxSpec
+from sandbox_operator.builders import sandbox as build
+from sandbox_operator.config import Settings
+
+REF = build.SandboxRef(name="demo", namespace="team-a", uid="1234")
+SETTINGS = Settings()
+
+
+def _pod(**spec: Any) -> dict[str, Any]:
+    return build.build_pod(REF, SandboxSpec.model_validate(spec), SETTINGS)
+
+
+def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*pod["spec"]["initContainers"], *pod["spec"]["containers"]]
+
+
+def test_pod_meets_pod_security_restricted() -> None:
+    """The checks of the PSS `restricted` profile, item by item."""
+    pod = _pod()
+    spec = pod["spec"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
+    for volume in spec["volumes"]:
+        assert set(volume) - {"name"} <= {"emptyDir", "persistentVolumeClaim", "secret"}
+    for container in _containers(pod):
+        ctx = container["securityContext"]
+        assert ctx["allowPrivilegeEscalation"] is False
+        assert ctx["capabilities"] == {"drop": ["ALL"]}
+        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] > 0
+        assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert "privileged" not in ctx
+        assert not any("hostPort" in port for port in container.get("ports", []))
+
+
+def test_pod_isolation_choices() -> None:
+    pod = _pod()
+    spec = pod["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["enableServiceLinks"] is False
+    agent, sandbox = spec["initContainers"][0], spec["containers"][0]
+    # A native sidecar, with a read-only root and its own UID.
+    assert agent["restartPolicy"] == "Always"
+    assert agent["securityContext"]["readOnlyRootFilesystem"] is True
+    assert agent["securityContext"]["runAsUser"] != sandbox["securityContext"]["runAsUser"]
+    # Only the agent sees the token.
+    assert any(m["name"] == "agent-token" for m in agent["volumeMounts"])
+    assert not any(m["name"] == "agent-token" for m in sandbox["volumeMounts"])
+    # The runner is what the sandbox container runs.
+    assert sandbox["command"] == ["python3", "/sandbox/run/runner.py"]
+    # Requests equal limits, ephemeral storage included, for both containers.
+    for container in (agent, sandbox):
+        assert container["resources"]["requests"] == container["resources"]["limits"]
+        assert "ephemeral-storage" in container["resources"]["limits"]
+
+
+def test_runtime_catalog_and_image_override() -> None:
+    assert _pod()["spec"]["containers"][0]["image"] == "sandbox-runtime-python:dev"
+    assert _pod(runtime="node")["spec"]["containers"][0]["image"] == "sandbox-runtime-node:dev"
+    assert _pod(image="python:3.12-slim")["spec"]["containers"][0]["image"] == "python:3.12-slim"
+    with pytest.raises(
+        ValueError, match="unknown runtime 'ruby'; this cluster offers: node, python"
+    ):
+        _pod(runtime="ruby")
+
+
+def test_passthroughs_and_user_env() -> None:
+    pod = _pod(
+        runtimeClassName="gvisor",
+        nodeSelector={"pool": "sandboxes"},
+        env=[
+            {"name": "A", "value": "1"},
+            {"name": "B", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+        ],
+        resources={"cpu": "2", "memory": "4Gi"},
+    )
+    assert pod["spec"]["runtimeClassName"] == "gvisor"
+    assert pod["spec"]["nodeSelector"] == {"pool": "sandboxes"}
+    sandbox = pod["spec"]["containers"][0]
+    assert {"name": "A", "value": "1"} in sandbox["env"]
+    assert {"name": "B", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}} in sandbox["env"]
+    assert sandbox["resources"]["limits"] == {
+        "cpu": "2",
+        "memory": "4Gi",
+        "ephemeral-storage": "2Gi",
+    }
+
+
+def test_workspace_claim_or_empty_dir() -> None:
+    spec = SandboxSpec.model_validate({"workspace": {"size": "5Gi", "storageClassName": "fast"}})
+    claim = build.build_claim(REF, spec, SETTINGS)
+    assert claim is not None
+    assert claim["metadata"]["name"] == "demo-workspace"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    assert claim["spec"]["storageClassName"] == "fast"
+    ephemeral = SandboxSpec.model_validate({"workspace": {"ephemeral": True, "size": "1Gi"}})
+    assert build.build_claim(REF, ephemeral, SETTINGS) is None
+    volumes = build.build_pod(REF, ephemeral, SETTINGS)["spec"]["volumes"]
+    assert volumes[0] == {"name": "workspace", "emptyDir": {"sizeLimit": "1Gi"}}
+
+
+def test_children_are_owned_and_labelled() -> None:
+    spec = SandboxSpec.model_validate(
+        {"network": {"exposedPorts": [{"name": "web", "port": 3000}]}}
+    )
+    children = [
+        build.build_pod(REF, spec, SETTINGS),
+        build.build_claim(REF, spec, SETTINGS),
+        build.build_secret(REF, "t"),
+        build.build_service(REF, spec),
+        build.build_network_policy(REF, spec, SETTINGS),
+    ]
+    for child in children:
+        assert child is not None
+        meta = child["metadata"]
+        assert meta["namespace"] == "team-a"
+        assert meta["labels"] == {
+            "sandbox.dev/sandbox": "demo",
+            "app.kubernetes.io/managed-by": "sandbox-operator",
+        }
+        owner = meta["ownerReferences"][0]
+        assert owner["uid"] == "1234" and owner["controller"] is True and owner["kind"] == "Sandbox"
+
+
+def test_service_only_for_exposed_ports() -> None:
+    assert build.build_service(REF, SandboxSpec()) is None
+    spec = SandboxSpec.model_validate(
+        {"network": {"exposedPorts": [{"name": "web", "port": 3000}]}}
+    )
+    service = build.build_service(REF, spec)
+    assert service is not None
+    assert service["spec"]["ports"] == [
+        {"name": "web", "port": 3000, "targetPort": 3000, "protocol": "TCP"}
+    ]
+
+
+@pytest.mark.parametrize(
+    ("egress", "expected"),
+    [("None", 0), ("Cluster", 1), ("Internet", 2)],
+)
+def test_network_policy_egress(egress: str, expected: int) -> None:
+    spec = SandboxSpec.model_validate({"network": {"egress": egress}})
+    policy = build.build_network_policy(REF, spec, SETTINGS)["spec"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
+    assert len(policy["egress"]) == expected
+    if egress == "Internet":
+        block = policy["egress"][1]["to"][0]["ipBlock"]
+        assert block["cidr"] == "0.0.0.0/0"
+        assert "169.254.0.0/16" in block["except"]  # cloud metadata
+        assert "10.0.0.0/8" in block["except"]
+    # The agent port admits only the operator.
+    ingress = policy["ingress"][0]
+    assert ingress["ports"] == [{"port": 8080, "protocol": "TCP"}]
+    assert ingress["from"][0]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "sandbox-operator"
+    }
+
+
+def test_builders_are_deterministic() -> None:
+    spec = SandboxSpec.model_validate({"runtime": "node"})
+    assert build.build_pod(REF, spec, SETTINGS) == build.build_pod(REF, spec, SETTINGS)
