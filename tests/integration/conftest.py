@@ -29,7 +29,9 @@ OPERATOR_ENV = {
 
 @pytest.fixture(scope="session")
 def api(control_plane: ControlPlane) -> k8s.ApiClient:
-    client: k8s.ApiClient = k8s_config.new_client_from_config(config_file=str(control_plane.kubeconfig))
+    client: k8s.ApiClient = k8s_config.new_client_from_config(
+        config_file=str(control_plane.kubeconfig)
+    )
     return client
 
 
@@ -43,10 +45,16 @@ def custom(api: k8s.ApiClient) -> k8s.CustomObjectsApi:
     return k8s.CustomObjectsApi(api)
 
 
-def kubectl(cp: ControlPlane, *args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+def kubectl(
+    cp: ControlPlane, *args: str, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(cp.kubectl), f"--kubeconfig={cp.kubeconfig}", *args],
-        input=input, capture_output=True, text=True, timeout=120, check=False,
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
 
 
@@ -55,15 +63,23 @@ def crds(control_plane: ControlPlane, repo: Path) -> None:
     applied = kubectl(control_plane, "apply", "-f", str(repo / "crds"))
     assert applied.returncode == 0, applied.stderr
     established = kubectl(
-        control_plane, "wait", "--for=condition=Established", "crd", "-l",
-        "app.kubernetes.io/part-of=sandbox-operator", "--timeout=60s",
+        control_plane,
+        "wait",
+        "--for=condition=Established",
+        "crd",
+        "-l",
+        "app.kubernetes.io/part-of=sandbox-operator",
+        "--timeout=60s",
     )
     assert established.returncode == 0, established.stderr
 
 
 @pytest.fixture(scope="session")
 def operator_kubeconfig(
-    control_plane: ControlPlane, core: k8s.CoreV1Api, api: k8s.ApiClient, repo: Path,
+    control_plane: ControlPlane,
+    core: k8s.CoreV1Api,
+    api: k8s.ApiClient,
+    repo: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Path:
     """Credentials of a ServiceAccount bound to exactly the chart's ClusterRole rules,
@@ -71,13 +87,25 @@ def operator_kubeconfig(
     rules = yaml.safe_load((repo / "charts/sandbox-operator/files/rbac-rules.yaml").read_text())
     rbac = k8s.RbacAuthorizationV1Api(api)
     core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
-    core.create_namespaced_service_account(OPERATOR_NAMESPACE, {"metadata": {"name": "sandbox-operator"}})
+    core.create_namespaced_service_account(
+        OPERATOR_NAMESPACE, {"metadata": {"name": "sandbox-operator"}}
+    )
     rbac.create_cluster_role({"metadata": {"name": "sandbox-operator"}, "rules": rules})
     rbac.create_cluster_role_binding(
         {
             "metadata": {"name": "sandbox-operator"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "sandbox-operator"},
-            "subjects": [{"kind": "ServiceAccount", "name": "sandbox-operator", "namespace": OPERATOR_NAMESPACE}],
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "sandbox-operator",
+            },
+            "subjects": [
+                {
+                    "kind": "ServiceAccount",
+                    "name": "sandbox-operator",
+                    "namespace": OPERATOR_NAMESPACE,
+                }
+            ],
         }
     )
     token = core.create_namespaced_service_account_token(
@@ -86,7 +114,15 @@ def operator_kubeconfig(
     kubeconfig = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "local", "cluster": {"server": control_plane.server, "certificate-authority": str(control_plane.ca_cert)}}],
+        "clusters": [
+            {
+                "name": "local",
+                "cluster": {
+                    "server": control_plane.server,
+                    "certificate-authority": str(control_plane.ca_cert),
+                },
+            }
+        ],
         "users": [{"name": "operator", "user": {"token": token}}],
         "contexts": [{"name": "operator", "context": {"cluster": "local", "user": "operator"}}],
         "current-context": "operator",
@@ -100,7 +136,9 @@ def operator_kubeconfig(
 def operator(
     crds: None, operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
-    process = OperatorProcess(operator_kubeconfig, tmp_path_factory.mktemp("operator-logs"), OPERATOR_ENV)
+    process = OperatorProcess(
+        operator_kubeconfig, tmp_path_factory.mktemp("operator-logs"), OPERATOR_ENV
+    )
     process.start()
     yield process
     process.stop()
@@ -153,13 +191,22 @@ class Sandboxes:
         self.namespace = namespace
 
     def create(self, name: str, spec: dict[str, Any] | None = None) -> dict[str, Any]:
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Sandbox", "metadata": {"name": name}, "spec": spec or {}}
-        result: dict[str, Any] = self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, "sandboxes", body)
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "Sandbox",
+            "metadata": {"name": name},
+            "spec": spec or {},
+        }
+        result: dict[str, Any] = self.custom.create_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "sandboxes", body
+        )
         return result
 
     def get(self, name: str) -> dict[str, Any] | None:
         try:
-            result: dict[str, Any] = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, "sandboxes", name)
+            result: dict[str, Any] = self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, "sandboxes", name
+            )
             return result
         except k8s.ApiException as exc:
             if exc.status == 404:
@@ -167,10 +214,14 @@ class Sandboxes:
             raise
 
     def patch(self, name: str, body: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, "sandboxes", name, body)
+        self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "sandboxes", name, body
+        )
 
     def delete(self, name: str) -> None:
-        self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, "sandboxes", name)
+        self.custom.delete_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "sandboxes", name
+        )
 
     def condition(self, name: str, kind: str) -> dict[str, Any] | None:
         body = self.get(name) or {}
@@ -183,7 +234,8 @@ class Sandboxes:
     def wait_phase(self, name: str, phase: str, timeout: float = 30) -> dict[str, Any]:
         return wait_for(
             lambda: (b := self.get(name)) and (b.get("status") or {}).get("phase") == phase and b,
-            timeout, f"sandbox {name} phase {phase}",
+            timeout,
+            f"sandbox {name} phase {phase}",
         )
 
 

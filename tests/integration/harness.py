@@ -41,9 +41,7 @@ def next_pod_ip() -> str:
     return f"127.0.{n // 250}.{n % 250 + 2}"
 
 
-def wait_for(
-    probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2
-) -> T:
+def wait_for(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
     """Poll until `probe` returns something truthy; fail with `what` otherwise."""
     deadline = time.monotonic() + timeout
     last: T | None = None
@@ -89,8 +87,13 @@ class OperatorProcess:
             "SANDBOX_OPERATOR_METRICS_PORT": str(self.metrics_port),
         }
         argv = [
-            str(VENV_BIN / "kopf"), "run", "-m", "sandbox_operator", "--all-namespaces",
-            "--standalone", f"--liveness=http://127.0.0.1:{self.health_port}/healthz",
+            str(VENV_BIN / "kopf"),
+            "run",
+            "-m",
+            "sandbox_operator",
+            "--all-namespaces",
+            "--standalone",
+            f"--liveness=http://127.0.0.1:{self.health_port}/healthz",
         ]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -171,8 +174,11 @@ class AgentProcess:
         }
         with (self.root / "runner.log").open("wb") as log:
             self.runner = subprocess.Popen(
-                ["python3", str(runner)], env=runner_env, cwd=self.workspace,
-                stdout=log, stderr=subprocess.STDOUT,
+                ["python3", str(runner)],
+                env=runner_env,
+                cwd=self.workspace,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         wait_for(self.ready, 30, f"agent readiness at {self.ip}:{self.port}")
 
@@ -231,10 +237,14 @@ class Node:
                 {"type": "Ready", "status": ready, "lastTransitionTime": now},
             ],
             "initContainerStatuses": [
-                _container("agent", "sandbox-agent:dev", agent_ready, {"running": {"startedAt": now}})
+                _container(
+                    "agent", "sandbox-agent:dev", agent_ready, {"running": {"startedAt": now}}
+                )
             ],
             "containerStatuses": [
-                _container("sandbox", "sandbox-runtime-python:dev", True, {"running": {"startedAt": now}})
+                _container(
+                    "sandbox", "sandbox-runtime-python:dev", True, {"running": {"startedAt": now}}
+                )
             ],
         }
         self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
@@ -243,7 +253,13 @@ class Node:
         self.core.patch_namespaced_pod_status(
             name,
             namespace,
-            {"status": {"phase": "Failed", "reason": reason, "message": f"the node says: {reason}"}},
+            {
+                "status": {
+                    "phase": "Failed",
+                    "reason": reason,
+                    "message": f"the node says: {reason}",
+                }
+            },
         )
 
     def crash_runtime(self, namespace: str, name: str, message: str) -> None:

@@ -27,15 +27,20 @@ def _children(core: k8s.CoreV1Api, api: k8s.ApiClient, ns: str, name: str) -> di
     net = k8s.NetworkingV1Api(api)
     return {
         "pod": _exists(lambda: core.read_namespaced_pod(name, ns)),
-        "claim": _exists(lambda: core.read_namespaced_persistent_volume_claim(f"{name}-workspace", ns)),
+        "claim": _exists(
+            lambda: core.read_namespaced_persistent_volume_claim(f"{name}-workspace", ns)
+        ),
         "secret": _exists(lambda: core.read_namespaced_secret(f"{name}-agent-token", ns)),
         "policy": _exists(lambda: net.read_namespaced_network_policy(name, ns)),
     }
 
 
 def _ready(
-    sandboxes: Sandboxes, core: k8s.CoreV1Api, node: Node,
-    agents: Callable[[str], AgentProcess], name: str,
+    sandboxes: Sandboxes,
+    core: k8s.CoreV1Api,
+    node: Node,
+    agents: Callable[[str], AgentProcess],
+    name: str,
 ) -> AgentProcess:
     """Play the node for a sandbox's pod and run its real agent; return the agent."""
     ns = sandboxes.namespace
@@ -49,7 +54,9 @@ def _ready(
 def test_create_makes_children_and_conditions(
     sandboxes: Sandboxes, core: k8s.CoreV1Api, api: k8s.ApiClient
 ) -> None:
-    sandboxes.create("alpha", {"runtime": "python", "network": {"exposedPorts": [{"name": "web", "port": 8000}]}})
+    sandboxes.create(
+        "alpha", {"runtime": "python", "network": {"exposedPorts": [{"name": "web", "port": 8000}]}}
+    )
     ns = sandboxes.namespace
     wait_for(lambda: all(_children(core, api, ns, "alpha").values()), 20, "all children")
     body = sandboxes.wait_phase("alpha", "Pending")
@@ -69,15 +76,20 @@ def test_create_makes_children_and_conditions(
 
 
 def test_ready_via_kubectl_wait(
-    sandboxes: Sandboxes, core: k8s.CoreV1Api, node: Node,
-    agents: Callable[[str], AgentProcess], control_plane: ControlPlane,
+    sandboxes: Sandboxes,
+    core: k8s.CoreV1Api,
+    node: Node,
+    agents: Callable[[str], AgentProcess],
+    control_plane: ControlPlane,
 ) -> None:
     sandboxes.create("bravo")
     ns = sandboxes.namespace
     wait_for(lambda: _exists(lambda: core.read_namespaced_pod("bravo", ns)), 20, "pod")
     agent = agents(secret_token(core, ns, "bravo"))
     node.run_pod(ns, "bravo", agent.ip)
-    waited = kubectl(control_plane, "-n", ns, "wait", "--for=condition=Ready", "sandbox/bravo", "--timeout=30s")
+    waited = kubectl(
+        control_plane, "-n", ns, "wait", "--for=condition=Ready", "sandbox/bravo", "--timeout=30s"
+    )
     assert waited.returncode == 0, waited.stderr
     status = sandboxes.get("bravo")["status"]  # type: ignore[index]
     assert status["agentEndpoint"] == f"http://{agent.ip}:8080"
@@ -98,13 +110,19 @@ def test_pause_and_resume_keep_the_workspace_claim(
     body = sandboxes.wait_phase("charlie", "Paused")
     assert sandboxes.condition("charlie", "Paused")["status"] == "True"  # type: ignore[index]
     assert body["status"].get("podIP") is None
-    assert core.read_namespaced_persistent_volume_claim("charlie-workspace", ns).metadata.uid == claim_uid
+    assert (
+        core.read_namespaced_persistent_volume_claim("charlie-workspace", ns).metadata.uid
+        == claim_uid
+    )
     sandboxes.patch("charlie", {"spec": {"paused": False}})
     wait_for(lambda: _exists(lambda: core.read_namespaced_pod("charlie", ns)), 20, "pod back")
     pod = core.read_namespaced_pod("charlie", ns)
     volume = next(v for v in pod.spec.volumes if v.name == "workspace")
     assert volume.persistent_volume_claim.claim_name == "charlie-workspace"
-    assert core.read_namespaced_persistent_volume_claim("charlie-workspace", ns).metadata.uid == claim_uid
+    assert (
+        core.read_namespaced_persistent_volume_claim("charlie-workspace", ns).metadata.uid
+        == claim_uid
+    )
 
 
 def test_delete_removes_children_through_garbage_collection(
@@ -128,7 +146,9 @@ def test_deletion_waits_for_the_operator(
     sandboxes.delete("echo")
     time.sleep(3)
     body = sandboxes.get("echo")
-    assert body is not None and body["metadata"].get("deletionTimestamp"), "finalizer must hold deletion"
+    assert body is not None and body["metadata"].get("deletionTimestamp"), (
+        "finalizer must hold deletion"
+    )
     assert _exists(lambda: core.read_namespaced_pod("echo", ns))
     running_operator.start()
     wait_for(lambda: sandboxes.get("echo") is None, 30, "deletion completes after restart")
@@ -153,9 +173,13 @@ def test_restart_mid_creation_creates_no_duplicates(
     running_operator.start()
     for name in names:
         sandboxes.wait_phase(name, "Pending", timeout=40)
-    pods = core.list_namespaced_pod(ns, label_selector="app.kubernetes.io/managed-by=sandbox-operator")
+    pods = core.list_namespaced_pod(
+        ns, label_selector="app.kubernetes.io/managed-by=sandbox-operator"
+    )
     assert sorted(p.metadata.name for p in pods.items) == sorted(names)
-    secrets = core.list_namespaced_secret(ns, label_selector="app.kubernetes.io/managed-by=sandbox-operator")
+    secrets = core.list_namespaced_secret(
+        ns, label_selector="app.kubernetes.io/managed-by=sandbox-operator"
+    )
     assert len(secrets.items) == len(names)
     for name, token in tokens.items():
         assert secret_token(core, ns, name) == token, "a token was replaced: agents would lose auth"
@@ -168,14 +192,17 @@ def test_idle_timeout_follows_real_agent_activity(
     agent = _ready(sandboxes, core, node, agents, "golf")
     # A background command keeps the sandbox busy past the idle timeout.
     started = agent.call(
-        "POST", "/v1/executions",
+        "POST",
+        "/v1/executions",
         json.dumps({"argv": ["sleep", "7"], "background": True}).encode(),
     )
     assert started["id"]
     busy_until = time.monotonic() + 6
     while time.monotonic() < busy_until:
         body = sandboxes.get("golf")
-        assert body is not None and not body["metadata"].get("deletionTimestamp"), "deleted while busy"
+        assert body is not None and not body["metadata"].get("deletionTimestamp"), (
+            "deleted while busy"
+        )
         time.sleep(0.5)
     status = sandboxes.get("golf")["status"]  # type: ignore[index]
     assert status["activeExecutions"] == 1
@@ -195,8 +222,12 @@ def test_idle_pause_keeps_the_claim_and_resumes_on_request(
     wait_for(lambda: not _exists(lambda: core.read_namespaced_pod("hotel", ns)), 20, "pod gone")
     assert _exists(lambda: core.read_namespaced_persistent_volume_claim("hotel-workspace", ns))
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 1))
-    sandboxes.patch("hotel", {"metadata": {"annotations": {"sandbox.dev/resume-requested-at": stamp}}})
-    wait_for(lambda: _exists(lambda: core.read_namespaced_pod("hotel", ns)), 20, "pod back after resume")
+    sandboxes.patch(
+        "hotel", {"metadata": {"annotations": {"sandbox.dev/resume-requested-at": stamp}}}
+    )
+    wait_for(
+        lambda: _exists(lambda: core.read_namespaced_pod("hotel", ns)), 20, "pod back after resume"
+    )
 
 
 def test_failed_pod_is_recreated_on_the_same_claim(

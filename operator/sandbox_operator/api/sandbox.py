@@ -21,6 +21,11 @@ from sandbox_operator.api.common import (
 )
 
 
+# `default: {}` on an optional object makes the API server fill in its fields
+# defaults too, so what `kubectl get -o yaml` shows is what the operator uses.
+_SERVER_DEFAULT = {"default": {}}
+
+
 class OnIdle(StrEnum):
     DELETE = "Delete"
     PAUSE = "Pause"
@@ -149,15 +154,15 @@ class SandboxSpec(Model):
         default=None, description="A container image with python3 >= 3.9 (instead of runtime)."
     )
     image_pull_policy: Annotated[str | None, Field(pattern="^(Always|IfNotPresent|Never)$")] = None
-    resources: Resources = Field(default_factory=Resources)
-    workspace: Workspace = Field(default_factory=Workspace)
+    resources: Resources = Field(default_factory=Resources, json_schema_extra=_SERVER_DEFAULT)
+    workspace: Workspace = Field(default_factory=Workspace, json_schema_extra=_SERVER_DEFAULT)
     env: Annotated[list[EnvVar], Field(max_length=128)] = Field(
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     paused: bool = Field(default=False, description="Delete the pod, keep the workspace.")
-    lifecycle: Lifecycle = Field(default_factory=Lifecycle)
-    network: Network = Field(default_factory=Network)
+    lifecycle: Lifecycle = Field(default_factory=Lifecycle, json_schema_extra=_SERVER_DEFAULT)
+    network: Network = Field(default_factory=Network, json_schema_extra=_SERVER_DEFAULT)
     runtime_class_name: Annotated[
         str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
     ] = Field(default=None, description="Passed through to the pod, e.g. gvisor or kata.")

@@ -1,0 +1,274 @@
+"""Bad manifests are refused by the real API server, with a message a person can act on.
+
+No operator is involved: this is the CRDs' OpenAPI schemas and CEL rules alone.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+
+GROUP, VERSION = "sandbox.dev", "v1alpha1"
+
+LONG = "x" * 300
+
+# (kind, plural, spec, metadata overrides, fragment the server's message must contain)
+BAD: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
+    (
+        "Sandbox",
+        "sandboxes",
+        {"lifecycle": {"idleTimeout": "30x"}},
+        {},
+        "spec.lifecycle.idleTimeout",
+    ),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"lifecycle": {"maxLifetime": "1 day"}},
+        {},
+        "spec.lifecycle.maxLifetime",
+    ),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"resources": {"memory": "-1Gi"}},
+        {},
+        "memory must be a positive quantity",
+    ),
+    ("Sandbox", "sandboxes", {"resources": {"cpu": 0}}, {}, "cpu must be a positive quantity"),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"workspace": {"size": "lots"}},
+        {},
+        "size must be a positive quantity",
+    ),
+    ("Sandbox", "sandboxes", {"lifecycle": {"onIdle": "Sleep"}}, {}, 'Unsupported value: "Sleep"'),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"network": {"egress": "Everything"}},
+        {},
+        'Unsupported value: "Everything"',
+    ),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"runtime": "python", "image": "python:3.12"},
+        {},
+        "set at most one of runtime or image",
+    ),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"workspace": {"ephemeral": True, "storageClassName": "fast"}},
+        {},
+        "storageClassName cannot be set for an ephemeral workspace",
+    ),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"workspace": {"ephemeral": True}, "lifecycle": {"onIdle": "Pause"}},
+        {},
+        "Pause needs a persistent workspace",
+    ),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"network": {"exposedPorts": [{"name": "web", "port": 70000}]}},
+        {},
+        "spec.network.exposedPorts[0].port",
+    ),
+    ("Sandbox", "sandboxes", {"env": [{"name": "A"}]}, {}, "exactly one of value or valueFrom"),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]},
+        {},
+        "Duplicate value",
+    ),
+    ("Sandbox", "sandboxes", {"image": LONG * 2}, {}, "spec.image: Too long"),
+    ("Sandbox", "sandboxes", {"runtime": "Python 3"}, {}, "spec.runtime"),
+    ("Sandbox", "sandboxes", {}, {"name": "9lives"}, "a Sandbox name must start with a letter"),
+    ("Sandbox", "sandboxes", {}, {"name": "a" * 51}, "at most 50 characters"),
+    (
+        "Execution",
+        "executions",
+        {"command": ["true"]},
+        {},
+        "exactly one of sandboxRef or sandboxTemplate",
+    ),
+    (
+        "Execution",
+        "executions",
+        {"sandboxRef": {"name": "a"}, "sandboxTemplate": {}, "command": ["true"]},
+        {},
+        "exactly one of sandboxRef or sandboxTemplate",
+    ),
+    (
+        "Execution",
+        "executions",
+        {"sandboxRef": {"name": "a"}},
+        {},
+        "exactly one of command or script",
+    ),
+    (
+        "Execution",
+        "executions",
+        {"sandboxRef": {"name": "a"}, "command": ["true"], "script": "true"},
+        {},
+        "exactly one of command or script",
+    ),
+    ("Execution", "executions", {"sandboxRef": {"name": "a"}, "command": []}, {}, "spec.command"),
+    (
+        "Execution",
+        "executions",
+        {"sandboxRef": {"name": "a"}, "command": ["true"], "timeout": "-5s"},
+        {},
+        "spec.timeout",
+    ),
+    (
+        "Execution",
+        "executions",
+        {"sandboxRef": {"name": "a"}, "command": ["true"], "ttlSecondsAfterFinished": -1},
+        {},
+        "spec.ttlSecondsAfterFinished",
+    ),
+    (
+        "Execution",
+        "executions",
+        {"sandboxRef": {"name": "a"}, "command": ["true"], "workingDir": "../etc"},
+        {},
+        "must be a path relative to the workspace",
+    ),
+    (
+        "Execution",
+        "executions",
+        {
+            "sandboxRef": {"name": "a"},
+            "command": ["true"],
+            "files": [{"path": "/etc/passwd", "content": "x"}],
+        },
+        {},
+        "must be a path relative to the workspace",
+    ),
+    (
+        "Execution",
+        "executions",
+        {"sandboxRef": {"name": "Not_A_Name"}, "command": ["true"]},
+        {},
+        "spec.sandboxRef.name",
+    ),
+    ("Snapshot", "snapshots", {}, {}, "spec.sandboxRef: Required value"),
+    (
+        "Snapshot",
+        "snapshots",
+        {"sandboxRef": {"name": "a"}, "retainPolicy": "Forever"},
+        {},
+        'Unsupported value: "Forever"',
+    ),
+    ("Snapshot", "snapshots", {"sandboxRef": {"name": "a"}, "tag": "has spaces"}, {}, "spec.tag"),
+]
+
+
+@pytest.fixture(scope="module")
+def namespace(core: k8s.CoreV1Api, crds: None) -> Iterator[str]:
+    name = f"v-{uuid.uuid4().hex[:8]}"
+    core.create_namespace({"metadata": {"name": name}})
+    yield name
+    core.delete_namespace(name)
+
+
+def _create(
+    custom: k8s.CustomObjectsApi,
+    ns: str,
+    kind: str,
+    plural: str,
+    spec: dict[str, Any],
+    meta: dict[str, Any],
+) -> None:
+    body = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": kind,
+        "metadata": {"name": f"bad-{uuid.uuid4().hex[:6]}", **meta},
+        "spec": spec,
+    }
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, plural, body)
+
+
+@pytest.mark.parametrize(
+    ("kind", "plural", "spec", "meta", "expected"),
+    BAD,
+    ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)],
+)
+def test_bad_spec_is_refused_with_a_readable_message(
+    custom: k8s.CustomObjectsApi,
+    namespace: str,
+    kind: str,
+    plural: str,
+    spec: dict[str, Any],
+    meta: dict[str, Any],
+    expected: str,
+) -> None:
+    with pytest.raises(k8s.ApiException) as refused:
+        _create(custom, namespace, kind, plural, spec, meta)
+    assert refused.value.status == 422
+    message = json.loads(refused.value.body)["message"]
+    assert expected in message, message
+
+
+def test_good_specs_are_accepted_with_defaults(
+    custom: k8s.CustomObjectsApi, namespace: str
+) -> None:
+    _create(
+        custom,
+        namespace,
+        "Sandbox",
+        "sandboxes",
+        {"runtime": "python", "resources": {"cpu": 2, "memory": "1Gi"}},
+        {"name": "ok"},
+    )
+    body = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxes", "ok")
+    assert body["spec"]["lifecycle"]["onIdle"] == "Delete"
+    assert body["spec"]["network"]["egress"] == "Internet"
+    assert body["spec"]["resources"]["cpu"] == 2  # int-or-string, kept as written
+    _create(
+        custom,
+        namespace,
+        "Execution",
+        "executions",
+        {"sandboxRef": {"name": "ok"}, "script": "echo hi"},
+        {"name": "run"},
+    )
+    execution = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "executions", "run")
+    assert execution["spec"]["timeout"] == "3m"
+
+
+def test_execution_command_is_immutable(custom: k8s.CustomObjectsApi, namespace: str) -> None:
+    _create(
+        custom,
+        namespace,
+        "Execution",
+        "executions",
+        {"sandboxRef": {"name": "ok"}, "command": ["echo", "1"]},
+        {"name": "fixed"},
+    )
+    with pytest.raises(k8s.ApiException) as refused:
+        custom.patch_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            namespace,
+            "executions",
+            "fixed",
+            {"spec": {"command": ["rm", "-rf", "/"]}},
+        )
+    assert "immutable after creation" in json.loads(refused.value.body)["message"]
+    # Cancelling is the one change allowed.
+    custom.patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, "executions", "fixed", {"spec": {"cancel": True}}
+    )
