@@ -186,6 +186,10 @@ class ControlPlane:
         stop_grace: float = 10.0,
         start_attempts: int = 3,
     ) -> None:
+        """`die_with_parent`: the components get SIGKILL when the calling thread's
+        process ends (PR_SET_PDEATHSIG), for test sessions; call start() from a
+        long-lived thread then, as the signal follows the thread that forked.
+        The CLI leaves it off so that `up` can exit and the cluster stays."""
         if not _NAME_RE.match(name):
             raise ValueError(f"cluster name {name!r} must match {_NAME_RE.pattern}")
         self.name = name
