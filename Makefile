@@ -75,3 +75,11 @@ bench: install binaries ## Benchmarks: agent vs subprocess floor; 1,000 Sandboxe
 .PHONY: clean
 clean: ## Remove the virtualenv and caches inside the repo (not the binary cache)
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+
+.PHONY: demo
+demo: install binaries ## Main job: control plane + CRDs + operator, apply examples/, report
+	$(PY) hack/demo.py up
+
+.PHONY: demo-down
+demo-down: install ## Stop everything `make demo` started and remove its state
+	$(PY) hack/demo.py down

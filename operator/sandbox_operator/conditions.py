@@ -30,6 +30,7 @@ REASON_INVALID_SPEC = "InvalidSpec"
 REASON_CREATE_FAILED = "CreateFailed"
 REASON_PAUSED = "Paused"
 REASON_PAUSING = "Pausing"
+REASON_NOT_PAUSED = "NotPaused"
 REASON_POD_MISSING = "PodMissing"
 REASON_UNSCHEDULABLE = "Unschedulable"
 REASON_SCHEDULED = "Scheduled"
@@ -159,7 +160,7 @@ def compute(observed: Observed) -> tuple[str, list[Cond]]:
             Cond("Ready", FALSE, REASON_PAUSING, "the sandbox is pausing"),
         ]
         return PAUSED, conds
-    conds.append(Cond("Paused", FALSE, "Running"))
+    conds.append(Cond("Paused", FALSE, REASON_NOT_PAUSED))
 
     if pod is None:
         conds.append(Cond("Ready", FALSE, REASON_POD_MISSING, "creating the pod"))

@@ -55,5 +55,5 @@ def test_every_kind_has_status_subresource_columns_and_category() -> None:
         version = crd["spec"]["versions"][0]
         assert version["subresources"] == {"status": {}}
         assert version["additionalPrinterColumns"]
-        assert crd["spec"]["names"]["categories"] == ["sandbox"]
+        assert crd["spec"]["names"]["categories"] == ["sandbox-all"]
         assert crd["spec"]["names"]["shortNames"]

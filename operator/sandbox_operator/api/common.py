@@ -14,7 +14,8 @@ from pydantic.alias_generators import to_camel
 GROUP = "sandbox.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
-CATEGORY = "sandbox"
+# Not "sandbox": a category named like a kind shadows it (`kubectl get sandbox x` fails).
+CATEGORY = "sandbox-all"
 
 
 def cel(rule: str, message: str, **extra: str) -> dict[str, str]:
