@@ -30,7 +30,7 @@ import socket
 import ssl
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -185,6 +185,7 @@ class ControlPlane:
         die_with_parent: bool = False,
         stop_grace: float = 10.0,
         start_attempts: int = 3,
+        apiserver_args: Sequence[str] = (),
     ) -> None:
         """`die_with_parent`: the components get SIGKILL when the calling thread's
         process ends (PR_SET_PDEATHSIG), for test sessions; call start() from a
@@ -198,6 +199,8 @@ class ControlPlane:
         self.die_with_parent = die_with_parent
         self.stop_grace = stop_grace
         self.start_attempts = start_attempts
+        # Extra kube-apiserver flags, e.g. an audit log for a benchmark.
+        self.apiserver_args = list(apiserver_args)
         self.start_duration: float | None = None
         """Seconds the last start() took (binaries already built), for reporting."""
         self._popens: dict[str, subprocess.Popen[bytes]] = {}
@@ -354,6 +357,7 @@ class ControlPlane:
                     # reconciler would only log errors. Nothing in the cluster
                     # can reach a loopback API server through a Service anyway.
                     "--endpoint-reconciler-type=none",
+                    *self.apiserver_args,
                 ],
                 ready=lambda: probe_https(ports.apiserver, "/readyz", admin_tls),
                 ports=[ports.apiserver],

@@ -32,7 +32,10 @@ METRICS_PORT = 18000
 def _kubectl(cp: ControlPlane, *args: str) -> str:
     result = subprocess.run(
         [str(cp.kubectl), f"--kubeconfig={cp.kubeconfig}", *args],
-        capture_output=True, text=True, check=False, timeout=120,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
     )
     if result.returncode != 0:
         raise SystemExit(f"kubectl {' '.join(args)} failed:\n{result.stderr}")
@@ -64,9 +67,20 @@ def _start_operator(cp: ControlPlane) -> None:
     kopf = Path(sys.executable).parent / "kopf"
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [str(kopf), "run", "-m", "sandbox_operator", "--all-namespaces", "--standalone",
-             f"--liveness=http://127.0.0.1:{HEALTH_PORT}/healthz"],
-            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+            [
+                str(kopf),
+                "run",
+                "-m",
+                "sandbox_operator",
+                "--all-namespaces",
+                "--standalone",
+                f"--liveness=http://127.0.0.1:{HEALTH_PORT}/healthz",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=REPO,
         )
     _pid_file(cp).write_text(str(proc.pid))
     deadline = time.monotonic() + 60
@@ -86,8 +100,15 @@ def up() -> None:
         cp.start()
         print(f"control plane: up at {cp.server} in {cp.start_duration:.1f}s")
     print(_kubectl(cp, "apply", "-f", str(REPO / "crds")).strip())
-    _kubectl(cp, "wait", "--for=condition=Established", "crd", "-l",
-             "app.kubernetes.io/part-of=sandbox-operator", "--timeout=60s")
+    _kubectl(
+        cp,
+        "wait",
+        "--for=condition=Established",
+        "crd",
+        "-l",
+        "app.kubernetes.io/part-of=sandbox-operator",
+        "--timeout=60s",
+    )
     _start_operator(cp)
     print(_kubectl(cp, "apply", "-f", str(REPO / "examples")).strip())
     names = json.loads(_kubectl(cp, "get", "sandboxes", "-o", "json"))["items"]
@@ -103,14 +124,23 @@ def up() -> None:
             time.sleep(0.5)
     print()
     print(_kubectl(cp, "get", "sandboxes", "-o", "wide"))
-    print(_kubectl(cp, "get", "pods,pvc,secrets,networkpolicies,services", "-l",
-                   "app.kubernetes.io/managed-by=sandbox-operator"))
+    print(
+        _kubectl(
+            cp,
+            "get",
+            "pods,pvc,secrets,networkpolicies,services",
+            "-l",
+            "app.kubernetes.io/managed-by=sandbox-operator",
+        )
+    )
     for item in names:
         name = item["metadata"]["name"]
         body = json.loads(_kubectl(cp, "get", "sandbox", name, "-o", "json"))
         print(f"{name}:")
         for cond in body["status"]["conditions"]:
-            print(f"  {cond['type']:<15} {cond['status']:<6} {cond['reason']:<16} {cond['message']}")
+            print(
+                f"  {cond['type']:<15} {cond['status']:<6} {cond['reason']:<16} {cond['message']}"
+            )
     print(
         "\nThis is the control plane only: no kubelet runs the pods, so they stay Pending.\n"
         f"Explore: export KUBECONFIG={cp.kubeconfig}; {cp.kubectl} get sandbox\n"
@@ -138,7 +168,9 @@ def down() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("action", choices=["up", "down"])
     args = parser.parse_args()
     up() if args.action == "up" else down()

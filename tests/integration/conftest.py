@@ -10,15 +10,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
 from devcluster.controlplane import ControlPlane
-from tests.integration.harness import AgentProcess, Node, OperatorProcess, next_pod_ip, wait_for
+from tests.integration.harness import (
+    AgentProcess,
+    Node,
+    OperatorProcess,
+    next_pod_ip,
+    operator_credentials,
+    wait_for,
+)
 
 GROUP, VERSION = "sandbox.dev", "v1alpha1"
-OPERATOR_NAMESPACE = "sandbox-system"
 # Short intervals so lifecycle tests finish in seconds, not minutes.
 OPERATOR_ENV = {
     "SANDBOX_OPERATOR_RECONCILE_INTERVAL_SECONDS": "1",
@@ -77,59 +82,14 @@ def crds(control_plane: ControlPlane, repo: Path) -> None:
 @pytest.fixture(scope="session")
 def operator_kubeconfig(
     control_plane: ControlPlane,
-    core: k8s.CoreV1Api,
     api: k8s.ApiClient,
     repo: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Path:
-    """Credentials of a ServiceAccount bound to exactly the chart's ClusterRole rules,
-    so every integration test also proves the operator's RBAC is sufficient."""
-    rules = yaml.safe_load((repo / "charts/sandbox-operator/files/rbac-rules.yaml").read_text())
-    rbac = k8s.RbacAuthorizationV1Api(api)
-    core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
-    core.create_namespaced_service_account(
-        OPERATOR_NAMESPACE, {"metadata": {"name": "sandbox-operator"}}
-    )
-    rbac.create_cluster_role({"metadata": {"name": "sandbox-operator"}, "rules": rules})
-    rbac.create_cluster_role_binding(
-        {
-            "metadata": {"name": "sandbox-operator"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": "sandbox-operator",
-            },
-            "subjects": [
-                {
-                    "kind": "ServiceAccount",
-                    "name": "sandbox-operator",
-                    "namespace": OPERATOR_NAMESPACE,
-                }
-            ],
-        }
-    )
-    token = core.create_namespaced_service_account_token(
-        "sandbox-operator", OPERATOR_NAMESPACE, {"spec": {"expirationSeconds": 86400}}
-    ).status.token
-    kubeconfig = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "local",
-                "cluster": {
-                    "server": control_plane.server,
-                    "certificate-authority": str(control_plane.ca_cert),
-                },
-            }
-        ],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": "operator"}}],
-        "current-context": "operator",
-    }
+    """Credentials bound to exactly the chart's ClusterRole rules, so every
+    integration test also proves the operator's RBAC is sufficient."""
     path = tmp_path_factory.mktemp("operator") / "kubeconfig"
-    path.write_text(yaml.safe_dump(kubeconfig))
-    return path
+    return operator_credentials(control_plane, api, repo, path)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from kubernetes import client as k8s
+
+from devcluster.controlplane import ControlPlane
 
 VENV_BIN = Path(sys.executable).parent
 T = TypeVar("T")
@@ -290,6 +293,48 @@ def _container(
         "restartCount": restarts,
         "state": state,
     }
+
+
+OPERATOR_NAMESPACE = "sandbox-system"
+
+
+def operator_credentials(cp: ControlPlane, api: k8s.ApiClient, repo: Path, path: Path) -> Path:
+    """Write a kubeconfig for a ServiceAccount bound to the chart's ClusterRole rules."""
+    rules = yaml.safe_load((repo / "charts/sandbox-operator/files/rbac-rules.yaml").read_text())
+    core, rbac = k8s.CoreV1Api(api), k8s.RbacAuthorizationV1Api(api)
+    name = "sandbox-operator"
+    core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
+    core.create_namespaced_service_account(OPERATOR_NAMESPACE, {"metadata": {"name": name}})
+    rbac.create_cluster_role({"metadata": {"name": name}, "rules": rules})
+    rbac.create_cluster_role_binding(
+        {
+            "metadata": {"name": name},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": name,
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": OPERATOR_NAMESPACE}],
+        }
+    )
+    token = core.create_namespaced_service_account_token(
+        name, OPERATOR_NAMESPACE, {"spec": {"expirationSeconds": 86400}}
+    ).status.token
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "local",
+                "cluster": {"server": cp.server, "certificate-authority": str(cp.ca_cert)},
+            }
+        ],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": "operator"}}],
+        "current-context": "operator",
+    }
+    path.write_text(yaml.safe_dump(kubeconfig))
+    return path
 
 
 def secret_token(core: k8s.CoreV1Api, namespace: str, sandbox: str) -> str:

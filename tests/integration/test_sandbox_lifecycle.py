@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -62,9 +63,11 @@ def test_create_makes_children_and_conditions(
     body = sandboxes.wait_phase("alpha", "Pending")
     status = body["status"]
     assert status["observedGeneration"] == 1
-    assert status["podName"] == "alpha" and status["workspaceClaim"] == "alpha-workspace"
+    assert status["podName"] == "alpha"
+    assert status["workspaceClaim"] == "alpha-workspace"
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
-    assert ready["status"] == "False" and ready["reason"] == "PodPending"
+    assert ready["status"] == "False"
+    assert ready["reason"] == "PodPending"
     pod = core.read_namespaced_pod("alpha", ns)
     assert pod.metadata.owner_references[0].uid == body["metadata"]["uid"]
     assert pod.spec.automount_service_account_token is False
@@ -95,7 +98,8 @@ def test_ready_via_kubectl_wait(
     assert status["agentEndpoint"] == f"http://{agent.ip}:8080"
     assert status["phase"] == "Running"
     shown = kubectl(control_plane, "-n", ns, "get", "sandboxes", "bravo")
-    assert "Running" in shown.stdout and "True" in shown.stdout
+    assert "Running" in shown.stdout
+    assert "True" in shown.stdout
 
 
 def test_pause_and_resume_keep_the_workspace_claim(
@@ -166,10 +170,8 @@ def test_restart_mid_creation_creates_no_duplicates(
     running_operator.kill()
     tokens = {}
     for name in names:
-        try:
+        with contextlib.suppress(k8s.ApiException):
             tokens[name] = secret_token(core, ns, name)
-        except k8s.ApiException:
-            pass
     running_operator.start()
     for name in names:
         sandboxes.wait_phase(name, "Pending", timeout=40)
@@ -259,7 +261,8 @@ def test_invalid_spec_is_explained_and_blocks_nobody(
     body = sandboxes.wait_phase("juliet", "Failed")
     ready = next(c for c in body["status"]["conditions"] if c["type"] == "Ready")
     assert ready["reason"] == "InvalidSpec"
-    assert "unknown runtime 'cobol'" in ready["message"] and "python" in ready["message"]
+    assert "unknown runtime 'cobol'" in ready["message"]
+    assert "python" in ready["message"]
     sandboxes.wait_phase("kilo", "Pending")
     # Fixing the spec heals it.
     sandboxes.patch("juliet", {"spec": {"runtime": "python"}})

@@ -28,14 +28,17 @@ def test_pod_meets_pod_security_restricted() -> None:
     spec = pod["spec"]
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
+    assert not spec.get("hostNetwork")
+    assert not spec.get("hostPID")
+    assert not spec.get("hostIPC")
     for volume in spec["volumes"]:
         assert set(volume) - {"name"} <= {"emptyDir", "persistentVolumeClaim", "secret"}
     for container in _containers(pod):
         ctx = container["securityContext"]
         assert ctx["allowPrivilegeEscalation"] is False
         assert ctx["capabilities"] == {"drop": ["ALL"]}
-        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] > 0
+        assert ctx["runAsNonRoot"] is True
+        assert ctx["runAsUser"] > 0
         assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
         assert "privileged" not in ctx
         assert not any("hostPort" in port for port in container.get("ports", []))
@@ -127,7 +130,9 @@ def test_children_are_owned_and_labelled() -> None:
             "app.kubernetes.io/managed-by": "sandbox-operator",
         }
         owner = meta["ownerReferences"][0]
-        assert owner["uid"] == "1234" and owner["controller"] is True and owner["kind"] == "Sandbox"
+        assert owner["uid"] == "1234"
+        assert owner["controller"] is True
+        assert owner["kind"] == "Sandbox"
 
 
 def test_service_only_for_exposed_ports() -> None:

@@ -141,6 +141,7 @@ def test_merge_keeps_transition_time_while_status_holds() -> None:
     assert first[0]["lastTransitionTime"] == "t1"
     same = c.merge(first, [c.Cond("Ready", "False", "B", "other reason")], 2, "t2")
     assert same[0]["lastTransitionTime"] == "t1"
-    assert same[0]["observedGeneration"] == 2 and same[0]["reason"] == "B"
+    assert same[0]["observedGeneration"] == 2
+    assert same[0]["reason"] == "B"
     flipped = c.merge(same, [c.Cond("Ready", "True", "C")], 2, "t3")
     assert flipped[0]["lastTransitionTime"] == "t3"

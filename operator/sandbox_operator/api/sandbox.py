@@ -20,7 +20,6 @@ from sandbox_operator.api.common import (
     validations,
 )
 
-
 # `default: {}` on an optional object makes the API server fill in its fields
 # defaults too, so what `kubectl get -o yaml` shows is what the operator uses.
 _SERVER_DEFAULT = {"default": {}}
