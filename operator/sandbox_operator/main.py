@@ -84,17 +84,37 @@ async def sandbox_changed(
     body: kopf.Body, memo: Any, logger: kopf.Logger, reason: str, **_: Any
 ) -> None:
     async with _measured("Sandbox", str(reason)):
-        await sandbox.reconcile(_runtime(memo), dict(body), memo, logger, full=True)
+        if reason == "create":
+            # Nothing exists yet: create straight away instead of asking first.
+            await sandbox.reconcile(
+                _runtime(memo),
+                dict(body),
+                memo,
+                logger,
+                children=sandbox.Children.ENSURE,
+                pod=None,
+                pod_known=True,
+            )
+        else:
+            children = sandbox.Children.CONVERGE if reason == "update" else sandbox.Children.ENSURE
+            await sandbox.reconcile(_runtime(memo), dict(body), memo, logger, children=children)
 
 
-@kopf.timer(*SANDBOX, interval=SETTINGS.reconcile_interval_seconds, initial_delay=1.0)
+# The change handlers just reconciled a new object: the first tick can wait a full interval.
+@kopf.timer(
+    *SANDBOX,
+    interval=SETTINGS.reconcile_interval_seconds,
+    initial_delay=SETTINGS.reconcile_interval_seconds,
+)
 async def sandbox_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
     if body["metadata"].get("deletionTimestamp"):
         return
     async with _measured("Sandbox", "timer"):
         # A bad spec was already reported in status by the change handler.
         with suppress(kopf.PermanentError):
-            await sandbox.reconcile(_runtime(memo), dict(body), memo, logger, full=False)
+            await sandbox.reconcile(
+                _runtime(memo), dict(body), memo, logger, children=sandbox.Children.POD
+            )
 
 
 @kopf.on.delete(*SANDBOX)
@@ -119,5 +139,5 @@ async def pod_event(type: str, body: kopf.Body, memo: Any, logger: kopf.Logger, 
     async with _measured("Sandbox", "pod-event"):
         with suppress(kopf.PermanentError):
             await sandbox.reconcile(
-                runtime, owner, memo, logger, full=False, pod=pod, pod_known=True
+                runtime, owner, memo, logger, children=sandbox.Children.POD, pod=pod, pod_known=True
             )

@@ -6,6 +6,7 @@ from enum import StrEnum
 from typing import Annotated
 
 from pydantic import ConfigDict, Field
+from pydantic.config import JsonDict
 
 from sandbox_operator.api.common import (
     DNS_LABEL_PATTERN,
@@ -22,7 +23,7 @@ from sandbox_operator.api.common import (
 
 # `default: {}` on an optional object makes the API server fill in its fields
 # defaults too, so what `kubectl get -o yaml` shows is what the operator uses.
-_SERVER_DEFAULT = {"default": {}}
+_SERVER_DEFAULT: JsonDict = {"default": {}}
 
 
 class OnIdle(StrEnum):

@@ -14,6 +14,7 @@ import json
 import secrets
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from enum import Enum
 from typing import Any, cast
 
 import kopf
@@ -35,6 +36,17 @@ SANDBOXES = ("sandbox.dev/v1alpha1", "sandboxes")
 # How long teardown waits for a graceful pod exit before forcing it.
 POD_DELETE_PATIENCE = timedelta(seconds=60)
 CREATE_RETRY_SECONDS = 3
+
+
+class Children(Enum):
+    """How much of the Sandbox's children a reconciliation looks after."""
+
+    # Only the pod (timer, pod events): cheapest, the common case.
+    POD = "pod"
+    # Create missing children, leave existing ones be (creation, operator restart).
+    ENSURE = "ensure"
+    # Also bring drifted children back to the spec (spec updates).
+    CONVERGE = "converge"
 
 
 @dataclass
@@ -346,18 +358,18 @@ async def reconcile(
     memo: Any,
     logger: kopf.Logger,
     *,
-    full: bool,
+    children: Children,
     pod: JSON | None = None,
     pod_known: bool = False,
 ) -> None:
-    """Converge one Sandbox. `full` re-ensures every child (create/update/resume);
-    otherwise only the pod is checked (timer, pod events) to keep API load low."""
+    """Converge one Sandbox. `children` says how far beyond the pod to look;
+    `pod_known` means `pod` is the pod as it stands (None: there is none)."""
     meta = body["metadata"]
     async with rt.lock(meta["namespace"], meta["name"]):
         known = rt.statuses.get((meta["namespace"], meta["name"]))
         if known is not None:
             body = {**body, "status": known}
-        await _reconcile(rt, body, memo, logger, full=full, pod=pod, pod_known=pod_known)
+        await _reconcile(rt, body, memo, logger, children=children, pod=pod, pod_known=pod_known)
 
 
 async def _reconcile(
@@ -366,7 +378,7 @@ async def _reconcile(
     memo: Any,
     logger: kopf.Logger,
     *,
-    full: bool,
+    children: Children,
     pod: JSON | None,
     pod_known: bool,
 ) -> None:
@@ -389,11 +401,11 @@ async def _reconcile(
     assert spec is not None
     ref = ref_of(body)
     try:
-        if full:
-            await ensure_children(rt, ref, spec, converge=True)
+        if children is not Children.POD:
+            await ensure_children(rt, ref, spec, converge=children is Children.CONVERGE)
         if not pod_known:
             pod = await rt.kube.get(_path("pods", ref.namespace, build.names(ref.name)["pod"]))
-        if pod is None and not full and not effective_paused(body, spec):
+        if pod is None and children is Children.POD and not effective_paused(body, spec):
             # The pod is gone (evicted, deleted): its siblings may be too.
             await ensure_children(rt, ref, spec, converge=False)
         pod = await ensure_pod(rt, body, spec, pod, logger)
@@ -432,7 +444,7 @@ async def _reconcile(
         if changes.get("idlePausedAt"):
             # Paused by the idle policy just now: converge again as a paused sandbox.
             body["status"] = {**(body.get("status") or {}), **status, **changes}
-            await _reconcile(rt, body, memo, logger, full=False, pod=pod, pod_known=True)
+            await _reconcile(rt, body, memo, logger, children=Children.POD, pod=pod, pod_known=True)
             return
         status.update(changes)
     status = {k: v for k, v in status.items() if v is not None}
