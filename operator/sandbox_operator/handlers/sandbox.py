@@ -72,9 +72,16 @@ class Runtime:
 
 
 def event(body: JSON, kind: str, reason: str, message: str) -> None:
-    """A Kubernetes Event on the Sandbox (kopf posts it in the background)."""
-    post = kopf.info if kind == "info" else kopf.warn
-    post(cast(kopf.Body, body), reason=reason, message=message)
+    """A Kubernetes Event on the Sandbox, posted in the background.
+
+    kopf.event, not kopf.info: the latter obeys the posting level, which is set
+    to WARNING so that routine handler chatter stays out of Events."""
+    kopf.event(
+        cast(kopf.Body, body),
+        type="Normal" if kind == "info" else "Warning",
+        reason=reason,
+        message=message,
+    )
 
 
 def now_utc() -> datetime:
