@@ -282,7 +282,9 @@ async def workspace_sync(request: Request) -> Response:
 # -- exec -------------------------------------------------------------------
 
 
-def _prepare(st: AgentState, req: models.ExecRequest, request: Request) -> tuple[list[str], str, bytes | None]:
+def _prepare(
+    st: AgentState, req: models.ExecRequest, request: Request
+) -> tuple[list[str], str, bytes | None]:
     header_key = request.headers.get("idempotency-key")
     if header_key is not None:
         if not 0 < len(header_key) <= 256:
@@ -292,7 +294,9 @@ def _prepare(st: AgentState, req: models.ExecRequest, request: Request) -> tuple
         req.idempotency_key = header_key
     if (req.command is None) == (req.argv is None):
         raise bad_request("invalid_request", "give exactly one of 'command' and 'argv'")
-    argv = [st.settings.shell, "-c", req.command] if req.command is not None else list(req.argv or [])
+    argv = (
+        [st.settings.shell, "-c", req.command] if req.command is not None else list(req.argv or [])
+    )
     if any("\0" in a for a in argv) or not argv[0]:
         raise bad_request("invalid_request", "arguments must be non-empty and contain no NUL")
     for k, v in req.env.items():
@@ -340,7 +344,11 @@ def _event_stream(
     async def body() -> AsyncIterator[bytes]:
         async for ev in events:
             data = _encode(ev)
-            yield (b"event: " + ev.type.encode() + b"\ndata: " + data + b"\n\n") if sse else data + b"\n"
+            yield (
+                (b"event: " + ev.type.encode() + b"\ndata: " + data + b"\n\n")
+                if sse
+                else data + b"\n"
+            )
 
     headers = {**headers, "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
     return StreamingResponse(body(), media_type=SSE if sse else NDJSON, headers=headers)
@@ -488,9 +496,7 @@ async def exec_cancel(request: Request) -> Response:
     if ex.finished is None:
         ex.cancel(req.grace_seconds)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(
-                ex.done.wait(), req.grace_seconds + st.settings.kill_grace + 1.0
-            )
+            await asyncio.wait_for(ex.done.wait(), req.grace_seconds + st.settings.kill_grace + 1.0)
     return ok(ex.view(output=False))
 
 
@@ -569,6 +575,9 @@ async def _spool_upload(
             total += len(chunk)
             if total > limit:
                 raise ApiError(413, "body_too_large", f"uploads are limited to {limit} bytes")
+            if not pending and len(chunk) >= 1 << 20:
+                await sink(chunk)  # already big: no extra copy
+                continue
             pending.append(chunk)
             pending_len += len(chunk)
             if pending_len >= 4 << 20:
@@ -764,120 +773,352 @@ PATH_Q = Param("path", "string", "Path relative to the workspace", required=True
 ENC = Param("encoding", "string", "Output encoding in JSON", enum=("utf-8", "base64"))
 
 OPS: tuple[Op, ...] = (
-    Op("GET", "/healthz", healthz, "Liveness: 200 while the process is up", "health",
-       responses={200: models.Health}, public=True),
-    Op("GET", "/readyz", readyz, "Readiness: 200 only when the runner answers", "health",
-       responses={200: models.Readiness, 503: models.Readiness}, public=True),
-    Op("GET", "/metrics", metrics_endpoint, "Prometheus metrics", "info",
-       responses={200: "prometheus"}),
+    Op(
+        "GET",
+        "/healthz",
+        healthz,
+        "Liveness: 200 while the process is up",
+        "health",
+        responses={200: models.Health},
+        public=True,
+    ),
+    Op(
+        "GET",
+        "/readyz",
+        readyz,
+        "Readiness: 200 only when the runner answers",
+        "health",
+        responses={200: models.Readiness, 503: models.Readiness},
+        public=True,
+    ),
+    Op(
+        "GET",
+        "/metrics",
+        metrics_endpoint,
+        "Prometheus metrics",
+        "info",
+        responses={200: "prometheus"},
+    ),
     Op("GET", "/openapi.json", openapi_json, "This document", "info", responses={200: "object"}),
-    Op("GET", "/v1/info", info, "Version, runner state and activity (not itself activity)",
-       "info", responses={200: models.Info}),
-    Op("POST", "/v1/workspace/sync", workspace_sync, "Flush the workspace to disk (sync)",
-       "info", responses={200: models.SyncResult}),
-    Op("POST", "/v1/executions", exec_create,
-       "Run a command; waits for the exit unless background (202)", "exec",
-       body=models.ExecRequest,
-       responses={200: models.Execution, 202: models.Execution, 409: models.ErrorBody,
-                  413: models.ErrorBody, 429: models.ErrorBody, 503: models.ErrorBody}),
-    Op("POST", "/v1/executions/stream", exec_stream,
-       "Run a command and stream events (ndjson, or SSE with Accept: text/event-stream)",
-       "exec", body=models.ExecRequest, params=(ENC,),
-       responses={200: "events", 409: models.ErrorBody, 413: models.ErrorBody,
-                  429: models.ErrorBody, 503: models.ErrorBody}),
-    Op("GET", "/v1/executions", exec_list, "List executions (without output)", "exec",
-       params=(Param("status", "string", "Only this status",
-                     enum=("running", "completed", "timed_out", "cancelled", "failed", "lost")),),
-       responses={200: models.ExecutionList}),
-    Op("GET", "/v1/executions/{id}", exec_get, "One execution, with captured output tails",
-       "exec",
-       params=(PATH_PARAM,
-               Param("output", "boolean", "Include stdout/stderr (default true)"),
-               Param("waitSeconds", "number", "Wait up to this long for the exit",
-                     minimum=0, maximum=600)),
-       responses={200: models.Execution, 404: models.ErrorBody}),
-    Op("DELETE", "/v1/executions/{id}", exec_delete, "Forget a finished execution and its log",
-       "exec", params=(PATH_PARAM,),
-       responses={204: None, 404: models.ErrorBody, 409: models.ErrorBody}),
-    Op("GET", "/v1/executions/{id}/output", exec_output,
-       "Output from a cursor (long poll with waitSeconds)", "exec",
-       params=(PATH_PARAM,
-               Param("cursor", "integer", "From outputCursor / a previous page", minimum=0),
-               Param("maxBytes", "integer", "Page size", minimum=1, maximum=16 << 20),
-               Param("waitSeconds", "number", "Wait for new output", minimum=0, maximum=60),
-               ENC),
-       responses={200: models.OutputPage, 400: models.ErrorBody, 404: models.ErrorBody,
-                  410: models.ErrorBody}),
-    Op("GET", "/v1/executions/{id}/stream", exec_attach,
-       "Reattach: stream events from a cursor until the exit", "exec",
-       params=(PATH_PARAM, Param("cursor", "integer", "Start here", minimum=0), ENC),
-       responses={200: "events", 400: models.ErrorBody, 404: models.ErrorBody,
-                  410: models.ErrorBody}),
-    Op("POST", "/v1/executions/{id}/stdin", exec_stdin, "Write to (and optionally close) stdin",
-       "exec", body=models.StdinRequest, params=(PATH_PARAM,),
-       responses={200: models.StdinResult, 404: models.ErrorBody, 409: models.ErrorBody}),
-    Op("POST", "/v1/executions/{id}/signal", exec_signal, "Signal the process group", "exec",
-       body=models.SignalRequest, params=(PATH_PARAM,),
-       responses={200: models.Execution, 404: models.ErrorBody, 409: models.ErrorBody}),
-    Op("POST", "/v1/executions/{id}/cancel", exec_cancel,
-       "Cancel: SIGTERM + grace + SIGKILL (or SIGKILL) to the group; waits for the end",
-       "exec", body=models.CancelRequest, params=(PATH_PARAM,),
-       responses={200: models.Execution, 404: models.ErrorBody}),
-    Op("GET", "/v1/files/content", file_read, "Read a file (whole, byte range or line range)",
-       "files",
-       params=(PATH_Q,
-               Param("offset", "integer", "First byte", minimum=0),
-               Param("length", "integer", "Number of bytes", minimum=0),
-               Param("startLine", "integer", "First line (1-based)", minimum=1),
-               Param("lineCount", "integer", "Number of lines", minimum=0)),
-       responses={200: "binary", 400: models.ErrorBody, 403: models.ErrorBody,
-                  404: models.ErrorBody, 413: models.ErrorBody}),
-    Op("PUT", "/v1/files/content", file_write_raw, "Write a file atomically from the raw body",
-       "files", body="binary",
-       params=(PATH_Q,
-               Param("mode", "string", "Octal permission bits, e.g. 0644"),
-               Param("parents", "boolean", "Create missing parent directories (default true)")),
-       responses={200: models.FileInfo, 400: models.ErrorBody, 403: models.ErrorBody,
-                  404: models.ErrorBody, 413: models.ErrorBody}),
-    Op("POST", "/v1/files/write", file_write_json, "Write a file atomically from JSON", "files",
-       body=models.WriteRequest,
-       responses={200: models.FileInfo, 400: models.ErrorBody, 403: models.ErrorBody,
-                  404: models.ErrorBody}),
-    Op("GET", "/v1/files/stat", file_stat, "Stat a path (symlinks not followed)", "files",
-       params=(PATH_Q,),
-       responses={200: models.FileInfo, 403: models.ErrorBody, 404: models.ErrorBody}),
-    Op("GET", "/v1/files/list", file_list, "List a directory", "files",
-       params=(Param("path", "string", "Directory (default '.')"),
-               Param("depth", "integer", "Levels to descend (default 1)", minimum=1, maximum=64),
-               Param("hidden", "boolean", "Include dot files (default true)")),
-       responses={200: models.FileList, 400: models.ErrorBody, 403: models.ErrorBody,
-                  404: models.ErrorBody}),
-    Op("POST", "/v1/files/mkdir", file_mkdir, "Create a directory", "files",
-       body=models.MkdirRequest, responses={200: models.FileInfo, 409: models.ErrorBody}),
-    Op("POST", "/v1/files/remove", file_remove, "Remove a file, link or directory", "files",
-       body=models.RemoveRequest, responses={200: models.Removed, 404: models.ErrorBody,
-                                             409: models.ErrorBody}),
-    Op("POST", "/v1/files/move", file_move, "Move / rename", "files", body=models.MoveRequest,
-       responses={200: models.FileInfo, 404: models.ErrorBody, 409: models.ErrorBody}),
-    Op("POST", "/v1/files/search", file_search, "Search file contents by regex", "files",
-       body=models.SearchRequest, responses={200: models.SearchResult, 400: models.ErrorBody}),
-    Op("POST", "/v1/files/find", file_find, "Find paths by glob", "files",
-       body=models.FindRequest, responses={200: models.FindResult, 400: models.ErrorBody}),
-    Op("POST", "/v1/files/patch", file_patch, "Apply a unified diff (all or nothing)", "files",
-       body=models.PatchRequest,
-       responses={200: models.PatchResult, 400: models.ErrorBody, 409: models.ErrorBody}),
-    Op("POST", "/v1/files/replace", file_replace, "Find and replace in one file", "files",
-       body=models.ReplaceRequest,
-       responses={200: models.ReplaceResult, 400: models.ErrorBody, 409: models.ErrorBody}),
-    Op("GET", "/v1/files/archive", archive_download, "Download a directory as tar (or tar.gz)",
-       "files",
-       params=(Param("path", "string", "Directory (default '.')"),
-               Param("gzip", "boolean", "gzip the tar")),
-       responses={200: "tar", 400: models.ErrorBody, 404: models.ErrorBody}),
-    Op("PUT", "/v1/files/archive", archive_upload,
-       "Upload a tar (optionally gzip/bz2/xz) and extract it into a directory", "files",
-       body="tar", params=(Param("path", "string", "Destination directory (default '.')"),),
-       responses={200: models.ArchiveResult, 400: models.ErrorBody, 413: models.ErrorBody}),
+    Op(
+        "GET",
+        "/v1/info",
+        info,
+        "Version, runner state and activity (not itself activity)",
+        "info",
+        responses={200: models.Info},
+    ),
+    Op(
+        "POST",
+        "/v1/workspace/sync",
+        workspace_sync,
+        "Flush the workspace to disk (sync)",
+        "info",
+        responses={200: models.SyncResult},
+    ),
+    Op(
+        "POST",
+        "/v1/executions",
+        exec_create,
+        "Run a command; waits for the exit unless background (202)",
+        "exec",
+        body=models.ExecRequest,
+        responses={
+            200: models.Execution,
+            202: models.Execution,
+            409: models.ErrorBody,
+            413: models.ErrorBody,
+            429: models.ErrorBody,
+            503: models.ErrorBody,
+        },
+    ),
+    Op(
+        "POST",
+        "/v1/executions/stream",
+        exec_stream,
+        "Run a command and stream events (ndjson, or SSE with Accept: text/event-stream)",
+        "exec",
+        body=models.ExecRequest,
+        params=(ENC,),
+        responses={
+            200: "events",
+            409: models.ErrorBody,
+            413: models.ErrorBody,
+            429: models.ErrorBody,
+            503: models.ErrorBody,
+        },
+    ),
+    Op(
+        "GET",
+        "/v1/executions",
+        exec_list,
+        "List executions (without output)",
+        "exec",
+        params=(
+            Param(
+                "status",
+                "string",
+                "Only this status",
+                enum=("running", "completed", "timed_out", "cancelled", "failed", "lost"),
+            ),
+        ),
+        responses={200: models.ExecutionList},
+    ),
+    Op(
+        "GET",
+        "/v1/executions/{id}",
+        exec_get,
+        "One execution, with captured output tails",
+        "exec",
+        params=(
+            PATH_PARAM,
+            Param("output", "boolean", "Include stdout/stderr (default true)"),
+            Param(
+                "waitSeconds", "number", "Wait up to this long for the exit", minimum=0, maximum=600
+            ),
+        ),
+        responses={200: models.Execution, 404: models.ErrorBody},
+    ),
+    Op(
+        "DELETE",
+        "/v1/executions/{id}",
+        exec_delete,
+        "Forget a finished execution and its log",
+        "exec",
+        params=(PATH_PARAM,),
+        responses={204: None, 404: models.ErrorBody, 409: models.ErrorBody},
+    ),
+    Op(
+        "GET",
+        "/v1/executions/{id}/output",
+        exec_output,
+        "Output from a cursor (long poll with waitSeconds)",
+        "exec",
+        params=(
+            PATH_PARAM,
+            Param("cursor", "integer", "From outputCursor / a previous page", minimum=0),
+            Param("maxBytes", "integer", "Page size", minimum=1, maximum=16 << 20),
+            Param("waitSeconds", "number", "Wait for new output", minimum=0, maximum=60),
+            ENC,
+        ),
+        responses={
+            200: models.OutputPage,
+            400: models.ErrorBody,
+            404: models.ErrorBody,
+            410: models.ErrorBody,
+        },
+    ),
+    Op(
+        "GET",
+        "/v1/executions/{id}/stream",
+        exec_attach,
+        "Reattach: stream events from a cursor until the exit",
+        "exec",
+        params=(PATH_PARAM, Param("cursor", "integer", "Start here", minimum=0), ENC),
+        responses={
+            200: "events",
+            400: models.ErrorBody,
+            404: models.ErrorBody,
+            410: models.ErrorBody,
+        },
+    ),
+    Op(
+        "POST",
+        "/v1/executions/{id}/stdin",
+        exec_stdin,
+        "Write to (and optionally close) stdin",
+        "exec",
+        body=models.StdinRequest,
+        params=(PATH_PARAM,),
+        responses={200: models.StdinResult, 404: models.ErrorBody, 409: models.ErrorBody},
+    ),
+    Op(
+        "POST",
+        "/v1/executions/{id}/signal",
+        exec_signal,
+        "Signal the process group",
+        "exec",
+        body=models.SignalRequest,
+        params=(PATH_PARAM,),
+        responses={200: models.Execution, 404: models.ErrorBody, 409: models.ErrorBody},
+    ),
+    Op(
+        "POST",
+        "/v1/executions/{id}/cancel",
+        exec_cancel,
+        "Cancel: SIGTERM + grace + SIGKILL (or SIGKILL) to the group; waits for the end",
+        "exec",
+        body=models.CancelRequest,
+        params=(PATH_PARAM,),
+        responses={200: models.Execution, 404: models.ErrorBody},
+    ),
+    Op(
+        "GET",
+        "/v1/files/content",
+        file_read,
+        "Read a file (whole, byte range or line range)",
+        "files",
+        params=(
+            PATH_Q,
+            Param("offset", "integer", "First byte", minimum=0),
+            Param("length", "integer", "Number of bytes", minimum=0),
+            Param("startLine", "integer", "First line (1-based)", minimum=1),
+            Param("lineCount", "integer", "Number of lines", minimum=0),
+        ),
+        responses={
+            200: "binary",
+            400: models.ErrorBody,
+            403: models.ErrorBody,
+            404: models.ErrorBody,
+            413: models.ErrorBody,
+        },
+    ),
+    Op(
+        "PUT",
+        "/v1/files/content",
+        file_write_raw,
+        "Write a file atomically from the raw body",
+        "files",
+        body="binary",
+        params=(
+            PATH_Q,
+            Param("mode", "string", "Octal permission bits, e.g. 0644"),
+            Param("parents", "boolean", "Create missing parent directories (default true)"),
+        ),
+        responses={
+            200: models.FileInfo,
+            400: models.ErrorBody,
+            403: models.ErrorBody,
+            404: models.ErrorBody,
+            413: models.ErrorBody,
+        },
+    ),
+    Op(
+        "POST",
+        "/v1/files/write",
+        file_write_json,
+        "Write a file atomically from JSON",
+        "files",
+        body=models.WriteRequest,
+        responses={
+            200: models.FileInfo,
+            400: models.ErrorBody,
+            403: models.ErrorBody,
+            404: models.ErrorBody,
+        },
+    ),
+    Op(
+        "GET",
+        "/v1/files/stat",
+        file_stat,
+        "Stat a path (symlinks not followed)",
+        "files",
+        params=(PATH_Q,),
+        responses={200: models.FileInfo, 403: models.ErrorBody, 404: models.ErrorBody},
+    ),
+    Op(
+        "GET",
+        "/v1/files/list",
+        file_list,
+        "List a directory",
+        "files",
+        params=(
+            Param("path", "string", "Directory (default '.')"),
+            Param("depth", "integer", "Levels to descend (default 1)", minimum=1, maximum=64),
+            Param("hidden", "boolean", "Include dot files (default true)"),
+        ),
+        responses={
+            200: models.FileList,
+            400: models.ErrorBody,
+            403: models.ErrorBody,
+            404: models.ErrorBody,
+        },
+    ),
+    Op(
+        "POST",
+        "/v1/files/mkdir",
+        file_mkdir,
+        "Create a directory",
+        "files",
+        body=models.MkdirRequest,
+        responses={200: models.FileInfo, 409: models.ErrorBody},
+    ),
+    Op(
+        "POST",
+        "/v1/files/remove",
+        file_remove,
+        "Remove a file, link or directory",
+        "files",
+        body=models.RemoveRequest,
+        responses={200: models.Removed, 404: models.ErrorBody, 409: models.ErrorBody},
+    ),
+    Op(
+        "POST",
+        "/v1/files/move",
+        file_move,
+        "Move / rename",
+        "files",
+        body=models.MoveRequest,
+        responses={200: models.FileInfo, 404: models.ErrorBody, 409: models.ErrorBody},
+    ),
+    Op(
+        "POST",
+        "/v1/files/search",
+        file_search,
+        "Search file contents by regex",
+        "files",
+        body=models.SearchRequest,
+        responses={200: models.SearchResult, 400: models.ErrorBody},
+    ),
+    Op(
+        "POST",
+        "/v1/files/find",
+        file_find,
+        "Find paths by glob",
+        "files",
+        body=models.FindRequest,
+        responses={200: models.FindResult, 400: models.ErrorBody},
+    ),
+    Op(
+        "POST",
+        "/v1/files/patch",
+        file_patch,
+        "Apply a unified diff (all or nothing)",
+        "files",
+        body=models.PatchRequest,
+        responses={200: models.PatchResult, 400: models.ErrorBody, 409: models.ErrorBody},
+    ),
+    Op(
+        "POST",
+        "/v1/files/replace",
+        file_replace,
+        "Find and replace in one file",
+        "files",
+        body=models.ReplaceRequest,
+        responses={200: models.ReplaceResult, 400: models.ErrorBody, 409: models.ErrorBody},
+    ),
+    Op(
+        "GET",
+        "/v1/files/archive",
+        archive_download,
+        "Download a directory as tar (or tar.gz)",
+        "files",
+        params=(
+            Param("path", "string", "Directory (default '.')"),
+            Param("gzip", "boolean", "gzip the tar"),
+        ),
+        responses={200: "tar", 400: models.ErrorBody, 404: models.ErrorBody},
+    ),
+    Op(
+        "PUT",
+        "/v1/files/archive",
+        archive_upload,
+        "Upload a tar (optionally gzip/bz2/xz) and extract it into a directory",
+        "files",
+        body="tar",
+        params=(Param("path", "string", "Destination directory (default '.')"),),
+        responses={200: models.ArchiveResult, 400: models.ErrorBody, 413: models.ErrorBody},
+    ),
 )
 
 

@@ -47,8 +47,11 @@ def _check_member(m: tarfile.TarInfo, names: set[str]) -> None:
         raise _refuse(name, "'..' component")
     if "\0" in name:
         raise _refuse(name, "NUL in name")
-    if m.ischr() or m.isblk() or m.isfifo() or not (
-        m.isreg() or m.isdir() or m.issym() or m.islnk()
+    if (
+        m.ischr()
+        or m.isblk()
+        or m.isfifo()
+        or not (m.isreg() or m.isdir() or m.issym() or m.islnk())
     ):
         raise _refuse(name, "device files, FIFOs and other special files are not allowed")
     if m.issym():
@@ -76,7 +79,9 @@ def scan(tar: tarfile.TarFile, s: Settings) -> list[tarfile.TarInfo]:
         except tarfile.TarError as exc:
             raise bad_request("invalid_archive", f"not a valid tar archive: {exc}") from None
         except (EOFError, OSError, ValueError) as exc:
-            raise bad_request("invalid_archive", f"archive is truncated or corrupt: {exc}") from None
+            raise bad_request(
+                "invalid_archive", f"archive is truncated or corrupt: {exc}"
+            ) from None
         if m is None:
             break
         if len(members) >= s.max_archive_entries:
@@ -133,9 +138,11 @@ def extract(ws: Workspace, rel: str, spool: IO[bytes], s: Settings) -> models.Ar
                     if os.path.islink(existing):
                         os.unlink(existing)
                 try:
-                    tar.extract(m, dest, filter=_filter)  # type: ignore[arg-type]
+                    tar.extract(m, dest, filter=_filter)
                 except (tarfile.TarError, EOFError) as exc:
-                    raise bad_request("invalid_archive", f"cannot extract {m.name!r}: {exc}") from None
+                    raise bad_request(
+                        "invalid_archive", f"cannot extract {m.name!r}: {exc}"
+                    ) from None
             total += max(m.size, 0)
     return models.ArchiveResult(path=ws.relative(dest), entries=len(members), bytes=total)
 
@@ -200,11 +207,13 @@ def stream_tar(ws: Workspace, rel: str, gzip: bool) -> Iterator[bytes]:
 
     def produce() -> None:
         try:
-            with tarfile.open(
-                fileobj=writer,  # type: ignore[arg-type]
-                mode="w|gz" if gzip else "w|",
-                format=tarfile.PAX_FORMAT,
-            ) as tar:
+            sink: Any = writer
+            tar = (
+                tarfile.open(fileobj=sink, mode="w|gz", format=tarfile.PAX_FORMAT)
+                if gzip
+                else tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT)
+            )
+            with tar:
                 _add_tree(ws, tar, root, "")
             writer.flush()
             q.put(None)

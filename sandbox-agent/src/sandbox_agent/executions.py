@@ -20,8 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from . import metrics, models
 from .config import Settings
@@ -31,11 +30,14 @@ from .runner_client import RunnerClient
 REC = struct.Struct(">BBI")
 REC_MAGIC = 0x1E
 STREAM_OUT, STREAM_ERR = 1, 2
-_STREAM_NAME = {STREAM_OUT: "stdout", STREAM_ERR: "stderr"}
+StreamName = Literal["stdout", "stderr"]
+_STREAM_NAME: dict[int, StreamName] = {STREAM_OUT: "stdout", STREAM_ERR: "stderr"}
 
 
 def rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    """RFC 3339 UTC with milliseconds (hot path: avoids datetime objects)."""
+    ms = int(ts * 1000) % 1000
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{ms:03d}Z"
 
 
 def signal_name(sig: int) -> str | None:
@@ -344,7 +346,7 @@ class Execution:
         )
 
     def chunk_view(self, c: Chunk, b64: bool, decoder: Any = None) -> models.OutputChunk:
-        name = "stdout" if c.stream == STREAM_OUT else "stderr"
+        name = _STREAM_NAME[c.stream]
         if b64:
             return models.OutputChunk(
                 stream=name, data_base64=base64.b64encode(c.data).decode(), cursor=c.cursor
@@ -463,12 +465,14 @@ class ExecutionManager:
         excess = len(self.records) - self.active - self.settings.max_records
         if excess <= 0:
             return
-        for ex in list(self.records.values()):
-            if excess <= 0:
-                break
+        victims = []
+        for ex in self.records.values():  # insertion order: oldest first
             if ex.finished is not None:
-                self._drop(ex)
-                excess -= 1
+                victims.append(ex)
+                if len(victims) >= excess:
+                    break
+        for ex in victims:
+            self._drop(ex)
 
     def reserve_log(self, ex: Execution, need: int) -> bool:
         """Account for log bytes, pruning the oldest finished logs to make room."""
@@ -507,7 +511,11 @@ async def stream_events(
         for c in chunks:
             v = ex.chunk_view(c, b64, decoders[c.stream])
             yield models.StreamEvent(
-                type="output", stream=v.stream, data=v.data, data_base64=v.data_base64, cursor=v.cursor
+                type="output",
+                stream=v.stream,
+                data=v.data,
+                data_base64=v.data_base64,
+                cursor=v.cursor,
             )
             cursor = c.cursor
         if not chunks:
@@ -519,7 +527,10 @@ async def stream_events(
             tail = d.decode(b"", final=True)
             if tail:
                 yield models.StreamEvent(
-                    type="output", stream=_STREAM_NAME[s], data=tail, cursor=cursor  # type: ignore[arg-type]
+                    type="output",
+                    stream=_STREAM_NAME[s],
+                    data=tail,
+                    cursor=cursor,
                 )
     if ex.log_truncated:
         yield models.StreamEvent(type="truncated", cursor=cursor)

@@ -192,7 +192,9 @@ class AtomicWriter:
         self.mode = (
             mode
             if mode is not None
-            else (st.S_IMODE(existing.st_mode) if existing and st.S_ISREG(existing.st_mode) else None)
+            else (
+                st.S_IMODE(existing.st_mode) if existing and st.S_ISREG(existing.st_mode) else None
+            )
         )
         self.tmp = f".{self.name[:200]}.{os.urandom(6).hex()}.tmp"
         with os_errors(rel):
@@ -368,7 +370,11 @@ def search(ws: Workspace, req: models.SearchRequest, s: Settings) -> models.Sear
             (rel, e.path)
             for rel, e, _ in _walk_files(ws, root, req.include_hidden)
             if e.is_file(follow_symlinks=False)
-            and (req.glob is None or fnmatch.fnmatch(e.name, req.glob) or fnmatch.fnmatch(rel, req.glob))
+            and (
+                req.glob is None
+                or fnmatch.fnmatch(e.name, req.glob)
+                or fnmatch.fnmatch(rel, req.glob)
+            )
         )
     else:
         raise ApiError(404, "not_found", f"not found: {req.path}")
@@ -431,7 +437,7 @@ def find(ws: Workspace, req: models.FindRequest, s: Settings) -> models.FindResu
             is_dir = e.is_dir(follow_symlinks=False)
         except OSError:
             continue
-        if req.type == "file" and is_dir or req.type == "directory" and not is_dir:
+        if (req.type == "file" and is_dir) or (req.type == "directory" and not is_dir):
             continue
         subject = os.path.relpath(e.path, root) if by_path else e.name
         if fnmatch.fnmatchcase(subject, req.pattern):

@@ -84,11 +84,17 @@ def document() -> dict[str, Any]:
                 ev = ref_of[models.StreamEvent]
                 responses[str(status)] = {
                     "description": "One StreamEvent per line (ndjson) or per SSE event",
-                    "content": {"application/x-ndjson": {"schema": ev}, "text/event-stream": {"schema": {"type": "string"}}},
+                    "content": {
+                        "application/x-ndjson": {"schema": ev},
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
                 }
             elif isinstance(typ, str):
                 media, schema = _RAW_MEDIA[typ]
-                responses[str(status)] = {"description": desc, "content": {media: {"schema": schema}}}
+                responses[str(status)] = {
+                    "description": desc,
+                    "content": {media: {"schema": schema}},
+                }
             else:
                 responses[str(status)] = {
                     "description": desc,
@@ -111,7 +117,7 @@ def document() -> dict[str, Any]:
             "version": __version__,
             "description": "In-pod sidecar API of the sandbox operator: exec, files, activity. "
             "All paths except /healthz and /readyz need 'Authorization: Bearer <token>'. "
-            "Errors are {\"error\": {\"code\", \"message\", \"details\"?}}.",
+            'Errors are {"error": {"code", "message", "details"?}}.',
         },
         "paths": paths,
         "components": {

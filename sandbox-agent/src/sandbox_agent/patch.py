@@ -135,7 +135,8 @@ def apply(ws: Workspace, req: models.PatchRequest, max_bytes: int) -> models.Pat
             a, b = fp.old_path, fp.new_path
             strip = (
                 1
-                if (a.startswith("a/") or creating) and (b.startswith("b/") or deleting)
+                if (a.startswith("a/") or creating)
+                and (b.startswith("b/") or deleting)
                 and not (creating and deleting)
                 else 0
             )

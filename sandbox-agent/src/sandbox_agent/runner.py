@@ -222,7 +222,7 @@ class Runner:
         return max(0.0, min(deadlines) - time.monotonic())
 
     def _pending_children(self) -> list[Child]:
-        out = []
+        out: list[Child] = []
         for conn in self.conns.values():
             out.extend(conn.children.values())
         return out

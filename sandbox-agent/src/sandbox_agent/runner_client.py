@@ -17,12 +17,15 @@ import os
 import secrets
 from typing import Any, Protocol
 
+import msgspec
+
 from . import runner as wire
 
 log = logging.getLogger("sandbox_agent.runner")
 
 HELLO_TIMEOUT = 3.0
 RECONNECT_DELAY = 0.1
+_decode = msgspec.json.Decoder().decode
 
 
 class ProtocolViolation(Exception):
@@ -41,8 +44,8 @@ class Channel(Protocol):
 
 def _obj(payload: bytes) -> dict[str, Any]:
     try:
-        value = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as exc:
+        value = _decode(payload)
+    except msgspec.DecodeError as exc:
         raise ProtocolViolation(f"invalid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ProtocolViolation("expected a JSON object")

@@ -93,22 +93,37 @@ def main() -> int:
         print(f"sandbox-agent: {exc}", file=sys.stderr)
         return 2
 
-    import uvicorn
-
     from .app import build_app
 
-    config = uvicorn.Config(
-        build_app(settings, token),
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        log_level=os.environ.get("SANDBOX_AGENT_LOG_LEVEL", "info").lower(),
-        timeout_graceful_shutdown=5,
-        server_header=False,
-    )
-    server = uvicorn.Server(config)
-    server.run()
-    return 0 if server.started else 1
+    app = build_app(settings, token)
+    if os.environ.get("SANDBOX_AGENT_SERVER", "builtin") == "uvicorn":
+        # Fallback to a mainstream server (pip install 'sandbox-agent[uvicorn]').
+        import uvicorn
+
+        config = uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            loop="uvloop",
+            http="httptools",
+            lifespan="on",
+            access_log=False,
+            log_level=os.environ.get("SANDBOX_AGENT_LOG_LEVEL", "info").lower(),
+            timeout_graceful_shutdown=5,
+            server_header=False,
+        )
+        server = uvicorn.Server(config)
+        server.run()
+        return 0 if server.started else 1
+
+    from .httpserver import run
+
+    try:
+        started = run(app, settings.host, settings.port)
+    except OSError as exc:
+        print(
+            f"sandbox-agent: cannot listen on {settings.host}:{settings.port}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0 if started else 1
