@@ -21,7 +21,7 @@ MAX_PATH = 4096
 
 
 def _refuse(code: str, message: str, path: str) -> ApiError:
-    return ApiError(400 if code == "invalid_path" else 403, code, message, {"path": path[:300]})
+    return ApiError(403 if code == "path_escape" else 400, code, message, {"path": path[:300]})
 
 
 class Workspace:
