@@ -7,11 +7,8 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 
 from devcluster.controlplane import ControlPlane
 from tests.integration.harness import (
@@ -22,6 +19,7 @@ from tests.integration.harness import (
     operator_credentials,
     wait_for,
 )
+from tests.kube import JSON, KubeJSON, api_path, core_path
 
 GROUP, VERSION = "sandbox.dev", "v1alpha1"
 # Short intervals so lifecycle tests finish in seconds, not minutes.
@@ -33,21 +31,10 @@ OPERATOR_ENV = {
 
 
 @pytest.fixture(scope="session")
-def api(control_plane: ControlPlane) -> k8s.ApiClient:
-    client: k8s.ApiClient = k8s_config.new_client_from_config(
-        config_file=str(control_plane.kubeconfig)
-    )
-    return client
-
-
-@pytest.fixture(scope="session")
-def core(api: k8s.ApiClient) -> k8s.CoreV1Api:
-    return k8s.CoreV1Api(api)
-
-
-@pytest.fixture(scope="session")
-def custom(api: k8s.ApiClient) -> k8s.CustomObjectsApi:
-    return k8s.CustomObjectsApi(api)
+def kube(control_plane: ControlPlane) -> Iterator[KubeJSON]:
+    """The API server as the cluster admin, in JSON."""
+    with KubeJSON(control_plane.kubeconfig) as client:
+        yield client
 
 
 def kubectl(
@@ -61,6 +48,10 @@ def kubectl(
         timeout=120,
         check=False,
     )
+
+
+def namespace_manifest(name: str) -> JSON:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
 
 
 @pytest.fixture(scope="session")
@@ -82,14 +73,14 @@ def crds(control_plane: ControlPlane, repo: Path) -> None:
 @pytest.fixture(scope="session")
 def operator_kubeconfig(
     control_plane: ControlPlane,
-    api: k8s.ApiClient,
+    kube: KubeJSON,
     repo: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Path:
     """Credentials bound to exactly the chart's ClusterRole rules, so every
     integration test also proves the operator's RBAC is sufficient."""
     path = tmp_path_factory.mktemp("operator") / "kubeconfig"
-    return operator_credentials(control_plane, api, repo, path)
+    return operator_credentials(control_plane, kube, repo, path)
 
 
 @pytest.fixture(scope="session")
@@ -115,16 +106,16 @@ def running_operator(operator: OperatorProcess) -> Iterator[OperatorProcess]:
 
 
 @pytest.fixture
-def ns(core: k8s.CoreV1Api, running_operator: OperatorProcess) -> Iterator[str]:
+def ns(kube: KubeJSON, running_operator: OperatorProcess) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
-    core.create_namespace({"metadata": {"name": name}})
+    kube.create(core_path("namespaces"), namespace_manifest(name))
     yield name
-    core.delete_namespace(name)
+    kube.delete(core_path("namespaces", name=name))
 
 
 @pytest.fixture
-def node(core: k8s.CoreV1Api) -> Node:
-    return Node(core)
+def node(kube: KubeJSON) -> Node:
+    return Node(kube)
 
 
 @pytest.fixture
@@ -146,59 +137,53 @@ def agents(tmp_path: Path) -> Iterator[Callable[[str], AgentProcess]]:
 class Sandboxes:
     """Create, read and wait on Sandboxes of one namespace."""
 
-    def __init__(self, custom: k8s.CustomObjectsApi, namespace: str) -> None:
-        self.custom = custom
+    def __init__(self, kube: KubeJSON, namespace: str) -> None:
+        self.kube = kube
         self.namespace = namespace
 
-    def create(self, name: str, spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    def path(self, name: str | None = None) -> str:
+        return api_path(f"{GROUP}/{VERSION}", "sandboxes", self.namespace, name)
+
+    def create(self, name: str, spec: JSON | None = None) -> JSON:
         body = {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "Sandbox",
             "metadata": {"name": name},
             "spec": spec or {},
         }
-        result: dict[str, Any] = self.custom.create_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, "sandboxes", body
-        )
-        return result
+        return self.kube.create(self.path(), body)
 
-    def get(self, name: str) -> dict[str, Any] | None:
-        try:
-            result: dict[str, Any] = self.custom.get_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, "sandboxes", name
-            )
-            return result
-        except k8s.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+    def get(self, name: str) -> JSON | None:
+        return self.kube.get(self.path(name))
 
-    def patch(self, name: str, body: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, "sandboxes", name, body
-        )
+    def read(self, name: str) -> JSON:
+        """The Sandbox; ApiError (404) when it does not exist."""
+        return self.kube.read(self.path(name))
+
+    def patch(self, name: str, body: JSON) -> None:
+        self.kube.patch(self.path(name), body)
 
     def delete(self, name: str) -> None:
-        self.custom.delete_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, "sandboxes", name
-        )
+        self.kube.delete(self.path(name))
 
-    def condition(self, name: str, kind: str) -> dict[str, Any] | None:
+    def condition(self, name: str, kind: str) -> JSON | None:
         body = self.get(name) or {}
         for cond in (body.get("status") or {}).get("conditions", []):
             if cond["type"] == kind:
-                result: dict[str, Any] = cond
+                result: JSON = cond
                 return result
         return None
 
-    def wait_phase(self, name: str, phase: str, timeout: float = 30) -> dict[str, Any]:
-        return wait_for(
-            lambda: (b := self.get(name)) and (b.get("status") or {}).get("phase") == phase and b,
-            timeout,
-            f"sandbox {name} phase {phase}",
-        )
+    def wait_phase(self, name: str, phase: str, timeout: float = 30) -> JSON:
+        def reached() -> JSON | None:
+            body = self.get(name)
+            if body and (body.get("status") or {}).get("phase") == phase:
+                return body
+            return None
+
+        return wait_for(reached, timeout, f"sandbox {name} phase {phase}")
 
 
 @pytest.fixture
-def sandboxes(custom: k8s.CustomObjectsApi, ns: str) -> Sandboxes:
-    return Sandboxes(custom, ns)
+def sandboxes(kube: KubeJSON, ns: str) -> Sandboxes:
+    return Sandboxes(kube, ns)

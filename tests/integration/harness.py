@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from kubernetes import client as k8s
 
 from devcluster.controlplane import ControlPlane
+from tests.kube import STRATEGIC_MERGE_PATCH, KubeJSON, api_path, core_path
 
 VENV_BIN = Path(sys.executable).parent
 T = TypeVar("T")
@@ -221,8 +221,17 @@ class AgentProcess:
 class Node:
     """The kubelet's part: write pod status as a kubelet would."""
 
-    def __init__(self, core: k8s.CoreV1Api) -> None:
-        self.core = core
+    def __init__(self, kube: KubeJSON) -> None:
+        self.kube = kube
+
+    def _patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        # Strategic merge, as a kubelet sends it: conditions and container
+        # statuses merge by their key (type, name) rather than being replaced.
+        self.kube.patch(
+            core_path("pods", namespace, name, "status"),
+            {"status": status},
+            content_type=STRATEGIC_MERGE_PATCH,
+        )
 
     def run_pod(self, namespace: str, name: str, ip: str, *, agent_ready: bool = True) -> None:
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -250,33 +259,25 @@ class Node:
                 )
             ],
         }
-        self.core.patch_namespaced_pod_status(name, namespace, {"status": status})
+        self._patch_status(namespace, name, status)
 
     def fail_pod(self, namespace: str, name: str, reason: str = "Evicted") -> None:
-        self.core.patch_namespaced_pod_status(
-            name,
+        self._patch_status(
             namespace,
-            {
-                "status": {
-                    "phase": "Failed",
-                    "reason": reason,
-                    "message": f"the node says: {reason}",
-                }
-            },
+            name,
+            {"phase": "Failed", "reason": reason, "message": f"the node says: {reason}"},
         )
 
     def crash_runtime(self, namespace: str, name: str, message: str) -> None:
         state = {"waiting": {"reason": "RunContainerError", "message": message}}
-        self.core.patch_namespaced_pod_status(
-            name,
+        self._patch_status(
             namespace,
+            name,
             {
-                "status": {
-                    "phase": "Running",
-                    "podIP": "127.0.0.1",
-                    "conditions": [{"type": "PodScheduled", "status": "True"}],
-                    "containerStatuses": [_container("sandbox", "img:1", False, state, restarts=2)],
-                }
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": [{"type": "PodScheduled", "status": "True"}],
+                "containerStatuses": [_container("sandbox", "img:1", False, state, restarts=2)],
             },
         )
 
@@ -298,16 +299,32 @@ def _container(
 OPERATOR_NAMESPACE = "sandbox-system"
 
 
-def operator_credentials(cp: ControlPlane, api: k8s.ApiClient, repo: Path, path: Path) -> Path:
-    """Write a kubeconfig for a ServiceAccount bound to the chart's ClusterRole rules."""
+def operator_credentials(cp: ControlPlane, kube: KubeJSON, repo: Path, path: Path) -> Path:
+    """Write a kubeconfig for a ServiceAccount bound to the chart's ClusterRole rules.
+
+    `kube` speaks for an admin of `cp`; from a script that has only the
+    ControlPlane: `with KubeJSON(cp.kubeconfig) as kube: operator_credentials(...)`.
+    """
     rules = yaml.safe_load((repo / "charts/sandbox-operator/files/rbac-rules.yaml").read_text())
-    core, rbac = k8s.CoreV1Api(api), k8s.RbacAuthorizationV1Api(api)
     name = "sandbox-operator"
-    core.create_namespace({"metadata": {"name": OPERATOR_NAMESPACE}})
-    core.create_namespaced_service_account(OPERATOR_NAMESPACE, {"metadata": {"name": name}})
-    rbac.create_cluster_role({"metadata": {"name": name}, "rules": rules})
-    rbac.create_cluster_role_binding(
+    rbac = "rbac.authorization.k8s.io/v1"
+    kube.create(
+        core_path("namespaces"),
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}},
+    )
+    kube.create(
+        core_path("serviceaccounts", OPERATOR_NAMESPACE),
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
+    )
+    kube.create(
+        api_path(rbac, "clusterroles"),
+        {"apiVersion": rbac, "kind": "ClusterRole", "metadata": {"name": name}, "rules": rules},
+    )
+    kube.create(
+        api_path(rbac, "clusterrolebindings"),
         {
+            "apiVersion": rbac,
+            "kind": "ClusterRoleBinding",
             "metadata": {"name": name},
             "roleRef": {
                 "apiGroup": "rbac.authorization.k8s.io",
@@ -315,11 +332,18 @@ def operator_credentials(cp: ControlPlane, api: k8s.ApiClient, repo: Path, path:
                 "name": name,
             },
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": OPERATOR_NAMESPACE}],
-        }
+        },
     )
-    token = core.create_namespaced_service_account_token(
-        name, OPERATOR_NAMESPACE, {"spec": {"expirationSeconds": 86400}}
-    ).status.token
+    issued = kube.create(
+        core_path("serviceaccounts", OPERATOR_NAMESPACE, name, "token"),
+        {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"expirationSeconds": 86400},
+        },
+    )
+    token = issued["status"]["token"]
+    assert isinstance(token, str), f"no token in the TokenRequest: {issued}"
     kubeconfig = {
         "apiVersion": "v1",
         "kind": "Config",
@@ -337,6 +361,7 @@ def operator_credentials(cp: ControlPlane, api: k8s.ApiClient, repo: Path, path:
     return path
 
 
-def secret_token(core: k8s.CoreV1Api, namespace: str, sandbox: str) -> str:
-    secret = core.read_namespaced_secret(f"{sandbox}-agent-token", namespace)
-    return base64.b64decode(secret.data["token"]).decode()
+def secret_token(kube: KubeJSON, namespace: str, sandbox: str) -> str:
+    """The agent token of a sandbox; ApiError (404) while its Secret does not exist."""
+    secret = kube.read(core_path("secrets", namespace, f"{sandbox}-agent-token"))
+    return base64.b64decode(secret["data"]["token"]).decode()

@@ -5,13 +5,14 @@ No operator is involved: this is the CRDs' OpenAPI schemas and CEL rules alone.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kubernetes import client as k8s
+
+from tests.integration.conftest import namespace_manifest
+from tests.kube import ApiError, KubeJSON, api_path, core_path
 
 GROUP, VERSION = "sandbox.dev", "v1alpha1"
 
@@ -177,15 +178,19 @@ BAD: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
 
 
 @pytest.fixture(scope="module")
-def namespace(core: k8s.CoreV1Api, crds: None) -> Iterator[str]:
+def namespace(kube: KubeJSON, crds: None) -> Iterator[str]:
     name = f"v-{uuid.uuid4().hex[:8]}"
-    core.create_namespace({"metadata": {"name": name}})
+    kube.create(core_path("namespaces"), namespace_manifest(name))
     yield name
-    core.delete_namespace(name)
+    kube.delete(core_path("namespaces", name=name))
+
+
+def _path(ns: str, plural: str, name: str | None = None) -> str:
+    return api_path(f"{GROUP}/{VERSION}", plural, ns, name)
 
 
 def _create(
-    custom: k8s.CustomObjectsApi,
+    kube: KubeJSON,
     ns: str,
     kind: str,
     plural: str,
@@ -198,7 +203,7 @@ def _create(
         "metadata": {"name": f"bad-{uuid.uuid4().hex[:6]}", **meta},
         "spec": spec,
     }
-    custom.create_namespaced_custom_object(GROUP, VERSION, ns, plural, body)
+    kube.create(_path(ns, plural), body)
 
 
 @pytest.mark.parametrize(
@@ -207,7 +212,7 @@ def _create(
     ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)],
 )
 def test_bad_spec_is_refused_with_a_readable_message(
-    custom: k8s.CustomObjectsApi,
+    kube: KubeJSON,
     namespace: str,
     kind: str,
     plural: str,
@@ -215,60 +220,50 @@ def test_bad_spec_is_refused_with_a_readable_message(
     meta: dict[str, Any],
     expected: str,
 ) -> None:
-    with pytest.raises(k8s.ApiException) as refused:
-        _create(custom, namespace, kind, plural, spec, meta)
+    with pytest.raises(ApiError) as refused:
+        _create(kube, namespace, kind, plural, spec, meta)
     assert refused.value.status == 422
-    message = json.loads(refused.value.body)["message"]
+    message = refused.value.body["message"]
     assert expected in message, message
 
 
-def test_good_specs_are_accepted_with_defaults(
-    custom: k8s.CustomObjectsApi, namespace: str
-) -> None:
+def test_good_specs_are_accepted_with_defaults(kube: KubeJSON, namespace: str) -> None:
     _create(
-        custom,
+        kube,
         namespace,
         "Sandbox",
         "sandboxes",
         {"runtime": "python", "resources": {"cpu": 2, "memory": "1Gi"}},
         {"name": "ok"},
     )
-    body = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxes", "ok")
+    body = kube.read(_path(namespace, "sandboxes", "ok"))
     assert body["spec"]["lifecycle"]["onIdle"] == "Delete"
     assert body["spec"]["network"]["egress"] == "Internet"
     assert body["spec"]["resources"]["cpu"] == 2  # int-or-string, kept as written
     _create(
-        custom,
+        kube,
         namespace,
         "Execution",
         "executions",
         {"sandboxRef": {"name": "ok"}, "script": "echo hi"},
         {"name": "run"},
     )
-    execution = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, "executions", "run")
+    execution = kube.read(_path(namespace, "executions", "run"))
     assert execution["spec"]["timeout"] == "3m"
 
 
-def test_execution_command_is_immutable(custom: k8s.CustomObjectsApi, namespace: str) -> None:
+def test_execution_command_is_immutable(kube: KubeJSON, namespace: str) -> None:
     _create(
-        custom,
+        kube,
         namespace,
         "Execution",
         "executions",
         {"sandboxRef": {"name": "ok"}, "command": ["echo", "1"]},
         {"name": "fixed"},
     )
-    with pytest.raises(k8s.ApiException) as refused:
-        custom.patch_namespaced_custom_object(
-            GROUP,
-            VERSION,
-            namespace,
-            "executions",
-            "fixed",
-            {"spec": {"command": ["rm", "-rf", "/"]}},
-        )
-    assert "immutable after creation" in json.loads(refused.value.body)["message"]
+    fixed = _path(namespace, "executions", "fixed")
+    with pytest.raises(ApiError) as refused:
+        kube.patch(fixed, {"spec": {"command": ["rm", "-rf", "/"]}})
+    assert "immutable after creation" in refused.value.body["message"]
     # Cancelling is the one change allowed.
-    custom.patch_namespaced_custom_object(
-        GROUP, VERSION, namespace, "executions", "fixed", {"spec": {"cancel": True}}
-    )
+    kube.patch(fixed, {"spec": {"cancel": True}})

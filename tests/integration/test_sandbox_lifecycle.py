@@ -6,60 +6,66 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-
-from kubernetes import client as k8s
+from typing import Any
 
 from devcluster.controlplane import ControlPlane
 from tests.integration.conftest import Sandboxes, kubectl
 from tests.integration.harness import AgentProcess, Node, OperatorProcess, secret_token, wait_for
+from tests.kube import ApiError, KubeJSON, api_path, core_path
+
+MANAGED = "app.kubernetes.io/managed-by=sandbox-operator"
 
 
-def _exists(read: Callable[[], object]) -> bool:
-    try:
-        read()
-        return True
-    except k8s.ApiException as exc:
-        if exc.status == 404:
-            return False
-        raise
+def _pod(ns: str, name: str) -> str:
+    return core_path("pods", ns, name)
 
 
-def _children(core: k8s.CoreV1Api, api: k8s.ApiClient, ns: str, name: str) -> dict[str, bool]:
-    net = k8s.NetworkingV1Api(api)
+def _claim(ns: str, sandbox: str) -> str:
+    return core_path("persistentvolumeclaims", ns, f"{sandbox}-workspace")
+
+
+def _exists(kube: KubeJSON, path: str) -> bool:
+    """False on 404; any other error is raised."""
+    return kube.get(path) is not None
+
+
+def _children(kube: KubeJSON, ns: str, name: str) -> dict[str, bool]:
     return {
-        "pod": _exists(lambda: core.read_namespaced_pod(name, ns)),
-        "claim": _exists(
-            lambda: core.read_namespaced_persistent_volume_claim(f"{name}-workspace", ns)
-        ),
-        "secret": _exists(lambda: core.read_namespaced_secret(f"{name}-agent-token", ns)),
-        "policy": _exists(lambda: net.read_namespaced_network_policy(name, ns)),
+        "pod": _exists(kube, _pod(ns, name)),
+        "claim": _exists(kube, _claim(ns, name)),
+        "secret": _exists(kube, core_path("secrets", ns, f"{name}-agent-token")),
+        "policy": _exists(kube, api_path("networking.k8s.io/v1", "networkpolicies", ns, name)),
     }
+
+
+def _workspace_claim_name(pod: dict[str, Any]) -> str:
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "workspace")
+    name: str = volume["persistentVolumeClaim"]["claimName"]
+    return name
 
 
 def _ready(
     sandboxes: Sandboxes,
-    core: k8s.CoreV1Api,
+    kube: KubeJSON,
     node: Node,
     agents: Callable[[str], AgentProcess],
     name: str,
 ) -> AgentProcess:
     """Play the node for a sandbox's pod and run its real agent; return the agent."""
     ns = sandboxes.namespace
-    wait_for(lambda: _exists(lambda: core.read_namespaced_pod(name, ns)), 20, f"pod {name}")
-    agent = agents(secret_token(core, ns, name))
+    wait_for(lambda: _exists(kube, _pod(ns, name)), 20, f"pod {name}")
+    agent = agents(secret_token(kube, ns, name))
     node.run_pod(ns, name, agent.ip)
     sandboxes.wait_phase(name, "Running")
     return agent
 
 
-def test_create_makes_children_and_conditions(
-    sandboxes: Sandboxes, core: k8s.CoreV1Api, api: k8s.ApiClient
-) -> None:
+def test_create_makes_children_and_conditions(sandboxes: Sandboxes, kube: KubeJSON) -> None:
     sandboxes.create(
         "alpha", {"runtime": "python", "network": {"exposedPorts": [{"name": "web", "port": 8000}]}}
     )
     ns = sandboxes.namespace
-    wait_for(lambda: all(_children(core, api, ns, "alpha").values()), 20, "all children")
+    wait_for(lambda: all(_children(kube, ns, "alpha").values()), 20, "all children")
     body = sandboxes.wait_phase("alpha", "Pending")
     status = body["status"]
     assert status["observedGeneration"] == 1
@@ -68,10 +74,11 @@ def test_create_makes_children_and_conditions(
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False"
     assert ready["reason"] == "PodPending"
-    pod = core.read_namespaced_pod("alpha", ns)
-    assert pod.metadata.owner_references[0].uid == body["metadata"]["uid"]
-    assert pod.spec.automount_service_account_token is False
-    assert core.read_namespaced_service("alpha", ns).spec.ports[0].port == 8000
+    pod = kube.read(_pod(ns, "alpha"))
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == body["metadata"]["uid"]
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    service = kube.read(core_path("services", ns, "alpha"))
+    assert service["spec"]["ports"][0]["port"] == 8000
     # Kopf's bookkeeping lives under the project's prefix, never kopf.zalando.org.
     meta = body["metadata"]
     assert meta["finalizers"] == ["sandbox.dev/finalizer"]
@@ -80,21 +87,21 @@ def test_create_makes_children_and_conditions(
 
 def test_ready_via_kubectl_wait(
     sandboxes: Sandboxes,
-    core: k8s.CoreV1Api,
+    kube: KubeJSON,
     node: Node,
     agents: Callable[[str], AgentProcess],
     control_plane: ControlPlane,
 ) -> None:
     sandboxes.create("bravo")
     ns = sandboxes.namespace
-    wait_for(lambda: _exists(lambda: core.read_namespaced_pod("bravo", ns)), 20, "pod")
-    agent = agents(secret_token(core, ns, "bravo"))
+    wait_for(lambda: _exists(kube, _pod(ns, "bravo")), 20, "pod")
+    agent = agents(secret_token(kube, ns, "bravo"))
     node.run_pod(ns, "bravo", agent.ip)
     waited = kubectl(
         control_plane, "-n", ns, "wait", "--for=condition=Ready", "sandbox/bravo", "--timeout=30s"
     )
     assert waited.returncode == 0, waited.stderr
-    status = sandboxes.get("bravo")["status"]  # type: ignore[index]
+    status = sandboxes.read("bravo")["status"]
     assert status["agentEndpoint"] == f"http://{agent.ip}:8080"
     assert status["phase"] == "Running"
     shown = kubectl(control_plane, "-n", ns, "get", "sandboxes", "bravo")
@@ -103,64 +110,57 @@ def test_ready_via_kubectl_wait(
 
 
 def test_pause_and_resume_keep_the_workspace_claim(
-    sandboxes: Sandboxes, core: k8s.CoreV1Api, node: Node, agents: Callable[[str], AgentProcess]
+    sandboxes: Sandboxes, kube: KubeJSON, node: Node, agents: Callable[[str], AgentProcess]
 ) -> None:
     ns = sandboxes.namespace
     sandboxes.create("charlie")
-    _ready(sandboxes, core, node, agents, "charlie")
-    claim_uid = core.read_namespaced_persistent_volume_claim("charlie-workspace", ns).metadata.uid
+    _ready(sandboxes, kube, node, agents, "charlie")
+    claim_uid = kube.read(_claim(ns, "charlie"))["metadata"]["uid"]
     sandboxes.patch("charlie", {"spec": {"paused": True}})
-    wait_for(lambda: not _exists(lambda: core.read_namespaced_pod("charlie", ns)), 20, "pod gone")
+    wait_for(lambda: not _exists(kube, _pod(ns, "charlie")), 20, "pod gone")
     body = sandboxes.wait_phase("charlie", "Paused")
-    assert sandboxes.condition("charlie", "Paused")["status"] == "True"  # type: ignore[index]
+    paused = sandboxes.condition("charlie", "Paused")
+    assert paused is not None
+    assert paused["status"] == "True"
     assert body["status"].get("podIP") is None
-    assert (
-        core.read_namespaced_persistent_volume_claim("charlie-workspace", ns).metadata.uid
-        == claim_uid
-    )
+    assert kube.read(_claim(ns, "charlie"))["metadata"]["uid"] == claim_uid
     sandboxes.patch("charlie", {"spec": {"paused": False}})
-    wait_for(lambda: _exists(lambda: core.read_namespaced_pod("charlie", ns)), 20, "pod back")
-    pod = core.read_namespaced_pod("charlie", ns)
-    volume = next(v for v in pod.spec.volumes if v.name == "workspace")
-    assert volume.persistent_volume_claim.claim_name == "charlie-workspace"
-    assert (
-        core.read_namespaced_persistent_volume_claim("charlie-workspace", ns).metadata.uid
-        == claim_uid
-    )
+    wait_for(lambda: _exists(kube, _pod(ns, "charlie")), 20, "pod back")
+    assert _workspace_claim_name(kube.read(_pod(ns, "charlie"))) == "charlie-workspace"
+    assert kube.read(_claim(ns, "charlie"))["metadata"]["uid"] == claim_uid
 
 
 def test_delete_removes_children_through_garbage_collection(
-    sandboxes: Sandboxes, core: k8s.CoreV1Api, api: k8s.ApiClient
+    sandboxes: Sandboxes, kube: KubeJSON
 ) -> None:
     ns = sandboxes.namespace
     sandboxes.create("delta")
-    wait_for(lambda: all(_children(core, api, ns, "delta").values()), 20, "children")
+    wait_for(lambda: all(_children(kube, ns, "delta").values()), 20, "children")
     sandboxes.delete("delta")
     wait_for(lambda: sandboxes.get("delta") is None, 30, "sandbox gone")
-    wait_for(lambda: not any(_children(core, api, ns, "delta").values()), 60, "children collected")
+    wait_for(lambda: not any(_children(kube, ns, "delta").values()), 60, "children collected")
 
 
 def test_deletion_waits_for_the_operator(
-    sandboxes: Sandboxes, core: k8s.CoreV1Api, running_operator: OperatorProcess
+    sandboxes: Sandboxes, kube: KubeJSON, running_operator: OperatorProcess
 ) -> None:
     ns = sandboxes.namespace
     sandboxes.create("echo")
-    wait_for(lambda: _exists(lambda: core.read_namespaced_pod("echo", ns)), 20, "pod")
+    wait_for(lambda: _exists(kube, _pod(ns, "echo")), 20, "pod")
     running_operator.kill()
     sandboxes.delete("echo")
     time.sleep(3)
     body = sandboxes.get("echo")
-    assert body is not None and body["metadata"].get("deletionTimestamp"), (
-        "finalizer must hold deletion"
-    )
-    assert _exists(lambda: core.read_namespaced_pod("echo", ns))
+    assert body is not None, "finalizer must hold deletion"
+    assert body["metadata"].get("deletionTimestamp"), "finalizer must hold deletion"
+    assert _exists(kube, _pod(ns, "echo"))
     running_operator.start()
     wait_for(lambda: sandboxes.get("echo") is None, 30, "deletion completes after restart")
-    wait_for(lambda: not _exists(lambda: core.read_namespaced_pod("echo", ns)), 30, "pod gone")
+    wait_for(lambda: not _exists(kube, _pod(ns, "echo")), 30, "pod gone")
 
 
 def test_restart_mid_creation_creates_no_duplicates(
-    sandboxes: Sandboxes, core: k8s.CoreV1Api, running_operator: OperatorProcess
+    sandboxes: Sandboxes, kube: KubeJSON, running_operator: OperatorProcess
 ) -> None:
     ns = sandboxes.namespace
     names = [f"fox-{i}" for i in range(12)]
@@ -170,28 +170,24 @@ def test_restart_mid_creation_creates_no_duplicates(
     running_operator.kill()
     tokens = {}
     for name in names:
-        with contextlib.suppress(k8s.ApiException):
-            tokens[name] = secret_token(core, ns, name)
+        with contextlib.suppress(ApiError):
+            tokens[name] = secret_token(kube, ns, name)
     running_operator.start()
     for name in names:
         sandboxes.wait_phase(name, "Pending", timeout=40)
-    pods = core.list_namespaced_pod(
-        ns, label_selector="app.kubernetes.io/managed-by=sandbox-operator"
-    )
-    assert sorted(p.metadata.name for p in pods.items) == sorted(names)
-    secrets = core.list_namespaced_secret(
-        ns, label_selector="app.kubernetes.io/managed-by=sandbox-operator"
-    )
-    assert len(secrets.items) == len(names)
+    pods = kube.list(core_path("pods", ns), label_selector=MANAGED)
+    assert sorted(p["metadata"]["name"] for p in pods) == sorted(names)
+    secrets = kube.list(core_path("secrets", ns), label_selector=MANAGED)
+    assert len(secrets) == len(names)
     for name, token in tokens.items():
-        assert secret_token(core, ns, name) == token, "a token was replaced: agents would lose auth"
+        assert secret_token(kube, ns, name) == token, "a token was replaced: agents would lose auth"
 
 
 def test_idle_timeout_follows_real_agent_activity(
-    sandboxes: Sandboxes, core: k8s.CoreV1Api, node: Node, agents: Callable[[str], AgentProcess]
+    sandboxes: Sandboxes, kube: KubeJSON, node: Node, agents: Callable[[str], AgentProcess]
 ) -> None:
     sandboxes.create("golf", {"lifecycle": {"idleTimeout": "4s"}})
-    agent = _ready(sandboxes, core, node, agents, "golf")
+    agent = _ready(sandboxes, kube, node, agents, "golf")
     # A background command keeps the sandbox busy past the idle timeout.
     started = agent.call(
         "POST",
@@ -202,60 +198,53 @@ def test_idle_timeout_follows_real_agent_activity(
     busy_until = time.monotonic() + 6
     while time.monotonic() < busy_until:
         body = sandboxes.get("golf")
-        assert body is not None and not body["metadata"].get("deletionTimestamp"), (
-            "deleted while busy"
-        )
+        assert body is not None, "deleted while busy"
+        assert not body["metadata"].get("deletionTimestamp"), "deleted while busy"
         time.sleep(0.5)
-    status = sandboxes.get("golf")["status"]  # type: ignore[index]
+    status = sandboxes.read("golf")["status"]
     assert status["activeExecutions"] == 1
     # Then, after the command ends and 4 s pass without activity, it goes.
     wait_for(lambda: sandboxes.get("golf") is None, 30, "idle deletion")
 
 
 def test_idle_pause_keeps_the_claim_and_resumes_on_request(
-    sandboxes: Sandboxes, core: k8s.CoreV1Api, node: Node, agents: Callable[[str], AgentProcess]
+    sandboxes: Sandboxes, kube: KubeJSON, node: Node, agents: Callable[[str], AgentProcess]
 ) -> None:
     ns = sandboxes.namespace
     sandboxes.create("hotel", {"lifecycle": {"idleTimeout": "2s", "onIdle": "Pause"}})
-    _ready(sandboxes, core, node, agents, "hotel")
+    _ready(sandboxes, kube, node, agents, "hotel")
     body = sandboxes.wait_phase("hotel", "Paused", timeout=30)
     assert body["status"]["idlePausedAt"]
     assert body["spec"]["paused"] is False, "the operator never writes spec"
-    wait_for(lambda: not _exists(lambda: core.read_namespaced_pod("hotel", ns)), 20, "pod gone")
-    assert _exists(lambda: core.read_namespaced_persistent_volume_claim("hotel-workspace", ns))
+    wait_for(lambda: not _exists(kube, _pod(ns, "hotel")), 20, "pod gone")
+    assert _exists(kube, _claim(ns, "hotel"))
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 1))
     sandboxes.patch(
         "hotel", {"metadata": {"annotations": {"sandbox.dev/resume-requested-at": stamp}}}
     )
-    wait_for(
-        lambda: _exists(lambda: core.read_namespaced_pod("hotel", ns)), 20, "pod back after resume"
-    )
+    wait_for(lambda: _exists(kube, _pod(ns, "hotel")), 20, "pod back after resume")
 
 
 def test_failed_pod_is_recreated_on_the_same_claim(
-    sandboxes: Sandboxes, core: k8s.CoreV1Api, node: Node, agents: Callable[[str], AgentProcess]
+    sandboxes: Sandboxes, kube: KubeJSON, node: Node, agents: Callable[[str], AgentProcess]
 ) -> None:
     ns = sandboxes.namespace
     sandboxes.create("india")
-    _ready(sandboxes, core, node, agents, "india")
-    old_uid = core.read_namespaced_pod("india", ns).metadata.uid
+    _ready(sandboxes, kube, node, agents, "india")
+    old_uid = kube.read(_pod(ns, "india"))["metadata"]["uid"]
     node.fail_pod(ns, "india", "Evicted")
 
     def replaced() -> bool:
         try:
-            return bool(core.read_namespaced_pod("india", ns).metadata.uid != old_uid)
-        except k8s.ApiException:
+            return bool(kube.read(_pod(ns, "india"))["metadata"]["uid"] != old_uid)
+        except ApiError:
             return False
 
     wait_for(replaced, 30, "a new pod")
-    pod = core.read_namespaced_pod("india", ns)
-    volume = next(v for v in pod.spec.volumes if v.name == "workspace")
-    assert volume.persistent_volume_claim.claim_name == "india-workspace"
+    assert _workspace_claim_name(kube.read(_pod(ns, "india"))) == "india-workspace"
 
 
-def test_invalid_spec_is_explained_and_blocks_nobody(
-    sandboxes: Sandboxes, core: k8s.CoreV1Api
-) -> None:
+def test_invalid_spec_is_explained_and_blocks_nobody(sandboxes: Sandboxes) -> None:
     sandboxes.create("juliet", {"runtime": "cobol"})
     sandboxes.create("kilo")
     body = sandboxes.wait_phase("juliet", "Failed")
@@ -270,11 +259,11 @@ def test_invalid_spec_is_explained_and_blocks_nobody(
 
 
 def test_runtime_without_python_is_not_ready_with_a_reason(
-    sandboxes: Sandboxes, core: k8s.CoreV1Api, node: Node
+    sandboxes: Sandboxes, kube: KubeJSON, node: Node
 ) -> None:
     ns = sandboxes.namespace
     sandboxes.create("lima", {"image": "busybox:1.36"})
-    wait_for(lambda: _exists(lambda: core.read_namespaced_pod("lima", ns)), 20, "pod")
+    wait_for(lambda: _exists(kube, _pod(ns, "lima")), 20, "pod")
     node.crash_runtime(ns, "lima", 'exec: "python3": executable file not found in $PATH')
     body = sandboxes.wait_phase("lima", "Failed")
     ready = next(c for c in body["status"]["conditions"] if c["type"] == "Ready")

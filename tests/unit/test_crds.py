@@ -40,7 +40,8 @@ def test_schemas_are_structural(name: str) -> None:
     crd = all_crds()[name]
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     for path, node in _walk(schema):
-        assert "$ref" not in node and "title" not in node, path
+        assert "$ref" not in node, path
+        assert "title" not in node, path
         if node.get("x-kubernetes-int-or-string"):
             assert node["anyOf"] == [{"type": "integer"}, {"type": "string"}], path
         else:
