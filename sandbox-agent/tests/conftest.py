@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +25,7 @@ import httpx
 import pytest
 
 PY = sys.executable
+SYSTEM_PY = shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -125,8 +128,11 @@ class Sandbox:
             "LANG": "C.UTF-8",
             **(extra_env or {}),
         }
+        # Another UID cannot use our venv (under /root): take the system python3,
+        # which is also closer to the user image's interpreter.
+        python = PY if user is None else SYSTEM_PY
         self.runner = subprocess.Popen(
-            [PY, str(self.runtime / "runner.py")],
+            [python, str(self.runtime / "runner.py")],
             cwd=self.workspace,
             env=env,
             stdout=out,
@@ -238,11 +244,22 @@ def fresh(tmp_path: Path) -> Iterator[Any]:
     """Factory for a private agent+runner (for tests that kill or limit things)."""
     made: list[Sandbox] = []
 
-    def factory(env: dict[str, str] | None = None, runner: bool = True) -> Sandbox:
-        sb = make_sandbox(tmp_path / f"sb{len(made)}", env, runner)
+    def factory(
+        env: dict[str, str] | None = None, runner: bool = True, root: Path | None = None
+    ) -> Sandbox:
+        sb = make_sandbox((root or tmp_path) / f"sb{len(made)}", env, runner)
         made.append(sb)
         return sb
 
     yield factory
     for sb in made:
         sb.stop()
+
+
+@pytest.fixture
+def world_tmp() -> Iterator[Path]:
+    """A tmp dir other UIDs can traverse (pytest's own tmp root is 0700)."""
+    d = Path(tempfile.mkdtemp(prefix="sandbox-agent-test-"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -157,7 +157,7 @@ class _Wire(asyncio.Protocol):
                 raise ProtocolViolation("start without pid")
             ch.on_started(pid)
         elif ftype == wire.T_EXIT:
-            ch = self.channels.pop(chan, None)
+            ch = self.channels.get(chan)
             if ch is None:
                 raise ProtocolViolation(f"exit for unknown channel {chan}")
             obj = _obj(payload)
@@ -170,12 +170,15 @@ class _Wire(asyncio.Protocol):
                 "system": _num(obj, "systemSeconds"),
                 "maxrss": _int(obj, "maxRssKiB", 0, 1 << 50),
             }
+            del self.channels[chan]  # only once the frame proved valid
             ch.on_exit(code, sig, usage)
         elif ftype == wire.T_SPAWN_FAILED:
-            ch = self.channels.pop(chan, None)
+            ch = self.channels.get(chan)
             if ch is None:
                 raise ProtocolViolation(f"spawn failure for unknown channel {chan}")
-            ch.on_spawn_failed(_str(_obj(payload), "message", 1000))
+            message = _str(_obj(payload), "message", 1000)
+            del self.channels[chan]
+            ch.on_spawn_failed(message)
         elif ftype == wire.T_PONG:
             fut = self.pings.pop(payload, None)
             if fut is not None and not fut.done():
