@@ -81,7 +81,11 @@ def parse(text: str) -> list[FilePatch]:
                     hunk.new.append(rest)
                     seen_new += 1
                 elif tag == "\\":
-                    pass
+                    # "\ No newline at end of file" qualifies the line above it
+                    hunk.old_noeol |= last in (" ", "-")
+                    hunk.new_noeol |= last in (" ", "+")
+                    i += 1
+                    continue
                 else:
                     raise bad_request("invalid_patch", f"unexpected line {i + 1} in hunk: {body!r}")
                 last = tag
