@@ -34,7 +34,8 @@ Message = dict[str, Any]
 MAX_HEADER_BYTES = 64 * 1024
 BODY_HIGH_WATER = 8 << 20  # stop reading the socket while this much body is unread
 IDLE_TIMEOUT = 75.0  # keep-alive connections with no request in flight
-HEADER_TIMEOUT = 30.0  # a started request must finish its headers in this time
+HEADER_TIMEOUT = 30.0
+MAX_DISCARD = 16 << 20  # unread request body we drain to keep a connection alive  # a started request must finish its headers in this time
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
@@ -202,6 +203,8 @@ class HttpProtocol(asyncio.Protocol):
         self.writing_paused = False
         self.drain_waiter: asyncio.Future[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.discarding: _Cycle | None = None
+        self.discarded = 0
         self.closed = False
 
     # -- transport callbacks -------------------------------------------------
@@ -304,6 +307,9 @@ class HttpProtocol(asyncio.Protocol):
         if cycle is None:
             return
         if cycle.response_done:
+            self.discarded += len(body)
+            if self.discarded > MAX_DISCARD:
+                self.close()
             return  # the app answered without reading; drop the rest
         cycle.body.append(body)
         cycle.body_len += len(body)
@@ -317,6 +323,10 @@ class HttpProtocol(asyncio.Protocol):
             cycle.body_done = True
             cycle.wake()
         self.parsing = None
+        if cycle is not None and self.discarding is cycle:
+            self.discarding = None
+            self.discarded = 0
+            self._next()
 
     # -- helpers -------------------------------------------------------------
 
@@ -355,10 +365,20 @@ class HttpProtocol(asyncio.Protocol):
         if self.running is not cycle:
             return
         self.running = None
-        if not cycle.keep_alive or (not cycle.body_done and self.parsing is cycle):
-            # Keep-alive is impossible if the request body was not consumed.
+        if not cycle.keep_alive:
             self.close()
             return
+        if not cycle.body_done:
+            # Answered before the body arrived (an error, usually). Closing now
+            # would reset the connection and could destroy the response in
+            # flight, so read and drop the rest (bounded), then carry on.
+            self.discarding = cycle
+            self.resume_reading()
+            self._arm(HEADER_TIMEOUT)
+            return
+        self._next()
+
+    def _next(self) -> None:
         if self.queue:
             self._start(self.queue.popleft())
         else:
@@ -412,7 +432,7 @@ class HttpProtocol(asyncio.Protocol):
             self.timer = None
 
     def _timeout(self) -> None:
-        if self.running is None:
+        if self.running is None or self.discarding is not None:
             self.close()
 
 
