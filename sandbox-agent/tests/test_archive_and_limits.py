@@ -1,0 +1,233 @@
+"""Tar round trips, archive bombs, and every configured limit."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gzip
+import io
+import os
+import stat
+import tarfile
+import time
+from collections.abc import Callable
+
+from conftest import Sandbox, wait_until
+
+
+def test_tar_download_upload_roundtrip(sandbox: Sandbox, wsdir: str) -> None:
+    src = sandbox.workspace / wsdir / "src"
+    (src / "pkg" / "empty").mkdir(parents=True)
+    (src / "pkg" / "mod.py").write_text("print('hi')\n")
+    (src / "run.sh").write_text("#!/bin/sh\n")
+    os.chmod(src / "run.sh", 0o755)
+    os.symlink("pkg/mod.py", src / "link")
+    os.mkfifo(src / "fifo")  # not archived
+    r = sandbox.client.get("/v1/files/archive", params={"path": f"{wsdir}/src"})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-tar"
+    with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+        names = {m.name: m for m in tar.getmembers()}
+    assert set(names) == {"pkg", "pkg/empty", "pkg/mod.py", "run.sh", "link"}
+    assert names["link"].issym() and names["link"].linkname == "pkg/mod.py"
+    up = sandbox.client.put(
+        "/v1/files/archive", params={"path": f"{wsdir}/copy"}, content=r.content
+    )
+    assert up.status_code == 200, up.text
+    assert up.json() == {"path": f"{wsdir}/copy", "entries": 5, "bytes": len("print('hi')\n") + 10}
+    dst = sandbox.workspace / wsdir / "copy"
+    assert (dst / "pkg/mod.py").read_text() == "print('hi')\n"
+    assert os.readlink(dst / "link") == "pkg/mod.py"
+    mode = stat.S_IMODE((dst / "run.sh").stat().st_mode)
+    assert mode & 0o111 and mode & 0o020  # executable kept, group may write
+
+
+def test_gzip_download_and_upload(sandbox: Sandbox, wsdir: str) -> None:
+    sandbox.write(f"{wsdir}/g/a.txt", b"a" * 10000)
+    r = sandbox.client.get("/v1/files/archive", params={"path": f"{wsdir}/g", "gzip": "true"})
+    assert r.content[:2] == b"\x1f\x8b"
+    up = sandbox.client.put("/v1/files/archive", params={"path": f"{wsdir}/g2"}, content=r.content)
+    assert up.status_code == 200
+    assert sandbox.read(f"{wsdir}/g2/a.txt") == b"a" * 10000
+
+
+def test_archive_errors(sandbox: Sandbox, wsdir: str) -> None:
+    r = sandbox.client.put("/v1/files/archive", params={"path": wsdir}, content=os.urandom(5000))
+    assert sandbox.error(r, 400) == "invalid_archive"
+    good = io.BytesIO()
+    with tarfile.open(fileobj=good, mode="w") as tar:
+        ti = tarfile.TarInfo("f")
+        ti.size = 100_000
+        tar.addfile(ti, io.BytesIO(b"x" * 100_000))
+    truncated = good.getvalue()[:50_000]
+    r = sandbox.client.put("/v1/files/archive", params={"path": wsdir}, content=truncated)
+    assert sandbox.error(r, 400) == "invalid_archive"
+    r = sandbox.client.get("/v1/files/archive", params={"path": f"{wsdir}/nope"})
+    assert sandbox.error(r, 404) == "not_found"
+    sandbox.write(f"{wsdir}/file", b"x")
+    r = sandbox.client.get("/v1/files/archive", params={"path": f"{wsdir}/file"})
+    assert sandbox.error(r, 400) == "not_a_directory"
+
+
+def _bomb(size: int) -> bytes:
+    """A gzip'd tar whose one member unpacks to ``size`` zero bytes."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        ti = tarfile.TarInfo("zeros")
+        ti.size = size
+        tar.addfile(ti, io.BytesIO(bytes(size)))
+    return gzip.compress(raw.getvalue(), 9)
+
+
+def test_archive_limits(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(
+        env={
+            "SANDBOX_AGENT_MAX_EXTRACT_BYTES": str(8 << 20),
+            "SANDBOX_AGENT_MAX_ARCHIVE_ENTRIES": "10",
+            "SANDBOX_AGENT_MAX_UPLOAD_BYTES": str(4 << 20),
+        }
+    )
+    bomb = _bomb(64 << 20)
+    assert len(bomb) < 1 << 20  # small on the wire
+    r = sb.client.put("/v1/files/archive", params={"path": "bomb"}, content=bomb)
+    assert sb.error(r, 413) == "archive_too_large"
+    assert not (sb.workspace / "bomb" / "zeros").exists()
+    many = io.BytesIO()
+    with tarfile.open(fileobj=many, mode="w") as tar:
+        for i in range(11):
+            tar.addfile(tarfile.TarInfo(f"f{i}"), io.BytesIO(b""))
+    r = sb.client.put("/v1/files/archive", params={"path": "many"}, content=many.getvalue())
+    assert sb.error(r, 413) == "archive_too_large"
+    r = sb.client.put("/v1/files/archive", params={"path": "big"}, content=os.urandom(5 << 20))
+    assert sb.error(r, 413) == "body_too_large"
+    r = sb.client.put("/v1/files/content", params={"path": "big"}, content=os.urandom(5 << 20))
+    assert sb.error(r, 413) == "body_too_large"
+    assert not (sb.workspace / "big").exists()
+    # a chunked upload (no Content-Length) is cut off at the limit too
+    def gen() -> object:
+        for _ in range(6):
+            yield os.urandom(1 << 20)
+
+    r = sb.client.put("/v1/files/content", params={"path": "big2"}, content=gen())  # type: ignore[arg-type]
+    assert sb.error(r, 413) == "body_too_large"
+    assert [p.name for p in sb.workspace.iterdir() if p.name.startswith(".big")] == []
+    assert sb.sh("echo still-alive")["stdout"] == "still-alive\n"
+
+
+def test_request_body_limit(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(env={"SANDBOX_AGENT_MAX_BODY_BYTES": "1000"})
+    r = sb.client.post("/v1/executions", json={"command": "echo " + "x" * 2000})
+    assert sb.error(r, 413) == "body_too_large"
+    assert sb.sh("echo ok")["stdout"] == "ok\n"
+
+
+def test_concurrency_limit(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(env={"SANDBOX_AGENT_MAX_CONCURRENT_EXECUTIONS": "3"})
+    ids = [sb.run(expect=202, command="sleep 30", background=True)["id"] for _ in range(3)]
+    r = sb.client.post("/v1/executions", json={"command": "true"})
+    assert sb.error(r, 429) == "too_many_executions"
+    r = sb.client.post("/v1/executions/stream", json={"command": "true"})
+    assert sb.error(r, 429) == "too_many_executions"
+    # an idempotent replay of a known key is not a new execution
+    sb.client.post(f"/v1/executions/{ids[0]}/cancel")
+    keyed = sb.run(expect=202, command="sleep 30", background=True, idempotencyKey="k1")
+    again = sb.run(expect=200, command="sleep 30", background=True, idempotencyKey="k1")
+    assert again["id"] == keyed["id"]
+    for ex_id in [*ids, keyed["id"]]:
+        sb.client.post(f"/v1/executions/{ex_id}/cancel")
+    assert sb.sh("echo free")["stdout"] == "free\n"
+
+
+def test_timeout_limit(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(env={"SANDBOX_AGENT_MAX_TIMEOUT": "10", "SANDBOX_AGENT_DEFAULT_TIMEOUT": "5"})
+    assert sb.sh("true")["timeoutSeconds"] == 5
+    r = sb.client.post("/v1/executions", json={"command": "true", "timeoutSeconds": 11})
+    assert sb.error(r, 400) == "timeout_too_large"
+
+
+def test_capture_and_log_caps(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(
+        env={
+            "SANDBOX_AGENT_MAX_CAPTURE_BYTES": "1000",
+            "SANDBOX_AGENT_MAX_LOG_BYTES": "100000",
+        }
+    )
+    ex = sb.sh("head -c 500000 /dev/zero | tr '\\0' a; echo; echo tail-line")
+    assert ex["stdoutTruncated"] is True and len(ex["stdout"]) == 1000
+    assert ex["stdout"].endswith("tail-line\n")
+    assert ex["stdoutBytes"] == 500000 + 11
+    assert ex["logTruncated"] is True
+    assert ex["outputCursor"] <= 100000
+    page = sb.client.get(f"/v1/executions/{ex['id']}/output", params={"maxBytes": 1 << 20}).json()
+    assert page["logTruncated"] is True and page["finished"] is True
+    assert sum(len(c["data"]) for c in page["chunks"]) < 100000
+
+
+def test_log_dir_cap_prunes_oldest(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(env={"SANDBOX_AGENT_MAX_LOG_DIR_BYTES": "300000"})
+    first = sb.sh("head -c 200000 /dev/zero")
+    second = sb.sh("head -c 200000 /dev/zero")
+    assert second["logTruncated"] is False
+    r = sb.client.get(f"/v1/executions/{first['id']}/output")
+    assert sb.error(r, 410) == "log_pruned"
+    total = sum(p.stat().st_size for p in sb.logs.iterdir())
+    assert total <= 300000
+
+
+def test_record_retention(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(env={"SANDBOX_AGENT_MAX_RECORDS": "3"})
+    ids = [sb.sh(f"echo {i}", idempotencyKey=f"k{i}")["id"] for i in range(5)]
+    listed = [e["id"] for e in sb.client.get("/v1/executions").json()["executions"]]
+    assert listed == ids[-3:]
+    assert sb.client.get(f"/v1/executions/{ids[0]}").status_code == 404
+
+
+def test_many_parallel_requests_do_not_break_agent(sandbox: Sandbox, wsdir: str) -> None:
+    def work(i: int) -> int:
+        sandbox.write(f"{wsdir}/p{i}", b"x" * i)
+        ex = sandbox.sh(f"cat p{i} | wc -c", cwd=wsdir)
+        return int(ex["stdout"])
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(work, range(40))) == list(range(40))
+
+
+def test_activity_and_info(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    info = sb.client.get("/v1/info").json()
+    assert set(info) >= {
+        "lastActivity", "activeExecutions", "version", "runnerVersion", "runnerConnected",
+        "uptimeSeconds", "startedAt",
+    }
+    before = info["lastActivity"]
+    time.sleep(0.05)
+    # info, health, readiness, metrics and openapi are not activity
+    for path in ("/v1/info", "/healthz", "/readyz", "/metrics", "/openapi.json"):
+        sb.client.get(path)
+    assert sb.client.get("/v1/info").json()["lastActivity"] == before
+    sb.client.get("/v1/files/list")
+    after_file = sb.client.get("/v1/info").json()["lastActivity"]
+    assert after_file > before
+    time.sleep(0.05)
+    ex = sb.run(expect=202, command="sleep 30", background=True)
+    info = sb.client.get("/v1/info").json()
+    assert info["activeExecutions"] == 1 and info["lastActivity"] > after_file
+    sb.client.post(f"/v1/executions/{ex['id']}/cancel")
+    wait_until(lambda: sb.client.get("/v1/info").json()["activeExecutions"] == 0)
+    assert info["uptimeSeconds"] >= 0 and info["startedAt"].endswith("Z")
+
+
+def test_metrics(sandbox: Sandbox) -> None:
+    sandbox.sh("echo metrics")
+    sandbox.write("metrics-probe.txt", b"x")
+    sandbox.client.get("/v1/files/stat", params={"path": "."})
+    text = sandbox.client.get("/metrics").text
+    for name in (
+        'sandbox_agent_executions_total{outcome="completed"}',
+        "sandbox_agent_execution_duration_seconds_bucket",
+        "sandbox_agent_active_executions",
+        'sandbox_agent_file_operations_total{op="stat",result="ok"}',
+        'sandbox_agent_file_bytes_total{direction="in"}',
+        'sandbox_agent_exec_output_bytes_total{stream="stdout"}',
+        "sandbox_agent_runner_connected 1.0",
+    ):
+        assert name in text, name
+    assert sandbox.anon.get("/metrics").status_code == 401
