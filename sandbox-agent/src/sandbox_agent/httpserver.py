@@ -35,7 +35,9 @@ MAX_HEADER_BYTES = 64 * 1024
 BODY_HIGH_WATER = 8 << 20  # stop reading the socket while this much body is unread
 IDLE_TIMEOUT = 75.0  # keep-alive connections with no request in flight
 HEADER_TIMEOUT = 30.0
-MAX_DISCARD = 16 << 20  # unread request body we drain to keep a connection alive  # a started request must finish its headers in this time
+MAX_DISCARD = (
+    16 << 20
+)  # unread request body we drain to keep a connection alive  # a started request must finish its headers in this time
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 

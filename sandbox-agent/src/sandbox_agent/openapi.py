@@ -89,6 +89,15 @@ def document() -> dict[str, Any]:
                         "text/event-stream": {"schema": {"type": "string"}},
                     },
                 }
+            elif typ == "tar":
+                binary = {"type": "string", "format": "binary"}
+                responses[str(status)] = {
+                    "description": "tar (gzip=false) or tar.gz (gzip=true)",
+                    "content": {
+                        "application/x-tar": {"schema": binary},
+                        "application/gzip": {"schema": binary},
+                    },
+                }
             elif isinstance(typ, str):
                 media, schema = _RAW_MEDIA[typ]
                 responses[str(status)] = {
@@ -105,6 +114,9 @@ def document() -> dict[str, Any]:
             responses.setdefault("401", {"description": "Missing or wrong bearer token", **err})
         if op.body is not None or op.params:
             responses.setdefault("400", {"description": "Invalid request", **err})
+        if not op.public:
+            # Any other client error (404, 409, 413, ...) has the same error body.
+            responses.setdefault("4XX", {"description": "Client error (see error.code)", **err})
         entry["responses"] = responses
         if op.public:
             entry["security"] = []

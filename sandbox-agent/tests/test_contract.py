@@ -1,0 +1,153 @@
+"""The OpenAPI contract: checked in, served, and fuzzed against the live agent."""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import sys
+import tarfile
+from collections.abc import Iterator
+from typing import Any
+from pathlib import Path
+
+import pytest
+import schemathesis
+from conftest import Sandbox, make_sandbox
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from sandbox_agent import __version__, openapi
+from sandbox_agent import runner as runner_module
+
+CHECKED_IN = Path(__file__).resolve().parents[1] / "openapi.json"
+
+
+def test_checked_in_openapi_is_current() -> None:
+    assert CHECKED_IN.read_text() == openapi.render(), (
+        "sandbox-agent/openapi.json is stale: run "
+        "`python -m sandbox_agent.openapi > sandbox-agent/openapi.json`"
+    )
+
+
+def test_served_openapi_matches_checked_in(sandbox: Sandbox) -> None:
+    served = sandbox.client.get("/openapi.json").json()
+    assert served == json.loads(CHECKED_IN.read_text())
+    assert served["info"]["version"] == __version__
+
+
+def test_every_route_is_documented(sandbox: Sandbox) -> None:
+    from sandbox_agent.app import OPS
+
+    doc = openapi.document()
+    for op in OPS:
+        assert op.method.lower() in doc["paths"][op.path], op.path
+
+
+def test_runner_is_stdlib_only_and_py39_syntax() -> None:
+    source = Path(runner_module.__file__).read_text()
+    tree = ast.parse(source, feature_version=(3, 9))
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "the runner must not use relative imports"
+            imported.add((node.module or "").split(".")[0])
+        elif isinstance(node, ast.Match):
+            raise AssertionError("match statements need Python 3.10")
+    imported.discard("__future__")
+    assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)
+    assert "from __future__ import annotations" in source  # PEP 604 hints stay unevaluated
+
+
+@pytest.fixture(scope="module")
+def fuzz_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
+    # Random commands run as nobody, with short timeouts, in their own sandbox.
+    import os
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="sandbox-agent-fuzz-"))
+    os.chmod(root, 0o755)
+    sb = make_sandbox(
+        root / "sb",
+        env={"SANDBOX_AGENT_MAX_TIMEOUT": "3", "SANDBOX_AGENT_DEFAULT_TIMEOUT": "2"},
+        runner=False,
+    )
+    os.chmod(sb.root, 0o755)
+    sb.start_runner(user=65534)
+    yield sb
+    sb.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _tiny_tar() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        ti = tarfile.TarInfo("fuzz.txt")
+        ti.size = 2
+        tar.addfile(ti, io.BytesIO(b"hi"))
+    return buf.getvalue()
+
+
+# Tar uploads: random bytes (invalid archives) and a valid archive.
+schemathesis.openapi.media_type(
+    "application/x-tar", st.one_of(st.binary(max_size=2048), st.just(_tiny_tar()))
+)
+
+# No 5xx, and every answer is one the document declares (status, media type,
+# body schema). Checks about which valid inputs must succeed do not fit a
+# filesystem API (a schema-valid path may simply not exist), so they are off.
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
+
+# The checked-in document is what is fuzzed (test_served_openapi_matches_checked_in
+# proves the agent serves the same one); loading it at import lets every
+# operation be its own test case.
+FUZZ_SCHEMA = schemathesis.openapi.from_dict(json.loads(CHECKED_IN.read_text()))
+FUZZ_OPERATIONS = {
+    f"{op.method.upper()} {op.path}": op for op in (r.ok() for r in FUZZ_SCHEMA.get_all_operations())
+}
+
+
+@pytest.mark.parametrize("label", sorted(FUZZ_OPERATIONS))
+def test_fuzz_no_server_errors(label: str, fuzz_target: Sandbox) -> None:
+    operation = FUZZ_OPERATIONS[label]
+    auth = {"Authorization": f"Bearer {fuzz_target.token}"}
+    seen: list[int] = []
+
+    @given(case=operation.as_strategy())
+    @settings(
+        max_examples=100,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate],
+    )
+    def run(case: Any) -> None:
+        response = case.call(base_url=fuzz_target.base_url, headers=auth, timeout=30)
+        seen.append(response.status_code)
+        case.validate_response(response, checks=CHECKS)
+        assert response.status_code < 500, (response.status_code, response.text[:500])
+
+    run()
+    assert seen, "no request was generated"
+
+
+def test_fuzzed_agent_still_healthy(fuzz_target: Sandbox) -> None:
+    assert fuzz_target.anon.get("/readyz").status_code == 200
+    assert fuzz_target.sh("echo alive")["stdout"] == "alive\n"
+    assert "Traceback" not in fuzz_target.agent_log(), fuzz_target.agent_log()
+
