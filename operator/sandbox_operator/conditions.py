@@ -47,6 +47,7 @@ REASON_TERMINATING = "Terminating"
 REASON_CLAIM_BOUND = "ClaimBound"
 REASON_CLAIM_PENDING = "ClaimPending"
 REASON_EPHEMERAL = "Ephemeral"
+REASON_NO_POD = "NoPod"
 
 _IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName"}
 _PYTHON_HINT = "the runtime image must provide python3 >= 3.9 on PATH"
@@ -69,7 +70,6 @@ class Observed:
     deleting: bool
     ephemeral: bool
     pod: JSON | None
-    claim: JSON | None
     invalid: str | None = None
     # The API server refused a child (quota, admission, missing ServiceAccount...).
     create_error: str | None = None
@@ -127,6 +127,25 @@ def _runtime_condition(pod: JSON) -> Cond:
     return Cond("RuntimeReady", FALSE, REASON_RUNTIME_STARTING, message or reason or "starting")
 
 
+def _workspace_condition(observed: Observed) -> Cond:
+    """Judged through the pod, not by reading the claim: a scheduled pod has its
+    claims bound, and an unbound claim shows in the scheduler's message. This
+    saves an API read per reconciliation and per Sandbox."""
+    if observed.ephemeral:
+        return Cond("WorkspaceReady", TRUE, REASON_EPHEMERAL, "emptyDir workspace")
+    if observed.pod is None:
+        return Cond("WorkspaceReady", UNKNOWN, REASON_NO_POD, "no pod mounts the claim now")
+    scheduled = _pod_condition(observed.pod, "PodScheduled") or {}
+    if scheduled.get("status") == TRUE:
+        return Cond("WorkspaceReady", TRUE, REASON_CLAIM_BOUND)
+    message = scheduled.get("message", "")
+    if "PersistentVolumeClaim" in message:
+        return Cond("WorkspaceReady", FALSE, REASON_CLAIM_PENDING, message)
+    return Cond(
+        "WorkspaceReady", UNKNOWN, REASON_CLAIM_PENDING, "waiting for the pod to be scheduled"
+    )
+
+
 def compute(observed: Observed) -> tuple[str, list[Cond]]:
     """(phase, conditions) for a Sandbox in the observed situation."""
     if observed.invalid:
@@ -135,15 +154,7 @@ def compute(observed: Observed) -> tuple[str, list[Cond]]:
     if observed.create_error:
         return PENDING, [Cond("Ready", FALSE, REASON_CREATE_FAILED, observed.create_error)]
 
-    conds: list[Cond] = []
-    if observed.ephemeral:
-        conds.append(Cond("WorkspaceReady", TRUE, REASON_EPHEMERAL, "emptyDir workspace"))
-    elif observed.claim and observed.claim.get("status", {}).get("phase") == "Bound":
-        conds.append(Cond("WorkspaceReady", TRUE, REASON_CLAIM_BOUND))
-    else:
-        phase = (observed.claim or {}).get("status", {}).get("phase", "Pending")
-        conds.append(Cond("WorkspaceReady", FALSE, REASON_CLAIM_PENDING, f"claim is {phase}"))
-
+    conds = [_workspace_condition(observed)]
     pod = observed.pod
     if observed.deleting:
         conds.append(Cond("Ready", FALSE, REASON_TERMINATING, "the sandbox is being deleted"))

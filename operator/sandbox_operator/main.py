@@ -123,21 +123,38 @@ async def sandbox_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: 
         await sandbox.teardown(_runtime(memo), dict(body), logger)
 
 
+@kopf.index(*SANDBOX)
+def sandbox_bodies(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """Sandboxes by (namespace, name), so pod events find their owner without a GET."""
+    return {(namespace, name): dict(body)}
+
+
 @kopf.on.event("", "v1", "pods", labels=OWN_PODS)
-async def pod_event(type: str, body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+async def pod_event(
+    type: str,
+    body: kopf.Body,
+    memo: Any,
+    logger: kopf.Logger,
+    **kwargs: Any,
+) -> None:
     """A sandbox pod changed: refresh its Sandbox's status, recreate it if it ended."""
-    runtime = _runtime(memo)
+    sandbox_bodies: kopf.Index[tuple[str, str], dict[str, Any]] = kwargs["sandbox_bodies"]
     meta = body["metadata"]
     name = (meta.get("labels") or {}).get(LABEL_SANDBOX)
     if not name:
         return
-    path = sandbox._path("sandboxes", meta["namespace"], name)
-    owner = await runtime.kube.get(path)
+    owner = next(iter(sandbox_bodies.get((meta["namespace"], name), [])), None)
     if owner is None or owner["metadata"].get("deletionTimestamp"):
         return
     pod = None if type == "DELETED" else dict(body)
     async with _measured("Sandbox", "pod-event"):
         with suppress(kopf.PermanentError):
             await sandbox.reconcile(
-                runtime, owner, memo, logger, children=sandbox.Children.POD, pod=pod, pod_known=True
+                _runtime(memo),
+                owner,
+                memo,
+                logger,
+                children=sandbox.Children.POD,
+                pod=pod,
+                pod_known=True,
             )

@@ -14,7 +14,6 @@ def _observed(pod: dict[str, Any] | None, **kw: Any) -> c.Observed:
         deleting=False,
         ephemeral=False,
         pod=pod,
-        claim={"status": {"phase": "Bound"}},
     )
     base.update(kw)
     return c.Observed(**base)
@@ -129,10 +128,20 @@ def test_invalid_spec_wins() -> None:
     ]
 
 
-def test_workspace_condition() -> None:
-    _, conds = c.compute(_observed(None, claim={"status": {"phase": "Pending"}}))
-    assert _by_type(conds)["WorkspaceReady"].reason == c.REASON_CLAIM_PENDING
-    _, conds = c.compute(_observed(None, ephemeral=True, claim=None))
+def test_workspace_condition_comes_from_the_pod() -> None:
+    _, conds = c.compute(_observed(_pod()))
+    assert _by_type(conds)["WorkspaceReady"].reason == c.REASON_CLAIM_BOUND
+    pod = _pod(scheduled=False)
+    pod["status"]["conditions"][0].update(
+        reason="Unschedulable", message="pod has unbound immediate PersistentVolumeClaims"
+    )
+    _, conds = c.compute(_observed(pod))
+    workspace = _by_type(conds)["WorkspaceReady"]
+    assert workspace.status == "False"
+    assert "PersistentVolumeClaims" in workspace.message
+    _, conds = c.compute(_observed(None))
+    assert _by_type(conds)["WorkspaceReady"].status == "Unknown"
+    _, conds = c.compute(_observed(None, ephemeral=True))
     assert _by_type(conds)["WorkspaceReady"].reason == c.REASON_EPHEMERAL
 
 

@@ -216,20 +216,6 @@ async def ensure_pod(
     return created
 
 
-async def _claim_if_needed(rt: Runtime, body: JSON, spec: SandboxSpec) -> JSON | None:
-    """Read the PVC only until it is Bound: once bound, it stays bound."""
-    if spec.workspace.ephemeral:
-        return None
-    previous = {c.get("type"): c for c in (body.get("status") or {}).get("conditions", [])}
-    workspace = previous.get("WorkspaceReady")
-    if workspace and workspace.get("status") == conditions.TRUE:
-        return {"status": {"phase": "Bound"}}
-    ref = ref_of(body)
-    return await rt.kube.get(
-        _path("persistentvolumeclaims", ref.namespace, build.names(ref.name)["claim"])
-    )
-
-
 def build_status(
     body: JSON,
     spec: SandboxSpec | None,
@@ -399,7 +385,6 @@ async def _reconcile(
             deleting=False,
             ephemeral=False,
             pod=None,
-            claim=None,
             invalid=invalid,
         )
         await write_status(rt, body, build_status(body, None, observed, rt.settings, now, {}))
@@ -427,7 +412,6 @@ async def _reconcile(
             deleting=False,
             ephemeral=spec.workspace.ephemeral,
             pod=None,
-            claim=None,
             create_error=f"{exc.status} {exc.reason}: {exc.message}",
         )
         await write_status(rt, body, build_status(body, spec, observed, rt.settings, now, {}))
@@ -443,7 +427,6 @@ async def _reconcile(
         deleting=bool(meta.get("deletionTimestamp")),
         ephemeral=spec.workspace.ephemeral,
         pod=pod,
-        claim=await _claim_if_needed(rt, body, spec),
     )
     status = build_status(body, spec, observed, rt.settings, now, extra)
     if not observed.deleting:
