@@ -158,7 +158,8 @@ def main() -> None:
         print(f"  all creates accepted after      {created_s:7.1f} s")
         print(f"  every pod and status written in {elapsed:7.1f} s   (target <= 60 s for 1,000)")
         print(
-            f"  operator peak RSS               {rss_peak:7.1f} MiB (idle {rss_idle:.1f}; target <= 250 MB)"
+            f"  operator peak RSS               {rss_peak:7.1f} MiB"
+            f" (idle {rss_idle:.1f}; target <= 250 MB)"
         )
         print(
             f"  CPU: operator {cpu_operator:.1f} s, etcd + apiserver + controller-manager "
