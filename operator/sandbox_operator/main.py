@@ -125,8 +125,11 @@ async def sandbox_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: 
 
 @kopf.index(*SANDBOX)
 def sandbox_bodies(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    """Sandboxes by (namespace, name), so pod events find their owner without a GET."""
-    return {(namespace, name): dict(body)}
+    """Sandboxes by (namespace, name), so pod events find their owner without a GET.
+
+    managedFields are dropped: they are most of a body's size and never read."""
+    meta = {k: v for k, v in body["metadata"].items() if k != "managedFields"}
+    return {(namespace, name): {**dict(body), "metadata": meta}}
 
 
 @kopf.on.event("", "v1", "pods", labels=OWN_PODS)
