@@ -124,6 +124,15 @@ def test_pause_and_resume_keep_the_workspace_claim(
     assert paused["status"] == "True"
     assert body["status"].get("podIP") is None
     assert kube.read(_claim(ns, "charlie"))["metadata"]["uid"] == claim_uid
+    # Users see it in `kubectl describe`: an Event on the Sandbox.
+    wait_for(
+        lambda: any(
+            e["reason"] == "Paused" and e["involvedObject"]["name"] == "charlie"
+            for e in kube.list(f"/api/v1/namespaces/{ns}/events")
+        ),
+        10,
+        "a Paused event",
+    )
     sandboxes.patch("charlie", {"spec": {"paused": False}})
     wait_for(lambda: _exists(kube, _pod(ns, "charlie")), 20, "pod back")
     assert _workspace_claim_name(kube.read(_pod(ns, "charlie"))) == "charlie-workspace"
