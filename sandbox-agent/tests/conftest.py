@@ -119,7 +119,10 @@ class Sandbox:
             return False
 
     def start_runner(
-        self, wait_ready: bool = True, user: int | None = None, extra_env: dict[str, str] | None = None
+        self,
+        wait_ready: bool = True,
+        user: int | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
         out = open(self.root / "runner.log", "ab")  # noqa: SIM115
         env = {

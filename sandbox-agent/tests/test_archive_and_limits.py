@@ -101,6 +101,7 @@ def test_archive_limits(fresh: Callable[..., Sandbox]) -> None:
     r = sb.client.put("/v1/files/content", params={"path": "big"}, content=os.urandom(5 << 20))
     assert sb.error(r, 413) == "body_too_large"
     assert not (sb.workspace / "big").exists()
+
     # a chunked upload (no Content-Length) is cut off at the limit too
     def gen() -> object:
         for _ in range(6):
@@ -194,8 +195,13 @@ def test_activity_and_info(fresh: Callable[..., Sandbox]) -> None:
     sb = fresh()
     info = sb.client.get("/v1/info").json()
     assert set(info) >= {
-        "lastActivity", "activeExecutions", "version", "runnerVersion", "runnerConnected",
-        "uptimeSeconds", "startedAt",
+        "lastActivity",
+        "activeExecutions",
+        "version",
+        "runnerVersion",
+        "runnerConnected",
+        "uptimeSeconds",
+        "startedAt",
     }
     before = info["lastActivity"]
     time.sleep(0.05)

@@ -62,7 +62,9 @@ def test_wrong_tokens_refused(sandbox: Sandbox, header: str) -> None:
     value = header.format(token=t, wrong_same_length=wrong_same_length, prefix=t[:-1])
     assert len(wrong_same_length) == len(t)
     r = sandbox.anon.post(
-        "/v1/executions", json={"command": "touch /tmp/should-not-run"}, headers={"Authorization": value}
+        "/v1/executions",
+        json={"command": "touch /tmp/should-not-run"},
+        headers={"Authorization": value},
     )
     assert sandbox.error(r, 401) == "unauthorized"
 
@@ -87,7 +89,7 @@ def test_token_check_uses_compare_digest(monkeypatch: pytest.MonkeyPatch) -> Non
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(agent_app.hmac, "compare_digest", spy)
+    monkeypatch.setattr("sandbox_agent.app.hmac.compare_digest", spy)
     token = b"s3cr3t-token-value-0123456789"
     assert agent_app.token_matches(b"Bearer " + token, token)
     assert not agent_app.token_matches(b"Bearer " + token[:-1] + b"X", token)  # same length

@@ -128,9 +128,7 @@ def test_interactive_stdin(sandbox: Sandbox) -> None:
 def test_timeout_kills_process_group(sandbox: Sandbox, wsdir: str) -> None:
     marker = sandbox.workspace / wsdir / "survivor"
     t = time.monotonic()
-    ex = sandbox.sh(
-        f"(sleep 2; touch {marker}) & sleep 30", timeoutSeconds=0.5, cwd=wsdir
-    )
+    ex = sandbox.sh(f"(sleep 2; touch {marker}) & sleep 30", timeoutSeconds=0.5, cwd=wsdir)
     assert time.monotonic() - t < 10
     assert ex["status"] == "timed_out"
     assert ex["timedOut"] is True
@@ -274,7 +272,9 @@ def test_reattach_stream_from_cursor(sandbox: Sandbox) -> None:
 
 
 def test_signal_and_cancel(sandbox: Sandbox) -> None:
-    ex = sandbox.run(expect=202, command="trap 'echo got-term; exit 42' TERM; sleep 30 & wait", background=True)
+    ex = sandbox.run(
+        expect=202, command="trap 'echo got-term; exit 42' TERM; sleep 30 & wait", background=True
+    )
     wait_until(lambda: sandbox.client.get(f"/v1/executions/{ex['id']}").json()["pid"])
     time.sleep(0.2)
     r = sandbox.client.post(f"/v1/executions/{ex['id']}/signal", json={"signal": "TERM"})
@@ -379,7 +379,9 @@ def test_concurrent_idempotent_submissions_start_one_process(sandbox: Sandbox, w
     }
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         ids = set(
-            pool.map(lambda _: sandbox.client.post("/v1/executions", json=body).json()["id"], range(8))
+            pool.map(
+                lambda _: sandbox.client.post("/v1/executions", json=body).json()["id"], range(8)
+            )
         )
     assert len(ids) == 1
     assert (sandbox.workspace / wsdir / "runs").read_text() == "x\n"
@@ -388,9 +390,7 @@ def test_concurrent_idempotent_submissions_start_one_process(sandbox: Sandbox, w
 def test_concurrent_executions_run_in_parallel(sandbox: Sandbox) -> None:
     t = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
-        results = list(
-            pool.map(lambda i: sandbox.sh(f"sleep 1; echo {i}"), range(10))
-        )
+        results = list(pool.map(lambda i: sandbox.sh(f"sleep 1; echo {i}"), range(10)))
     elapsed = time.monotonic() - t
     assert sorted(int(r["stdout"]) for r in results) == list(range(10))
     assert elapsed < 5, f"10 x sleep 1 took {elapsed:.1f}s: not concurrent"

@@ -28,7 +28,9 @@ def test_written_files_are_group_writable(sandbox: Sandbox, wsdir: str) -> None:
 
 def test_write_with_mode_and_mode_is_kept_on_overwrite(sandbox: Sandbox, wsdir: str) -> None:
     r = sandbox.client.put(
-        "/v1/files/content", params={"path": f"{wsdir}/run.sh", "mode": "0750"}, content=b"#!/bin/sh\n"
+        "/v1/files/content",
+        params={"path": f"{wsdir}/run.sh", "mode": "0750"},
+        content=b"#!/bin/sh\n",
     )
     assert r.json()["mode"] == "0750"
     info = sandbox.write(f"{wsdir}/run.sh", b"#!/bin/sh\necho hi\n")
@@ -248,9 +250,7 @@ def test_find(sandbox: Sandbox, wsdir: str) -> None:
         "/v1/files/find", json={"pattern": "*.py", "path": wsdir, "maxDepth": 2}
     ).json()
     assert sorted(p.split("/", 1)[1] for p in res["paths"]) == ["a.py", "pkg/b.py"]
-    res = sandbox.client.post(
-        "/v1/files/find", json={"pattern": "pkg/*.md", "path": wsdir}
-    ).json()
+    res = sandbox.client.post("/v1/files/find", json={"pattern": "pkg/*.md", "path": wsdir}).json()
     assert [p.split("/", 1)[1] for p in res["paths"]] == ["pkg/readme.md"]
     res = sandbox.client.post(
         "/v1/files/find", json={"pattern": "*", "path": wsdir, "type": "directory"}
@@ -280,7 +280,9 @@ def test_replace(sandbox: Sandbox, wsdir: str) -> None:
         "/v1/files/replace", json={"path": p, "find": "= 1", "replace": "= 9", "all": True}
     )
     assert r.json() == {"path": p, "replacements": 2}
-    r = sandbox.client.post("/v1/files/replace", json={"path": p, "find": "z = 2", "replace": "z=3"})
+    r = sandbox.client.post(
+        "/v1/files/replace", json={"path": p, "find": "z = 2", "replace": "z=3"}
+    )
     assert r.json()["replacements"] == 1
     r = sandbox.client.post(
         "/v1/files/replace",
@@ -330,9 +332,10 @@ def test_patch_apply_create_and_dry_run(sandbox: Sandbox, wsdir: str) -> None:
     r = sandbox.client.post("/v1/files/patch", json={"patch": patch})
     files = {f["path"]: (f["status"], f["hunks"]) for f in r.json()["files"]}
     assert files == {f"{wsdir}/hello.py": ("modified", 2), f"{wsdir}/new.txt": ("created", 1)}
-    assert sandbox.read(f"{wsdir}/hello.py") == original.replace(
-        b'"hello"', b'"hello, world"'
-    ) + b"d\n"
+    assert (
+        sandbox.read(f"{wsdir}/hello.py")
+        == original.replace(b'"hello"', b'"hello, world"') + b"d\n"
+    )
     assert sandbox.read(f"{wsdir}/new.txt") == b"fresh\nfile\n"
     # applying again: the context no longer matches, nothing is written
     r = sandbox.client.post("/v1/files/patch", json={"patch": patch})

@@ -107,7 +107,11 @@ def test_chunked_request_body(sandbox: Sandbox, wsdir: str) -> None:
 
 
 def test_malformed_requests_get_400(sandbox: Sandbox) -> None:
-    for raw in (b"NONSENSE\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"GET /healthz HTTP/1.1\r\nBad Header\r\n\r\n"):
+    for raw in (
+        b"NONSENSE\r\n\r\n",
+        b"GET / HTTP/9.9\r\n\r\n",
+        b"GET /healthz HTTP/1.1\r\nBad Header\r\n\r\n",
+    ):
         s = _conn(sandbox)
         s.sendall(raw)
         status, _, body = _recv_response(s)
@@ -141,14 +145,16 @@ def test_client_disconnect_mid_stream_keeps_execution(sandbox: Sandbox) -> None:
         + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
-    status, headers, _ = _recv_response(s)
+    _status, headers, _ = _recv_response(s)
     ex_id = headers["x-execution-id"]
     s.close()  # go away mid-stream
     done = sandbox.wait_finished(ex_id)
     assert done["status"] == "completed" and done["stdout"] == "done\n"
 
 
-def test_uvicorn_fallback_serves_the_same_app(tmp_path: object, fresh: Callable[..., Sandbox]) -> None:
+def test_uvicorn_fallback_serves_the_same_app(
+    tmp_path: object, fresh: Callable[..., Sandbox]
+) -> None:
     sb = fresh(env={"SANDBOX_AGENT_SERVER": "uvicorn"})
     assert sb.sh("echo via-uvicorn")["stdout"] == "via-uvicorn\n"
     assert sb.anon.get("/v1/info").status_code == 401

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,10 +26,8 @@ SRC_RUNNER = Path(wire.__file__)
 
 def _kill_group(pid: int | None) -> None:
     if pid:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_runner_placed_atomically_with_mode_0644(fresh: Callable[..., Sandbox]) -> None:
@@ -244,7 +243,7 @@ def test_runner_that_ignores_kill_is_given_up(fresh: Callable[..., Sandbox]) -> 
     def after_spawn(conn: socket.socket, chan: int) -> None:
         _send(conn, wire.T_STARTED, chan, b'{"pid": 4242}')  # then never exits
 
-    sb, ex, elapsed = _run_against_fake(fresh, after_spawn)
+    _sb, ex, elapsed = _run_against_fake(fresh, after_spawn)
     # timeout 2 s + kill grace (5 s default): bounded, never a hang
     assert ex["status"] == "lost" and ex["error"]["code"] == "runner_unresponsive"
     assert ex["timedOut"] is True

@@ -64,7 +64,7 @@ def _call(sb: Sandbox, method: str, url: str, how: str, path: str) -> httpx.Resp
     if how == "query":
         return sb.client.request(method, url, params={"path": path}, content=b"pwned")
     field = how.split(":", 1)[1]
-    body: dict[str, Any] = {
+    bodies: dict[str, dict[str, Any]] = {
         "/v1/files/write": {"path": "ok.txt", "content": "pwned"},
         "/v1/files/mkdir": {"path": "ok"},
         "/v1/files/remove": {"path": "ok", "recursive": True},
@@ -73,13 +73,16 @@ def _call(sb: Sandbox, method: str, url: str, how: str, path: str) -> httpx.Resp
         "/v1/files/find": {"pattern": "*"},
         "/v1/files/replace": {"path": "ok.txt", "find": "a", "replace": "b"},
         "/v1/executions": {"command": "echo pwned > pwned.txt"},
-    }[url]
+    }
+    body = bodies[url]
     return sb.client.request(method, url, json={**body, field: path})
 
 
 @pytest.mark.parametrize("path", HOSTILE_PATHS, ids=lambda p: repr(p[:40]))
 @pytest.mark.parametrize(("method", "url", "how"), OPS, ids=lambda x: str(x))
-def test_hostile_paths_refused(sandbox: Sandbox, method: str, url: str, how: str, path: str) -> None:
+def test_hostile_paths_refused(
+    sandbox: Sandbox, method: str, url: str, how: str, path: str
+) -> None:
     r = _call(sandbox, method, url, how, path)
     assert 400 <= r.status_code < 500, r.text
     body = r.json()
@@ -131,18 +134,34 @@ def test_symlink_escapes_refused(escapes: tuple[Sandbox, str, Path]) -> None:
             ("GET", "/v1/files/list", {"params": {"path": f"{w}/{ln}"}}),
             ("GET", "/v1/files/stat", {"params": {"path": f"{w}/{ln}/secret.txt"}}),
             ("GET", "/v1/files/archive", {"params": {"path": f"{w}/{ln}"}}),
-            ("PUT", "/v1/files/content", {"params": {"path": f"{w}/{ln}/new.txt"}, "content": b"x"}),
+            (
+                "PUT",
+                "/v1/files/content",
+                {"params": {"path": f"{w}/{ln}/new.txt"}, "content": b"x"},
+            ),
             ("POST", "/v1/files/mkdir", {"json": {"path": f"{w}/{ln}/newdir"}}),
             ("POST", "/v1/files/remove", {"json": {"path": f"{w}/{ln}/secret.txt"}}),
-            ("POST", "/v1/files/move", {"json": {"source": f"{w}/{ln}/secret.txt", "destination": f"{w}/stolen"}}),
+            (
+                "POST",
+                "/v1/files/move",
+                {"json": {"source": f"{w}/{ln}/secret.txt", "destination": f"{w}/stolen"}},
+            ),
             ("POST", "/v1/files/search", {"json": {"pattern": "SECRET", "path": f"{w}/{ln}"}}),
             ("POST", "/v1/files/find", {"json": {"pattern": "*", "path": f"{w}/{ln}"}}),
             ("POST", "/v1/executions", {"json": {"command": "cat secret.txt", "cwd": f"{w}/{ln}"}}),
-            ("PUT", "/v1/files/archive", {"params": {"path": f"{w}/{ln}"}, "content": _tar({"a": b"x"})}),
+            (
+                "PUT",
+                "/v1/files/archive",
+                {"params": {"path": f"{w}/{ln}"}, "content": _tar({"a": b"x"})},
+            ),
         ]
     cases += [
         ("GET", "/v1/files/content", {"params": {"path": f"{w}/file_escape"}}),
-        ("POST", "/v1/files/replace", {"json": {"path": f"{w}/file_escape", "find": "TOP", "replace": "X"}}),
+        (
+            "POST",
+            "/v1/files/replace",
+            {"json": {"path": f"{w}/file_escape", "find": "TOP", "replace": "X"}},
+        ),
         ("POST", "/v1/files/search", {"json": {"pattern": "SECRET", "path": f"{w}/file_escape"}}),
     ]
     for method, url, kw in cases:
@@ -187,7 +206,9 @@ def _tar(files: dict[str, bytes], extra: Callable[[tarfile.TarFile], None] | Non
     return buf.getvalue()
 
 
-def _entry(name: str, kind: bytes, link: str = "", data: bytes = b"") -> Callable[[tarfile.TarFile], None]:
+def _entry(
+    name: str, kind: bytes, link: str = "", data: bytes = b""
+) -> Callable[[tarfile.TarFile], None]:
     def add(tar: tarfile.TarFile) -> None:
         ti = tarfile.TarInfo(name)
         ti.type = kind
@@ -232,7 +253,9 @@ HOSTILE_TAR_ENTRIES: list[tuple[str, Callable[[tarfile.TarFile], None]]] = [
 ]
 
 
-@pytest.mark.parametrize(("label", "entry"), HOSTILE_TAR_ENTRIES, ids=[e[0] for e in HOSTILE_TAR_ENTRIES])
+@pytest.mark.parametrize(
+    ("label", "entry"), HOSTILE_TAR_ENTRIES, ids=[e[0] for e in HOSTILE_TAR_ENTRIES]
+)
 def test_hostile_tar_entries_refused(
     sandbox: Sandbox, wsdir: str, label: str, entry: Callable[[tarfile.TarFile], None]
 ) -> None:

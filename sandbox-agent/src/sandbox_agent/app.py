@@ -77,7 +77,7 @@ def state_of(request: Request) -> AgentState:
 
 def token_matches(header: bytes | None, token: bytes) -> bool:
     """Constant-time check of an Authorization header against the token."""
-    if not header or not header[:7].lower() == b"bearer ":
+    if not header or header[:7].lower() != b"bearer ":
         return False
     return hmac.compare_digest(header[7:].strip(), token)
 
@@ -229,7 +229,7 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     st = state_of(request)
-    if st.runner.connected and await st.runner.ping(1.0):
+    if st.runner.connected and await st.runner.ping(wait=1.0):
         info = st.runner.info or {}
         return ok(models.Readiness(status="ready", runner_version=info.get("version")))
     reason = "runner_not_connected" if not st.runner.connected else "runner_not_answering"
@@ -359,7 +359,7 @@ async def exec_stream(request: Request) -> Response:
     req = await body_as(request, models.ExecRequest)
     argv, cwd, stdin = _prepare(st, req, request)
     st.touch()
-    ex, replayed = st.executions.submit(req, argv, cwd, stdin)
+    ex, _replayed = st.executions.submit(req, argv, cwd, stdin)
     b64_out = request.query_params.get("encoding") == "base64"
     headers = {"Location": f"/v1/executions/{ex.id}", "X-Execution-Id": ex.id}
     return _event_stream(
@@ -693,6 +693,13 @@ file_replace = _json_file_op(
 )
 
 
+def _require_dir(real: str, rel: str) -> None:
+    if not os.path.isdir(real):
+        with files.os_errors(rel):
+            os.stat(real)
+        raise bad_request("not_a_directory", f"not a directory: {rel}")
+
+
 async def archive_download(request: Request) -> Response:
     st = state_of(request)
     rel = q_str(request, "path", ".")
@@ -700,10 +707,7 @@ async def archive_download(request: Request) -> Response:
     st.touch()
     # Validate before the 200 goes out; errors inside the stream can only cut it short.
     real = st.workspace.resolve(rel)
-    if not os.path.isdir(real):
-        with files.os_errors(rel):
-            os.stat(real)
-        raise bad_request("not_a_directory", f"not a directory: {rel}")
+    await asyncio.to_thread(_require_dir, real, rel)
     gen = archive.stream_tar(st.workspace, rel, gz)
 
     async def body() -> AsyncIterator[bytes]:

@@ -119,7 +119,7 @@ def extract(ws: Workspace, rel: str, spool: IO[bytes], s: Settings) -> models.Ar
         os.makedirs(dest, exist_ok=True)
     ws.confine(os.path.realpath(dest), rel)
     try:
-        tar = tarfile.open(fileobj=spool, mode="r:*")
+        tar = tarfile.open(fileobj=spool, mode="r:*")  # noqa: SIM115 - closed by the with below
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise bad_request("invalid_archive", f"not a valid tar archive: {exc}") from None
     with tar:
@@ -189,9 +189,8 @@ def _add_tree(ws: Workspace, tar: tarfile.TarFile, root: str, arc_root: str) -> 
                     ws.check_fd(fd, rel)
                     ti = tar.gettarinfo(arcname=arcname or ".", fileobj=f)
                     tar.addfile(ti, f)
-            elif st.S_ISDIR(s.st_mode) or st.S_ISLNK(s.st_mode):
-                if arcname:
-                    tar.add(path, arcname=arcname, recursive=False)
+            elif (st.S_ISDIR(s.st_mode) or st.S_ISLNK(s.st_mode)) and arcname:
+                tar.add(path, arcname=arcname, recursive=False)
             # sockets, FIFOs and devices are left out
 
 
@@ -208,12 +207,12 @@ def stream_tar(ws: Workspace, rel: str, gzip: bool) -> Iterator[bytes]:
     def produce() -> None:
         try:
             sink: Any = writer
-            tar = (
-                tarfile.open(fileobj=sink, mode="w|gz", format=tarfile.PAX_FORMAT)
+            fmt = tarfile.PAX_FORMAT
+            with (
+                tarfile.open(fileobj=sink, mode="w|gz", format=fmt)
                 if gzip
-                else tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT)
-            )
-            with tar:
+                else tarfile.open(fileobj=sink, mode="w|", format=fmt)
+            ) as tar:
                 _add_tree(ws, tar, root, "")
             writer.flush()
             q.put(None)

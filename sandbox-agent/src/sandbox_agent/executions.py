@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import codecs
+import contextlib
 import hashlib
 import json
 import os
@@ -197,11 +198,11 @@ class Execution:
                     out.append(Chunk(stream, data, cursor))
         return out
 
-    async def wait_change(self, timeout: float) -> None:
+    async def wait_change(self, wait: float) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
-            await asyncio.wait_for(fut, timeout)
+            await asyncio.wait_for(fut, wait)
         except TimeoutError:
             pass
         finally:
@@ -454,10 +455,8 @@ class ExecutionManager:
 
     def _drop_log(self, ex: Execution) -> None:
         if ex.log_size and not ex.log_pruned:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(ex.log_path)
-            except OSError:
-                pass
             self.log_bytes -= ex.log_size
             ex.log_pruned = True
 

@@ -269,15 +269,20 @@ def mkdir(ws: Workspace, req: models.MkdirRequest) -> models.FileInfo:
     real = ws.resolve(req.path)
     mode = parse_mode(req.mode)
     with os_errors(req.path):
+        created = False
         if os.path.isdir(real):
             if not req.exist_ok:
                 raise conflict("already_exists", f"already exists: {req.path}")
         elif req.parents:
-            os.makedirs(real, mode=0o777 if mode is None else mode)
+            os.makedirs(real)
+            created = True
         else:
-            os.mkdir(real, 0o777 if mode is None else mode)
+            os.mkdir(real)
+            created = True
         ws.confine(os.path.realpath(real), req.path)
-        if mode is not None:
+        # Only a directory we just made gets the mode (never chmod an existing
+        # one, e.g. the workspace root, through mkdir).
+        if mode is not None and created:
             os.chmod(real, mode)
         return info(ws, real)
 

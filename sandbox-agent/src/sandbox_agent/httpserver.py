@@ -34,10 +34,8 @@ Message = dict[str, Any]
 MAX_HEADER_BYTES = 64 * 1024
 BODY_HIGH_WATER = 8 << 20  # stop reading the socket while this much body is unread
 IDLE_TIMEOUT = 75.0  # keep-alive connections with no request in flight
-HEADER_TIMEOUT = 30.0
-MAX_DISCARD = (
-    16 << 20
-)  # unread request body we drain to keep a connection alive  # a started request must finish its headers in this time
+HEADER_TIMEOUT = 30.0  # a started request must finish its headers in this time
+MAX_DISCARD = 16 << 20  # unread request body we drain to keep a connection alive
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
@@ -60,11 +58,11 @@ class _Cycle:
         "head",
         "keep_alive",
         "proto",
+        "resp_headers",
         "response_done",
         "response_started",
         "scope",
         "status",
-        "resp_headers",
         "waiter",
     )
 

@@ -22,6 +22,7 @@ payloads are raw bytes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -169,10 +170,8 @@ class Runner:
         signal.signal(signal.SIGINT, self._on_signal)
         self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
 
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(sock_path)
-        except FileNotFoundError:
-            pass
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(sock_path)
         os.chmod(sock_path, socket_mode)
@@ -236,10 +235,8 @@ class Runner:
 
     def _signal_all(self, sig: int) -> None:
         for pid in list(self.by_pid):
-            try:
+            with contextlib.suppress(OSError):
                 os.killpg(pid, sig)
-            except OSError:
-                pass
 
     # -- connections -----------------------------------------------------
 
@@ -257,20 +254,16 @@ class Runner:
         if conn.closed:
             return
         conn.closed = True
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
         self.conns.pop(conn.sock.fileno(), None)
         conn.sock.close()
         # Nobody can observe these commands any more (the agent reports them
         # as lost), so do not leave them running invisibly.
         for child in list(conn.children.values()):
             if child.status is None:
-                try:
+                with contextlib.suppress(OSError):
                     os.killpg(child.pid, signal.SIGKILL)
-                except OSError:
-                    pass
             self._close_child_fds(child)
             child.conn = None
         conn.children.clear()
@@ -303,7 +296,7 @@ class Runner:
             try:
                 self._dispatch(conn, ftype, channel, payload)
             except (ValueError, TypeError, KeyError) as exc:
-                _log("bad frame from client (%s); closing connection" % (exc,))
+                _log(f"bad frame from client ({exc}); closing connection")
                 self._close_conn(conn)
                 return
             if conn.closed:
@@ -375,14 +368,14 @@ class Runner:
                     "pid": os.getpid(),
                     "uid": os.getuid(),
                     "gid": os.getgid(),
-                    "python": "%d.%d.%d" % sys.version_info[:3],
+                    "python": ".".join(str(v) for v in sys.version_info[:3]),
                 },
             )
         elif ftype == T_PING:
             self._send(conn, T_PONG, channel, payload)
         elif ftype == T_SPAWN:
             if channel in conn.children:
-                raise ValueError("channel %d already in use" % channel)
+                raise ValueError(f"channel {channel} already in use")
             self._spawn(conn, channel, json.loads(payload))
         elif ftype == T_STDIN:
             child = conn.children.get(channel)
@@ -398,12 +391,10 @@ class Runner:
             child = conn.children.get(channel)
             sig = int(json.loads(payload)["signal"])
             if child is not None:
-                try:
+                with contextlib.suppress(OSError):
                     os.killpg(child.pid, sig)
-                except OSError:
-                    pass
         else:
-            raise ValueError("unknown frame type %d" % ftype)
+            raise ValueError(f"unknown frame type {ftype}")
 
     def _spawn(self, conn: Conn, channel: int, req: dict[str, Any]) -> None:
         argv = [str(a) for a in req["argv"]]
@@ -451,7 +442,7 @@ class Runner:
                 conn,
                 T_SPAWN_FAILED,
                 channel,
-                {"errno": exc.errno or 0, "message": "%s: %s" % (exc.strerror or exc, argv[0])},
+                {"errno": exc.errno or 0, "message": f"{exc.strerror or exc}: {argv[0]}"},
             )
             return
         os.close(out_w)
@@ -529,10 +520,8 @@ class Runner:
         if fd < 0:
             return
         if self.by_fd.pop(fd, None) is not None:
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 self.sel.unregister(fd)
-            except (KeyError, ValueError):
-                pass
         os.close(fd)
 
     def _close_child_fds(self, child: Child) -> None:
@@ -636,16 +625,14 @@ def main() -> int:
         os.chdir(workspace)
         runner = Runner(sock_path, workspace, mode)
     except OSError as exc:
-        _log("cannot start: %s" % (exc,))
+        _log(f"cannot start: {exc}")
         return 1
-    _log("%s listening on %s (workspace %s)" % (__version__, sock_path, workspace))
+    _log(f"{__version__} listening on {sock_path} (workspace {workspace})")
     try:
         return runner.serve()
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(sock_path)
-        except OSError:
-            pass
 
 
 if __name__ == "__main__":

@@ -313,7 +313,7 @@ class RunnerClient:
         if self.wire is not None:
             self.wire.send(wire.T_SIGNAL, chan, json.dumps({"signal": sig}).encode())
 
-    async def ping(self, timeout: float = 1.0) -> bool:
+    async def ping(self, wait: float = 1.0) -> bool:
         w = self.wire
         if w is None:
             return False
@@ -322,7 +322,7 @@ class RunnerClient:
         w.pings[token] = fut
         try:
             w.send(wire.T_PING, 0, token)
-            await asyncio.wait_for(fut, timeout)
+            await asyncio.wait_for(fut, wait)
             return True
         except (TimeoutError, ConnectionError):
             return False

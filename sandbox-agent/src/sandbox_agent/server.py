@@ -67,8 +67,8 @@ def prepare(settings: Settings) -> bytes:
         raise StartupError(f"workspace {settings.workspace} is not a directory")
     try:
         os.makedirs(settings.log_dir, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=settings.log_dir)
-        probe.close()
+        with tempfile.NamedTemporaryFile(dir=settings.log_dir):
+            pass
     except OSError as exc:
         raise StartupError(f"log dir {settings.log_dir} is not writable: {exc.strerror}") from None
     try:
