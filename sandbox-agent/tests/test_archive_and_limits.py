@@ -237,3 +237,30 @@ def test_metrics(sandbox: Sandbox) -> None:
     ):
         assert name in text, name
     assert sandbox.anon.get("/metrics").status_code == 401
+
+
+def test_logs_spill_from_memory_to_disk(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(
+        env={
+            "SANDBOX_AGENT_LOG_MEMORY_BYTES": "10000",
+            "SANDBOX_AGENT_LOG_MEMORY_TOTAL_BYTES": "15000",
+        }
+    )
+    small = sb.sh("echo small")
+    assert list(sb.logs.iterdir()) == []  # small logs never touch the disk
+    big = sb.sh("head -c 50000 /dev/zero | tr '\\0' b")
+    assert (sb.logs / f"{big['id']}.log").exists()  # over the per-execution threshold
+    mids = [sb.sh("head -c 8000 /dev/zero | tr '\\0' m") for _ in range(3)]
+    # together over the total budget: the oldest finished in-memory logs spilled
+    assert (sb.logs / f"{mids[0]['id']}.log").exists()
+    for ex, size in [(small, 6), (big, 50000), *((m, 8000) for m in mids)]:
+        cursor, got = 0, 0
+        while True:
+            page = sb.client.get(
+                f"/v1/executions/{ex['id']}/output", params={"cursor": cursor, "maxBytes": 3000}
+            ).json()
+            got += sum(len(c["data"]) for c in page["chunks"])
+            cursor = page["cursor"]
+            if page["finished"]:
+                break
+        assert got == size, ex["id"]

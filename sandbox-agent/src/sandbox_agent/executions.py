@@ -12,6 +12,7 @@ import asyncio
 import base64
 import codecs
 import contextlib
+import contextlib
 import hashlib
 import json
 import os
@@ -92,6 +93,9 @@ class Execution:
         self.truncated = {STREAM_OUT: False, STREAM_ERR: False}
         self.totals = {STREAM_OUT: 0, STREAM_ERR: 0}
         self.log_fd = -1
+        # Small logs stay in memory (no file, no disk I/O); past the per-execution
+        # threshold, or when all in-memory logs together pass theirs, they spill.
+        self.mem_log: bytearray | None = bytearray()
         self.log_path = os.path.join(mgr.settings.log_dir, self.id + ".log")
         self.log_size = 0
         self.log_truncated = False
@@ -159,16 +163,48 @@ class Execution:
         ):
             self.log_truncated = True
             return
+        head = REC.pack(REC_MAGIC, stream, len(data))
+        mem = self.mem_log
+        if mem is not None and self.log_size + need <= self.mgr.settings.log_memory_bytes:
+            mem += head
+            mem += data
+            self.log_size += need
+            self.mgr.mem_log_bytes += need
+            return
         try:
-            if self.log_fd < 0:
-                self.log_fd = os.open(
-                    self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
-                )
-            os.write(self.log_fd, REC.pack(REC_MAGIC, stream, len(data)) + data)
+            if mem is not None:
+                self.spill()
+            os.write(self.log_fd, head + data)
             self.log_size += need
         except OSError:
             self.mgr.release_log(need)
             self.log_truncated = True
+
+    def spill(self) -> None:
+        """Move the in-memory log to its file (which stays open while running)."""
+        mem = self.mem_log
+        if mem is None:
+            return
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(mem)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            os.close(fd)
+            raise
+        self.mem_log = None
+        self.mgr.mem_log_bytes -= len(mem)
+        if self.finished is None:
+            self.log_fd = fd
+        else:
+            os.close(fd)
+
+    def _read_at(self, fd: int, pos: int, n: int) -> bytes:
+        mem = self.mem_log
+        if mem is not None:
+            return bytes(mem[pos : pos + n])
+        return os.pread(fd, n, pos)
 
     def read_log(self, cursor: int, max_bytes: int) -> list[Chunk]:
         """Records from ``cursor``; at least one if any, then up to max_bytes."""
@@ -179,23 +215,26 @@ class Execution:
         if cursor == self.log_size:
             return []
         out: list[Chunk] = []
-        with open(self.log_path, "rb") as f:
-            f.seek(cursor)
+        fd = -1 if self.mem_log is not None else os.open(self.log_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
             total = 0
             while cursor < self.log_size and (not out or total < max_bytes):
-                head = f.read(REC.size)
+                head = self._read_at(fd, cursor, REC.size)
                 if len(head) < REC.size:
                     break
                 magic, stream, length = REC.unpack(head)
                 if magic != REC_MAGIC or stream not in _STREAM_NAME:
                     raise ApiError(400, "invalid_cursor", "cursor is not at a record boundary")
-                data = f.read(length)
+                data = self._read_at(fd, cursor + REC.size, length)
                 cursor += REC.size + len(data)
                 total += len(data)
                 if out and out[-1].stream == stream:
                     out[-1] = Chunk(stream, out[-1].data + data, cursor)
                 else:
                     out.append(Chunk(stream, data, cursor))
+        finally:
+            if fd >= 0:
+                os.close(fd)
         return out
 
     async def wait_change(self, wait: float) -> None:
@@ -365,6 +404,7 @@ class ExecutionManager:
         self.by_key: dict[str, Execution] = {}
         self.active = 0
         self.log_bytes = 0
+        self.mem_log_bytes = 0
 
     def fingerprint(self, req: models.ExecRequest, argv: list[str], timeout: float) -> str:
         blob = json.dumps(
@@ -441,6 +481,7 @@ class ExecutionManager:
             metrics.DURATION.observe(ex.finished - (ex.started or ex.created))
         self.on_activity()
         self._prune_records()
+        self._spill_memory_logs()
 
     def remove(self, ex: Execution) -> None:
         if ex.finished is None:
@@ -455,10 +496,27 @@ class ExecutionManager:
 
     def _drop_log(self, ex: Execution) -> None:
         if ex.log_size and not ex.log_pruned:
-            with contextlib.suppress(OSError):
-                os.unlink(ex.log_path)
+            if ex.mem_log is not None:
+                self.mem_log_bytes -= len(ex.mem_log)
+                ex.mem_log = None
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(ex.log_path)
             self.log_bytes -= ex.log_size
             ex.log_pruned = True
+
+    def _spill_memory_logs(self) -> None:
+        """Keep all finished in-memory logs together under their budget."""
+        if self.mem_log_bytes <= self.settings.log_memory_total_bytes:
+            return
+        for ex in list(self.records.values()):  # oldest first
+            if self.mem_log_bytes <= self.settings.log_memory_total_bytes:
+                break
+            if ex.finished is not None and ex.mem_log:
+                try:
+                    ex.spill()
+                except OSError:
+                    self._drop_log(ex)
 
     def _prune_records(self) -> None:
         excess = len(self.records) - self.active - self.settings.max_records

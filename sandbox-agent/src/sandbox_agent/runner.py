@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import selectors
@@ -42,7 +43,13 @@ HEADER = struct.Struct(">IBI")
 # reads from us (it treats this process as untrusted); we enforce it on what
 # the agent sends.
 MAX_PAYLOAD = 1 << 20
-READ_CHUNK = 256 * 1024
+READ_CHUNK = MAX_PAYLOAD
+# A command's stdout pipe is grown (F_SETPIPE_SZ) so a burst of output costs a
+# few large reads instead of a context switch per 64 KiB. Best effort: the
+# kernel caps it (pipe-max-size, per-user pipe budget).
+STDOUT_PIPE_SIZE = int(os.environ.get("SANDBOX_RUNNER_PIPE_BYTES", str(1 << 20)))
+F_SETPIPE_SZ = 1031
+SOCKET_BUFFER = 4 << 20
 
 # agent -> runner
 T_HELLO = 1
@@ -246,6 +253,10 @@ class Runner:
         except OSError:
             return
         sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        except OSError:
+            pass
         conn = Conn(sock)
         self.conns[sock.fileno()] = conn
         self.sel.register(sock, selectors.EVENT_READ, conn)
@@ -408,6 +419,11 @@ class Runner:
 
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        if STDOUT_PIPE_SIZE > 65536:
+            try:
+                fcntl.fcntl(out_r, F_SETPIPE_SZ, STDOUT_PIPE_SIZE)
+            except OSError:
+                pass  # keep the default size
         in_r = in_w = -1
         actions: list[tuple[Any, ...]] = [
             (os.POSIX_SPAWN_DUP2, out_w, 1),

@@ -139,6 +139,12 @@ class _Wire(asyncio.Protocol):
         except ProtocolViolation as exc:
             self.abort("runner_protocol_error", f"runner protocol violation: {exc}")
             return
+        except Exception:
+            # A bug on our side while handling a frame: the stream position is
+            # unknown now, so start over with a fresh connection.
+            log.exception("error while handling a runner frame")
+            self.abort("agent_error", "internal error while handling runner output")
+            return
         if pos:
             del buf[:pos]
 
