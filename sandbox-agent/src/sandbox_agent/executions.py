@@ -12,7 +12,6 @@ import asyncio
 import base64
 import codecs
 import contextlib
-import contextlib
 import hashlib
 import json
 import os

@@ -253,10 +253,8 @@ class Runner:
         except OSError:
             return
         sock.setblocking(False)
-        try:
+        with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-        except OSError:
-            pass
         conn = Conn(sock)
         self.conns[sock.fileno()] = conn
         self.sel.register(sock, selectors.EVENT_READ, conn)
@@ -420,10 +418,8 @@ class Runner:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         if STDOUT_PIPE_SIZE > 65536:
-            try:
+            with contextlib.suppress(OSError):  # else keep the default size
                 fcntl.fcntl(out_r, F_SETPIPE_SZ, STDOUT_PIPE_SIZE)
-            except OSError:
-                pass  # keep the default size
         in_r = in_w = -1
         actions: list[tuple[Any, ...]] = [
             (os.POSIX_SPAWN_DUP2, out_w, 1),
