@@ -18,6 +18,8 @@ import httpx
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
+from sandbox_operator.kube import resource_path
+
 JSON = dict[str, Any]
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -38,25 +40,8 @@ class ApiError(Exception):
         self.body = body
 
 
-def api_path(
-    api_version: str,
-    plural: str,
-    namespace: str | None = None,
-    name: str | None = None,
-    subresource: str | None = None,
-) -> str:
-    """`/api/v1/...` for the core group, `/apis/<group>/<version>/...` otherwise."""
-    parts = ["/api/v1" if api_version == "v1" else f"/apis/{api_version}"]
-    if namespace is not None:
-        parts.append(f"namespaces/{namespace}")
-    parts.append(plural)
-    if name is not None:
-        parts.append(name)
-    if subresource is not None:
-        if name is None:
-            raise ValueError("a subresource needs an object name")
-        parts.append(subresource)
-    return "/".join(parts)
+# One path builder for the project: the operator's own.
+api_path = resource_path
 
 
 def core_path(

@@ -163,35 +163,27 @@ class Kube:
             reason, message = "", response.text
         raise KubeError(response.status_code, reason, message)
 
-    async def get(self, path: str, params: dict[str, str] | None = None) -> JSON | None:
-        """The object, or None when it does not exist."""
-        response = await self.request("GET", path, params=params)
-        if response.status_code == 404:
+    def _object(self, response: Response, absent: int) -> JSON | None:
+        """The object in a response; None for the `absent` status; KubeError otherwise."""
+        if response.status_code == absent:
             return None
         if response.status_code >= 400:
             self._raise(response)
         result: JSON = response.json()
         return result
 
+    async def get(self, path: str, params: dict[str, str] | None = None) -> JSON | None:
+        """The object, or None when it does not exist."""
+        return self._object(await self.request("GET", path, params=params), absent=404)
+
     async def create(self, path: str, body: JSON) -> JSON | None:
         """Create; None when it already exists (409), so callers stay idempotent."""
-        response = await self.request("POST", path, body=body)
-        if response.status_code == 409:
-            return None
-        if response.status_code >= 400:
-            self._raise(response)
-        result: JSON = response.json()
-        return result
+        return self._object(await self.request("POST", path, body=body), absent=409)
 
     async def patch(self, path: str, body: Any, content_type: str = MERGE_PATCH) -> JSON | None:
         """Patch; None when the object is gone."""
         response = await self.request("PATCH", path, body=body, content_type=content_type)
-        if response.status_code == 404:
-            return None
-        if response.status_code >= 400:
-            self._raise(response)
-        result: JSON = response.json()
-        return result
+        return self._object(response, absent=404)
 
     async def delete(
         self,
