@@ -172,3 +172,16 @@ def test_network_policy_egress(egress: str, expected: int) -> None:
 def test_builders_are_deterministic() -> None:
     spec = SandboxSpec.model_validate({"runtime": "node"})
     assert build.build_pod(REF, spec, SETTINGS) == build.build_pod(REF, spec, SETTINGS)
+
+
+def test_pod_hash_follows_the_sandbox_spec_not_the_operator_settings() -> None:
+    from sandbox_operator.handlers.sandbox import POD_HASH_ANNOTATION, desired_pod
+
+    def stamp(spec: SandboxSpec, settings: Settings) -> str:
+        return str(desired_pod(REF, spec, settings)["metadata"]["annotations"][POD_HASH_ANNOTATION])
+
+    spec = SandboxSpec.model_validate({"runtime": "python"})
+    base = stamp(spec, SETTINGS)
+    assert stamp(spec, Settings(agent_image="sandbox-agent:2")) == base
+    assert stamp(spec.model_copy(update={"paused": True}), SETTINGS) == base
+    assert stamp(SandboxSpec.model_validate({"runtime": "node"}), SETTINGS) != base

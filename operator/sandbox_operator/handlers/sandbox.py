@@ -132,8 +132,15 @@ def _hash(obj: JSON) -> str:
 
 
 def desired_pod(ref: build.SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
+    """The pod, stamped with a hash of the Sandbox spec it was built from.
+
+    The hash covers the spec, not the built pod: a change of operator settings
+    (a new agent image, say) reaches each sandbox at its next pod start instead
+    of killing every running sandbox at once. `paused` is left out: pausing
+    is handled by deleting the pod, not by replacing it."""
     pod = build.build_pod(ref, spec, settings)
-    pod["metadata"]["annotations"][POD_HASH_ANNOTATION] = _hash(pod["spec"])
+    stamped = spec.model_copy(update={"paused": False}).to_wire()
+    pod["metadata"]["annotations"][POD_HASH_ANNOTATION] = _hash(stamped)
     return pod
 
 

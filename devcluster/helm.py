@@ -1,0 +1,83 @@
+"""Helm, built from its Go module at the pinned version, and the chart install.
+
+Release downloads are unreachable here, so `helm` is built like the
+Kubernetes binaries (same cache, lock and recipe stamps). Users install the
+chart the same way: `helm upgrade --install` of charts/sandbox-operator.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from devcluster import build
+
+HELM_VERSION = "v3.19.0"
+HELM_MODULE = "helm.sh/helm/v3"
+
+
+def helm_path() -> Path:
+    return build.cache_root() / "bin" / f"helm-{HELM_VERSION}" / "helm"
+
+
+def helm_binary() -> Path:
+    """The pinned helm, building it on first use (a minute or two on 2 cores)."""
+    binary = helm_path()
+    if build._is_current(binary):
+        return binary
+    with build._build_lock("helm"):
+        if build._is_current(binary):
+            return binary
+        started = time.monotonic()
+        workdir = build.cache_root() / "build" / f"helm-{HELM_VERSION}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "go.mod").write_text("module sandbox-operator.local/helm-build\n\ngo 1.24.0\n")
+        build._go(["get", f"{HELM_MODULE}@{HELM_VERSION}"], workdir)
+        ldflags = f"-s -w -X helm.sh/helm/v3/internal/version.version={HELM_VERSION}"
+        with tempfile.TemporaryDirectory(dir=workdir) as out:
+            build._go(
+                ["build", "-trimpath", f"-ldflags={ldflags}", "-o", out + "/helm",
+                 f"{HELM_MODULE}/cmd/helm"],
+                workdir,
+            )
+            build._install(Path(out), binary.parent, started, HELM_VERSION)
+    return binary
+
+
+def install_chart(
+    kubeconfig: Path,
+    chart: Path,
+    *,
+    release: str = "sandbox-operator",
+    namespace: str = "sandbox-system",
+    values: list[str] | None = None,
+    timeout: str = "5m",
+) -> str:
+    """`helm upgrade --install --wait` of the chart; returns helm's output."""
+    argv = [
+        str(helm_binary()), "upgrade", "--install", release, str(chart),
+        f"--kubeconfig={kubeconfig}", "--namespace", namespace, "--create-namespace",
+        "--wait", f"--timeout={timeout}",
+    ]
+    for value in values or []:
+        argv += ["--set", value]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"helm install failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc.stdout
+
+
+def uninstall_chart(
+    kubeconfig: Path, *, release: str = "sandbox-operator", namespace: str = "sandbox-system"
+) -> None:
+    subprocess.run(
+        [str(helm_binary()), "uninstall", release, f"--kubeconfig={kubeconfig}",
+         "--namespace", namespace, "--ignore-not-found", "--wait"],
+        capture_output=True, text=True, check=False, timeout=300,
+    )
+
+
+if __name__ == "__main__":
+    print(helm_binary())
