@@ -1,0 +1,90 @@
+"""The Helm chart: lints, renders, agrees with the operator, and the API server accepts it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from devcluster.controlplane import ControlPlane
+from devcluster.helm import helm_binary
+from sandbox_operator import config
+from tests.integration.conftest import kubectl
+
+
+def _helm(*args: str) -> str:
+    proc = subprocess.run(
+        [str(helm_binary()), *args], capture_output=True, text=True, check=False, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _render(repo: Path, *sets: str, namespace: str = "sandbox-system") -> list[dict[str, Any]]:
+    args = ["template", "sbx", str(repo / "charts/sandbox-operator"), "-n", namespace]
+    for value in sets:
+        args += ["--set", value]
+    return [doc for doc in yaml.safe_load_all(_helm(*args)) if doc]
+
+
+def _kind(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    return next(doc for doc in docs if doc["kind"] == kind)
+
+
+def test_chart_lints(repo: Path) -> None:
+    _helm("lint", "--strict", str(repo / "charts/sandbox-operator"))
+
+
+def test_rendered_rbac_is_the_tested_rules_file(repo: Path) -> None:
+    rules = yaml.safe_load((repo / "charts/sandbox-operator/files/rbac-rules.yaml").read_text())
+    assert _kind(_render(repo), "ClusterRole")["rules"] == rules
+
+
+def test_rendered_settings_are_valid_operator_settings(repo: Path, tmp_path: Path) -> None:
+    docs = _render(repo, "settings.default_idle_timeout=15m")
+    settings_file = tmp_path / "settings.yaml"
+    settings_file.write_text(_kind(docs, "ConfigMap")["data"]["settings.yaml"])
+    settings = config.load({"SANDBOX_OPERATOR_CONFIG": str(settings_file)})
+    assert settings.operator_namespace == "sandbox-system"
+    assert settings.default_idle_timeout == "15m"
+    assert set(settings.runtimes) == {"python", "node"}
+
+
+def test_watched_namespaces_and_extra_env(repo: Path) -> None:
+    default = _kind(_render(repo), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert "--all-namespaces" in default["args"]
+    scoped = _kind(
+        _render(
+            repo, "watchNamespaces={team-a,team-b}", "extraEnv[0].name=X", "extraEnv[0].value=hello"
+        ),
+        "Deployment",
+    )["spec"]["template"]["spec"]["containers"][0]
+    assert "--all-namespaces" not in scoped["args"]
+    assert "--namespace=team-a" in scoped["args"]
+    assert "--namespace=team-b" in scoped["args"]
+    assert {"name": "X", "value": "hello"} in scoped["env"]
+
+
+def test_operator_pod_is_restricted(repo: Path) -> None:
+    pod = _kind(_render(repo), "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    container = pod["containers"][0]["securityContext"]
+    assert container["allowPrivilegeEscalation"] is False
+    assert container["readOnlyRootFilesystem"] is True
+    assert container["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_api_server_accepts_the_rendered_chart(
+    control_plane: ControlPlane, crds: None, repo: Path, tmp_path: Path
+) -> None:
+    manifest = tmp_path / "chart.yaml"
+    manifest.write_text(yaml.safe_dump_all(_render(repo, namespace="chart-check")))
+    namespace = kubectl(control_plane, "create", "namespace", "chart-check")
+    assert namespace.returncode == 0, namespace.stderr
+    applied = kubectl(
+        control_plane, "apply", "--dry-run=server", "-n", "chart-check", "-f", str(manifest)
+    )
+    assert applied.returncode == 0, applied.stderr
+    assert "deployment.apps/sbx created (server dry run)" in applied.stdout
