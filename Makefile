@@ -31,8 +31,9 @@ lint: install ## ruff (lint + format check) and mypy --strict
 	$(VENV)/bin/mypy operator devcluster tests sandbox-agent/src benchmarks
 
 .PHONY: binaries
-binaries: install ## Build (or reuse) the pinned Kubernetes and etcd binaries
+binaries: install ## Build (or reuse) the pinned Kubernetes, etcd and helm binaries
 	$(PY) -m devcluster.build
+	$(PY) -m devcluster.helm
 
 .PHONY: test
 test: install binaries ## Lint, then every test tier that runs on this machine
