@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from devcluster import versions
@@ -235,6 +236,188 @@ def etcd_binary() -> Path:
             _go(["build", "-trimpath", "-ldflags=-s -w", "-o", out + "/etcd", "."], workdir)
             _install(Path(out), bin_dir, started, versions.ETCD)
     return binary
+
+
+# ---- generic Go module builds (CSI driver and sidecars, ...) ------------------
+
+_REPLACE_LINE = re.compile(r"^(\S+)(?:\s+(\S+))?\s+=>\s+(\S+)(?:\s+(\S+))?\s*$")
+
+
+def _replace_directives(gomod: str) -> list[tuple[str, str | None, str, str | None]]:
+    """`replace` directives of a go.mod (single lines and blocks), as
+    (module, version or None, target, target version or None)."""
+    found = []
+    in_block = False
+    for raw in gomod.splitlines():
+        line = raw.split("//", 1)[0].strip()
+        if in_block:
+            if line == ")":
+                in_block = False
+                continue
+        elif line.startswith("replace"):
+            line = line.removeprefix("replace").strip()
+            if line == "(":
+                in_block = True
+                continue
+        else:
+            continue
+        match = _REPLACE_LINE.match(line)
+        if match:
+            module, version, target, target_version = match.groups()
+            found.append((module, version, target, target_version))
+    return found
+
+
+def _go_directive(gomod: str) -> str:
+    match = re.search(r"^go\s+(\S+)\s*$", gomod, re.MULTILINE)
+    return match.group(1) if match else "1.24.0"
+
+
+def go_module_paths(name: str, version: str, packages: Sequence[str]) -> dict[str, Path]:
+    """Where `go_module_binaries` installs (or will install) each package's
+    command, by command name (the package's last path element); builds nothing."""
+    bin_dir = cache_root() / "bin" / f"{name}-{version}"
+    return {
+        package.rstrip("/").rsplit("/", 1)[-1]: bin_dir / package.rstrip("/").rsplit("/", 1)[-1]
+        for package in packages
+    }
+
+
+def go_module_binaries(
+    name: str,
+    module: str,
+    version: str,
+    packages: Sequence[str],
+    *,
+    local_replaces: Mapping[str, str] | None = None,
+    ldflags: str = "-s -w",
+) -> dict[str, Path]:
+    """Build commands of a Go module that `go install module/cmd/x@version`
+    cannot build: one whose go.mod has `replace` directives (the go command
+    refuses those for `go install`, and ignores them in a dependency).
+
+    A throwaway wrapper module requires `module@version` and repeats its
+    `replace` directives, so the build list is the one upstream builds with.
+    A replace to a local directory (`=> ./client`, a nested module that is not
+    in the module zip) is replaced by the module version `local_replaces`
+    names for it. `packages` are full import paths of main packages.
+    Cached like the Kubernetes binaries: same cache root, lock and recipe stamp;
+    `name` and `version` key the bin directory.
+    """
+    wanted = go_module_paths(name, version, packages)
+    if all(_is_current(path) for path in wanted.values()):
+        return wanted
+    with _build_lock(name):
+        if all(_is_current(path) for path in wanted.values()):
+            return wanted
+        started = time.monotonic()
+        workdir = cache_root() / "build" / f"{name}-{version}"
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        workdir.mkdir(parents=True)
+        (workdir / "go.mod").write_text(
+            f"module sandbox-operator.local/{name}-build\n\ngo 1.24.0\n"
+        )
+        info = json.loads(_go(["mod", "download", "-json", f"{module}@{version}"], workdir))
+        if "Error" in info:
+            raise RuntimeError(f"{module}@{version}: {info['Error']}")
+        upstream = Path(info["GoMod"]).read_text()
+        lines = []
+        for target_module, target_version, to, to_version in _replace_directives(upstream):
+            source = f"{target_module} {target_version}" if target_version else target_module
+            if to.startswith(("./", "../")):
+                pinned = (local_replaces or {}).get(target_module)
+                if pinned is None:
+                    raise RuntimeError(
+                        f"{module}@{version} replaces {target_module} with the local "
+                        f"directory {to}; name a module version for it in local_replaces"
+                    )
+                lines.append(f"replace {source} => {target_module} {pinned}")
+            else:
+                lines.append(f"replace {source} => {to} {to_version or ''}".rstrip())
+        (workdir / "go.mod").write_text(
+            f"module sandbox-operator.local/{name}-build\n\ngo {_go_directive(upstream)}\n\n"
+            + "\n".join(lines)
+            + "\n"
+        )
+        _go(["get", f"{module}@{version}"], workdir)
+        _build_into(workdir, list(packages), ldflags, wanted, started, version)
+    return wanted
+
+
+def _source_version(source: Path, requires: Mapping[str, str]) -> str:
+    """A version string for in-repo Go sources: a hash of the .go files and
+    the pinned requirements, so an edit rebuilds and an unchanged tree is reused."""
+    digest = hashlib.sha256()
+    for path in sorted(source.rglob("*.go")):
+        digest.update(str(path.relative_to(source)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for module, version in sorted(requires.items()):
+        digest.update(f"{module}@{version}\n".encode())
+    return "src-" + digest.hexdigest()[:12]
+
+
+def go_source_paths(
+    name: str, source: Path, requires: Mapping[str, str], packages: Sequence[str]
+) -> dict[str, Path]:
+    """Where `go_source_binaries` installs (or will install) the commands; builds nothing."""
+    return go_module_paths(name, _source_version(source, requires), packages)
+
+
+def go_source_binaries(
+    name: str,
+    source: Path,
+    requires: Mapping[str, str],
+    packages: Sequence[str],
+    *,
+    ldflags: str = "-s -w",
+) -> dict[str, Path]:
+    """Build main packages from Go source kept in this repository (`source`, a
+    directory tree of .go files without go.mod) against pinned `requires`
+    (module -> version). The go.mod is generated here so that every version
+    is a pin in versions.py; `packages` are paths relative to `source`.
+    The bin directory is keyed on a hash of the sources and requirements;
+    binaries of earlier source versions are removed once a new one is built.
+    """
+    version = _source_version(source, requires)
+    wanted = go_module_paths(name, version, packages)
+    if all(_is_current(path) for path in wanted.values()):
+        return wanted
+    with _build_lock(name):
+        if all(_is_current(path) for path in wanted.values()):
+            return wanted
+        started = time.monotonic()
+        workdir = cache_root() / "build" / name
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        shutil.copytree(source, workdir, ignore=shutil.ignore_patterns("*.md"))
+        requirements = "\n".join(f"\t{module} {ver}" for module, ver in sorted(requires.items()))
+        (workdir / "go.mod").write_text(
+            f"module sandbox-operator.local/{name}\n\ngo 1.24.0\n\nrequire (\n{requirements}\n)\n"
+        )
+        # Resolves the indirect requirements from the pinned ones (MVS); asks
+        # the proxy for no "latest" of anything.
+        _go(["mod", "download"], workdir)
+        _build_into(
+            workdir, [f"./{package}" for package in packages], ldflags, wanted, started, version
+        )
+        current = next(iter(wanted.values())).parent
+        for old in current.parent.glob(f"{name}-src-*"):
+            if old != current:
+                shutil.rmtree(old, ignore_errors=True)
+    return wanted
+
+
+def _build_into(
+    workdir: Path,
+    packages: list[str],
+    ldflags: str,
+    wanted: Mapping[str, Path],
+    started: float,
+    version: str,
+) -> None:
+    with tempfile.TemporaryDirectory(dir=workdir) as out:
+        _go(["build", "-trimpath", f"-ldflags={ldflags}", "-o", out + "/", *packages], workdir)
+        _install(Path(out), next(iter(wanted.values())).parent, started, version)
 
 
 def binaries_current(commands: tuple[str, ...] = versions.KUBERNETES_COMMANDS) -> bool:

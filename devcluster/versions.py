@@ -13,3 +13,38 @@ KUBERNETES_STAGING = "v0." + KUBERNETES.removeprefix("v1.")
 ETCD = "v3.6.13"
 
 KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kubectl")
+
+# ---- CSI storage (devcluster/storage.py) ------------------------------------
+# Sidecars built from their upstream Go modules. The module proxy reachable
+# here serves these versions; it refuses (403) every version tried of
+# github.com/kubernetes-csi/csi-driver-host-path and node-driver-registrar/v2,
+# so the hostpath driver and the registrar are built from devcluster/csi/.
+CSI_PROVISIONER_MODULE = "github.com/kubernetes-csi/external-provisioner/v5"
+CSI_PROVISIONER = "v5.3.0"
+# v8.4.0 is built against k8s.io/* v0.34 (the pinned Kubernetes minor).
+CSI_SNAPSHOTTER_MODULE = "github.com/kubernetes-csi/external-snapshotter/v8"
+CSI_SNAPSHOTTER = "v8.4.0"
+# Nested module of external-snapshotter (its go.mod points it at ./client);
+# also carries the VolumeSnapshot CRD YAMLs in config/crd.
+CSI_SNAPSHOTTER_CLIENT_MODULE = "github.com/kubernetes-csi/external-snapshotter/client/v8"
+CSI_SNAPSHOTTER_CLIENT = CSI_SNAPSHOTTER
+# Requirements of the in-repo driver and registrar: the CSI spec and gRPC
+# that external-snapshotter CSI_SNAPSHOTTER builds with, the kubelet's plugin
+# registration API at the pinned Kubernetes version.
+CSI_SPEC = "v1.12.0"
+CSI_GRPC = "v1.72.1"
+CSI_PROTOBUF = "v1.36.5"
+# ---- end CSI storage ------------------------------------------------------------
+
+# ---- node tier (devcluster.cluster.LocalCluster) -------------------------------
+# Built from the same k8s.io/kubernetes module wrapper as the control plane.
+KUBERNETES_NODE_COMMANDS = ("kube-scheduler", "kubelet")
+# crictl: talks CRI to the node's private containerd, so stop() can tear pod
+# sandboxes down through CNI DEL (veths, IPAM, portmap rules) rather than by force.
+# Same minor as Kubernetes (cri-tools follows its CRI releases).
+CRI_TOOLS = "v1.34.0"
+# Debian release of the locally built images (mmdebstrap suite). Its python3
+# (3.11) and glibc (2.36) decide which wheels images.py installs.
+DEBIAN_SUITE = "bookworm"
+DEBIAN_PYTHON = "3.11"
+DEBIAN_GLIBC = (2, 36)
