@@ -404,9 +404,11 @@ async def exec_output(request: Request) -> Response:
     b64_out = request.query_params.get("encoding") == "base64"
     st.touch()
     chunks = ex.read_log(cursor, max_bytes)
-    if not chunks and wait and ex.finished is None:
-        # Long poll: the reattaching client waits for new output or the end.
-        await ex.wait_change(wait)
+    deadline = time.monotonic() + wait
+    while not chunks and ex.finished is None and (left := deadline - time.monotonic()) > 0:
+        # Long poll: the reattaching client waits for new output or the end
+        # (other changes, like the start, do not end the wait).
+        await ex.wait_change(left)
         chunks = ex.read_log(cursor, max_bytes)
     if chunks:
         cursor = chunks[-1].cursor

@@ -46,6 +46,7 @@ class Settings:
     search_max_files: int = 100_000
     list_max_entries: int = 10_000
     metrics_auth: bool = True
+    malloc_keep_bytes: int = 128 * MiB  # freed heap kept for reuse (0: glibc defaults)
 
     @property
     def socket_path(self) -> str:
@@ -82,6 +83,7 @@ _ENV = {
     "search_max_files": "SANDBOX_AGENT_SEARCH_MAX_FILES",
     "list_max_entries": "SANDBOX_AGENT_LIST_MAX_ENTRIES",
     "metrics_auth": "SANDBOX_AGENT_METRICS_AUTH",
+    "malloc_keep_bytes": "SANDBOX_AGENT_MALLOC_KEEP_BYTES",
 }
 
 

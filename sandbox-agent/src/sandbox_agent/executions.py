@@ -35,6 +35,15 @@ StreamName = Literal["stdout", "stderr"]
 _STREAM_NAME: dict[int, StreamName] = {STREAM_OUT: "stdout", STREAM_ERR: "stderr"}
 
 
+_OUTPUT_METRIC = {s: metrics.EXEC_OUTPUT_BYTES.labels(n) for s, n in _STREAM_NAME.items()}
+
+
+def _text(data: bytearray | memoryview | bytes, cap: int) -> str:
+    """Lossy UTF-8 text of the last ``cap`` bytes, decoded without a copy."""
+    view = memoryview(data)
+    return str(view[-cap:] if len(view) > cap else view, "utf-8", "replace")
+
+
 def rfc3339(ts: float) -> str:
     """RFC 3339 UTC with milliseconds (hot path: avoids datetime objects)."""
     ms = int(ts * 1000) % 1000
@@ -88,7 +97,10 @@ class Execution:
         self.user_killed = False
         self.error: models.RunError | None = None
         self.usage: dict[str, Any] = {}
-        self.capture = {STREAM_OUT: bytearray(), STREAM_ERR: bytearray()}
+        # Tails for results. While the whole log is in memory it is the only
+        # copy of the output (tails are cut from it on demand); separate tail
+        # buffers exist only once it spilled, was truncated or was dropped.
+        self.capture: dict[int, bytearray] | None = None
         self.truncated = {STREAM_OUT: False, STREAM_ERR: False}
         self.totals = {STREAM_OUT: 0, STREAM_ERR: 0}
         self.log_fd = -1
@@ -114,22 +126,56 @@ class Execution:
         self.started = time.time()
         self._notify()
 
-    def on_output(self, stderr: bool, data: bytes) -> None:
+    def on_output(self, stderr: bool, data: bytes | memoryview) -> None:
         if self.finished is not None:
             return
         stream = STREAM_ERR if stderr else STREAM_OUT
         n = len(data)
         self.totals[stream] += n
-        metrics.EXEC_OUTPUT_BYTES.labels(_STREAM_NAME[stream]).inc(n)
-        cap = self.mgr.settings.max_capture_bytes
-        buf = self.capture[stream]
-        buf += data
-        # Trim lazily (at twice the cap) so a flood costs O(n), not O(n^2).
-        if len(buf) > 2 * cap or (len(buf) > cap and n >= cap):
-            del buf[: len(buf) - cap]
-            self.truncated[stream] = True
+        _OUTPUT_METRIC[stream].inc(n)
         self._log(stream, data)
+        if self.capture is not None:
+            cap = self.mgr.settings.max_capture_bytes
+            buf = self.capture[stream]
+            buf += data
+            # Trim lazily (at twice the cap) so a flood costs O(n), not O(n^2).
+            if len(buf) > 2 * cap or (len(buf) > cap and n >= cap):
+                del buf[: len(buf) - cap]
+                self.truncated[stream] = True
         self._notify()
+
+    def _tails_from_log(self) -> dict[int, memoryview | bytes]:
+        """Per-stream output tails, cut from the complete in-memory log (no copy
+        when a stream is a single record, the common case for short commands)."""
+        cap = self.mgr.settings.max_capture_bytes
+        parts: dict[int, list[memoryview]] = {STREAM_OUT: [], STREAM_ERR: []}
+        mem = self.mem_log
+        if mem is not None:
+            view = memoryview(mem)
+            pos, end = 0, len(mem)
+            while pos < end:
+                _, stream, length = REC.unpack_from(view, pos)
+                parts[stream].append(view[pos + REC.size : pos + REC.size + length])
+                pos += REC.size + length
+        tails: dict[int, memoryview | bytes] = {}
+        for stream, chunks in parts.items():
+            keep: list[memoryview] = []
+            size = 0
+            for chunk in reversed(chunks):
+                if size >= cap:
+                    break
+                keep.append(chunk[-(cap - size) :])
+                size += len(keep[-1])
+            tails[stream] = keep[0] if len(keep) == 1 else b"".join(reversed(keep))
+        return tails
+
+    def _materialize_capture(self) -> None:
+        """Switch to separate tail buffers (before the in-memory log goes away)."""
+        if self.capture is None:
+            self.capture = {k: bytearray(v) for k, v in self._tails_from_log().items()}
+            cap = self.mgr.settings.max_capture_bytes
+            for stream in (STREAM_OUT, STREAM_ERR):
+                self.truncated[stream] = self.totals[stream] > cap
 
     def on_exit(self, exit_code: int | None, signal: int | None, usage: dict[str, Any]) -> None:
         self.exit_code = exit_code
@@ -153,13 +199,14 @@ class Execution:
 
     # -- output ------------------------------------------------------------
 
-    def _log(self, stream: int, data: bytes) -> None:
+    def _log(self, stream: int, data: bytes | memoryview) -> None:
         if self.log_truncated:
             return
         need = REC.size + len(data)
         if self.log_size + need > self.mgr.settings.max_log_bytes or not self.mgr.reserve_log(
             self, need
         ):
+            self._materialize_capture()  # the log stops being the whole output
             self.log_truncated = True
             return
         head = REC.pack(REC_MAGIC, stream, len(data))
@@ -173,9 +220,10 @@ class Execution:
         try:
             if mem is not None:
                 self.spill()
-            os.write(self.log_fd, head + data)
+            os.writev(self.log_fd, [head, data])
             self.log_size += need
         except OSError:
+            self._materialize_capture()
             self.mgr.release_log(need)
             self.log_truncated = True
 
@@ -184,6 +232,7 @@ class Execution:
         mem = self.mem_log
         if mem is None:
             return
+        self._materialize_capture()
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             view = memoryview(mem)
@@ -339,6 +388,10 @@ class Execution:
     def view(self, output: bool = True) -> models.Execution:
         end = self.finished
         start = self.started
+        cap = self.mgr.settings.max_capture_bytes
+        tails: dict[int, bytearray] | dict[int, memoryview | bytes] | None = None
+        if output:
+            tails = self.capture if self.capture is not None else self._tails_from_log()
         return models.Execution(
             id=self.id,
             idempotency_key=self.key,
@@ -360,20 +413,10 @@ class Execution:
             started_at=rfc3339(start) if start else None,
             finished_at=rfc3339(end) if end else None,
             duration_seconds=round(end - (start or self.created), 6) if end else None,
-            stdout=self.capture[STREAM_OUT][-self.mgr.settings.max_capture_bytes :].decode(
-                "utf-8", "replace"
-            )
-            if output
-            else None,
-            stderr=self.capture[STREAM_ERR][-self.mgr.settings.max_capture_bytes :].decode(
-                "utf-8", "replace"
-            )
-            if output
-            else None,
-            stdout_truncated=self.truncated[STREAM_OUT]
-            or len(self.capture[STREAM_OUT]) > self.mgr.settings.max_capture_bytes,
-            stderr_truncated=self.truncated[STREAM_ERR]
-            or len(self.capture[STREAM_ERR]) > self.mgr.settings.max_capture_bytes,
+            stdout=_text(tails[STREAM_OUT], cap) if tails else None,
+            stderr=_text(tails[STREAM_ERR], cap) if tails else None,
+            stdout_truncated=self.truncated[STREAM_OUT] or self.totals[STREAM_OUT] > cap,
+            stderr_truncated=self.truncated[STREAM_ERR] or self.totals[STREAM_ERR] > cap,
             stdout_bytes=self.totals[STREAM_OUT],
             stderr_bytes=self.totals[STREAM_ERR],
             output_cursor=self.log_size,
@@ -496,6 +539,7 @@ class ExecutionManager:
     def _drop_log(self, ex: Execution) -> None:
         if ex.log_size and not ex.log_pruned:
             if ex.mem_log is not None:
+                ex._materialize_capture()
                 self.mem_log_bytes -= len(ex.mem_log)
                 ex.mem_log = None
             else:

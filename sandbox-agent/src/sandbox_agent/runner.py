@@ -50,6 +50,7 @@ READ_CHUNK = MAX_PAYLOAD
 STDOUT_PIPE_SIZE = int(os.environ.get("SANDBOX_RUNNER_PIPE_BYTES", str(1 << 20)))
 F_SETPIPE_SZ = 1031
 SOCKET_BUFFER = 4 << 20
+LINGER = float(os.environ.get("SANDBOX_RUNNER_LINGER_MS", "1")) / 1000.0
 
 # agent -> runner
 T_HELLO = 1
@@ -162,6 +163,7 @@ class Runner:
         self.sel = selectors.DefaultSelector()
         self.by_pid: dict[int, Child] = {}
         self.by_fd: dict[int, tuple[Child, int]] = {}
+        self.lingering: dict[int, float] = {}  # pipe fd -> when to read it again
         self.conns: dict[int, Conn] = {}
         self.stopping = 0.0
         self.base_env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_RUNNER_")}
@@ -217,10 +219,12 @@ class Runner:
                 else:
                     self._pipe_event(key.fd)
             self._reap()
+            self._check_lingering()
             self._check_drain_deadlines()
 
     def _next_timeout(self) -> float | None:
         deadlines = [c.drain_deadline for c in self._pending_children() if c.drain_deadline]
+        deadlines.extend(self.lingering.values())
         if self.stopping:
             deadlines.append(time.monotonic() + 0.1)
         if not deadlines:
@@ -355,13 +359,10 @@ class Runner:
             for fd in (child.out_fd, child.err_fd):
                 if fd < 0:
                     continue
-                try:
-                    if paused:
-                        self.sel.unregister(fd)
-                    else:
-                        self.sel.register(fd, selectors.EVENT_READ, "pipe")
-                except (KeyError, ValueError):
-                    pass
+                if paused:
+                    self._unwatch(fd)
+                elif fd not in self.lingering:
+                    self._watch(fd)
 
     # -- frames ----------------------------------------------------------
 
@@ -504,33 +505,74 @@ class Runner:
 
     # -- children ----------------------------------------------------------
 
-    def _pipe_event(self, fd: int) -> None:
+    def _pipe_event(self, fd: int) -> bool:
+        """Handle a ready pipe; True if output was read (and more may follow)."""
         entry = self.by_fd.get(fd)
         if entry is None:
-            return
+            return False
         child, ftype = entry
         if ftype == 0:
             self._write_stdin(child)
-            return
+            return False
         try:
             data = os.read(fd, READ_CHUNK)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError:
             data = b""
         if data:
             self._send(child.conn, ftype, child.channel, data)
-            return
+            if LINGER and len(data) < READ_CHUNK and child.status is None:
+                # Let a busy writer fill the (large) pipe for a moment before we
+                # wake for it again: a burst becomes a few big frames instead of
+                # dozens of small ones, at the cost of <= LINGER of latency.
+                self._unwatch(fd)
+                self.lingering[fd] = time.monotonic() + LINGER
+            return True
         self._close_fd(fd)
         if ftype == T_STDOUT:
             child.out_fd = -1
         else:
             child.err_fd = -1
         self._maybe_finish(child)
+        return False
+
+    def _drain(self, fd: int) -> None:
+        """Read everything a pipe holds right now (the command has exited)."""
+        self.lingering.pop(fd, None)
+        while fd in self.by_fd and self._pipe_event(fd):
+            pass
+        if fd in self.by_fd:
+            self._watch(fd)
+
+    def _watch(self, fd: int) -> None:
+        if fd not in self.sel.get_map():
+            self.sel.register(fd, selectors.EVENT_READ, "pipe")
+
+    def _unwatch(self, fd: int) -> None:
+        if fd in self.sel.get_map():
+            self.sel.unregister(fd)
+
+    def _check_lingering(self) -> None:
+        if not self.lingering:
+            return
+        now = time.monotonic()
+        for fd, deadline in list(self.lingering.items()):
+            if deadline <= now:
+                del self.lingering[fd]
+                entry = self.by_fd.get(fd)
+                if entry is None:
+                    continue
+                conn = entry[0].conn
+                if conn is not None and len(conn.wbuf) > WBUF_HIGH:
+                    continue  # backpressure: _set_output_paused re-arms it later
+                self._watch(fd)
+                self._pipe_event(fd)
 
     def _close_fd(self, fd: int) -> None:
         if fd < 0:
             return
+        self.lingering.pop(fd, None)
         if self.by_fd.pop(fd, None) is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self.sel.unregister(fd)
@@ -560,6 +602,9 @@ class Runner:
             if child.in_fd >= 0:
                 self._close_fd(child.in_fd)
                 child.in_fd = -1
+            for fd in (child.out_fd, child.err_fd):
+                if fd >= 0:
+                    self._drain(fd)
             self._maybe_finish(child)
 
     def _maybe_finish(self, child: Child) -> None:
@@ -578,7 +623,7 @@ class Runner:
                 # Drain what is already buffered, then give up on the holders.
                 for fd in (child.out_fd, child.err_fd):
                     if fd >= 0:
-                        self._pipe_event(fd)
+                        self._drain(fd)
                 self._close_child_fds(child)
                 self._finish(child)
 
@@ -604,6 +649,20 @@ class Runner:
         else:
             msg["exitCode"] = os.WEXITSTATUS(status)
         self._send_json(conn, T_EXIT, child.channel, msg)
+
+
+def _tune_malloc() -> None:
+    """Reuse freed output buffers instead of page-faulting fresh ones (see the agent)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 def _set_subreaper() -> None:
@@ -633,6 +692,7 @@ def main() -> int:
     # group) edits what user commands create.
     os.umask(umask)
     _set_subreaper()
+    _tune_malloc()
     try:
         os.chdir(workspace)
         runner = Runner(sock_path, workspace, mode)

@@ -36,13 +36,13 @@ class Channel(Protocol):
     """What an execution must accept from the runner connection."""
 
     def on_started(self, pid: int) -> None: ...
-    def on_output(self, stderr: bool, data: bytes) -> None: ...
+    def on_output(self, stderr: bool, data: memoryview) -> None: ...
     def on_exit(self, exit_code: int | None, signal: int | None, usage: dict[str, Any]) -> None: ...
     def on_spawn_failed(self, message: str) -> None: ...
     def on_lost(self, code: str, message: str) -> None: ...
 
 
-def _obj(payload: bytes) -> dict[str, Any]:
+def _obj(payload: bytes | memoryview) -> dict[str, Any]:
     try:
         value = _decode(payload)
     except msgspec.DecodeError as exc:
@@ -122,19 +122,27 @@ class _Wire(asyncio.Protocol):
             self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
+        # Frames are handed on as memoryview slices of what was received: the
+        # output path copies each byte once (into the log), not three times.
+        # Callees must not keep the views.
+        if self.buf:
+            self.buf += data
+            src: bytes | bytearray = self.buf
+        else:
+            src = data
+        view = memoryview(src)
+        total = len(view)
         pos = 0
         size = wire.HEADER.size
         try:
-            while len(buf) - pos >= size:
-                length, ftype, chan = wire.HEADER.unpack_from(buf, pos)
+            while total - pos >= size:
+                length, ftype, chan = wire.HEADER.unpack_from(view, pos)
                 if length > wire.MAX_PAYLOAD:
                     raise ProtocolViolation(f"frame of {length} bytes exceeds the limit")
                 end = pos + size + length
-                if len(buf) < end:
+                if total < end:
                     break
-                self._dispatch(ftype, chan, bytes(buf[pos + size : end]))
+                self._dispatch(ftype, chan, view[pos + size : end])
                 pos = end
         except ProtocolViolation as exc:
             self.abort("runner_protocol_error", f"runner protocol violation: {exc}")
@@ -145,10 +153,15 @@ class _Wire(asyncio.Protocol):
             log.exception("error while handling a runner frame")
             self.abort("agent_error", "internal error while handling runner output")
             return
-        if pos:
-            del buf[:pos]
+        finally:
+            view.release()
+        if src is self.buf:
+            if pos:
+                del self.buf[:pos]
+        elif pos < total:
+            self.buf = bytearray(data[pos:])
 
-    def _dispatch(self, ftype: int, chan: int, payload: bytes) -> None:
+    def _dispatch(self, ftype: int, chan: int, payload: memoryview) -> None:
         if ftype == wire.T_STDOUT or ftype == wire.T_STDERR:
             ch = self.channels.get(chan)
             if ch is None:
@@ -186,7 +199,7 @@ class _Wire(asyncio.Protocol):
             del self.channels[chan]
             ch.on_spawn_failed(message)
         elif ftype == wire.T_PONG:
-            fut = self.pings.pop(payload, None)
+            fut = self.pings.pop(bytes(payload), None)
             if fut is not None and not fut.done():
                 fut.set_result(None)
         elif ftype == wire.T_HELLO_ACK:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -59,8 +60,28 @@ def _is_open(fd: int) -> bool:
     return True
 
 
+def tune_malloc(keep_bytes: int) -> None:
+    """Keep freed large buffers in the heap instead of returning them to the OS.
+
+    glibc serves allocations >= 128 KiB with mmap and trims the heap eagerly,
+    so every MiB of command output or file data costs fresh page faults. On
+    the VMs measured that is ~1 ms per MiB (a 1 MiB exec round trip spent
+    most of its agent CPU there); reusing the memory makes it ~20x cheaper.
+    RSS may stay up to ``keep_bytes`` above the live set.
+    """
+    if keep_bytes <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: 32 MiB, glibc's maximum
+        libc.mallopt(-1, keep_bytes)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc (e.g. musl): nothing to tune
+
+
 def prepare(settings: Settings) -> bytes:
     token = read_token(settings.token_file)
+    tune_malloc(settings.malloc_keep_bytes)
     # Files we create must be writable by the sandbox user (same group).
     os.umask(settings.umask)
     if not os.path.isdir(settings.workspace):
