@@ -1162,10 +1162,12 @@ def build_app(settings: Settings, token: bytes) -> ASGIApp:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.executions.restore()
         state.runner.start()
         yield
         state.executions.fail_all_running()
         await state.runner.stop()
+        state.executions.journal.close()
 
     app = Starlette(
         routes=[Route(op.path, op.handler, methods=[op.method]) for op in OPS],

@@ -14,6 +14,7 @@ import codecs
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import signal as _signal
 import struct
@@ -23,10 +24,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import msgspec
+
 from . import metrics, models
 from .config import Settings
 from .errors import ApiError, conflict, not_found
+from .journal import Journal
 from .runner_client import RunnerClient
+
+log = logging.getLogger("sandbox_agent.executions")
 
 REC = struct.Struct(">BBI")
 REC_MAGIC = 0x1E
@@ -374,6 +380,96 @@ class Execution:
         self.done.set()
         self._notify()
 
+    # -- journal -------------------------------------------------------------
+
+    def journal_new(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "key": self.key,
+            "fp": self.fingerprint,
+            "command": self.command,
+            "argv": self.argv,
+            "cwd": self.cwd,
+            "timeout": self.timeout,
+            "background": self.background,
+            "created": self.created,
+        }
+
+    def journal_end(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "status": self.status,
+            "pid": self.pid,
+            "exitCode": self.exit_code,
+            "signal": self.signal,
+            "timedOut": self.timed_out,
+            "cancelled": self.cancelled,
+            "userKilled": self.user_killed,
+            "error": msgspec.to_builtins(self.error) if self.error else None,
+            "started": self.started,
+            "finished": self.finished,
+            "totals": [self.totals[STREAM_OUT], self.totals[STREAM_ERR]],
+            "usage": self.usage,
+            "logSize": self.log_size if self.mem_log is None and not self.log_pruned else 0,
+            "logTruncated": self.log_truncated,
+        }
+
+    @classmethod
+    def restore(cls, mgr: ExecutionManager, d: dict[str, Any]) -> Execution:
+        """A record from before an agent restart (output only if it was on disk)."""
+        req = models.ExecRequest(
+            command=d.get("command"), cwd=d.get("cwd") or ".", background=bool(d.get("background"))
+        )
+        req.idempotency_key = d.get("key")
+        ex = cls(mgr, req, list(d.get("argv") or []), float(d.get("timeout") or 0), d.get("fp", ""))
+        ex.id = d["id"]
+        ex.log_path = os.path.join(mgr.settings.log_dir, ex.id + ".log")
+        ex.created = float(d.get("created") or 0)
+        ex.mem_log = None
+        ex.capture = {STREAM_OUT: bytearray(), STREAM_ERR: bytearray()}
+        if "status" not in d:
+            # It was running when the agent went away; the runner killed it then.
+            ex.status = "lost"
+            ex.finished = ex.created
+            ex.error = models.RunError(
+                code="agent_restarted",
+                message="the agent restarted while the command was running",
+            )
+            ex.log_pruned = True
+        else:
+            ex.status = d["status"]
+            ex.pid = d.get("pid")
+            ex.exit_code = d.get("exitCode")
+            ex.signal = d.get("signal")
+            ex.timed_out = bool(d.get("timedOut"))
+            ex.cancelled = bool(d.get("cancelled"))
+            ex.user_killed = bool(d.get("userKilled"))
+            err = d.get("error")
+            if isinstance(err, dict):
+                ex.error = models.RunError(
+                    code=str(err.get("code")), message=str(err.get("message"))
+                )
+            ex.started = d.get("started")
+            ex.finished = d.get("finished") or ex.created
+            totals = d.get("totals") or [0, 0]
+            ex.totals = {STREAM_OUT: int(totals[0]), STREAM_ERR: int(totals[1])}
+            ex.usage = d.get("usage") or {}
+            ex.log_truncated = bool(d.get("logTruncated"))
+            size = int(d.get("logSize") or 0)
+            try:
+                on_disk = os.path.getsize(ex.log_path) if size else -1
+            except OSError:
+                on_disk = -1
+            if size and on_disk == size:
+                ex.log_size = size
+            else:
+                ex.log_pruned = True  # it lived in memory (or is gone): tails are lost
+        # output kept in memory before the restart is gone
+        for stream in (STREAM_OUT, STREAM_ERR):
+            ex.truncated[stream] = ex.totals[stream] > 0
+        ex.done.set()
+        return ex
+
     # -- views -------------------------------------------------------------
 
     @property
@@ -447,6 +543,39 @@ class ExecutionManager:
         self.active = 0
         self.log_bytes = 0
         self.mem_log_bytes = 0
+        self.journal = Journal(settings.log_dir, settings.max_records)
+
+    def restore(self) -> int:
+        """Reload records from the journal (call once, at start-up)."""
+        for d in self.journal.load():
+            try:
+                ex = Execution.restore(self, d)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("skipping unreadable journal record: %s", exc)
+                continue
+            self.records[ex.id] = ex
+            if ex.key is not None:
+                self.by_key[ex.key] = ex
+            self.log_bytes += ex.log_size
+        # logs that no record refers to any more (pruned before a crash, etc.)
+        keep = {f"{ex.id}.log" for ex in self.records.values() if ex.log_size}
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.settings.log_dir):
+                if name.endswith(".log") and name not in keep:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(self.settings.log_dir, name))
+        self.journal.open()
+        self._compact()
+        self._prune_records()
+        return len(self.records)
+
+    def _compact(self) -> None:
+        entries: list[tuple[str, dict[str, Any]]] = []
+        for ex in self.records.values():
+            entries.append(("new", ex.journal_new()))
+            if ex.finished is not None:
+                entries.append(("end", ex.journal_end()))
+        self.journal.rewrite(entries)
 
     def fingerprint(self, req: models.ExecRequest, argv: list[str], timeout: float) -> str:
         blob = json.dumps(
@@ -497,6 +626,7 @@ class ExecutionManager:
         self.records[ex.id] = ex
         if ex.key is not None:
             self.by_key[ex.key] = ex
+        self.journal.append("new", ex.journal_new())
         self.active += 1
         metrics.ACTIVE.set(self.active)
         self.on_activity()
@@ -516,6 +646,7 @@ class ExecutionManager:
         return ex
 
     def finished(self, ex: Execution) -> None:
+        self.journal.append("end", ex.journal_end())
         self.active -= 1
         metrics.ACTIVE.set(self.active)
         metrics.EXECUTIONS.labels(ex.status).inc()
@@ -524,6 +655,8 @@ class ExecutionManager:
         self.on_activity()
         self._prune_records()
         self._spill_memory_logs()
+        if self.journal.needs_compaction():
+            self._compact()
 
     def remove(self, ex: Execution) -> None:
         if ex.finished is None:
@@ -531,7 +664,8 @@ class ExecutionManager:
         self._drop(ex)
 
     def _drop(self, ex: Execution) -> None:
-        self.records.pop(ex.id, None)
+        if self.records.pop(ex.id, None) is not None:
+            self.journal.append("del", {"id": ex.id})
         if ex.key is not None and self.by_key.get(ex.key) is ex:
             del self.by_key[ex.key]
         self._drop_log(ex)

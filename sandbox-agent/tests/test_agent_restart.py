@@ -1,0 +1,92 @@
+"""Idempotency across an agent restart (the journal), with the real runner kept."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+
+import pytest
+from conftest import Sandbox, wait_until
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_keys_survive_agent_restart(fresh: Callable[..., Sandbox], how: int) -> None:
+    sb = fresh()
+    done = sb.sh("echo once >> ran.txt; echo finished", idempotencyKey="k-done")
+    running = sb.run(
+        expect=202,
+        command="echo started >> ran.txt; sleep 30; echo never >> ran.txt",
+        background=True,
+        idempotencyKey="k-running",
+    )
+    pid = wait_until(lambda: sb.client.get(f"/v1/executions/{running['id']}").json()["pid"])
+    wait_until(lambda: (sb.workspace / "ran.txt").read_text().count("started") == 1)
+    assert sb.agent is not None
+    sb.agent.send_signal(how)
+    sb.agent.wait(10)
+    # the runner kills what nobody can observe any more
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), 5)
+    sb.start_agent()
+    wait_until(lambda: sb.anon.get("/readyz").status_code == 200)
+
+    again = sb.sh("echo once >> ran.txt; echo finished", idempotencyKey="k-done")
+    assert again["id"] == done["id"]
+    assert again["status"] == "completed" and again["exitCode"] == 0
+    assert again["stdoutBytes"] == len("finished\n")
+
+    lost = sb.run(
+        expect=200,
+        command="echo started >> ran.txt; sleep 30; echo never >> ran.txt",
+        background=True,
+        idempotencyKey="k-running",
+    )
+    assert lost["id"] == running["id"]
+    assert lost["status"] == "lost"
+    assert lost["error"]["code"] == (
+        "agent_stopping" if how == signal.SIGTERM else "agent_restarted"
+    )
+    assert (sb.workspace / "ran.txt").read_text() == "once\nstarted\n"  # nothing ran twice
+
+    r = sb.client.post("/v1/executions", json={"command": "echo other", "idempotencyKey": "k-done"})
+    assert sb.error(r, 409) == "idempotency_key_reused"
+    listed = {e["id"] for e in sb.client.get("/v1/executions").json()["executions"]}
+    assert {done["id"], running["id"]} <= listed
+
+
+def test_spilled_output_readable_after_restart(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(env={"SANDBOX_AGENT_LOG_MEMORY_BYTES": "1000"})
+    ex = sb.sh("head -c 5000 /dev/zero | tr '\\0' z")
+    small = sb.sh("echo tiny")
+    assert sb.agent is not None
+    sb.agent.terminate()
+    sb.agent.wait(10)
+    sb.start_agent()
+    page = sb.client.get(f"/v1/executions/{ex['id']}/output", params={"maxBytes": 1 << 20}).json()
+    assert "".join(c["data"] for c in page["chunks"]) == "z" * 5000
+    r = sb.client.get(f"/v1/executions/{small['id']}/output")
+    assert sb.error(r, 410) == "log_pruned"  # it only lived in memory
+    got = sb.client.get(f"/v1/executions/{small['id']}").json()
+    assert got["exitCode"] == 0 and got["stdoutTruncated"] is True
+
+
+def test_corrupt_journal_is_survived(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    sb.sh("true", idempotencyKey="before")
+    assert sb.agent is not None
+    sb.agent.terminate()
+    sb.agent.wait(10)
+    with open(sb.logs / "executions.journal", "ab") as f:
+        f.write(b'{"op":"new","id":"x","key":"half-written\n[1,2]\n{"op":"end"}\n\xff\xfe\n')
+    sb.start_agent()
+    wait_until(lambda: sb.anon.get("/readyz").status_code == 200)
+    assert sb.sh("true", idempotencyKey="before")["status"] == "completed"
+    assert sb.sh("echo after")["stdout"] == "after\n"
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
