@@ -1,0 +1,876 @@
+"""CSI storage with snapshots for the local cluster: a hostpath driver and the
+upstream sidecars, all as host processes.
+
+- `storage_binaries()` builds (or reuses) everything: the external-provisioner
+  and the external-snapshotter's snapshot-controller and csi-snapshotter from
+  their upstream Go modules at the versions pinned in versions.py, and the
+  hostpath driver and the kubelet registrar from devcluster/csi/ (the module
+  proxy reachable here refuses every version of
+  github.com/kubernetes-csi/csi-driver-host-path and node-driver-registrar).
+  The VolumeSnapshot CRDs (from the external-snapshotter client module) and
+  the sidecars' upstream RBAC rules are copied beside the binaries.
+- `storage_components(cluster, ports, certs, binaries, node_name=...,
+  kubelet_root_dir=...)` returns the `Component`s to append to a cluster's
+  components: driver, registrar (only with a kubelet), provisioner,
+  snapshot-controller, csi-snapshotter.
+- `install_storage_objects(kubeconfig)` applies the CRDs, the CSIDriver, the
+  default StorageClass and VolumeSnapshotClass and the sidecars' RBAC. The
+  provisioner component runs it (through `python -m devcluster.storage
+  prestart`, which then execs the provisioner) so the objects exist before
+  any sidecar needs them: snapshot-controller exits if the CRDs do not appear
+  within 30 s of its start.
+- `StorageControlPlane`: a `ControlPlane` with the storage components, for
+  the control-plane tier (no kubelet: provisioning and snapshots work, mounts
+  need the node tier).
+
+Everything lives under `<state dir>/storage/`: the driver's data (volume
+directories, snapshot tar files, its state.json), the CSI socket, sidecar
+credentials. The driver's cleanup hook removes that directory once every
+storage process is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import datetime
+import http.client
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from devcluster import build, pki, processes, versions
+from devcluster.controlplane import Component, ControlPlane, Ports
+
+DRIVER_NAME = "hostpath.csi.k8s.io"
+"""The upstream hostpath driver's name, so manifests written for it work here."""
+STORAGE_CLASS = "csi-hostpath-sc"
+SNAPSHOT_CLASS = "csi-hostpath-snapclass"
+DEFAULT_NODE_NAME = "devcluster-node"
+
+# Component names (also their log file names and PID record names).
+DRIVER = "csi-hostpathplugin"
+REGISTRAR = "csi-node-driver-registrar"
+PROVISIONER = "csi-provisioner"
+SNAPSHOT_CONTROLLER = "snapshot-controller"
+SNAPSHOTTER = "csi-snapshotter"
+
+# RPC timeout of the sidecars towards the driver. Creating a volume from a
+# snapshot and taking a snapshot copy all the data (tar) inside the call; the
+# default 10 s (provisioner) would time out on a GiB and retry needlessly.
+_CSI_TIMEOUT = "300s"
+# Failed operations back off up to this; upstream's 5 min would stall tests.
+_RETRY_MAX = "30s"
+# A unix socket path must fit sockaddr_un.sun_path (108 bytes incl. NUL).
+_MAX_SOCKET_PATH = 107
+_PORT_RANGE_START = 20000
+_CERT_VALIDITY = datetime.timedelta(days=365)
+
+_CSI_SOURCE = Path(__file__).resolve().parent / "csi"
+_SIDECAR_ROLES = {
+    # user (client certificate CN) -> upstream ClusterRole it is bound to
+    PROVISIONER: "external-provisioner-runner",
+    SNAPSHOT_CONTROLLER: "snapshot-controller-runner",
+    SNAPSHOTTER: "external-snapshotter-runner",
+}
+_CRD_FILES = (
+    "snapshot.storage.k8s.io_volumesnapshotclasses.yaml",
+    "snapshot.storage.k8s.io_volumesnapshotcontents.yaml",
+    "snapshot.storage.k8s.io_volumesnapshots.yaml",
+)
+
+
+class StorageError(RuntimeError):
+    """Building, configuring or installing the storage stack failed; says why."""
+
+
+# ---- binaries -------------------------------------------------------------------
+
+
+def _driver_requires() -> dict[str, str]:
+    return {
+        "github.com/container-storage-interface/spec": versions.CSI_SPEC,
+        "google.golang.org/grpc": versions.CSI_GRPC,
+        "google.golang.org/protobuf": versions.CSI_PROTOBUF,
+        # Plugin registration API of the kubelet (pkg/apis/pluginregistration).
+        "k8s.io/kubelet": versions.KUBERNETES_STAGING,
+    }
+
+
+def _snapshotter_packages() -> list[str]:
+    module = versions.CSI_SNAPSHOTTER_MODULE
+    return [f"{module}/cmd/snapshot-controller", f"{module}/cmd/csi-snapshotter"]
+
+
+def _provisioner_packages() -> list[str]:
+    return [f"{versions.CSI_PROVISIONER_MODULE}/cmd/csi-provisioner"]
+
+
+def manifests_dir() -> Path:
+    """CRD and RBAC YAMLs copied from the pinned modules (by `storage_binaries`)."""
+    return (
+        build.cache_root()
+        / "bin"
+        / f"csi-manifests-{versions.CSI_SNAPSHOTTER}-{versions.CSI_PROVISIONER}"
+    )
+
+
+def storage_paths() -> dict[str, Path]:
+    """Where the storage binaries are (or will be); builds nothing."""
+    own = build.go_source_paths(
+        "csi-devcluster", _CSI_SOURCE, _driver_requires(), ["hostpathplugin", "registrar"]
+    )
+    snap = build.go_module_paths(
+        "csi-snapshotter", versions.CSI_SNAPSHOTTER, _snapshotter_packages()
+    )
+    prov = build.go_module_paths(
+        "csi-provisioner", versions.CSI_PROVISIONER, _provisioner_packages()
+    )
+    return {
+        DRIVER: own["hostpathplugin"],
+        REGISTRAR: own["registrar"],
+        PROVISIONER: prov["csi-provisioner"],
+        SNAPSHOT_CONTROLLER: snap["snapshot-controller"],
+        SNAPSHOTTER: snap["csi-snapshotter"],
+    }
+
+
+def storage_binaries(*, build_missing: bool = True) -> dict[str, Path]:
+    """The storage binaries by component name, building the missing ones
+    (cold: a few minutes on 2 cores) and copying the manifests."""
+    if not build_missing:
+        return storage_paths()
+    own = build.go_source_binaries(
+        "csi-devcluster",
+        _CSI_SOURCE,
+        _driver_requires(),
+        ["hostpathplugin", "registrar"],
+        ldflags=f"-s -w -X main.version=devcluster-{versions.KUBERNETES}",
+    )
+    snap = build.go_module_binaries(
+        "csi-snapshotter",
+        versions.CSI_SNAPSHOTTER_MODULE,
+        versions.CSI_SNAPSHOTTER,
+        _snapshotter_packages(),
+        # Its go.mod points the client module at ./client, a nested module
+        # that is not part of the module zip: use the client's own tag.
+        local_replaces={versions.CSI_SNAPSHOTTER_CLIENT_MODULE: versions.CSI_SNAPSHOTTER_CLIENT},
+        ldflags=f"-s -w -X main.version={versions.CSI_SNAPSHOTTER}",
+    )
+    prov = build.go_module_binaries(
+        "csi-provisioner",
+        versions.CSI_PROVISIONER_MODULE,
+        versions.CSI_PROVISIONER,
+        _provisioner_packages(),
+        ldflags=f"-s -w -X main.version={versions.CSI_PROVISIONER}",
+    )
+    _ensure_manifests()
+    return {
+        DRIVER: own["hostpathplugin"],
+        REGISTRAR: own["registrar"],
+        PROVISIONER: prov["csi-provisioner"],
+        SNAPSHOT_CONTROLLER: snap["snapshot-controller"],
+        SNAPSHOTTER: snap["csi-snapshotter"],
+    }
+
+
+def storage_binaries_current() -> bool:
+    paths = [*storage_paths().values(), *(manifests_dir() / name for name in _CRD_FILES)]
+    return all(path.exists() for path in paths) and all(
+        build._is_current(path) for path in storage_paths().values()
+    )
+
+
+def _module_dir(module: str, version: str) -> Path:
+    """The extracted module in the module cache (downloaded if missing)."""
+    proc = subprocess.run(
+        ["go", "mod", "download", "-json", f"{module}@{version}"],
+        env=build.go_env(),
+        cwd=build.cache_root(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    try:
+        info = json.loads(proc.stdout)
+    except ValueError as error:
+        raise StorageError(f"go mod download {module}@{version}: {proc.stderr}") from error
+    if "Dir" not in info:
+        raise StorageError(f"go mod download {module}@{version}: {info.get('Error', info)}")
+    return Path(info["Dir"])
+
+
+def _ensure_manifests() -> None:
+    target = manifests_dir()
+    wanted = [
+        *_CRD_FILES,
+        "rbac-provisioner.yaml",
+        "rbac-snapshotter.yaml",
+        "rbac-snapshot-controller.yaml",
+    ]
+    if all((target / name).exists() for name in wanted):
+        return
+    client = _module_dir(versions.CSI_SNAPSHOTTER_CLIENT_MODULE, versions.CSI_SNAPSHOTTER_CLIENT)
+    snapshotter = _module_dir(versions.CSI_SNAPSHOTTER_MODULE, versions.CSI_SNAPSHOTTER)
+    provisioner = _module_dir(versions.CSI_PROVISIONER_MODULE, versions.CSI_PROVISIONER)
+    sources = {name: client / "config" / "crd" / name for name in _CRD_FILES}
+    sources["rbac-provisioner.yaml"] = provisioner / "deploy/kubernetes/rbac.yaml"
+    deploy = snapshotter / "deploy/kubernetes"
+    sources["rbac-snapshotter.yaml"] = deploy / "csi-snapshotter/rbac-csi-snapshotter.yaml"
+    sources["rbac-snapshot-controller.yaml"] = (
+        deploy / "snapshot-controller/rbac-snapshot-controller.yaml"
+    )
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, source in sources.items():
+        shutil.copyfile(source, tmp / name)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+
+
+# ---- layout, ports, credentials --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StorageLayout:
+    """Files of the storage stack of one cluster (all under `<state dir>/storage`)."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, cluster: ControlPlane) -> StorageLayout:
+        return cls(cluster.state_dir / "storage")
+
+    @property
+    def data_dir(self) -> Path:
+        """The driver's volumes/, snapshots/ and state.json."""
+        return self.root / "data"
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "csi.sock"
+
+    @property
+    def ports_file(self) -> Path:
+        return self.root / "ports.json"
+
+    @property
+    def registrar_status(self) -> Path:
+        return self.root / "registrar.status"
+
+    def kubeconfig(self, user: str) -> Path:
+        return self.root / f"{user}.kubeconfig"
+
+    @property
+    def credentials_dir(self) -> Path:
+        return self.root / "pki"
+
+
+def registration_socket(kubelet_root_dir: Path, driver_name: str = DRIVER_NAME) -> Path:
+    """The registrar's socket, which the kubelet's plugin watcher picks up."""
+    return kubelet_root_dir / "plugins_registry" / f"{driver_name}-reg.sock"
+
+
+@dataclass(frozen=True)
+class StoragePorts:
+    """HTTP diagnostics (metrics) ports of the sidecars, also their readiness probes."""
+
+    provisioner: int
+    snapshot_controller: int
+    snapshotter: int
+
+
+def _choose_ports(count: int) -> list[int]:
+    # Like the control plane's: below the ephemeral range, so no outgoing
+    # connection takes the port between choosing and binding it.
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    high = max(low - 1, _PORT_RANGE_START + 1000)
+    taken = processes.listening_ports()
+    chosen: list[int] = []
+    while len(chosen) < count:
+        port = random.randint(_PORT_RANGE_START, high)
+        if port in taken or port in chosen:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        chosen.append(port)
+    return chosen
+
+
+def _storage_ports(layout: StorageLayout, ports: Ports) -> StoragePorts:
+    """The sidecars' ports for this start of the cluster.
+
+    Kept in a file keyed on the API server's port: components() is called
+    again by stop() and status() and must then describe the same processes;
+    a new start (new API server port, also after a port collision) chooses anew.
+    """
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
+        data = json.loads(layout.ports_file.read_text())
+        if data["apiserver"] == ports.apiserver:
+            return StoragePorts(**data["sidecars"])
+    chosen = StoragePorts(*_choose_ports(3))
+    layout.root.mkdir(parents=True, exist_ok=True)
+    tmp = layout.ports_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"apiserver": ports.apiserver, "sidecars": asdict(chosen)}))
+    os.replace(tmp, layout.ports_file)
+    return chosen
+
+
+def _issue_client_cert(certs: pki.PKI, user: str, directory: Path) -> tuple[Path, Path]:
+    """A client certificate CN=<user> signed by the cluster CA (reused while valid).
+
+    Each sidecar authenticates as its own user, bound by install_storage_objects
+    to the upstream ClusterRole of that sidecar: least privilege, as upstream
+    deploys them (minus the leader-election Role: leader election is off).
+    """
+    cert_path, key_path = directory / f"{user}.crt", directory / f"{user}.key"
+    ca_cert = x509.load_pem_x509_certificate(certs.ca.cert.read_bytes())
+    # Any failure to load or verify the old one just means a new one.
+    with contextlib.suppress(Exception):
+        existing = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        existing.verify_directly_issued_by(ca_cert)
+        fresh = existing.not_valid_after_utc > datetime.datetime.now(
+            datetime.UTC
+        ) + datetime.timedelta(days=1)
+        if fresh and key_path.exists():
+            return cert_path, key_path
+    ca_key = serialization.load_pem_private_key(certs.ca.key.read_bytes(), password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise StorageError(f"unexpected CA key type in {certs.ca.key}")
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, user)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + _CERT_VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    key_path.chmod(0o600)
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return cert_path, key_path
+
+
+def _user_name(component: str) -> str:
+    return f"devcluster:{component}"
+
+
+def _write_kubeconfig(path: Path, server: str, ca: Path, cert: Path, key: Path) -> None:
+    def b64(file: Path) -> str:
+        return base64.b64encode(file.read_bytes()).decode()
+
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "local", "cluster": {"server": server, "certificate-authority-data": b64(ca)}}
+        ],
+        "users": [
+            {
+                "name": "sidecar",
+                "user": {"client-certificate-data": b64(cert), "client-key-data": b64(key)},
+            }
+        ],
+        "contexts": [{"name": "sidecar", "context": {"cluster": "local", "user": "sidecar"}}],
+        "current-context": "sidecar",
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(config, sort_keys=False))
+    tmp.chmod(0o600)
+    os.replace(tmp, path)
+
+
+# ---- readiness and cleanup -----------------------------------------------------------
+
+
+def unix_socket_accepts(path: Path) -> bool:
+    """True when something accepts connections on the unix socket `path`
+    (a gRPC server that listens there serves it)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(2.0)
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def http_ok(port: int, path: str = "/metrics") -> bool:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        response.read()
+        return response.status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+
+
+def _mount_points_under(root: Path) -> list[Path]:
+    """Mount points at or below `root`, deepest first (from /proc/self/mountinfo)."""
+    found = []
+    prefix = str(root.resolve()) if root.exists() else str(root)
+    with contextlib.suppress(FileNotFoundError):
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 4:
+                point = fields[4].encode().decode("unicode_escape")
+                if point == prefix or point.startswith(prefix + "/"):
+                    found.append(Path(point))
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
+def remove_storage_state(layout: StorageLayout) -> None:
+    """Remove the driver's data, sockets and credentials.
+
+    Anything still mounted below the storage dir is unmounted first, so that
+    the removal never reaches into another filesystem through a mount point.
+    """
+    for point in _mount_points_under(layout.root):
+        subprocess.run(["umount", "--lazy", str(point)], capture_output=True, check=False)
+    if _mount_points_under(layout.root):
+        raise StorageError(f"could not unmount everything below {layout.root}")
+    shutil.rmtree(layout.root, ignore_errors=True)
+    if layout.root.exists():
+        raise StorageError(f"could not remove {layout.root}")
+
+
+# ---- components ------------------------------------------------------------------------
+
+
+def storage_components(
+    cluster: ControlPlane,
+    ports: Ports,
+    certs: pki.PKI,
+    binaries: Mapping[str, Path],
+    *,
+    node_name: str = DEFAULT_NODE_NAME,
+    kubelet_root_dir: Path | None = None,
+    snapshots: bool = True,
+    install_objects: bool = True,
+) -> list[Component]:
+    """The storage processes of `cluster`, in start order, to append to its components.
+
+    `ports`, `certs` and `binaries` are what `ControlPlane.components` gets
+    (`binaries` must include `storage_binaries()`). `node_name` is the node id
+    the driver reports (the kubelet's node name). `kubelet_root_dir` (the
+    kubelet's --root-dir) adds the registrar, which registers the driver in
+    `<root>/plugins_registry`; without a kubelet there is nothing to register
+    with and volumes cannot be mounted, but provisioning and snapshots work.
+    `snapshots=False` runs a driver without snapshot capability and neither
+    snapshot sidecar, and installs no VolumeSnapshot CRDs (the "no snapshot
+    support" cluster). `install_objects` makes the provisioner's process
+    apply `install_storage_objects` before it execs the provisioner.
+
+    Writes the sidecars' client certificates and kubeconfigs (idempotent).
+    """
+    layout = StorageLayout.of(cluster)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    layout.root.chmod(0o700)
+    if len(str(layout.socket)) > _MAX_SOCKET_PATH:
+        raise StorageError(
+            f"CSI socket path {layout.socket} is longer than a unix socket path may be; "
+            "use a shorter SANDBOX_CACHE_DIR or cluster state dir"
+        )
+    sidecar_ports = _storage_ports(layout, ports)
+    server = f"https://127.0.0.1:{ports.apiserver}"
+    kubeconfigs: dict[str, Path] = {}
+    users = [PROVISIONER, *((SNAPSHOT_CONTROLLER, SNAPSHOTTER) if snapshots else ())]
+    for component in users:
+        cert, key = _issue_client_cert(certs, _user_name(component), layout.credentials_dir)
+        kubeconfigs[component] = layout.kubeconfig(component)
+        _write_kubeconfig(kubeconfigs[component], server, certs.ca.cert, cert, key)
+    csi_address = str(layout.socket)
+
+    components = [
+        Component(
+            name=DRIVER,
+            argv=[
+                str(binaries[DRIVER]),
+                f"--endpoint=unix://{csi_address}",
+                f"--drivername={DRIVER_NAME}",
+                f"--nodeid={node_name}",
+                f"--datadir={layout.data_dir}",
+                f"--snapshots={'true' if snapshots else 'false'}",
+            ],
+            ready=lambda: unix_socket_accepts(layout.socket),
+            ready_timeout=30.0,
+            # Started first, stopped last: by then no sidecar uses the data.
+            cleanup=lambda: remove_storage_state(layout),
+        )
+    ]
+    if kubelet_root_dir is not None:
+        registration = registration_socket(kubelet_root_dir)
+        if len(str(registration)) > _MAX_SOCKET_PATH:
+            raise StorageError(f"registration socket path {registration} is too long")
+
+        def remove_registration() -> None:
+            registration.unlink(missing_ok=True)
+            layout.registrar_status.unlink(missing_ok=True)
+
+        components.append(
+            Component(
+                name=REGISTRAR,
+                argv=[
+                    str(binaries[REGISTRAR]),
+                    f"--csi-address={csi_address}",
+                    f"--kubelet-registration-path={csi_address}",
+                    f"--plugin-registration-dir={registration.parent}",
+                    f"--status-file={layout.registrar_status}",
+                ],
+                # Serving the registration socket; the kubelet's confirmation
+                # (registrar.status, CSINode) follows when the kubelet runs.
+                ready=lambda: unix_socket_accepts(registration),
+                ready_timeout=60.0,
+                cleanup=remove_registration,
+            )
+        )
+    provisioner_argv = [
+        str(binaries[PROVISIONER]),
+        f"--csi-address={csi_address}",
+        f"--kubeconfig={kubeconfigs[PROVISIONER]}",
+        "--leader-election=false",
+        f"--http-endpoint=127.0.0.1:{sidecar_ports.provisioner}",
+        f"--timeout={_CSI_TIMEOUT}",
+        f"--retry-interval-max={_RETRY_MAX}",
+        # PVC name/namespace reach the driver's log as parameters.
+        "--extra-create-metadata",
+        "--v=2",
+    ]
+    if install_objects:
+        provisioner_argv = [
+            sys.executable,
+            "-m",
+            "devcluster.storage",
+            "prestart",
+            f"--kubeconfig={cluster.kubeconfig}",
+            f"--kubectl={build.kubernetes_paths()['kubectl']}",
+            f"--snapshots={'true' if snapshots else 'false'}",
+            "--",
+            *provisioner_argv,
+        ]
+    components.append(
+        Component(
+            name=PROVISIONER,
+            argv=provisioner_argv,
+            # The metrics endpoint opens once the provisioner has connected to
+            # the driver and learnt its name.
+            ready=lambda: http_ok(sidecar_ports.provisioner),
+            ready_timeout=120.0,
+            env={"PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        )
+    )
+    if snapshots:
+        components += [
+            Component(
+                name=SNAPSHOT_CONTROLLER,
+                argv=[
+                    str(binaries[SNAPSHOT_CONTROLLER]),
+                    f"--kubeconfig={kubeconfigs[SNAPSHOT_CONTROLLER]}",
+                    "--leader-election=false",
+                    f"--http-endpoint=127.0.0.1:{sidecar_ports.snapshot_controller}",
+                    f"--retry-interval-max={_RETRY_MAX}",
+                    "--v=2",
+                ],
+                # Serves only after it found the VolumeSnapshot CRDs.
+                ready=lambda: http_ok(sidecar_ports.snapshot_controller),
+                ready_timeout=90.0,
+            ),
+            Component(
+                name=SNAPSHOTTER,
+                argv=[
+                    str(binaries[SNAPSHOTTER]),
+                    f"--csi-address={csi_address}",
+                    f"--kubeconfig={kubeconfigs[SNAPSHOTTER]}",
+                    "--leader-election=false",
+                    f"--http-endpoint=127.0.0.1:{sidecar_ports.snapshotter}",
+                    f"--timeout={_CSI_TIMEOUT}",
+                    f"--retry-interval-max={_RETRY_MAX}",
+                    "--extra-create-metadata",
+                    "--v=2",
+                ],
+                ready=lambda: http_ok(sidecar_ports.snapshotter),
+                ready_timeout=90.0,
+            ),
+        ]
+    return components
+
+
+# ---- cluster objects -----------------------------------------------------------------------
+
+
+def _documents(path: Path) -> list[dict[str, object]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if isinstance(doc, dict)]
+
+
+def _name_of(document: Mapping[str, object]) -> object:
+    metadata = document.get("metadata")
+    return metadata.get("name") if isinstance(metadata, dict) else None
+
+
+def _cluster_roles(snapshots: bool) -> list[dict[str, object]]:
+    """Upstream's ClusterRole of each sidecar, and a binding to its own user."""
+    files = {
+        PROVISIONER: "rbac-provisioner.yaml",
+        SNAPSHOT_CONTROLLER: "rbac-snapshot-controller.yaml",
+        SNAPSHOTTER: "rbac-snapshotter.yaml",
+    }
+    objects: list[dict[str, object]] = []
+    for component, file in files.items():
+        if not snapshots and component != PROVISIONER:
+            continue
+        role_name = _SIDECAR_ROLES[component]
+        roles = [
+            doc
+            for doc in _documents(manifests_dir() / file)
+            if doc.get("kind") == "ClusterRole" and _name_of(doc) == role_name
+        ]
+        if len(roles) != 1:
+            raise StorageError(f"no ClusterRole {role_name} in {manifests_dir() / file}")
+        objects.append(roles[0])
+        objects.append(
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRoleBinding",
+                "metadata": {"name": _user_name(component)},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": role_name,
+                },
+                "subjects": [
+                    {
+                        "apiGroup": "rbac.authorization.k8s.io",
+                        "kind": "User",
+                        "name": _user_name(component),
+                    }
+                ],
+            }
+        )
+    return objects
+
+
+def storage_objects(
+    *, snapshots: bool = True, binding_mode: str = "Immediate"
+) -> list[dict[str, object]]:
+    """The cluster objects of the storage stack, CRDs excluded (pure; no I/O
+    beyond reading the copied upstream RBAC YAMLs).
+
+    The default StorageClass binds Immediately: on one node there is no
+    placement for WaitForFirstConsumer to wait for, and Immediate lets a PVC
+    be provisioned (and restored from a snapshot) without a pod or a
+    scheduler, which the control-plane tier has neither of. A multi-node
+    cluster would want WaitForFirstConsumer and topology instead.
+    """
+    objects: list[dict[str, object]] = [
+        {
+            "apiVersion": "storage.k8s.io/v1",
+            "kind": "CSIDriver",
+            "metadata": {"name": DRIVER_NAME},
+            "spec": {
+                # Volumes are directories on this node: nothing to attach.
+                "attachRequired": False,
+                "podInfoOnMount": False,
+                "volumeLifecycleModes": ["Persistent"],
+                # The kubelet applies a pod's fsGroup to the volume, so
+                # non-root pods can write to a fresh volume.
+                "fsGroupPolicy": "File",
+            },
+        },
+        {
+            "apiVersion": "storage.k8s.io/v1",
+            "kind": "StorageClass",
+            "metadata": {
+                "name": STORAGE_CLASS,
+                "annotations": {"storageclass.kubernetes.io/is-default-class": "true"},
+            },
+            "provisioner": DRIVER_NAME,
+            "reclaimPolicy": "Delete",
+            "volumeBindingMode": binding_mode,
+            "allowVolumeExpansion": False,
+        },
+    ]
+    if snapshots:
+        objects.append(
+            {
+                "apiVersion": "snapshot.storage.k8s.io/v1",
+                "kind": "VolumeSnapshotClass",
+                "metadata": {
+                    "name": SNAPSHOT_CLASS,
+                    "annotations": {"snapshot.storage.kubernetes.io/is-default-class": "true"},
+                },
+                "driver": DRIVER_NAME,
+                "deletionPolicy": "Delete",
+            }
+        )
+    return objects + _cluster_roles(snapshots)
+
+
+def _kubectl(kubectl: Path, kubeconfig: Path, args: list[str], stdin: str | None = None) -> str:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home())}
+    proc = subprocess.run(
+        [str(kubectl), f"--kubeconfig={kubeconfig}", *args],
+        input=stdin,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise StorageError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def install_storage_objects(
+    kubeconfig: Path,
+    *,
+    kubectl: Path | None = None,
+    snapshots: bool = True,
+    binding_mode: str = "Immediate",
+) -> None:
+    """Apply the VolumeSnapshot CRDs (unless `snapshots=False`), the CSIDriver,
+    the default StorageClass and VolumeSnapshotClass and the sidecars' RBAC.
+
+    Idempotent (server-side apply). `kubeconfig` must be allowed to create
+    CRDs and RBAC (the cluster's admin). Needs `storage_binaries()` first
+    (the YAMLs are copied from the Go modules by it).
+    """
+    kubectl = kubectl or build.kubernetes_paths()["kubectl"]
+    apply = ["apply", "--server-side", "--force-conflicts", "--field-manager=devcluster-storage"]
+    if snapshots:
+        crds = "\n---\n".join((manifests_dir() / name).read_text() for name in _CRD_FILES)
+        _kubectl(kubectl, kubeconfig, [*apply, "-f", "-"], stdin=crds)
+        names = [
+            f"crd/{name.split('_', 1)[1].removesuffix('.yaml')}.{name.split('_', 1)[0]}"
+            for name in _CRD_FILES
+        ]
+        # Objects of a new kind can only be applied once the CRD is served.
+        _kubectl(
+            kubectl,
+            kubeconfig,
+            ["wait", "--for=condition=Established", "--timeout=60s", *names],
+        )
+    objects = storage_objects(snapshots=snapshots, binding_mode=binding_mode)
+    _kubectl(kubectl, kubeconfig, [*apply, "-f", "-"], stdin=yaml.safe_dump_all(objects))
+
+
+# ---- a control plane with storage ---------------------------------------------------------
+
+
+class StorageControlPlane(ControlPlane):
+    """`ControlPlane` plus the storage components (no kubelet: no registrar,
+    no mounts). What LocalCluster does with `storage_components`, minus the node."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        node_name: str = DEFAULT_NODE_NAME,
+        kubelet_root_dir: Path | None = None,
+        snapshots: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(name, **kwargs)
+        self.node_name = node_name
+        self.kubelet_root_dir = kubelet_root_dir
+        self.snapshots = snapshots
+
+    @property
+    def storage(self) -> StorageLayout:
+        return StorageLayout.of(self)
+
+    def binaries(self, *, build_missing: bool) -> dict[str, Path]:
+        return {
+            **super().binaries(build_missing=build_missing),
+            **storage_binaries(build_missing=build_missing),
+        }
+
+    def components(
+        self, ports: Ports, certs: pki.PKI, binaries: Mapping[str, Path]
+    ) -> list[Component]:
+        return super().components(ports, certs, binaries) + storage_components(
+            self,
+            ports,
+            certs,
+            binaries,
+            node_name=self.node_name,
+            kubelet_root_dir=self.kubelet_root_dir,
+            snapshots=self.snapshots,
+        )
+
+
+# ---- command line ------------------------------------------------------------------------
+
+
+def _prestart(args: argparse.Namespace) -> None:
+    """Install the cluster objects, then become the given command (exec: same
+    PID, so the component's PID record and process group stay valid)."""
+    command: list[str] = [arg for arg in args.command if arg != "--"]
+    if not command:
+        raise SystemExit("prestart: no command to exec after --")
+    try:
+        install_storage_objects(
+            Path(args.kubeconfig), kubectl=Path(args.kubectl), snapshots=args.snapshots == "true"
+        )
+    except StorageError as error:
+        print(f"devcluster.storage prestart: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from error
+    print("devcluster.storage prestart: cluster objects installed", file=sys.stderr, flush=True)
+    os.execv(command[0], command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m devcluster.storage")
+    sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("build", help="build (or reuse) the storage binaries and print their paths")
+    pre = sub.add_parser("prestart", help="internal: install objects, then exec a command")
+    pre.add_argument("--kubeconfig", required=True)
+    pre.add_argument("--kubectl", required=True)
+    pre.add_argument("--snapshots", choices=("true", "false"), default="true")
+    pre.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.action == "prestart":
+        _prestart(args)
+    else:
+        for name, path in storage_binaries().items():
+            print(f"{name}\t{path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""CSI storage of the local cluster against a real control plane: the hostpath
+driver, external-provisioner, snapshot-controller and csi-snapshotter as host
+processes (devcluster/storage.py). No kubelet here, so data is written to and
+read from the driver's volume directories directly; mounting into a pod is
+the node tier's test.
+
+The first test builds the storage binaries if they are missing (a cold build
+takes several minutes on 2 cores), hence the module's long timeout; every
+wait inside the tests has its own bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devcluster import build, processes, storage
+from devcluster.controlplane import ControlPlaneError
+from devcluster.storage import StorageControlPlane
+from tests.kube import ApiError, KubeJSON, api_path, core_path
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
+
+WAIT = 120.0
+SNAPSHOTS = "snapshot.storage.k8s.io/v1"
+MIB = 2**20
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = WAIT) -> float:
+    """Poll until `condition()` is true; return the seconds it took."""
+    began = time.monotonic()
+    while not condition():
+        if time.monotonic() - began > timeout:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.1)
+    return time.monotonic() - began
+
+
+def start_cluster(name: str, **kwargs: Any) -> StorageControlPlane:
+    cluster = StorageControlPlane(name, die_with_parent=True, **kwargs)
+    try:
+        cluster.start()
+    except ControlPlaneError as error:
+        pytest.fail(f"storage cluster {name!r} did not start: {error}", pytrace=False)
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[StorageControlPlane]:
+    # Built here rather than inside start() only to report a failed build
+    # as such; errors, never skips.
+    build.etcd_binary()
+    build.kubernetes_binaries()
+    storage.storage_binaries()
+    cluster = start_cluster(f"pytest-storage-{os.getpid()}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop(remove_state=True)
+
+
+@pytest.fixture(scope="module")
+def kube(cluster: StorageControlPlane) -> Iterator[KubeJSON]:
+    with KubeJSON(cluster.kubeconfig) as client:
+        yield client
+
+
+@pytest.fixture
+def namespace(kube: KubeJSON) -> Iterator[str]:
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    kube.create(
+        core_path("namespaces"),
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+    )
+    yield name
+    kube.delete(core_path("namespaces", None, name))
+
+
+def pvc_body(name: str, size: str, data_source: dict[str, str] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        # No storageClassName: the default class must be picked up.
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": size}},
+    }
+    if data_source:
+        spec["dataSource"] = data_source
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def create_bound_pvc(
+    kube: KubeJSON, namespace: str, name: str, size: str, data_source: dict[str, str] | None = None
+) -> tuple[dict[str, Any], float]:
+    """Create a PVC and wait until it is Bound; the PV and the seconds it took."""
+    began = time.monotonic()
+    kube.create(core_path("persistentvolumeclaims", namespace), pvc_body(name, size, data_source))
+
+    def bound() -> bool:
+        pvc = kube.read(core_path("persistentvolumeclaims", namespace, name))
+        phase: object = pvc.get("status", {}).get("phase")
+        return phase == "Bound"
+
+    wait_for(bound, f"PVC {namespace}/{name} to be Bound")
+    took = time.monotonic() - began
+    pvc = kube.read(core_path("persistentvolumeclaims", namespace, name))
+    pv = kube.read(core_path("persistentvolumes", None, pvc["spec"]["volumeName"]))
+    return pv, took
+
+
+def volume_dir(cluster: StorageControlPlane, pv: dict[str, Any]) -> Path:
+    assert pv["spec"]["csi"]["driver"] == storage.DRIVER_NAME
+    handle: str = pv["spec"]["csi"]["volumeHandle"]
+    path = cluster.storage.data_dir / "volumes" / handle
+    assert path.is_dir(), f"the driver has no directory for {pv['metadata']['name']}"
+    return path
+
+
+def write_data(directory: Path, size: int) -> str:
+    """Random data (incompressible, like real workspaces' binaries) in a few
+    files, a subdirectory and a symlink; returns a digest of the tree."""
+    (directory / "sub").mkdir()
+    chunk = 4 * MIB
+    with (directory / "sub" / "big.bin").open("wb") as handle:
+        left = size
+        while left > 0:
+            handle.write(os.urandom(min(chunk, left)))
+            left -= chunk
+    (directory / "small.txt").write_text("hello\n")
+    os.chmod(directory / "small.txt", 0o640)
+    os.chown(directory / "small.txt", 1000, 1000)
+    (directory / "link").symlink_to("sub/big.bin")
+    return tree_digest(directory)
+
+
+def tree_digest(directory: Path) -> str:
+    """Names, modes, owners, symlink targets and contents of a directory tree."""
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        stat = path.lstat()
+        digest.update(
+            f"{path.relative_to(directory)} {stat.st_mode:o} {stat.st_uid}:{stat.st_gid}\n".encode()
+        )
+        if path.is_symlink():
+            digest.update(os.readlink(path).encode())
+        elif path.is_file():
+            with path.open("rb") as handle:
+                while block := handle.read(MIB):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def snapshot_body(name: str, pvc: str) -> dict[str, Any]:
+    # No class: the default VolumeSnapshotClass must be picked up.
+    return {
+        "apiVersion": SNAPSHOTS,
+        "kind": "VolumeSnapshot",
+        "metadata": {"name": name},
+        "spec": {"source": {"persistentVolumeClaimName": pvc}},
+    }
+
+
+def gone(kube: KubeJSON, path: str) -> Callable[[], bool]:
+    return lambda: kube.get(path) is None
+
+
+def test_components_ready_and_objects_installed(
+    cluster: StorageControlPlane, kube: KubeJSON
+) -> None:
+    status = cluster.status()
+    names = [component.name for component in status.components]
+    assert names[-4:] == [
+        storage.DRIVER,
+        storage.PROVISIONER,
+        storage.SNAPSHOT_CONTROLLER,
+        storage.SNAPSHOTTER,
+    ]
+    assert status.healthy, status
+    driver = kube.read(api_path("storage.k8s.io/v1", "csidrivers", None, storage.DRIVER_NAME))
+    assert driver["spec"]["attachRequired"] is False
+    sc = kube.read(api_path("storage.k8s.io/v1", "storageclasses", None, storage.STORAGE_CLASS))
+    assert sc["metadata"]["annotations"]["storageclass.kubernetes.io/is-default-class"] == "true"
+    assert sc["provisioner"] == storage.DRIVER_NAME
+    assert sc["volumeBindingMode"] == "Immediate"
+    vsc = kube.read(api_path(SNAPSHOTS, "volumesnapshotclasses", None, storage.SNAPSHOT_CLASS))
+    assert (
+        vsc["metadata"]["annotations"]["snapshot.storage.kubernetes.io/is-default-class"] == "true"
+    )
+    assert vsc["driver"] == storage.DRIVER_NAME
+    assert vsc["deletionPolicy"] == "Delete"
+
+
+@pytest.mark.parametrize(
+    ("user", "verb", "resource", "allowed"),
+    [
+        ("csi-provisioner", "create", "persistentvolumes", True),
+        ("csi-provisioner", "update", "persistentvolumeclaims", True),
+        ("csi-provisioner", "get", "secrets", False),
+        ("csi-provisioner", "create", "pods", False),
+        ("csi-provisioner", "create", "volumesnapshotcontents.snapshot.storage.k8s.io", False),
+        ("snapshot-controller", "create", "volumesnapshotcontents.snapshot.storage.k8s.io", True),
+        ("snapshot-controller", "create", "persistentvolumes", False),
+        (
+            "csi-snapshotter",
+            "update",
+            "volumesnapshotcontents.snapshot.storage.k8s.io/status",
+            True,
+        ),
+        ("csi-snapshotter", "delete", "persistentvolumes", False),
+        ("csi-snapshotter", "list", "secrets", False),
+    ],
+)
+def test_sidecars_run_with_least_privilege(
+    cluster: StorageControlPlane, user: str, verb: str, resource: str, allowed: bool
+) -> None:
+    """Each sidecar is its own user, bound only to upstream's ClusterRole for it."""
+    subresource = ""
+    if "/" in resource:
+        resource, subresource = resource.split("/", 1)
+    args = ["auth", "can-i", verb, resource, f"--as=devcluster:{user}"]
+    if subresource:
+        args.append(f"--subresource={subresource}")
+    result = subprocess.run(
+        cluster.kubectl_command(*args), capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.stdout.strip() == ("yes" if allowed else "no"), result
+
+
+@pytest.mark.parametrize("size", [10 * MIB, 1024 * MIB], ids=["10MiB", "1GiB"])
+def test_provision_snapshot_restore_delete(
+    cluster: StorageControlPlane, kube: KubeJSON, namespace: str, size: int
+) -> None:
+    timings: dict[str, float] = {}
+    pv, timings["provision"] = create_bound_pvc(kube, namespace, "source", "2Gi")
+    assert pv["spec"]["storageClassName"] == storage.STORAGE_CLASS
+    source = volume_dir(cluster, pv)
+    expected = write_data(source, size)
+
+    began = time.monotonic()
+    kube.create(api_path(SNAPSHOTS, "volumesnapshots", namespace), snapshot_body("snap", "source"))
+    snapshot_path = api_path(SNAPSHOTS, "volumesnapshots", namespace, "snap")
+
+    def ready() -> bool:
+        status = kube.read(snapshot_path).get("status") or {}
+        assert not status.get("error"), status
+        return status.get("readyToUse") is True
+
+    wait_for(ready, "the VolumeSnapshot to be readyToUse", timeout=300)
+    timings["snapshot_ready"] = time.monotonic() - began
+    snapshot = kube.read(snapshot_path)
+    # The driver reports the source volume's capacity as the snapshot size.
+    assert snapshot["status"]["restoreSize"] == "2Gi"
+    content_name = snapshot["status"]["boundVolumeSnapshotContentName"]
+    content = kube.read(api_path(SNAPSHOTS, "volumesnapshotcontents", None, content_name))
+    handle = content["status"]["snapshotHandle"]
+    tar = cluster.storage.data_dir / "snapshots" / f"{handle}.tar"
+    assert tar.is_file()
+    assert tar.stat().st_size >= size
+
+    # The source changes after the snapshot; the restore must not see that.
+    (source / "small.txt").write_text("changed after the snapshot\n")
+    restored_pv, timings["restore"] = create_bound_pvc(
+        kube,
+        namespace,
+        "restored",
+        "2Gi",
+        {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": "snap"},
+    )
+    assert tree_digest(volume_dir(cluster, restored_pv)) == expected
+
+    # Delete policy: deleting the VolumeSnapshot removes its content object
+    # and the driver's tar file.
+    kube.delete(snapshot_path)
+    wait_for(gone(kube, snapshot_path), "the VolumeSnapshot to be deleted")
+    wait_for(
+        gone(kube, api_path(SNAPSHOTS, "volumesnapshotcontents", None, content_name)),
+        "the VolumeSnapshotContent to be deleted",
+    )
+    wait_for(lambda: not tar.exists(), "the driver to delete the snapshot data")
+    # The restored volume does not depend on the snapshot.
+    assert tree_digest(volume_dir(cluster, restored_pv)) == expected
+
+    # Reclaim policy Delete: deleting the claims removes PVs and directories.
+    restored_dir = volume_dir(cluster, restored_pv)
+    for claim, volume in (("source", pv), ("restored", restored_pv)):
+        kube.delete(core_path("persistentvolumeclaims", namespace, claim))
+        wait_for(
+            gone(kube, core_path("persistentvolumes", None, volume["metadata"]["name"])),
+            "the PV to be deleted",
+        )
+    assert not source.exists()
+    assert not restored_dir.exists()
+    print(
+        f"\nstorage timings for {size // MIB} MiB: "
+        + json.dumps({k: round(v, 2) for k, v in timings.items()})
+    )
+
+
+def test_clone_from_pvc(cluster: StorageControlPlane, kube: KubeJSON, namespace: str) -> None:
+    pv, _ = create_bound_pvc(kube, namespace, "origin", "1Gi")
+    expected = write_data(volume_dir(cluster, pv), MIB)
+    clone, _ = create_bound_pvc(
+        kube, namespace, "clone", "1Gi", {"kind": "PersistentVolumeClaim", "name": "origin"}
+    )
+    assert tree_digest(volume_dir(cluster, clone)) == expected
+
+
+def test_snapshot_of_missing_claim_reports_error(
+    cluster: StorageControlPlane, kube: KubeJSON, namespace: str
+) -> None:
+    """A snapshot that cannot be taken says so in its status (it does not hang silently)."""
+    kube.create(
+        api_path(SNAPSHOTS, "volumesnapshots", namespace), snapshot_body("orphan", "no-such-claim")
+    )
+    path = api_path(SNAPSHOTS, "volumesnapshots", namespace, "orphan")
+
+    def has_error() -> bool:
+        status = kube.read(path).get("status") or {}
+        return bool(status.get("error", {}).get("message"))
+
+    wait_for(has_error, "an error in the VolumeSnapshot's status")
+    assert kube.read(path)["status"].get("readyToUse") is not True
+
+
+def test_without_snapshot_support_and_stop_removes_everything() -> None:
+    """The "no snapshot support" cluster: no VolumeSnapshot API, a driver
+    without the capability; provisioning still works. Then: stop leaves no
+    process, socket or data behind."""
+    cluster = start_cluster(f"pytest-nosnap-{os.getpid()}", snapshots=False)
+    try:
+        names = [component.name for component in cluster.status().components]
+        assert storage.SNAPSHOT_CONTROLLER not in names
+        assert storage.SNAPSHOTTER not in names
+        with KubeJSON(cluster.kubeconfig) as kube:
+            with pytest.raises(ApiError) as raised:
+                kube.list(api_path(SNAPSHOTS, "volumesnapshots", "default"))
+            assert raised.value.status == 404
+            pv, _ = create_bound_pvc(kube, "default", "plain", "1Gi")
+            data = volume_dir(cluster, pv)
+            write_data(data, MIB)
+        records = [processes.ProcessRecord.load(path) for path in cluster.run_dir.glob("*.json")]
+        assert storage.DRIVER in {record.name for record in records}
+        assert cluster.storage.socket.exists()
+    finally:
+        cluster.stop()
+    assert not any(record.is_running() for record in records)
+    assert not cluster.storage.root.exists()
+    assert not data.exists()
+    cluster.stop(remove_state=True)
+    assert not cluster.state_dir.exists()
