@@ -169,7 +169,7 @@ def test_log_dir_cap_prunes_oldest(fresh: Callable[..., Sandbox]) -> None:
     assert second["logTruncated"] is False
     r = sb.client.get(f"/v1/executions/{first['id']}/output")
     assert sb.error(r, 410) == "log_pruned"
-    total = sum(p.stat().st_size for p in sb.logs.iterdir())
+    total = sum(p.stat().st_size for p in sb.logs.glob("*.log"))
     assert total <= 300000
 
 
@@ -247,7 +247,7 @@ def test_logs_spill_from_memory_to_disk(fresh: Callable[..., Sandbox]) -> None:
         }
     )
     small = sb.sh("echo small")
-    assert list(sb.logs.iterdir()) == []  # small logs never touch the disk
+    assert list(sb.logs.glob("*.log")) == []  # small logs never touch the disk
     big = sb.sh("head -c 50000 /dev/zero | tr '\\0' b")
     assert (sb.logs / f"{big['id']}.log").exists()  # over the per-execution threshold
     mids = [sb.sh("head -c 8000 /dev/zero | tr '\\0' m") for _ in range(3)]
