@@ -273,6 +273,29 @@ def _go_directive(gomod: str) -> str:
     return match.group(1) if match else "1.24.0"
 
 
+def go_module_download(module: str, version: str, workdir: Path | None = None) -> dict[str, str]:
+    """`go mod download -json module@version`: where the module's zip, go.mod
+    and extracted directory (`Dir`) are in the module cache. Raises with the
+    proxy's answer (e.g. 403 for a version it does not serve)."""
+    proc = subprocess.run(
+        ["go", "mod", "download", "-json", f"{module}@{version}"],
+        cwd=workdir or cache_root(),
+        env=go_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    # Errors are reported in the JSON on stdout, not on stderr.
+    try:
+        info = json.loads(proc.stdout)
+    except ValueError:
+        info = {}
+    if proc.returncode != 0 or not isinstance(info, dict) or "Error" in info or "Dir" not in info:
+        detail = info.get("Error") if isinstance(info, dict) else None
+        raise RuntimeError(f"go mod download {module}@{version}: {detail or proc.stderr.strip()}")
+    return {str(key): str(value) for key, value in info.items()}
+
+
 def go_module_paths(name: str, version: str, packages: Sequence[str]) -> dict[str, Path]:
     """Where `go_module_binaries` installs (or will install) each package's
     command, by command name (the package's last path element); builds nothing."""
@@ -318,9 +341,7 @@ def go_module_binaries(
         (workdir / "go.mod").write_text(
             f"module sandbox-operator.local/{name}-build\n\ngo 1.24.0\n"
         )
-        info = json.loads(_go(["mod", "download", "-json", f"{module}@{version}"], workdir))
-        if "Error" in info:
-            raise RuntimeError(f"{module}@{version}: {info['Error']}")
+        info = go_module_download(module, version, workdir)
         upstream = Path(info["GoMod"]).read_text()
         lines = []
         for target_module, target_version, to, to_version in _replace_directives(upstream):

@@ -198,21 +198,10 @@ def storage_binaries_current() -> bool:
 
 def _module_dir(module: str, version: str) -> Path:
     """The extracted module in the module cache (downloaded if missing)."""
-    proc = subprocess.run(
-        ["go", "mod", "download", "-json", f"{module}@{version}"],
-        env=build.go_env(),
-        cwd=build.cache_root(),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
     try:
-        info = json.loads(proc.stdout)
-    except ValueError as error:
-        raise StorageError(f"go mod download {module}@{version}: {proc.stderr}") from error
-    if "Dir" not in info:
-        raise StorageError(f"go mod download {module}@{version}: {info.get('Error', info)}")
-    return Path(info["Dir"])
+        return Path(build.go_module_download(module, version)["Dir"])
+    except RuntimeError as error:
+        raise StorageError(str(error)) from error
 
 
 def _ensure_manifests() -> None:
@@ -273,6 +262,11 @@ class StorageLayout:
     @property
     def registrar_status(self) -> Path:
         return self.root / "registrar.status"
+
+    def registration_confirmed(self) -> bool:
+        """Whether the kubelet confirmed the driver's registration (the
+        registrar writes this file on NotifyRegistrationStatus)."""
+        return self.registrar_status.exists()
 
     def kubeconfig(self, user: str) -> Path:
         return self.root / f"{user}.kubeconfig"
