@@ -564,8 +564,10 @@ async def file_read(request: Request) -> Response:
 
 
 async def _spool_upload(
-    request: Request, sink: Callable[[bytes], Awaitable[None]], limit: int
+    request: Request, sink: Callable[[list[bytes]], Awaitable[None]], limit: int
 ) -> int:
+    """Stream the body to ``sink`` in batches of >= 4 MiB (as chunk lists: the
+    sink writes them with writev, so the body is never joined in memory)."""
     cl = request.headers.get("content-length")
     if cl is not None and cl.isdigit() and int(cl) > limit:
         raise ApiError(413, "body_too_large", f"uploads are limited to {limit} bytes")
@@ -577,18 +579,16 @@ async def _spool_upload(
             total += len(chunk)
             if total > limit:
                 raise ApiError(413, "body_too_large", f"uploads are limited to {limit} bytes")
-            if not pending and len(chunk) >= 1 << 20:
-                await sink(chunk)  # already big: no extra copy
-                continue
-            pending.append(chunk)
-            pending_len += len(chunk)
+            if chunk:
+                pending.append(chunk)
+                pending_len += len(chunk)
             if pending_len >= 4 << 20:
-                await sink(b"".join(pending))
+                await sink(pending)
                 pending, pending_len = [], 0
     except ClientDisconnect:
         raise bad_request("client_disconnected", "client went away during the upload") from None
     if pending:
-        await sink(b"".join(pending))
+        await sink(pending)
     metrics.FILE_BYTES.labels("in").inc(total)
     return total
 
@@ -608,7 +608,7 @@ async def file_write_raw(request: Request) -> Response:
     )
     try:
         await _spool_upload(
-            request, lambda b: asyncio.to_thread(w.write, b), st.settings.max_upload_bytes
+            request, lambda b: asyncio.to_thread(w.write_chunks, b), st.settings.max_upload_bytes
         )
         result = await asyncio.to_thread(w.commit)
     except BaseException:
@@ -736,8 +736,8 @@ async def archive_upload(request: Request) -> Response:
     st.touch()
     with tempfile.TemporaryFile(prefix="sandbox-agent-upload-") as spool:
 
-        async def sink(b: bytes) -> None:
-            await asyncio.to_thread(spool.write, b)
+        async def sink(chunks: list[bytes]) -> None:
+            await asyncio.to_thread(spool.writelines, chunks)
 
         await _spool_upload(request, sink, st.settings.max_upload_bytes)
         spool.seek(0)

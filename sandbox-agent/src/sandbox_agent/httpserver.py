@@ -69,7 +69,7 @@ class _Cycle:
     def __init__(self, proto: HttpProtocol, scope: Message, keep_alive: bool, expect: bool) -> None:
         self.proto = proto
         self.scope = scope
-        self.body: list[bytes] = []  # chunks as received: joined once, in receive()
+        self.body: deque[bytes] = deque()  # chunks as received
         self.body_len = 0
         self.body_done = False
         self.body_returned = False
@@ -107,15 +107,20 @@ class _Cycle:
             self.proto.resume_reading()
             await self.waiter
             self.waiter = None
-        if self.disconnected and not self.body:
-            return {"type": "http.disconnect"}
-        data = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-        self.body.clear()
-        self.body_len = 0
-        self.proto.resume_reading()
-        if self.body_done:
+        if not self.body:  # disconnected, or an empty body
+            if self.disconnected:
+                return {"type": "http.disconnect"}
             self.body_returned = True
-        return {"type": "http.request", "body": data, "more_body": not self.body_done}
+            return {"type": "http.request", "body": b"", "more_body": False}
+        # One received chunk per message: large bodies are never joined here
+        # (uploads hand the chunks to writev), small ones are a single chunk.
+        data = self.body.popleft()
+        self.body_len -= len(data)
+        self.proto.resume_reading()
+        last = self.body_done and not self.body
+        if last:
+            self.body_returned = True
+        return {"type": "http.request", "body": data, "more_body": not last}
 
     async def send(self, message: Message) -> None:
         kind = message["type"]
