@@ -320,19 +320,25 @@ class Runner:
     def _send(self, conn: Conn | None, ftype: int, channel: int, payload: bytes) -> None:
         if conn is None or conn.closed:
             return
-        frame = HEADER.pack(len(payload), ftype, channel) + payload
+        head = HEADER.pack(len(payload), ftype, channel)
         if conn.wbuf:
-            conn.wbuf += frame
+            conn.wbuf += head
+            conn.wbuf += payload
             return
         try:
-            sent = conn.sock.send(frame)
+            # scatter/gather: no concatenated copy of a 1 MiB payload
+            sent = conn.sock.sendmsg([head, payload])
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:
             self._close_conn(conn)
             return
-        if sent < len(frame):
-            conn.wbuf += frame[sent:]
+        if sent < len(head) + len(payload):
+            if sent < len(head):
+                conn.wbuf += head[sent:]
+                conn.wbuf += payload
+            else:
+                conn.wbuf += memoryview(payload)[sent - len(head) :]
             self.sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
             if len(conn.wbuf) > WBUF_HIGH:
                 self._set_output_paused(conn, True)

@@ -80,7 +80,9 @@ def _str(obj: dict[str, Any], key: str, limit: int) -> str:
 class _Wire(asyncio.Protocol):
     def __init__(self, client: RunnerClient) -> None:
         self.client = client
-        self.buf = bytearray()
+        self.parts: list[bytes] = []  # an incomplete frame, as received
+        self.parts_len = 0
+        self.need = 0  # bytes that complete it
         self.transport: asyncio.Transport | None = None
         self.closed = asyncio.get_running_loop().create_future()
         self.hello: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -122,18 +124,23 @@ class _Wire(asyncio.Protocol):
             self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
-        # Frames are handed on as memoryview slices of what was received: the
-        # output path copies each byte once (into the log), not three times.
-        # Callees must not keep the views.
-        if self.buf:
-            self.buf += data
-            src: bytes | bytearray = self.buf
-        else:
-            src = data
-        view = memoryview(src)
+        # A frame split over several reads is collected as a list and joined
+        # once it is complete (no quadratic re-buffering of 1 MiB frames).
+        # Complete frames are handed on as memoryview slices, so output bytes
+        # are copied once (into the log); callees must not keep the views.
+        if self.parts:
+            self.parts.append(data)
+            self.parts_len += len(data)
+            if self.parts_len < self.need:
+                return
+            data = b"".join(self.parts)
+            self.parts.clear()
+            self.parts_len = 0
+        view = memoryview(data)
         total = len(view)
         pos = 0
         size = wire.HEADER.size
+        need = size
         try:
             while total - pos >= size:
                 length, ftype, chan = wire.HEADER.unpack_from(view, pos)
@@ -141,6 +148,7 @@ class _Wire(asyncio.Protocol):
                     raise ProtocolViolation(f"frame of {length} bytes exceeds the limit")
                 end = pos + size + length
                 if total < end:
+                    need = size + length
                     break
                 self._dispatch(ftype, chan, view[pos + size : end])
                 pos = end
@@ -155,11 +163,11 @@ class _Wire(asyncio.Protocol):
             return
         finally:
             view.release()
-        if src is self.buf:
-            if pos:
-                del self.buf[:pos]
-        elif pos < total:
-            self.buf = bytearray(data[pos:])
+        if pos < total:
+            rest = data[pos:]
+            self.parts = [rest]
+            self.parts_len = len(rest)
+            self.need = need
 
     def _dispatch(self, ftype: int, chan: int, payload: memoryview) -> None:
         if ftype == wire.T_STDOUT or ftype == wire.T_STDERR:
