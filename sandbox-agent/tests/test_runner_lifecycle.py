@@ -288,6 +288,13 @@ def test_runner_runs_as_plain_file_with_explicit_socket(tmp_path: Path) -> None:
         assert frames[0][0] == wire.T_STARTED
         assert (wire.T_STDOUT, b"hi\n") in frames
         assert json.loads(frames[-1][1])["exitCode"] == 3
+        # an unspawnable request fails that spawn only, not the connection
+        bad = {"argv": ["true"], "env": {"A": "x\u0000y"}}
+        _send(c, wire.T_SPAWN, 8, json.dumps(bad).encode())
+        ftype, chan, payload = _read_frame(c)
+        assert (ftype, chan) == (wire.T_SPAWN_FAILED, 8), payload
+        _send(c, wire.T_PING, 0, b"still")
+        assert _read_frame(c) == (wire.T_PONG, 0, b"still")
         # a broken client only loses its own connection
         c.sendall(struct.pack(">IBI", 1 << 30, wire.T_SPAWN, 1))
         assert c.recv(10) == b""

@@ -99,6 +99,10 @@ _RESET_SIGNALS = tuple(
 )
 
 
+def _reason(exc: BaseException) -> str:
+    return str(getattr(exc, "strerror", None) or exc)
+
+
 def _log(msg: str) -> None:
     sys.stderr.write("sandbox-runner: " + msg + "\n")
     sys.stderr.flush()
@@ -453,7 +457,7 @@ class Runner:
                 )
             finally:
                 os.chdir(self.workspace)
-        except OSError as exc:
+        except (OSError, ValueError, TypeError) as exc:  # ValueError: NUL in argv/env
             for fd in (out_r, out_w, err_r, err_w, in_r, in_w):
                 if fd >= 0:
                     os.close(fd)
@@ -461,7 +465,7 @@ class Runner:
                 conn,
                 T_SPAWN_FAILED,
                 channel,
-                {"errno": exc.errno or 0, "message": f"{exc.strerror or exc}: {argv[0]}"},
+                {"errno": getattr(exc, "errno", 0) or 0, "message": f"{_reason(exc)}: {argv[0]}"},
             )
             return
         os.close(out_w)
