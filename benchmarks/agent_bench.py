@@ -150,7 +150,9 @@ class Client:
                 raise RuntimeError(f"write failed: {r.status}")
 
     def get_file(self, rel: str, dst: Path) -> None:
-        self.conn.request("GET", f"/v1/files/content?path={rel}", headers={"Authorization": self.auth})
+        self.conn.request(
+            "GET", f"/v1/files/content?path={rel}", headers={"Authorization": self.auth}
+        )
         r = self.conn.getresponse()
         if r.status != 200:
             raise RuntimeError(f"read failed: {r.status}")
@@ -193,7 +195,9 @@ def concurrent(make: Callable[[], Callable[[], object]], threads: int, per_threa
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--iterations", type=int, default=400, help="sequential samples per case")
     ap.add_argument("--per-thread", type=int, default=60, help="requests per thread, 10-way")
     ap.add_argument("--file-mib", type=int, default=100)
@@ -309,7 +313,11 @@ def main() -> int:
                         f">= 50%: {'met' if ratio >= 0.5 else 'MISSED'}",
                     )
                 )
-                results[f"file_{label}"] = {"agent_ms": med * 1e3, "copy_ms": cp * 1e3, "ratio": ratio}
+                results[f"file_{label}"] = {
+                    "agent_ms": med * 1e3,
+                    "copy_ms": cp * 1e3,
+                    "ratio": ratio,
+                }
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     finally:
