@@ -102,6 +102,15 @@ class Agent:
                 raise RuntimeError("agent did not come up")
             time.sleep(0.05)
 
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU time used so far by the agent and by the runner (not their children)."""
+
+        def cpu(pid: int) -> float:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        return cpu(self.agent.pid), cpu(self.runner.pid)
+
     def client(self) -> Client:
         return Client(self.port, self.token)
 
@@ -207,6 +216,7 @@ def main() -> int:
 
     agent = Agent()
     rows: list[tuple[str, str, str, str, str]] = []
+    cpu_note: list[str] = []
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "loadavg_before": os.getloadavg(),
@@ -233,9 +243,17 @@ def main() -> int:
             # interleave agent/floor blocks so background load hits both alike
             a_lat: list[float] = []
             f_lat: list[float] = []
+            agent_cpu = runner_cpu = 0.0
+            calls = 0
             for _ in range(4):
+                a0, r0 = agent.cpu_seconds()
                 a_lat += sequential(via_agent, args.iterations // 4)
+                a1, r1 = agent.cpu_seconds()
+                agent_cpu += a1 - a0
+                runner_cpu += r1 - r0
+                calls += args.iterations // 4 + max(3, args.iterations // 4 // 20)  # + warm-up
                 f_lat += sequential(floor, args.iterations // 4)
+            per_call = 1e3 / calls
             if name == "1 MiB stdout":
                 assert len(c.exec(body)["stdout"]) == MiB
             a50, f50 = statistics.median(a_lat), statistics.median(f_lat)
@@ -250,6 +268,10 @@ def main() -> int:
                     f"+{over:.2f} ms at p50",
                     f"<= +{target} ms: {'met' if over <= target else 'MISSED'}",
                 )
+            )
+            cpu_note.append(
+                f"exec {name}: agent {agent_cpu * per_call:.2f} ms CPU, "
+                f"runner {runner_cpu * per_call:.2f} ms CPU per call"
             )
             results[f"exec_{name}_sequential"] = {
                 "agent_p50_ms": a50 * 1e3, "agent_p99_ms": a99 * 1e3,
@@ -331,7 +353,11 @@ def main() -> int:
     print("-+-".join("-" * w for w in widths))
     for r in rows:
         print(line(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-    print(f"\nload average before/after: {results['loadavg_before']} / {results['loadavg_after']}")
+    print()
+    for note in cpu_note:
+        print(note)
+    results["cpu_per_call"] = cpu_note
+    print(f"load average before/after: {results['loadavg_before']} / {results['loadavg_after']}")
     if args.json:
         out = Path(__file__).resolve().parent / "results"
         out.mkdir(exist_ok=True)
