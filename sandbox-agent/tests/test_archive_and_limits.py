@@ -252,7 +252,7 @@ def test_logs_spill_from_memory_to_disk(fresh: Callable[..., Sandbox]) -> None:
     assert (sb.logs / f"{big['id']}.log").exists()  # over the per-execution threshold
     mids = [sb.sh("head -c 8000 /dev/zero | tr '\\0' m") for _ in range(3)]
     # together over the total budget: the oldest finished in-memory logs spilled
-    assert (sb.logs / f"{mids[0]['id']}.log").exists()
+    wait_until(lambda: (sb.logs / f"{mids[0]['id']}.log").exists())  # written in a thread
     for ex, size in [(small, 6), (big, 50000), *((m, 8000) for m in mids)]:
         cursor, got = 0, 0
         while True:

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import codecs
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -42,6 +43,16 @@ _STREAM_NAME: dict[int, StreamName] = {STREAM_OUT: "stdout", STREAM_ERR: "stderr
 
 
 _OUTPUT_METRIC = {s: metrics.EXEC_OUTPUT_BYTES.labels(n) for s, n in _STREAM_NAME.items()}
+
+
+def _write_file(path: str, data: bytearray) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 def _text(data: bytearray | memoryview | bytes, cap: int) -> str:
@@ -113,6 +124,7 @@ class Execution:
         # Small logs stay in memory (no file, no disk I/O); past the per-execution
         # threshold, or when all in-memory logs together pass theirs, they spill.
         self.mem_log: bytearray | None = bytearray()
+        self.spilling = False
         self.log_path = os.path.join(mgr.settings.log_dir, self.id + ".log")
         self.log_size = 0
         self.log_truncated = False
@@ -543,6 +555,7 @@ class ExecutionManager:
         self.active = 0
         self.log_bytes = 0
         self.mem_log_bytes = 0
+        self.spilling_bytes = 0
         self.journal = Journal(settings.log_dir, settings.max_records)
 
     def restore(self) -> int:
@@ -683,17 +696,41 @@ class ExecutionManager:
             ex.log_pruned = True
 
     def _spill_memory_logs(self) -> None:
-        """Keep all finished in-memory logs together under their budget."""
-        if self.mem_log_bytes <= self.settings.log_memory_total_bytes:
+        """Keep finished in-memory logs together under their budget.
+
+        Finished logs are written out in a worker thread: the event loop
+        (and the response being built) does not wait for the disk. The log
+        stays readable from memory until its file is complete.
+        """
+        budget = self.settings.log_memory_total_bytes
+        if self.mem_log_bytes - self.spilling_bytes <= budget:
             return
+        loop = asyncio.get_running_loop()
         for ex in list(self.records.values()):  # oldest first
-            if self.mem_log_bytes <= self.settings.log_memory_total_bytes:
+            if self.mem_log_bytes - self.spilling_bytes <= budget:
                 break
-            if ex.finished is not None and ex.mem_log:
-                try:
-                    ex.spill()
-                except OSError:
-                    self._drop_log(ex)
+            mem = ex.mem_log
+            if ex.finished is None or not mem or ex.spilling:
+                continue
+            ex.spilling = True
+            self.spilling_bytes += len(mem)
+            fut = loop.run_in_executor(None, _write_file, ex.log_path, mem)
+            fut.add_done_callback(functools.partial(self._spilled, ex, len(mem)))
+
+    def _spilled(self, ex: Execution, size: int, fut: asyncio.Future[None]) -> None:
+        ex.spilling = False
+        self.spilling_bytes -= size
+        failed = fut.exception() is not None
+        if ex.log_pruned or ex.mem_log is None or failed:
+            # dropped meanwhile (or the write failed): no file must stay behind
+            with contextlib.suppress(OSError):
+                os.unlink(ex.log_path)
+            if failed and not ex.log_pruned:
+                self._drop_log(ex)
+            return
+        ex._materialize_capture()
+        self.mem_log_bytes -= len(ex.mem_log)
+        ex.mem_log = None
 
     def _prune_records(self) -> None:
         excess = len(self.records) - self.active - self.settings.max_records
