@@ -189,6 +189,15 @@ def storage_binaries(*, build_missing: bool = True) -> dict[str, Path]:
     }
 
 
+def csi_sanity_binary() -> Path:
+    """csi-sanity, upstream's CSI conformance suite (from csi-test), for
+    testing the in-repo driver; built on first use, not by storage_binaries()."""
+    module = versions.CSI_TEST_MODULE
+    return build.go_module_binaries(
+        "csi-sanity", module, versions.CSI_TEST, [f"{module}/cmd/csi-sanity"]
+    )["csi-sanity"]
+
+
 def storage_binaries_current() -> bool:
     paths = [*storage_paths().values(), *(manifests_dir() / name for name in _CRD_FILES)]
     return all(path.exists() for path in paths) and all(
@@ -502,7 +511,9 @@ def storage_components(
             "use a shorter SANDBOX_CACHE_DIR or cluster state dir"
         )
     sidecar_ports = _storage_ports(layout, ports)
-    server = f"https://127.0.0.1:{ports.apiserver}"
+    # The cluster's own idea of its address (a node tier may bind the API
+    # server to a bridge address instead of loopback).
+    server = cluster.server
     kubeconfigs: dict[str, Path] = {}
     users = [PROVISIONER, *((SNAPSHOT_CONTROLLER, SNAPSHOTTER) if snapshots else ())]
     for component in users:

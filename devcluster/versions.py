@@ -34,6 +34,9 @@ CSI_SNAPSHOTTER_CLIENT = CSI_SNAPSHOTTER
 CSI_SPEC = "v1.12.0"
 CSI_GRPC = "v1.72.1"
 CSI_PROTOBUF = "v1.36.5"
+# The CSI conformance suite (csi-sanity), run against the in-repo driver.
+CSI_TEST_MODULE = "github.com/kubernetes-csi/csi-test/v5"
+CSI_TEST = "v5.3.1"
 # ---- end CSI storage ------------------------------------------------------------
 
 # ---- node tier (devcluster.cluster.LocalCluster) -------------------------------

@@ -360,3 +360,48 @@ def test_without_snapshot_support_and_stop_removes_everything() -> None:
     assert not data.exists()
     cluster.stop(remove_state=True)
     assert not cluster.state_dir.exists()
+
+
+def test_driver_passes_csi_sanity(tmp_path: Path) -> None:
+    """Upstream's CSI conformance suite against the in-repo driver, node
+    service included (bind mounts into a scratch dir, as root)."""
+    binary = storage.storage_binaries()[storage.DRIVER]
+    sanity = storage.csi_sanity_binary()
+    socket_path = tmp_path / "csi.sock"
+    popen, record = processes.launch(
+        "sanity-driver",
+        [
+            str(binary),
+            f"--endpoint=unix://{socket_path}",
+            "--nodeid=sanity-node",
+            f"--datadir={tmp_path / 'data'}",
+        ],
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        log_path=tmp_path / "driver.log",
+        cwd=tmp_path,
+        ports=[],
+        die_with_parent=True,
+    )
+    try:
+        wait_for(lambda: storage.unix_socket_accepts(socket_path), "the driver's socket", 30)
+        result = subprocess.run(
+            [
+                str(sanity),
+                f"--csi.endpoint=unix://{socket_path}",
+                f"--csi.mountdir={tmp_path / 'target'}",
+                f"--csi.stagingdir={tmp_path / 'staging'}",
+                "--ginkgo.no-color",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+    finally:
+        processes.terminate(record, grace=5.0, popen=popen)
+    summary = [line for line in result.stdout.splitlines() if "Passed" in line or "FAIL" in line]
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert any("0 Failed" in line for line in summary), summary
+    # Nothing the suite published is left mounted.
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert str(tmp_path) not in mounts

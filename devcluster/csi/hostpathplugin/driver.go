@@ -235,6 +235,12 @@ func (d *driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 }
 
 func (d *driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, errorf(codes.InvalidArgument, "volume id missing")
+	}
+	if len(req.GetVolumeCapabilities()) == 0 {
+		return nil, errorf(codes.InvalidArgument, "volume capabilities missing")
+	}
 	d.store.mu.Lock()
 	_, ok := d.store.data.Volumes[req.GetVolumeId()]
 	d.store.mu.Unlock()

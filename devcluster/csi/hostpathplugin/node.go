@@ -95,6 +95,12 @@ func (d *driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if req.GetVolumeId() == "" || path == "" {
 		return nil, errorf(codes.InvalidArgument, "volume id and path are required")
 	}
+	d.store.mu.Lock()
+	_, ok := d.store.data.Volumes[req.GetVolumeId()]
+	d.store.mu.Unlock()
+	if !ok {
+		return nil, errorf(codes.NotFound, "volume %s not found", req.GetVolumeId())
+	}
 	var fs syscall.Statfs_t
 	if err := syscall.Statfs(path, &fs); err != nil {
 		if os.IsNotExist(err) {
