@@ -360,6 +360,15 @@ def test_idempotency_key_runs_once(sandbox: Sandbox, wsdir: str) -> None:
     assert sandbox.error(r, 409) == "idempotency_key_reused"
 
 
+def test_idempotent_replay_after_cwd_removed(sandbox: Sandbox, wsdir: str) -> None:
+    (sandbox.workspace / wsdir / "tmpdir").mkdir()
+    body = {"command": "echo hi", "cwd": f"{wsdir}/tmpdir", "idempotencyKey": f"cwd-{wsdir}"}
+    first = sandbox.client.post("/v1/executions", json=body).json()
+    (sandbox.workspace / wsdir / "tmpdir").rmdir()
+    again = sandbox.client.post("/v1/executions", json=body)
+    assert again.status_code == 200 and again.json()["id"] == first["id"]
+
+
 def test_idempotency_key_header(sandbox: Sandbox, wsdir: str) -> None:
     key = {"Idempotency-Key": f"hdr-{wsdir}"}
     a = sandbox.client.post("/v1/executions", json={"command": "echo $$"}, headers=key)

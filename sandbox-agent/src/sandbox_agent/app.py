@@ -304,7 +304,9 @@ def _prepare(
             raise bad_request("invalid_request", f"invalid environment variable name {k[:100]!r}")
     cwd = st.workspace.clean(req.cwd)
     real = st.workspace.resolve(cwd)
-    if not os.path.isdir(real):
+    replay = req.idempotency_key is not None and req.idempotency_key in st.executions.by_key
+    # A replay must find its execution even if the command removed its cwd.
+    if not replay and not os.path.isdir(real):
         raise ApiError(400, "invalid_cwd", f"cwd {req.cwd!r} is not a directory in the workspace")
     if req.stdin is not None and req.stdin_base64 is not None:
         raise bad_request("invalid_request", "give at most one of 'stdin' and 'stdinBase64'")

@@ -8,7 +8,6 @@ tarfile's "data" filter as a second line of defence against escapes.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import stat as st
@@ -228,8 +227,3 @@ def stream_tar(ws: Workspace, rel: str, gzip: bool) -> Iterator[bytes]:
         if isinstance(item, BaseException):
             raise item
         yield item
-
-
-def close_quietly(f: Any) -> None:
-    with contextlib.suppress(OSError):
-        f.close()

@@ -14,10 +14,8 @@ import os
 import re
 import shutil
 import stat as st
-import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from . import models
 from .config import Settings
@@ -509,11 +507,3 @@ def sync(ws: Workspace) -> models.SyncResult:
     # it; sync(2) flushes everything including the workspace volume.
     os.sync()
     return models.SyncResult(synced=True, duration_seconds=round(time.monotonic() - t, 6))
-
-
-def split_kwargs(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if v is not None}
-
-
-def tmpdir() -> str:
-    return tempfile.gettempdir()

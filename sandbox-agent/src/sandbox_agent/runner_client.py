@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import secrets
 from typing import Any, Protocol
 
@@ -355,7 +354,3 @@ class RunnerClient:
             return False
         finally:
             w.pings.pop(token, None)
-
-
-def socket_exists(path: str) -> bool:
-    return os.path.exists(path)
