@@ -160,3 +160,24 @@ def test_metrics_can_be_opened_explicitly(fresh: Callable[..., Sandbox]) -> None
     sb = fresh(env={"SANDBOX_AGENT_METRICS_AUTH": "false"}, runner=False)
     assert sb.anon.get("/metrics").status_code == 200
     assert sb.anon.get("/v1/info").status_code == 401
+
+
+def test_rotated_token_is_picked_up(fresh: Callable[..., Sandbox]) -> None:
+    import time
+
+    sb = fresh(runner=False)
+    old = sb.token
+    new = "rotated-" + "n" * 30
+    time.sleep(1.1)  # the reload check is rate-limited to once a second
+    tmp = sb.token_file.with_suffix(".new")
+    tmp.write_text(new + "\n")
+    os.replace(tmp, sb.token_file)  # like kubelet's atomic symlink swap
+    r = sb.anon.get("/v1/info", headers={"Authorization": f"Bearer {new}"})
+    assert r.status_code == 200
+    r = sb.anon.get("/v1/info", headers={"Authorization": f"Bearer {old}"})
+    assert sb.error(r, 401) == "unauthorized"
+    # an emptied token file never opens the door
+    time.sleep(1.1)
+    sb.token_file.write_text("")
+    assert sb.anon.get("/v1/info", headers={"Authorization": "Bearer x"}).status_code == 401
+    assert sb.anon.get("/v1/info", headers={"Authorization": f"Bearer {new}"}).status_code == 200

@@ -85,10 +85,47 @@ def token_matches(header: bytes | None, token: bytes) -> bool:
 class AuthMiddleware:
     """Bearer token on every path except liveness/readiness (fail closed)."""
 
-    def __init__(self, app: ASGIApp, token: bytes, metrics_auth: bool) -> None:
+    def __init__(
+        self, app: ASGIApp, token: bytes, metrics_auth: bool, token_file: str = ""
+    ) -> None:
         self.app = app
         self.token = token
         self.public = PUBLIC_PATHS | (frozenset() if metrics_auth else frozenset({"/metrics"}))
+        self.token_file = token_file
+        self.token_stamp = self._stamp()
+        self.checked = time.monotonic()
+
+    def _stamp(self) -> tuple[int, int, int]:
+        try:
+            s = os.stat(self.token_file)
+        except OSError:
+            return (0, 0, 0)
+        return (s.st_ino, s.st_size, s.st_mtime_ns)
+
+    def _reloaded(self) -> bool:
+        """Pick up a rotated token (kubelet rewrites mounted Secrets in place).
+
+        Checked only after a failed comparison and at most once a second, so
+        wrong tokens cannot make us hammer the filesystem. An empty or missing
+        file keeps the old token: never fail open.
+        """
+        now = time.monotonic()
+        if not self.token_file or now - self.checked < 1.0:
+            return False
+        self.checked = now
+        stamp = self._stamp()
+        if stamp == self.token_stamp:
+            return False
+        try:
+            with open(self.token_file, "rb") as f:
+                token = f.read().strip()
+        except OSError:
+            return False
+        self.token_stamp = stamp
+        if len(token) < 16 or token == self.token:
+            return False
+        self.token = token
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.public:
@@ -97,7 +134,9 @@ class AuthMiddleware:
                 if k == b"authorization":
                     header = v
                     break
-            if not token_matches(header, self.token):
+            if not token_matches(header, self.token) and not (
+                header and self._reloaded() and token_matches(header, self.token)
+            ):
                 body = _encode(
                     models.ErrorBody(
                         error=models.ErrorDetail(
@@ -1182,4 +1221,4 @@ def build_app(settings: Settings, token: bytes) -> ASGIApp:
         lifespan=lifespan,
     )
     app.state.agent = state
-    return AuthMiddleware(app, token, settings.metrics_auth)
+    return AuthMiddleware(app, token, settings.metrics_auth, settings.token_file)
