@@ -264,3 +264,21 @@ def test_logs_spill_from_memory_to_disk(fresh: Callable[..., Sandbox]) -> None:
             if page["finished"]:
                 break
         assert got == size, ex["id"]
+
+
+def test_abandoned_tar_download_stops_its_producer(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(runner=False)
+    big = sb.workspace / "big"
+    big.mkdir()
+    for i in range(24):
+        (big / f"f{i}").write_bytes(os.urandom(1 << 20))
+    assert sb.agent is not None
+    tasks = f"/proc/{sb.agent.pid}/task"
+    assert len(sb.client.get("/v1/files/archive", params={"path": "big"}).content) > 24 << 20
+    time.sleep(0.5)
+    baseline = len(os.listdir(tasks))
+    for _ in range(5):
+        with sb.client.stream("GET", "/v1/files/archive", params={"path": "big"}) as r:
+            next(r.iter_bytes())  # read a little, then hang up
+    wait_until(lambda: len(os.listdir(tasks)) <= baseline + 1, 10)
+    assert sb.anon.get("/healthz").status_code == 200

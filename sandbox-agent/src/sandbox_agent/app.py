@@ -752,15 +752,18 @@ async def archive_download(request: Request) -> Response:
     # Validate before the 200 goes out; errors inside the stream can only cut it short.
     real = st.workspace.resolve(rel)
     await asyncio.to_thread(_require_dir, real, rel)
-    gen = archive.stream_tar(st.workspace, rel, gz)
+    stream = await asyncio.to_thread(archive.TarStream, st.workspace, rel, gz)
 
     async def body() -> AsyncIterator[bytes]:
-        while True:
-            chunk = await asyncio.to_thread(next, gen, None)
-            if chunk is None:
-                return
-            metrics.FILE_BYTES.labels("out").inc(len(chunk))
-            yield chunk
+        try:
+            while True:
+                chunk = await asyncio.to_thread(stream.next_chunk)
+                if chunk is None:
+                    return
+                metrics.FILE_BYTES.labels("out").inc(len(chunk))
+                yield chunk
+        finally:
+            stream.close()  # also on a client disconnect: the producer thread ends
 
     file_op("archive_download")
     name = os.path.basename(real) or "workspace"

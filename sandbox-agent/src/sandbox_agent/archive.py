@@ -8,12 +8,12 @@ tarfile's "data" filter as a second line of defence against escapes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import stat as st
 import tarfile
 import threading
-from collections.abc import Iterator
 from typing import IO, Any
 
 from . import models
@@ -146,23 +146,38 @@ def extract(ws: Workspace, rel: str, spool: IO[bytes], s: Settings) -> models.Ar
     return models.ArchiveResult(path=ws.relative(dest), entries=len(members), bytes=total)
 
 
-class _QueueWriter:
-    """File-like sink for tarfile that hands ~1 MiB chunks to another thread."""
+class _Stopped(Exception):
+    """The consumer went away (client disconnected): stop producing."""
 
-    def __init__(self, q: queue.Queue[bytes | BaseException | None]) -> None:
+
+class _QueueWriter:
+    """File-like sink for tarfile that hands ~1 MiB chunks to the consumer."""
+
+    def __init__(self, q: queue.Queue[bytes | BaseException | None], stop: threading.Event):
         self.q = q
+        self.stop = stop
         self.buf = bytearray()
+
+    def put(self, item: bytes | BaseException | None) -> None:
+        while True:
+            if self.stop.is_set():
+                raise _Stopped()
+            try:
+                self.q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
 
     def write(self, data: bytes) -> int:
         self.buf += data
         if len(self.buf) >= CHUNK:
-            self.q.put(bytes(self.buf))
+            self.put(bytes(self.buf))
             self.buf.clear()
         return len(data)
 
     def flush(self) -> None:
         if self.buf:
-            self.q.put(bytes(self.buf))
+            self.put(bytes(self.buf))
             self.buf.clear()
 
 
@@ -193,37 +208,50 @@ def _add_tree(ws: Workspace, tar: tarfile.TarFile, root: str, arc_root: str) -> 
             # sockets, FIFOs and devices are left out
 
 
-def stream_tar(ws: Workspace, rel: str, gzip: bool) -> Iterator[bytes]:
-    """Blocking generator of tar bytes; run from a thread."""
-    root = ws.resolve(rel)
-    if not os.path.isdir(root):
-        with os_errors(rel):
-            os.stat(root)
-        raise bad_request("not_a_directory", f"not a directory: {rel}")
-    q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=8)
-    writer = _QueueWriter(q)
+class TarStream:
+    """A directory as tar bytes, produced by a thread; ``close()`` stops it early."""
 
-    def produce() -> None:
-        try:
-            sink: Any = writer
-            fmt = tarfile.PAX_FORMAT
-            with (
-                tarfile.open(fileobj=sink, mode="w|gz", format=fmt)
-                if gzip
-                else tarfile.open(fileobj=sink, mode="w|", format=fmt)
-            ) as tar:
-                _add_tree(ws, tar, root, "")
-            writer.flush()
-            q.put(None)
-        except BaseException as exc:
-            q.put(exc)
+    def __init__(self, ws: Workspace, rel: str, gzip: bool) -> None:
+        root = ws.resolve(rel)
+        if not os.path.isdir(root):
+            with os_errors(rel):
+                os.stat(root)
+            raise bad_request("not_a_directory", f"not a directory: {rel}")
+        self.q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=8)
+        self.stop = threading.Event()
+        writer = _QueueWriter(self.q, self.stop)
 
-    t = threading.Thread(target=produce, daemon=True, name="tar-producer")
-    t.start()
-    while True:
-        item = q.get()
-        if item is None:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+        def produce() -> None:
+            try:
+                sink: Any = writer
+                fmt = tarfile.PAX_FORMAT
+                with (
+                    tarfile.open(fileobj=sink, mode="w|gz", format=fmt)
+                    if gzip
+                    else tarfile.open(fileobj=sink, mode="w|", format=fmt)
+                ) as tar:
+                    _add_tree(ws, tar, root, "")
+                writer.flush()
+                writer.put(None)
+            except _Stopped:
+                pass
+            except BaseException as exc:
+                with contextlib.suppress(_Stopped):
+                    writer.put(exc)
+
+        threading.Thread(target=produce, daemon=True, name="tar-producer").start()
+
+    def next_chunk(self) -> bytes | None:
+        """Blocking: the next chunk, or None at the end (or after close())."""
+        while not self.stop.is_set():
+            try:
+                item = self.q.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+        return None
+
+    def close(self) -> None:
+        self.stop.set()
