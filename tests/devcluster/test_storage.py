@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -336,28 +338,41 @@ def test_snapshot_of_missing_claim_reports_error(
 
 def test_without_snapshot_support_and_stop_removes_everything() -> None:
     """The "no snapshot support" cluster: no VolumeSnapshot API, a driver
-    without the capability; provisioning still works. Then: stop leaves no
+    without the capability, no snapshot sidecars; provisioning still works.
+    With a kubelet root dir the registrar serves the plugin registration
+    socket there (no kubelet here to register with). Then: stop leaves no
     process, socket or data behind."""
-    cluster = start_cluster(f"pytest-nosnap-{os.getpid()}", snapshots=False)
+    # Short: unix socket paths are limited to 107 bytes.
+    kubelet_root = Path(tempfile.mkdtemp(prefix="kubelet-"))
+    cluster = start_cluster(
+        f"pytest-nosnap-{os.getpid()}", snapshots=False, kubelet_root_dir=kubelet_root
+    )
+    registration = storage.registration_socket(kubelet_root)
     try:
         names = [component.name for component in cluster.status().components]
-        assert storage.SNAPSHOT_CONTROLLER not in names
-        assert storage.SNAPSHOTTER not in names
+        assert names[-3:] == [storage.DRIVER, storage.REGISTRAR, storage.PROVISIONER]
+        assert storage.unix_socket_accepts(registration)
+        driver_log = (cluster.logs_dir / f"{storage.DRIVER}.log").read_text()
+        assert "snapshots false" in driver_log
         with KubeJSON(cluster.kubeconfig) as kube:
             with pytest.raises(ApiError) as raised:
                 kube.list(api_path(SNAPSHOTS, "volumesnapshots", "default"))
             assert raised.value.status == 404
+            assert kube.get(api_path(SNAPSHOTS, "volumesnapshotclasses")) is None
             pv, _ = create_bound_pvc(kube, "default", "plain", "1Gi")
             data = volume_dir(cluster, pv)
             write_data(data, MIB)
         records = [processes.ProcessRecord.load(path) for path in cluster.run_dir.glob("*.json")]
-        assert storage.DRIVER in {record.name for record in records}
+        assert {storage.DRIVER, storage.REGISTRAR} <= {record.name for record in records}
         assert cluster.storage.socket.exists()
     finally:
         cluster.stop()
+        registration_left = registration.exists()
+        shutil.rmtree(kubelet_root, ignore_errors=True)
     assert not any(record.is_running() for record in records)
     assert not cluster.storage.root.exists()
     assert not data.exists()
+    assert not registration_left
     cluster.stop(remove_state=True)
     assert not cluster.state_dir.exists()
 
