@@ -19,6 +19,9 @@ upstream sidecars, all as host processes.
   prestart`, which then execs the provisioner) so the objects exist before
   any sidecar needs them: snapshot-controller exits if the CRDs do not appear
   within 30 s of its start.
+- `StorageAddon`: the same as an addon of `devcluster.cluster.LocalCluster`
+  (`LocalCluster(addons=[StorageAddon()])`): node name and kubelet root dir
+  come from the cluster.
 - `StorageControlPlane`: a `ControlPlane` with the storage components, for
   the control-plane tier (no kubelet: provisioning and snapshots work, mounts
   need the node tier).
@@ -793,6 +796,43 @@ def install_storage_objects(
         )
     objects = storage_objects(snapshots=snapshots, binding_mode=binding_mode)
     _kubectl(kubectl, kubeconfig, [*apply, "-f", "-"], stdin=yaml.safe_dump_all(objects))
+
+
+# ---- as a node addon ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StorageAddon:
+    """The storage stack as an addon of a node cluster
+    (`LocalCluster(addons=[StorageAddon()])`, devcluster.cluster.NodeAddon):
+    its node name is the driver's node id and its kubelet root dir gets the
+    registrar. Works with a plain ControlPlane too (no registrar then)."""
+
+    snapshots: bool = True
+    install_objects: bool = True
+
+    def binaries(self, *, build_missing: bool) -> dict[str, Path]:
+        return storage_binaries(build_missing=build_missing)
+
+    def components(
+        self,
+        cluster: ControlPlane,
+        ports: Ports,
+        certs: pki.PKI,
+        binaries: Mapping[str, Path],
+    ) -> list[Component]:
+        node_name = getattr(cluster, "node_name", DEFAULT_NODE_NAME)
+        kubelet_root = getattr(cluster, "kubelet_root_dir", None)
+        return storage_components(
+            cluster,
+            ports,
+            certs,
+            binaries,
+            node_name=str(node_name),
+            kubelet_root_dir=Path(kubelet_root) if kubelet_root is not None else None,
+            snapshots=self.snapshots,
+            install_objects=self.install_objects,
+        )
 
 
 # ---- a control plane with storage ---------------------------------------------------------
