@@ -1,0 +1,70 @@
+"""Deploy the project onto a local node cluster the way a user would: the chart.
+
+The images are already in the node's containerd (LocalCluster imports them on
+start); CRDs come with the chart; the operator runs in-cluster as a Deployment.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from devcluster import helm
+from devcluster.cluster import LocalCluster
+from devcluster.storage import StorageAddon
+
+REPO = Path(__file__).resolve().parent.parent
+RELEASE = "sandbox-operator"
+NAMESPACE = "sandbox-system"
+
+
+def node_cluster(name: str) -> LocalCluster:
+    """A single-node cluster with the CSI storage stack (snapshots included)."""
+    return LocalCluster(name, addons=[StorageAddon()])
+
+
+def install_operator(cluster: LocalCluster, *, extra_values: list[str] | None = None) -> str:
+    """`helm upgrade --install` of charts/sandbox-operator, waiting for the Deployment."""
+    values = ["image.repository=sandbox-operator", "image.tag=dev", "image.pullPolicy=Never"]
+    # No kube-proxy on this node: point the in-cluster client at the API server directly.
+    for index, (key, value) in enumerate(sorted(cluster.in_cluster_api_env().items())):
+        values += [f"extraEnv[{index}].name={key}", f"extraEnv[{index}].value={value}"]
+    return helm.install_chart(
+        cluster.kubeconfig,
+        REPO / "charts" / "sandbox-operator",
+        release=RELEASE,
+        namespace=NAMESPACE,
+        values=[*values, *(extra_values or [])],
+    )
+
+
+def kubectl(
+    cluster: LocalCluster, *args: str, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(cluster.kubectl), f"--kubeconfig={cluster.kubeconfig}", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
+
+
+def wait_for_crds(cluster: LocalCluster, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        done = kubectl(
+            cluster,
+            "wait",
+            "--for=condition=Established",
+            "crd",
+            "-l",
+            "app.kubernetes.io/part-of=sandbox-operator",
+            "--timeout=10s",
+        )
+        if done.returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"CRDs not established: {done.stderr}")
+        time.sleep(1)

@@ -1,0 +1,115 @@
+"""The end-to-end tier: a real single-node cluster with the operator deployed from the chart.
+
+The cluster is private to the session and removed at its end. It never
+skips: when the node cannot start, every test errors with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devcluster import deploy
+from devcluster.cluster import LocalCluster
+from tests.integration.harness import wait_for
+from tests.kube import JSON, KubeJSON, api_path, core_path
+
+GROUP, VERSION = "sandbox.dev", "v1alpha1"
+
+
+class E2E:
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.kube = KubeJSON(cluster.kubeconfig)
+        self.namespaces: list[str] = []
+
+    def kubectl(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return deploy.kubectl(self.cluster, *args, timeout=timeout)
+
+    def namespace(self) -> str:
+        name = f"e2e-{uuid.uuid4().hex[:8]}"
+        self.kube.create(core_path("namespaces"), {"metadata": {"name": name}})
+        # Pods need the namespace's default ServiceAccount to exist first.
+        wait_for(
+            lambda: self.kube.get(core_path("serviceaccounts", name, "default")) is not None,
+            30,
+            f"default ServiceAccount in {name}",
+        )
+        self.namespaces.append(name)
+        return name
+
+    def describe(self, namespace: str, sandbox: str) -> str:
+        """What to look at when a sandbox does not become Ready."""
+        parts = [
+            self.kubectl("get", "-n", namespace, "sandbox", sandbox, "-o", "yaml").stdout,
+            self.kubectl("describe", "-n", namespace, "pod", sandbox).stdout,
+            self.kubectl(
+                "logs", "-n", deploy.NAMESPACE, "deploy/" + deploy.RELEASE, "--tail=50"
+            ).stdout,
+        ]
+        return "\n".join(parts)
+
+
+class Sandboxes:
+    def __init__(self, kube: KubeJSON, namespace: str) -> None:
+        self.kube = kube
+        self.namespace = namespace
+
+    def _path(self, name: str | None = None) -> str:
+        return api_path(f"{GROUP}/{VERSION}", "sandboxes", self.namespace, name)
+
+    def create(self, name: str, spec: JSON | None = None) -> JSON:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "Sandbox",
+            "metadata": {"name": name},
+            "spec": spec or {},
+        }
+        return self.kube.create(self._path(), body)
+
+    def get(self, name: str) -> JSON | None:
+        return self.kube.get(self._path(name))
+
+    def patch(self, name: str, body: JSON) -> None:
+        self.kube.patch(self._path(name), body)
+
+    def wait_ready(self, name: str, timeout: float = 180) -> dict[str, Any]:
+        def ready() -> JSON | None:
+            body = self.get(name) or {}
+            conds = (body.get("status") or {}).get("conditions", [])
+            ok = any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+            return body if ok else None
+
+        return wait_for(ready, timeout, f"sandbox {self.namespace}/{name} Ready", interval=0.5)
+
+
+@pytest.fixture(scope="session")
+def e2e_cluster() -> Iterator[LocalCluster]:
+    cluster = deploy.node_cluster(f"e2e-{os.getpid()}")
+    cluster.start()
+    try:
+        deploy.install_operator(cluster)
+        deploy.wait_for_crds(cluster)
+        yield cluster
+    finally:
+        cluster.stop(remove_state=True)
+
+
+@pytest.fixture(scope="session")
+def e2e(e2e_cluster: LocalCluster) -> Iterator[E2E]:
+    context = E2E(e2e_cluster)
+    yield context
+    for name in context.namespaces:
+        context.kube.delete(core_path("namespaces", name))
+    context.kube.close()
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
