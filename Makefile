@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CLUSTER ?= dev
+# The tiers `make test` runs.
+TEST_TIERS ?= tests/unit tests/integration tests/devcluster sandbox-agent/tests
 
 .DEFAULT_GOAL := help
 
@@ -38,7 +40,7 @@ binaries: install ## Build (or reuse) the pinned Kubernetes, etcd and helm binar
 .PHONY: test
 test: install binaries ## Lint, then every test tier that runs on this machine
 	$(MAKE) lint
-	$(PY) -m pytest -p devcluster.pytest_plugin tests sandbox-agent/tests
+	$(PY) -m pytest -p devcluster.pytest_plugin $(TEST_TIERS)
 
 .PHONY: test-unit
 test-unit: install ## Fast tests: models, builders, conditions, CRD freshness
