@@ -1,0 +1,115 @@
+"""The main job on a real single-node cluster: `make up` / `make down`.
+
+    python hack/up.py up     # node cluster + storage, the chart, examples/, a command in a sandbox
+    python hack/up.py down   # remove everything `up` started
+
+`up` is safe to repeat: a healthy cluster is reused, the chart is upgraded in
+place, the examples are re-applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from devcluster import deploy  # noqa: E402
+from devcluster.cluster import LocalCluster  # noqa: E402
+
+NAME = "local"
+
+
+def _json(cluster: LocalCluster, *args: str) -> dict[str, object]:
+    result = deploy.kubectl(cluster, *args, "-o", "json")
+    if result.returncode != 0:
+        raise SystemExit(result.stderr)
+    data: dict[str, object] = json.loads(result.stdout)
+    return data
+
+
+def up() -> None:
+    began = time.monotonic()
+    cluster = deploy.node_cluster(NAME)
+    if cluster.is_healthy():
+        print(f"cluster: already running at {cluster.server}")
+    else:
+        print(
+            "cluster: starting (installs Debian packages, builds binaries and images when cold)..."
+        )
+        cluster.start()
+        print(f"cluster: up at {cluster.server} in {cluster.start_duration:.1f}s")
+    print(deploy.install_operator(cluster).strip().splitlines()[0])
+    deploy.wait_for_crds(cluster)
+    applied = deploy.kubectl(cluster, "apply", "-f", str(REPO / "examples"))
+    print(applied.stdout.strip() or applied.stderr.strip())
+    if applied.returncode != 0:
+        raise SystemExit(1)
+    items = _json(cluster, "get", "sandboxes")["items"]
+    assert isinstance(items, list)
+    names = [item["metadata"]["name"] for item in items]
+    for name in names:
+        waited = deploy.kubectl(
+            cluster, "wait", "--for=condition=Ready", f"sandbox/{name}", "--timeout=300s"
+        )
+        if waited.returncode != 0:
+            print(deploy.kubectl(cluster, "get", "sandbox", name, "-o", "yaml").stdout)
+            raise SystemExit(f"sandbox {name} did not become Ready")
+    print()
+    print(deploy.kubectl(cluster, "get", "sandboxes", "-o", "wide").stdout)
+    print(deploy.kubectl(cluster, "get", "pods,pvc", "-o", "wide").stdout)
+
+    name = names[0]
+    body = _json(cluster, "get", "sandbox", name)
+    status = body["status"]
+    assert isinstance(status, dict)
+    secret = _json(cluster, "get", "secret", f"{name}-agent-token")
+    data = secret["data"]
+    assert isinstance(data, dict)
+    token = base64.b64decode(data["token"]).decode()
+    command = (
+        "python3 -c 'import platform, os;"
+        " print(platform.python_version(), os.getcwd(), os.getuid())'"
+    )
+    response = httpx.post(
+        f"{status['agentEndpoint']}/v1/executions",
+        json={"command": command},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=60,
+    )
+    response.raise_for_status()
+    result = response.json()
+    print(f"$ {command}    # in sandbox {name}, through its agent at {status['agentEndpoint']}")
+    print(result["stdout"], end="")
+    print(f"(exit {result['exitCode']}, {result['durationSeconds'] * 1000:.0f} ms)")
+    print(
+        f"\nup in {time.monotonic() - began:.0f}s.\n"
+        f"Explore: export KUBECONFIG={cluster.kubeconfig}; {cluster.kubectl} get sandboxes\n"
+        "Stop:    make down"
+    )
+
+
+def down() -> None:
+    cluster = deploy.node_cluster(NAME)
+    cluster.stop(remove_state=True)
+    print("cluster: stopped; processes, mounts, interfaces, iptables rules and state removed")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("action", choices=["up", "down"])
+    args = parser.parse_args()
+    up() if args.action == "up" else down()
+
+
+if __name__ == "__main__":
+    main()
