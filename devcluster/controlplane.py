@@ -103,6 +103,9 @@ class Component:
     ready_timeout: float = 120.0
     cleanup: Callable[[], None] | None = None
     """Run after its processes are gone (e.g. unmount, delete interfaces)."""
+    post_start: Callable[[], None] | None = None
+    """Run once the component is ready, before the next one starts (e.g. import
+    images into a container runtime); an exception fails the start."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,10 @@ class ControlPlane:
     call it by this path, a different kubectl may be on PATH), `logs_dir`.
     Usable as a context manager.
     """
+
+    kind = "control-plane"
+    """Recorded in cluster.json, so `open_cluster` (CLI `down`, the test
+    sessions' orphan sweep) stops a cluster with the class that started it."""
 
     def __init__(
         self,
@@ -261,8 +268,15 @@ class ControlPlane:
         return Ports(**{key: int(value) for key, value in data.items()})
 
     @property
+    def apiserver_host(self) -> str:
+        """The address kube-apiserver binds and advertises (127.0.0.1 unless a
+        subclass's `_prepare_start` chose another, e.g. a pod bridge's gateway)."""
+        host = self._read_cluster_file().get("apiserver_host")
+        return host if isinstance(host, str) else "127.0.0.1"
+
+    @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.ports.apiserver}"
+        return f"https://{self.apiserver_host}:{self.ports.apiserver}"
 
     def kubectl_command(self, *args: str) -> list[str]:
         """argv for the pinned kubectl against this cluster as admin."""
@@ -289,6 +303,8 @@ class ControlPlane:
     ) -> list[Component]:
         """The processes of this cluster, in start order. Subclasses append to it."""
         etcd = binaries["etcd"]
+        host = self.apiserver_host
+        loopback = ipaddress.ip_address(host).is_loopback
         admin_tls = self._client_context(certs)
         kcm_tls = ssl.create_default_context(cafile=str(certs.ca.cert))
         kcm_kubeconfig = self.state_dir / "controller-manager.kubeconfig"
@@ -326,8 +342,8 @@ class ControlPlane:
                 argv=[
                     str(binaries["kube-apiserver"]),
                     f"--etcd-servers={client}",
-                    "--bind-address=127.0.0.1",
-                    "--advertise-address=127.0.0.1",
+                    f"--bind-address={host}",
+                    f"--advertise-address={host}",
                     f"--secure-port={ports.apiserver}",
                     # Only used when no certificate is given; keeps it away
                     # from the default /var/run/kubernetes all the same.
@@ -352,14 +368,15 @@ class ControlPlane:
                     "--requestheader-extra-headers-prefix=X-Remote-Extra-",
                     f"--proxy-client-cert-file={certs.front_proxy_client.cert}",
                     f"--proxy-client-key-file={certs.front_proxy_client.key}",
-                    # The `kubernetes` Service's endpoints would be 127.0.0.1,
-                    # which Endpoints validation rejects (loopback), so the
-                    # reconciler would only log errors. Nothing in the cluster
-                    # can reach a loopback API server through a Service anyway.
-                    "--endpoint-reconciler-type=none",
+                    # On loopback, the `kubernetes` Service's endpoints would be
+                    # 127.0.0.1, which Endpoints validation rejects, so the
+                    # reconciler would only log errors (and nothing in a
+                    # cluster can reach a loopback API server anyway). On a
+                    # routable address the Service points at it.
+                    f"--endpoint-reconciler-type={'none' if loopback else 'lease'}",
                     *self.apiserver_args,
                 ],
-                ready=lambda: probe_https(ports.apiserver, "/readyz", admin_tls),
+                ready=lambda: probe_https(ports.apiserver, "/readyz", admin_tls, host=host),
                 ports=[ports.apiserver],
                 ready_timeout=180.0,
             ),
@@ -508,23 +525,35 @@ class ControlPlane:
             self.start_duration = time.monotonic() - began
             self._write_cluster_file(start_seconds=round(self.start_duration, 2))
 
+    def _prepare_start(self) -> str:
+        """Set up what the components need before any starts; returns the
+        address kube-apiserver is to bind and advertise. Subclasses extend it
+        (the node tier creates its pod bridge here and returns its gateway).
+        The cluster file (name, ports, owner) is written already."""
+        return "127.0.0.1"
+
     def _start_locked(self, binaries: Mapping[str, Path]) -> None:
         for directory in (self.state_dir, self.run_dir, self.logs_dir):
             directory.mkdir(parents=True, exist_ok=True)
         self.state_dir.chmod(0o700)
-        first_service_ip = str(next(ipaddress.ip_network(self.service_cidr).hosts()))
-        certs = pki.ensure_pki(self.pki_dir, apiserver_ips=("127.0.0.1", first_service_ip))
         ports = Ports(*_free_ports(4))
         owner = os.getpid()
         self._write_cluster_file(
             name=self.name,
+            kind=self.kind,
             ports=dataclasses.asdict(ports),
             started=[],
             owner_pid=owner,
             owner_start_ticks=processes.process_start_ticks(owner),
             created=time.time(),
+            apiserver_host="127.0.0.1",
         )
-        server = f"https://127.0.0.1:{ports.apiserver}"
+        host = self._prepare_start()
+        self._write_cluster_file(apiserver_host=host)
+        first_service_ip = str(next(ipaddress.ip_network(self.service_cidr).hosts()))
+        apiserver_ips = tuple(dict.fromkeys(("127.0.0.1", first_service_ip, host)))
+        certs = pki.ensure_pki(self.pki_dir, apiserver_ips=apiserver_ips)
+        server = f"https://{host}:{ports.apiserver}"
         self._write_kubeconfig(self.kubeconfig, server, certs, certs.admin)
         self._write_kubeconfig(
             self.state_dir / "controller-manager.kubeconfig",
@@ -540,6 +569,8 @@ class ControlPlane:
             # a record that the next start()/stop() can clean up.
             self._write_cluster_file(started=started)
             self._wait_ready(component)
+            if component.post_start is not None:
+                component.post_start()
         log.info("cluster %s is up at %s", self.name, server)
 
     def _launch(self, component: Component) -> None:
@@ -672,6 +703,22 @@ class ControlPlane:
         return f"ControlPlane(name={self.name!r}, state_dir={str(self.state_dir)!r})"
 
 
+def open_cluster(name: str, *, state_dir: Path | None = None) -> ControlPlane:
+    """The cluster of that name as the class that started it (from the `kind`
+    in its cluster.json): stopping a node cluster must also unmount, delete
+    its bridge and so on, which only its own class knows how to do."""
+    state = state_dir or clusters_root() / name
+    kind = None
+    with contextlib.suppress(FileNotFoundError, ValueError, AttributeError):
+        kind = json.loads((state / "cluster.json").read_text()).get("kind")
+    if kind == "node":
+        # Imported here: devcluster.cluster builds on this module.
+        from devcluster.cluster import LocalCluster
+
+        return LocalCluster(name, state_dir=state)
+    return ControlPlane(name, state_dir=state)
+
+
 class _PortCollisionError(ControlPlaneError):
     """A component lost the race for a port chosen as free; start again with others."""
 
@@ -689,7 +736,7 @@ def sweep_orphans(prefix: str) -> list[str]:
     for state_dir in sorted(root.iterdir()):
         if not state_dir.is_dir() or not state_dir.name.startswith(prefix):
             continue
-        cluster = ControlPlane(state_dir.name, state_dir=state_dir)
+        cluster = open_cluster(state_dir.name, state_dir=state_dir)
         if cluster.owner_alive():
             continue
         try:

@@ -8,6 +8,7 @@ the whole set, because certificates signed by a replaced CA would be useless.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -331,3 +332,73 @@ def ensure_pki(directory: Path, *, apiserver_ips: tuple[str, ...] = ("127.0.0.1"
     _write(pki.ca.key, _key_pem(ca_key), 0o600)
     _write(pki.ca.cert, ca_cert.public_bytes(pem), 0o644)
     return pki
+
+
+def ensure_leaf(
+    pki: PKI,
+    name: str,
+    common_name: str,
+    *,
+    organization: str | None = None,
+    server: bool = False,
+    client: bool = False,
+    dns_names: tuple[str, ...] = (),
+    ip_addresses: tuple[str, ...] = (),
+) -> CertPair:
+    """An extra certificate `<name>.crt`/`.key` signed by the cluster CA (for
+    components beyond the control plane: scheduler, kubelet), reused while it
+    still matches: same CA, subject, SANs, usages and not near expiry.
+
+    Call after `ensure_pki`: a regenerated CA makes every leaf of the old one
+    fail the check here, so they are reissued too.
+    """
+    pair = CertPair(pki.directory / f"{name}.crt", pki.directory / f"{name}.key")
+    ca_cert = x509.load_pem_x509_certificate(pki.ca.cert.read_bytes())
+    subject = _name(common_name, organization)
+    wanted_ips = {ipaddress.ip_address(ip) for ip in ip_addresses}
+    wanted_usages = {
+        usage
+        for usage, on in (
+            (ExtendedKeyUsageOID.SERVER_AUTH, server),
+            (ExtendedKeyUsageOID.CLIENT_AUTH, client),
+        )
+        if on
+    }
+    try:
+        cert = x509.load_pem_x509_certificate(pair.cert.read_bytes())
+        serialization.load_pem_private_key(pair.key.read_bytes(), password=None)
+        cert.verify_directly_issued_by(ca_cert)
+        sans: set[object] = set()
+        with contextlib.suppress(x509.ExtensionNotFound):
+            ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            sans = {
+                *ext.get_values_for_type(x509.DNSName),
+                *ext.get_values_for_type(x509.IPAddress),
+            }
+        usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+        deadline = datetime.datetime.now(datetime.UTC) + RENEW_BEFORE
+        if (
+            cert.subject == subject
+            and sans == {*dns_names, *wanted_ips}
+            and usages == wanted_usages
+            and cert.not_valid_after_utc > deadline
+        ):
+            return pair
+    except (FileNotFoundError, ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
+        pass
+    ca_key = serialization.load_pem_private_key(pki.ca.key.read_bytes(), password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{pki.ca.key}: expected an EC key")
+    cert, key = _make_leaf(
+        ca_cert,
+        ca_key,
+        common_name,
+        organization=organization,
+        server=server,
+        client=client,
+        dns_names=dns_names,
+        ip_addresses=ip_addresses,
+    )
+    _write(pair.key, _key_pem(key), 0o600)
+    _write(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    return pair

@@ -1,0 +1,920 @@
+"""A real single-node Kubernetes cluster on this machine: `LocalCluster`.
+
+The control plane of `ControlPlane` (etcd, kube-apiserver,
+kube-controller-manager) plus kube-scheduler, a private containerd (Debian's
+1.6, with runc and the CRI plugin), CNI bridge networking and a kubelet, all
+as host processes with their state under the cluster's state dir. Pods run
+for real, from images built locally (`devcluster.images`).
+
+Addresses: every node cluster has its own pod bridge and /24
+(`devcluster.network`). The bridge's address (the pods' gateway) is where
+kube-apiserver listens (instead of 127.0.0.1) and what it advertises, so
+the `kubernetes` Service's endpoints are reachable from pods. The node's
+InternalIP is that address too, and the kubelet serves on it. There is no
+kube-proxy: a pod that talks to the API server (the operator, deployed in
+the cluster) is given `in_cluster_api_env()` (KUBERNETES_SERVICE_HOST/PORT
+= that address), which takes precedence over the ClusterIP the kubelet
+injects. The serving certificate has the address in its SANs.
+
+Start order: etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+containerd (then the images are imported), kubelet (ready once its Node is
+Ready), then any addons (CSI storage). Stop runs that backwards, and then
+removes what processes leave behind: pod sandboxes through CRI (CNI DEL:
+veths, IPAM, portmap rules), shims and container processes, mounts under the
+state dir, the bridge, iptables rules, cgroups, the kubelet's kernel
+settings (restored), and the node's state dirs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import http.client
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import ssl
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import yaml
+
+from devcluster import build, hostdeps, network, pki, processes, versions
+from devcluster import images as imagelib
+from devcluster.controlplane import (
+    Component,
+    ControlPlane,
+    ControlPlaneError,
+    Ports,
+    _free_ports,
+    clusters_root,
+    probe_https,
+)
+
+log = logging.getLogger("devcluster.cluster")
+
+DEFAULT_NODE_CLUSTER = "local"
+# sockaddr_un.sun_path holds 108 bytes including the NUL.
+_MAX_SOCKET_PATH = 107
+# Set by the kubelet on start (setupKernelTunables) unless
+# protectKernelDefaults makes it fail instead: there is no "leave alone".
+# Recorded before the first node cluster starts, restored after the last stops.
+KUBELET_SYSCTLS = (
+    "vm/overcommit_memory",
+    "vm/panic_on_oom",
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "kernel/keys/root_maxkeys",
+    "kernel/keys/root_maxbytes",
+)
+_MNT_DETACH = 2
+
+
+class NodeAddon(Protocol):
+    """Extra components of a node cluster (e.g. CSI storage), started after the
+    kubelet and stopped before it. `LocalCluster(addons=[...])`."""
+
+    def binaries(self, *, build_missing: bool) -> dict[str, Path]: ...
+
+    def components(
+        self,
+        cluster: LocalCluster,
+        ports: Ports,
+        certs: pki.PKI,
+        binaries: Mapping[str, Path],
+    ) -> list[Component]: ...
+
+
+@dataclass(frozen=True)
+class NodePorts:
+    scheduler: int
+    kubelet: int
+    kubelet_healthz: int
+
+
+def node_binaries(*, build_missing: bool) -> dict[str, Path]:
+    """kube-scheduler and kubelet (the Kubernetes module wrapper of build.py)
+    and crictl (its own Go module)."""
+    crictl_package = "sigs.k8s.io/cri-tools/cmd/crictl"
+    if build_missing:
+        kube = build.kubernetes_binaries(versions.KUBERNETES_NODE_COMMANDS)
+        crictl = build.go_module_binaries(
+            "cri-tools",
+            "sigs.k8s.io/cri-tools",
+            versions.CRI_TOOLS,
+            [crictl_package],
+            ldflags=f"-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version={versions.CRI_TOOLS}",
+        )
+    else:
+        kube = build.kubernetes_paths(versions.KUBERNETES_NODE_COMMANDS)
+        crictl = build.go_module_paths("cri-tools", versions.CRI_TOOLS, [crictl_package])
+    return {**kube, **crictl}
+
+
+def node_binaries_current() -> bool:
+    return all(build._is_current(path) for path in node_binaries(build_missing=False).values())
+
+
+def _node_name(cluster: str) -> str:
+    # Node names are DNS subdomains: no underscores, at most 63 here.
+    return re.sub(r"[^a-z0-9.-]", "-", cluster.lower()).strip(".-")[:63] or "node"
+
+
+class LocalCluster(ControlPlane):
+    """A single-node cluster on this machine; see the module docstring.
+
+    `images`: names of `devcluster.imagelib.IMAGES` imported into the node's
+    containerd on start (built first if needed; the pause image always).
+    Default: all of them. After start: everything of `ControlPlane`, plus
+    `node_name`, `pod_network` (subnet, gateway, bridge), `kubelet_root_dir`,
+    `containerd_socket`, `crictl_command()`, `in_cluster_api_env()`.
+    """
+
+    kind = "node"
+
+    def __init__(
+        self,
+        name: str = DEFAULT_NODE_CLUSTER,
+        *,
+        images: Sequence[str] | None = None,
+        addons: Sequence[NodeAddon] = (),
+        node_name: str | None = None,
+        **kwargs: object,
+    ) -> None:
+        super().__init__(name, **kwargs)  # type: ignore[arg-type]
+        wanted = list(images) if images is not None else list(imagelib.IMAGES)
+        unknown = [image for image in wanted if image not in imagelib.IMAGES]
+        if unknown:
+            raise ValueError(f"unknown images {unknown}; known: {list(imagelib.IMAGES)}")
+        self.image_names = [imagelib.PAUSE, *[i for i in wanted if i != imagelib.PAUSE]]
+        self.addons = list(addons)
+        self.node_name = node_name or _node_name(name)
+        self.cgroup_root = f"/devcluster-{name}"
+        self.apiserver_args += [
+            # The Node's Hostname address (the node name) resolves nowhere;
+            # its InternalIP is the bridge address the kubelet serves on.
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
+            # ...with a serving certificate from the cluster CA: verify it.
+            f"--kubelet-certificate-authority={pki.paths(self.pki_dir).ca.cert}",
+        ]
+
+    @staticmethod
+    def images_all() -> list[str]:
+        return list(imagelib.IMAGES)
+
+    # ---- layout -----------------------------------------------------------------
+
+    @property
+    def node_dir(self) -> Path:
+        """Everything of the node (removed on every stop): containerd, kubelet, CNI."""
+        return self.state_dir / "node"
+
+    @property
+    def kubelet_root_dir(self) -> Path:
+        return self.node_dir / "kubelet"
+
+    @property
+    def pod_logs_dir(self) -> Path:
+        return self.node_dir / "pod-logs"
+
+    @property
+    def containerd_dir(self) -> Path:
+        return self.node_dir / "containerd"
+
+    @property
+    def image_store_dir(self) -> Path:
+        """containerd's root (content store, snapshots, metadata). Outside
+        node_dir: kept across stops while no pod sandbox is recorded in it,
+        so a restart need not import the images again (seconds per image)."""
+        return self.state_dir / "containerd-root"
+
+    @property
+    def containerd_socket(self) -> Path:
+        socket = self.containerd_dir / "containerd.sock"
+        if len(str(socket)) + len(".ttrpc") > _MAX_SOCKET_PATH:
+            # A long SANDBOX_CACHE_DIR: fall back to a short per-cluster path.
+            return Path("/run/devcluster") / self.name / "containerd.sock"
+        return socket
+
+    @property
+    def cni_conf_dir(self) -> Path:
+        return self.node_dir / "cni" / "net.d"
+
+    @property
+    def cni_ipam_dir(self) -> Path:
+        return self.node_dir / "cni" / "ipam"
+
+    @property
+    def _network_record(self) -> Path:
+        # In the state dir itself (not node/): kept across stops, so a
+        # restarted cluster keeps its subnet and its certificates stay valid.
+        return self.state_dir / "network.json"
+
+    @property
+    def pod_network(self) -> network.PodNetwork:
+        try:
+            data = json.loads(self._network_record.read_text())
+            return network.PodNetwork.from_json(data)
+        except (FileNotFoundError, ValueError, KeyError) as error:
+            raise ControlPlaneError(f"cluster {self.name!r} has no pod network yet") from error
+
+    @property
+    def node_ports(self) -> NodePorts:
+        data = self._read_cluster_file().get("node_ports")
+        if not isinstance(data, dict):
+            raise ControlPlaneError(f"cluster {self.name!r} has not been started")
+        return NodePorts(**{key: int(value) for key, value in data.items()})
+
+    def crictl_command(self, *args: str) -> list[str]:
+        crictl = node_binaries(build_missing=False)["crictl"]
+        endpoint = f"unix://{self.containerd_socket}"
+        return [
+            str(crictl),
+            f"--runtime-endpoint={endpoint}",
+            f"--image-endpoint={endpoint}",
+            "--timeout=60s",
+            *args,
+        ]
+
+    def in_cluster_api_env(self) -> dict[str, str]:
+        """Environment for a pod of this cluster that talks to the API server:
+        there is no kube-proxy, so the `kubernetes` ClusterIP leads nowhere;
+        these point in-cluster clients (Kopf, client-go) at the bridge address."""
+        return {
+            "KUBERNETES_SERVICE_HOST": self.apiserver_host,
+            "KUBERNETES_SERVICE_PORT": str(self.ports.apiserver),
+        }
+
+    # ---- build and start ----------------------------------------------------------
+
+    def binaries(self, *, build_missing: bool) -> dict[str, Path]:
+        found = {**super().binaries(build_missing=build_missing)}
+        found.update(node_binaries(build_missing=build_missing))
+        for addon in self.addons:
+            found.update(addon.binaries(build_missing=build_missing))
+        return found
+
+    def start(self) -> None:
+        """Install missing Debian packages, build what is missing (binaries,
+        images: minutes when cold, outside the timed part), then start."""
+        if os.geteuid() != 0:
+            raise ControlPlaneError("a node cluster needs root (containerd, mounts, bridge)")
+        hostdeps.ensure()
+        for name in self.image_names:
+            imagelib.ensure_built(imagelib.IMAGES[name])
+        super().start()
+
+    def _prepare_start(self) -> str:
+        for directory in (
+            self.kubelet_root_dir,
+            self.pod_logs_dir,
+            self.containerd_dir,
+            self.cni_conf_dir,
+            self.cni_ipam_dir,
+            self.containerd_socket.parent,
+        ):
+            directory.mkdir(parents=True, exist_ok=True)
+        pod_net = network.allocate(self.name, self._network_record, clusters_root())
+        network.create_bridge(pod_net)
+        scheduler, kubelet, healthz = _free_ports(3)
+        self._write_cluster_file(
+            node_ports={"scheduler": scheduler, "kubelet": kubelet, "kubelet_healthz": healthz},
+            node_name=self.node_name,
+            cgroup_root=self.cgroup_root,
+        )
+        (self.cni_conf_dir / "10-devcluster.conflist").write_text(
+            json.dumps(pod_net.cni_config(self.cni_ipam_dir), indent=2) + "\n"
+        )
+        self._create_cgroup_root()
+        _record_kernel_tunables()
+        return pod_net.gateway
+
+    def components(
+        self, ports: Ports, certs: pki.PKI, binaries: Mapping[str, Path]
+    ) -> list[Component]:
+        """Control plane, then kube-scheduler, containerd, kubelet, then addons."""
+        found = super().components(ports, certs, binaries)
+        found += self.node_components(ports, certs, binaries)
+        for addon in self.addons:
+            found += addon.components(self, ports, certs, binaries)
+        return found
+
+    def node_components(
+        self, ports: Ports, certs: pki.PKI, binaries: Mapping[str, Path]
+    ) -> list[Component]:
+        node_ports = self.node_ports
+        pod_net = self.pod_network
+        server = self.server
+        ca = ssl.create_default_context(cafile=str(certs.ca.cert))
+
+        scheduler_client = pki.ensure_leaf(certs, "scheduler", "system:kube-scheduler", client=True)
+        scheduler_serving = pki.ensure_leaf(
+            certs,
+            "scheduler-serving",
+            "kube-scheduler",
+            server=True,
+            dns_names=("localhost",),
+            ip_addresses=("127.0.0.1",),
+        )
+        scheduler_kubeconfig = self.state_dir / "scheduler.kubeconfig"
+        self._write_kubeconfig(scheduler_kubeconfig, server, certs, scheduler_client)
+
+        # The Node authorizer and NodeRestriction know a kubelet by this name.
+        kubelet_client = pki.ensure_leaf(
+            certs,
+            "kubelet-client",
+            f"system:node:{self.node_name}",
+            organization="system:nodes",
+            client=True,
+        )
+        kubelet_serving = pki.ensure_leaf(
+            certs,
+            "kubelet-serving",
+            self.node_name,
+            server=True,
+            dns_names=(self.node_name, "localhost"),
+            ip_addresses=(pod_net.gateway, "127.0.0.1"),
+        )
+        kubelet_kubeconfig = self.state_dir / "kubelet.kubeconfig"
+        self._write_kubeconfig(kubelet_kubeconfig, server, certs, kubelet_client)
+
+        containerd_config = self.containerd_dir / "config.toml"
+        containerd_config.write_text(self._containerd_config())
+        kubelet_config = self.node_dir / "kubelet-config.yaml"
+        kubelet_config.write_text(
+            yaml.safe_dump(
+                self._kubelet_config(certs, kubelet_serving, node_ports, pod_net), sort_keys=False
+            )
+        )
+        admin = self._client_context(certs)
+        api_host, api_port = self.apiserver_host, ports.apiserver
+
+        return [
+            Component(
+                name="kube-scheduler",
+                argv=[
+                    str(binaries["kube-scheduler"]),
+                    f"--kubeconfig={scheduler_kubeconfig}",
+                    f"--authentication-kubeconfig={scheduler_kubeconfig}",
+                    f"--authorization-kubeconfig={scheduler_kubeconfig}",
+                    "--bind-address=127.0.0.1",
+                    f"--secure-port={node_ports.scheduler}",
+                    f"--tls-cert-file={scheduler_serving.cert}",
+                    f"--tls-private-key-file={scheduler_serving.key}",
+                    f"--client-ca-file={certs.ca.cert}",
+                    "--leader-elect=false",
+                ],
+                ready=lambda: probe_https(node_ports.scheduler, "/healthz", ca),
+                ports=[node_ports.scheduler],
+                ready_timeout=120.0,
+            ),
+            Component(
+                name="containerd",
+                argv=["containerd", f"--config={containerd_config}"],
+                ready=self._containerd_ready,
+                ready_timeout=60.0,
+                post_start=self._import_images,
+            ),
+            Component(
+                name="kubelet",
+                argv=[
+                    str(binaries["kubelet"]),
+                    f"--config={kubelet_config}",
+                    f"--kubeconfig={kubelet_kubeconfig}",
+                    f"--root-dir={self.kubelet_root_dir}",
+                    f"--hostname-override={self.node_name}",
+                    f"--node-ip={pod_net.gateway}",
+                    "--v=1",
+                ],
+                ready=lambda: (
+                    _http_ok(node_ports.kubelet_healthz, "/healthz")
+                    and _node_ready(api_host, api_port, admin, self.node_name)
+                ),
+                ports=[node_ports.kubelet, node_ports.kubelet_healthz],
+                ready_timeout=120.0,
+                post_start=lambda: _set_pod_cidr(
+                    api_host, api_port, admin, self.node_name, str(pod_net.subnet)
+                ),
+                # Runs while containerd still does: pods are torn down through
+                # CRI, so the CNI plugins undo their own work.
+                cleanup=self._remove_pods,
+            ),
+        ]
+
+    def _containerd_config(self) -> str:
+        """containerd 1.6 config (version 2): everything per cluster, CRI on cgroupfs."""
+        root = self.containerd_dir
+        socket = self.containerd_socket
+        cri = 'plugins."io.containerd.grpc.v1.cri"'
+        return f"""# Written by devcluster/cluster.py for cluster {self.name!r}.
+version = 2
+root = "{self.image_store_dir}"
+state = "{root / "state"}"
+# opt: would create /opt/containerd; tracing, btrfs, zfs, aufs, devmapper:
+# unused here and noisy in the log.
+disabled_plugins = [
+  "io.containerd.internal.v1.opt",
+  "io.containerd.snapshotter.v1.aufs",
+  "io.containerd.snapshotter.v1.btrfs",
+  "io.containerd.snapshotter.v1.devmapper",
+  "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.tracing.processor.v1.otlp",
+  "io.containerd.internal.v1.tracing",
+]
+
+[grpc]
+  address = "{socket}"
+
+[ttrpc]
+  address = "{socket}.ttrpc"
+
+[plugins."io.containerd.gc.v1.scheduler"]
+  startup_delay = "100ms"
+
+[{cri}]
+  sandbox_image = "{imagelib.PAUSE}"
+  # Pod network namespaces under our state dir, not /var/run/netns.
+  netns_mounts_under_state_dir = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  # hugetlb is not mounted on this cgroup v1 host.
+  disable_hugetlb_controller = true
+  tolerate_missing_hugetlb_controller = true
+  enable_unprivileged_ports = false
+  enable_unprivileged_icmp = false
+  # Root here lacks CAP_SYS_RESOURCE (not in the bounding set), so no process
+  # may lower its oom_score_adj: runc failed every pod sandbox writing the
+  # kubelet's -998 ("failed to update /proc/self/oom_score_adj: Permission
+  # denied", seen by kubelet as "can't get final child's PID from pipe: EOF").
+  # This clamps the kubelet's values to containerd's own (0) instead.
+  restrict_oom_score_adj = true
+
+  [{cri}.containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+
+    [{cri}.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+
+      [{cri}.containerd.runtimes.runc.options]
+        # cgroupfs, as the kubelet (cgroupDriver) and this host (no systemd).
+        SystemdCgroup = false
+        # runc's state per cluster too (default /run/containerd/runc).
+        Root = "{root / "runc"}"
+
+  [{cri}.cni]
+    bin_dir = "{network.CNI_BIN_DIR}"
+    conf_dir = "{self.cni_conf_dir}"
+    max_conf_num = 1
+
+  [{cri}.registry]
+    # No registry is reachable; images come from `ctr images import`.
+    config_path = ""
+"""
+
+    def _kubelet_config(
+        self,
+        certs: pki.PKI,
+        serving: pki.CertPair,
+        node_ports: NodePorts,
+        pod_net: network.PodNetwork,
+    ) -> dict[str, object]:
+        endpoint = f"unix://{self.containerd_socket}"
+        return {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            # Kubelet API on the node address only (the API server reaches
+            # it there for logs/exec); a port per cluster.
+            "address": pod_net.gateway,
+            "port": node_ports.kubelet,
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": node_ports.kubelet_healthz,
+            "tlsCertFile": str(serving.cert),
+            "tlsPrivateKeyFile": str(serving.key),
+            "serverTLSBootstrap": False,
+            "rotateCertificates": False,
+            "authentication": {
+                "anonymous": {"enabled": False},
+                "webhook": {"enabled": True},
+                "x509": {"clientCAFile": str(certs.ca.cert)},
+            },
+            "authorization": {"mode": "Webhook"},
+            "containerRuntimeEndpoint": endpoint,
+            "imageServiceEndpoint": endpoint,
+            # cgroup v1 host without systemd as init: cgroupfs, like containerd.
+            "cgroupDriver": "cgroupfs",
+            # Pod cgroups under a per-cluster root, not /kubepods of the host.
+            "cgroupRoot": self.cgroup_root,
+            "cgroupsPerQOS": True,
+            # 1.34 still runs on cgroup v1 by default (1.35 flips this to true).
+            "failCgroupV1": False,
+            # Dev machines may have swap; the kubelet refuses to start then.
+            "failSwapOn": False,
+            "podCIDR": str(pod_net.subnet),
+            "clusterDomain": "cluster.local",
+            # No cluster DNS: pods get the host's resolv.conf (dnsPolicy
+            # ClusterFirst falls back to Default without clusterDNS).
+            "clusterDNS": [],
+            "resolvConf": "/etc/resolv.conf",
+            "podLogsDir": str(self.pod_logs_dir),
+            # Default /usr/libexec/kubernetes/...: keep out of the host's dirs.
+            "volumePluginDir": str(self.kubelet_root_dir / "volume-plugins"),
+            # No iptables chains (KUBE-FIREWALL, canaries): no kube-proxy here.
+            "makeIPTablesUtilChains": False,
+            # Images cannot be pulled again: never garbage-collect them, and
+            # no disk-pressure eviction on a full developer disk.
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "evictionHard": {
+                "memory.available": "100Mi",
+                "nodefs.available": "1%",
+                "nodefs.inodesFree": "1%",
+                "imagefs.available": "1%",
+            },
+            "serializeImagePulls": False,
+            "registerNode": True,
+            "maxPods": 110,
+        }
+
+    # ---- containerd -------------------------------------------------------------
+
+    def _crictl(self, *args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.crictl_command(*args),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def _containerd_ready(self) -> bool:
+        if not self.containerd_socket.exists():
+            return False
+        try:
+            proc = self._crictl("info", timeout=5.0)
+        except subprocess.TimeoutExpired:
+            return False
+        if proc.returncode != 0:
+            return False
+        try:
+            conditions = json.loads(proc.stdout)["status"]["conditions"]
+        except (ValueError, KeyError, TypeError):
+            return False
+        # NetworkReady too: the CNI config is there before containerd starts.
+        return all(condition.get("status") is True for condition in conditions)
+
+    def _import_images(self) -> None:
+        built = [imagelib.ensure_built(imagelib.IMAGES[name]) for name in self.image_names]
+        began = time.monotonic()
+        done = imagelib.import_images(self.containerd_socket, built)
+        if done:
+            log.info("imported %s in %.1fs", ", ".join(done), time.monotonic() - began)
+
+    def load_images(self, names: Sequence[str]) -> None:
+        """Build (if needed) and import more images into the running node."""
+        built = [imagelib.ensure_built(imagelib.IMAGES[name]) for name in names]
+        imagelib.import_images(self.containerd_socket, built)
+
+    def _remove_pods(self) -> None:
+        """Stop and remove every pod sandbox through CRI (containerd is still
+        up): containers are killed, CNI DEL removes veths, IP allocations and
+        portmap rules, netns mounts go. Best effort: the sweep after it
+        handles what a broken containerd leaves."""
+        containerd = self.run_dir / "containerd.json"
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            if not processes.ProcessRecord.load(containerd).is_running():
+                return
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError, KeyError):
+            proc = self._crictl("rmp", "--all", "--force", timeout=120.0)
+            if proc.returncode != 0:
+                log.warning("crictl rmp: %s", proc.stderr.strip())
+
+    # ---- stop ---------------------------------------------------------------------
+
+    def _stop_locked(self) -> None:
+        try:
+            super()._stop_locked()
+        finally:
+            self._node_cleanup()
+
+    def _node_cleanup(self) -> None:
+        """Remove what the node's processes leave behind; safe to repeat and
+        after a crash. Raises if something could not be removed (the state dir
+        is then kept: removing it through a mount point could reach into
+        another filesystem)."""
+        problems: list[str] = []
+        pod_net: network.PodNetwork | None = None
+        with contextlib.suppress(ControlPlaneError):
+            pod_net = self.pod_network
+        killed = self._kill_leftover_processes()
+        if killed:
+            log.info("killed %d leftover container/shim processes", killed)
+        self._remove_shim_sockets()
+        for point in _mount_points_under(self.node_dir):
+            _umount(point)
+        if self.containerd_socket.parent != self.containerd_dir:
+            for point in _mount_points_under(self.containerd_socket.parent):
+                _umount(point)
+        for point in _mount_points_under(self.image_store_dir):
+            _umount(point)
+        left = _mount_points_under(self.node_dir) + _mount_points_under(self.image_store_dir)
+        if left:
+            problems.append(f"mounts left: {left}")
+        sandboxes = self._sandbox_ids()
+        if pod_net is not None:
+            _remove_cni_cache(pod_net, sandboxes)
+            with contextlib.suppress(network.NetworkError):
+                network.delete_bridge(pod_net)
+            if network.bridge_exists(pod_net.bridge):
+                problems.append(f"bridge {pod_net.bridge} is still there")
+            rules = network.remove_iptables_rules(pod_net)
+            if rules:
+                log.info("removed %d iptables rules left by a crashed run", len(rules))
+            remaining = network.rules_of(pod_net)
+            if remaining:
+                problems.append(f"iptables rules left: {remaining}")
+        problems += _remove_cgroup_root(self.cgroup_root)
+        _remove_container_log_links(self.pod_logs_dir)
+        _restore_kernel_tunables(exclude=self.state_dir)
+        if not problems:
+            shutil.rmtree(self.node_dir, ignore_errors=True)
+            if sandboxes:
+                # Pods were not torn down through CRI (a crash): containerd
+                # would try to recover them on the next start. Images go too.
+                shutil.rmtree(self.image_store_dir, ignore_errors=True)
+            if self.containerd_socket.parent != self.containerd_dir:
+                shutil.rmtree(self.containerd_socket.parent, ignore_errors=True)
+        if problems:
+            raise ControlPlaneError("node cleanup incomplete: " + "; ".join(problems))
+
+    def _sandbox_ids(self) -> list[str]:
+        sandboxes = self.image_store_dir / "io.containerd.grpc.v1.cri" / "sandboxes"
+        with contextlib.suppress(FileNotFoundError):
+            return [entry.name for entry in sandboxes.iterdir()]
+        return []
+
+    def _kill_leftover_processes(self) -> int:
+        """SIGKILL containerd shims of this cluster (their command line names
+        our socket) and every process in our pod cgroups; wait until gone."""
+        socket = str(self.containerd_socket).encode()
+        victims: set[int] = set()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                cmdline = (entry / "cmdline").read_bytes()
+                if b"containerd-shim" in cmdline and socket in cmdline:
+                    victims.add(int(entry.name))
+        for hierarchy in _cgroup_hierarchies():
+            base = hierarchy / self.cgroup_root.lstrip("/")
+            if not base.is_dir():
+                continue
+            for procs in base.rglob("cgroup.procs"):
+                with contextlib.suppress(OSError, ValueError):
+                    victims.update(int(pid) for pid in procs.read_text().split())
+        victims.discard(os.getpid())
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            alive = [
+                pid
+                for pid in victims
+                if processes.process_start_ticks(pid) is not None and not processes.is_zombie(pid)
+            ]
+            if not alive:
+                break
+            time.sleep(0.05)
+        return len(victims)
+
+    def _remove_shim_sockets(self) -> None:
+        """A killed shim leaves its socket in /run/containerd/s/; each task's
+        bundle dir says which one is its."""
+        tasks = self.containerd_dir / "state" / "io.containerd.runtime.v2.task"
+        if not tasks.is_dir():
+            return
+        for address in tasks.glob("*/*/address"):
+            with contextlib.suppress(OSError):
+                target = address.read_text().strip().removeprefix("unix://")
+                if target.startswith("/run/containerd/s/"):
+                    Path(target).unlink(missing_ok=True)
+
+    def _create_cgroup_root(self) -> None:
+        """The kubelet requires its cgroupRoot to exist in every hierarchy."""
+        for hierarchy in _cgroup_hierarchies():
+            path = hierarchy / self.cgroup_root.lstrip("/")
+            path.mkdir(exist_ok=True)
+            if hierarchy.name == "cpuset":
+                # A new cpuset cgroup starts with no CPUs and memory nodes:
+                # nothing could run in it.
+                for knob in ("cpuset.cpus", "cpuset.mems"):
+                    if not (path / knob).read_text().strip():
+                        (path / knob).write_text((hierarchy / knob).read_text())
+
+
+# ---- helpers (module level: also used on clusters found on disk) ----------------------
+
+
+def _http_ok(port: int, path: str) -> bool:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status == 200 and response.read().strip() == b"ok"
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+
+
+def _api(
+    host: str,
+    port: int,
+    context: ssl.SSLContext,
+    method: str,
+    path: str,
+    body: object | None = None,
+    content_type: str = "application/json",
+) -> tuple[int, object]:
+    connection = http.client.HTTPSConnection(host, port, timeout=5.0, context=context)
+    try:
+        payload = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": content_type} if payload is not None else {}
+        connection.request(method, path, body=payload, headers=headers)
+        response = connection.getresponse()
+        data = response.read()
+        try:
+            return response.status, json.loads(data)
+        except ValueError:
+            return response.status, data.decode(errors="replace")
+    finally:
+        connection.close()
+
+
+def _node_ready(host: str, port: int, context: ssl.SSLContext, node: str) -> bool:
+    try:
+        status, body = _api(host, port, context, "GET", f"/api/v1/nodes/{node}")
+    except (OSError, http.client.HTTPException):
+        return False
+    if status != 200 or not isinstance(body, dict):
+        return False
+    conditions = body.get("status", {}).get("conditions", [])
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _set_pod_cidr(host: str, port: int, context: ssl.SSLContext, node: str, cidr: str) -> None:
+    """Record the node's pod subnet on the Node (spec.podCIDR(s)), as a
+    controller-manager with --allocate-node-cidrs would: tools that read it
+    (network policy enforcers, `kubectl describe node`) see the truth. The
+    CNI config has the subnet already; the kubelet does not need this."""
+    status, body = _api(host, port, context, "GET", f"/api/v1/nodes/{node}")
+    if status == 200 and isinstance(body, dict) and body.get("spec", {}).get("podCIDR") == cidr:
+        return
+    status, body = _api(
+        host,
+        port,
+        context,
+        "PATCH",
+        f"/api/v1/nodes/{node}",
+        {"spec": {"podCIDR": cidr, "podCIDRs": [cidr]}},
+        content_type="application/strategic-merge-patch+json",
+    )
+    if status != 200:
+        raise ControlPlaneError(f"could not set podCIDR of node {node}: {status} {body}")
+
+
+def _cgroup_hierarchies() -> list[Path]:
+    """Mounted cgroup v1 hierarchies (cpu, memory, ..., name=systemd)."""
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 2 and fields[2] == "cgroup":
+                found.append(Path(fields[1]))
+    return found
+
+
+def _remove_cgroup_root(cgroup_root: str) -> list[str]:
+    """rmdir the cluster's cgroup tree, deepest first (cgroups are removed
+    with rmdir, only once empty of processes)."""
+    problems = []
+    for hierarchy in _cgroup_hierarchies():
+        base = hierarchy / cgroup_root.lstrip("/")
+        if not base.is_dir():
+            continue
+        directories = [p for p in base.rglob("*") if p.is_dir()]
+        for directory in [*sorted(directories, key=lambda p: len(p.parts), reverse=True), base]:
+            for attempt in range(20):
+                try:
+                    directory.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    # EBUSY right after the last process died: it is still exiting.
+                    if attempt == 19:
+                        problems.append(f"cgroup {directory} not removable")
+                    time.sleep(0.05)
+    return problems
+
+
+def _mount_points_under(root: Path) -> list[Path]:
+    """Mount points at or below `root`, deepest first (from /proc/self/mountinfo)."""
+    prefix = str(root)
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 4:
+                # Octal escapes (\040 for a space) in mount points.
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+                if point == prefix or point.startswith(prefix + "/"):
+                    found.append(Path(point))
+    return sorted(set(found), key=lambda p: len(p.parts), reverse=True)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _umount(point: Path) -> None:
+    """Lazy unmount (MNT_DETACH): a mount still busy is detached now and
+    released once its last user is gone; either way it is off our tree."""
+    for _ in range(5):  # stacked mounts on one point come off one at a time
+        if _libc.umount2(str(point).encode(), _MNT_DETACH) != 0:
+            return
+
+
+def _remove_cni_cache(pod_net: network.PodNetwork, sandbox_ids: Sequence[str]) -> None:
+    """libcni caches each attachment's result in /var/lib/cni/results (its
+    default, containerd 1.6 has no setting for it); CNI DEL removes the file,
+    a crash leaves it."""
+    results = Path("/var/lib/cni/results")
+    if not results.is_dir():
+        return
+    for entry in results.iterdir():
+        name = entry.name
+        if name.startswith(f"{pod_net.name}-") or any(f"-{sid}-" in name for sid in sandbox_ids):
+            entry.unlink(missing_ok=True)
+
+
+def _remove_container_log_links(pod_logs_dir: Path) -> None:
+    """The kubelet keeps symlinks in /var/log/containers (a fixed path) to the
+    container logs; those into our pod log dir go with the cluster."""
+    legacy = Path("/var/log/containers")
+    if not legacy.is_dir():
+        return
+    for link in legacy.iterdir():
+        with contextlib.suppress(OSError):
+            if link.is_symlink() and os.readlink(link).startswith(str(pod_logs_dir)):
+                link.unlink()
+
+
+def _kernel_tunables_record() -> Path:
+    return clusters_root() / ".kernel-tunables.json"
+
+
+def _record_kernel_tunables() -> None:
+    """Remember the kernel settings the kubelet will change, once: while any
+    node cluster runs, the values on the machine are the kubelet's."""
+    record = _kernel_tunables_record()
+    if record.exists():
+        return
+    values = {}
+    for key in KUBELET_SYSCTLS:
+        with contextlib.suppress(OSError):
+            values[key] = (Path("/proc/sys") / key).read_text().strip()
+    record.write_text(json.dumps(values, indent=2) + "\n")
+
+
+def _other_kubelets_running(exclude: Path) -> bool:
+    root = clusters_root()
+    for record in root.glob("*/run/kubelet.json"):
+        if record.parent.parent == exclude:
+            continue
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            if processes.ProcessRecord.load(record).is_running():
+                return True
+    return False
+
+
+def _restore_kernel_tunables(*, exclude: Path) -> None:
+    """Put back the kernel settings of before the first node cluster, once no
+    other node cluster's kubelet runs."""
+    record = _kernel_tunables_record()
+    if not record.exists() or _other_kubelets_running(exclude):
+        return
+    with contextlib.suppress(OSError, ValueError):
+        for key, value in json.loads(record.read_text()).items():
+            with contextlib.suppress(OSError):
+                (Path("/proc/sys") / key).write_text(str(value))
+    record.unlink(missing_ok=True)
