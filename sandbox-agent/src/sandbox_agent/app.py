@@ -342,10 +342,10 @@ def _prepare(
         if not k or "=" in k or "\0" in k or "\0" in v:
             raise bad_request("invalid_request", f"invalid environment variable name {k[:100]!r}")
     cwd = st.workspace.clean(req.cwd)
-    real = st.workspace.resolve(cwd)
     replay = req.idempotency_key is not None and req.idempotency_key in st.executions.by_key
     # A replay must find its execution even if the command removed its cwd.
-    if not replay and not os.path.isdir(real):
+    # The root needs no check (the hot path: most commands run there).
+    if cwd != "." and not replay and not os.path.isdir(st.workspace.resolve(cwd)):
         raise ApiError(400, "invalid_cwd", f"cwd {req.cwd!r} is not a directory in the workspace")
     if req.stdin is not None and req.stdin_base64 is not None:
         raise bad_request("invalid_request", "give at most one of 'stdin' and 'stdinBase64'")

@@ -14,7 +14,6 @@ import codecs
 import contextlib
 import functools
 import hashlib
-import json
 import logging
 import os
 import signal as _signal
@@ -591,11 +590,10 @@ class ExecutionManager:
         self.journal.rewrite(entries)
 
     def fingerprint(self, req: models.ExecRequest, argv: list[str], timeout: float) -> str:
-        blob = json.dumps(
-            [argv, req.cwd, sorted(req.env.items()), req.stdin, req.stdin_base64, timeout],
-            separators=(",", ":"),
+        blob = msgspec.json.encode(
+            [argv, req.cwd, sorted(req.env.items()), req.stdin, req.stdin_base64, timeout]
         )
-        return hashlib.sha256(blob.encode()).hexdigest()
+        return hashlib.sha256(blob).hexdigest()
 
     def submit(
         self, req: models.ExecRequest, argv: list[str], cwd_rel: str, stdin: bytes | None

@@ -19,9 +19,12 @@ import logging
 import os
 from typing import Any
 
+import msgspec
+
 log = logging.getLogger("sandbox_agent.journal")
 
 NAME = "executions.journal"
+_encode = msgspec.json.Encoder().encode  # hot path: two lines per execution
 
 
 class Journal:
@@ -63,7 +66,7 @@ class Journal:
     def append(self, op: str, data: dict[str, Any]) -> None:
         if self.fd < 0:
             return
-        line = json.dumps({"op": op, **data}, separators=(",", ":")).encode() + b"\n"
+        line = _encode({"op": op, **data}) + b"\n"
         try:
             os.write(self.fd, line)
             self.lines += 1
@@ -78,7 +81,7 @@ class Journal:
         try:
             with open(tmp, "wb") as f:
                 for op, data in entries:
-                    f.write(json.dumps({"op": op, **data}, separators=(",", ":")).encode() + b"\n")
+                    f.write(_encode({"op": op, **data}) + b"\n")
             os.replace(tmp, self.path)
         except OSError as exc:
             log.warning("journal compaction failed: %s", exc)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 from typing import Any, Protocol
@@ -25,6 +24,7 @@ log = logging.getLogger("sandbox_agent.runner")
 HELLO_TIMEOUT = 3.0
 RECONNECT_DELAY = 0.1
 _decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
 
 
 class ProtocolViolation(Exception):
@@ -262,7 +262,7 @@ class RunnerClient:
                     loop.create_unix_connection(lambda: _Wire(self), self.socket_path),
                     HELLO_TIMEOUT,
                 )
-                proto.send(wire.T_HELLO, 0, json.dumps({"protocol": wire.PROTOCOL}).encode())
+                proto.send(wire.T_HELLO, 0, _encode({"protocol": wire.PROTOCOL}))
                 info = await asyncio.wait_for(asyncio.shield(proto.hello), HELLO_TIMEOUT)
             except (OSError, TimeoutError, ConnectionError) as exc:
                 self.last_error = self._describe(exc)
@@ -312,7 +312,7 @@ class RunnerClient:
             raise ConnectionError(self.last_error)
         chan = w.next_channel
         w.next_channel = (chan + 1) & 0xFFFFFFFF or 1
-        payload = json.dumps({"argv": argv, "env": env, "cwd": cwd, "stdin": stdin}).encode()
+        payload = _encode({"argv": argv, "env": env, "cwd": cwd, "stdin": stdin})
         if len(payload) > wire.MAX_PAYLOAD:
             raise ValueError("command, arguments and environment exceed 1 MiB")
         w.channels[chan] = ch
@@ -337,7 +337,7 @@ class RunnerClient:
 
     def signal(self, chan: int, sig: int) -> None:
         if self.wire is not None:
-            self.wire.send(wire.T_SIGNAL, chan, json.dumps({"signal": sig}).encode())
+            self.wire.send(wire.T_SIGNAL, chan, _encode({"signal": sig}))
 
     async def ping(self, wait: float = 1.0) -> bool:
         w = self.wire
