@@ -293,3 +293,24 @@ def test_abandoned_tar_download_stops_its_producer(fresh: Callable[..., Sandbox]
             next(r.iter_bytes())  # read a little, then hang up
     wait_until(lambda: len(os.listdir(fds)) <= baseline, 10)
     assert sb.anon.get("/healthz").status_code == 200
+
+
+def test_finished_tails_are_bounded_in_memory(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(
+        env={
+            "SANDBOX_AGENT_LOG_MEMORY_BYTES": "1000",  # logs spill: tails become buffers
+            "SANDBOX_AGENT_CAPTURE_MEMORY_TOTAL_BYTES": "50000",
+        }
+    )
+    exs = [sb.sh(f"head -c 20000 /dev/zero | tr '\\0' {c}") for c in "abc"]
+    assert all(e["stdout"] == c * 20000 for e, c in zip(exs, "abc", strict=True))
+    oldest = sb.client.get(f"/v1/executions/{exs[0]['id']}").json()
+    assert oldest["stdout"] == "" and oldest["stdoutTruncated"] is True
+    assert oldest["stdoutBytes"] == 20000 and oldest["exitCode"] == 0
+    newest = sb.client.get(f"/v1/executions/{exs[2]['id']}").json()
+    assert newest["stdout"] == "c" * 20000
+    # the full output of the oldest is still on disk, readable by cursor
+    page = sb.client.get(
+        f"/v1/executions/{exs[0]['id']}/output", params={"maxBytes": 1 << 20}
+    ).json()
+    assert "".join(c["data"] for c in page["chunks"]) == "a" * 20000

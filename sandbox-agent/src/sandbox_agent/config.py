@@ -33,6 +33,7 @@ class Settings:
     max_log_dir_bytes: int = 1024 * MiB  # all logs; oldest finished pruned
     log_memory_bytes: int = 2 * MiB  # an execution's log stays in memory up to this
     log_memory_total_bytes: int = 64 * MiB  # all in-memory logs; oldest spill to disk
+    capture_memory_total_bytes: int = 256 * MiB  # tails kept by finished records
     max_records: int = 1000  # finished executions remembered (idempotency window)
     kill_grace: float = 5.0  # wait for the runner to confirm a kill before "lost"
     # request limits
@@ -71,6 +72,7 @@ _ENV = {
     "max_log_dir_bytes": "SANDBOX_AGENT_MAX_LOG_DIR_BYTES",
     "log_memory_bytes": "SANDBOX_AGENT_LOG_MEMORY_BYTES",
     "log_memory_total_bytes": "SANDBOX_AGENT_LOG_MEMORY_TOTAL_BYTES",
+    "capture_memory_total_bytes": "SANDBOX_AGENT_CAPTURE_MEMORY_TOTAL_BYTES",
     "max_records": "SANDBOX_AGENT_MAX_RECORDS",
     "kill_grace": "SANDBOX_AGENT_KILL_GRACE",
     "max_body_bytes": "SANDBOX_AGENT_MAX_BODY_BYTES",

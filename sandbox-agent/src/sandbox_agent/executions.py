@@ -154,11 +154,13 @@ class Execution:
         if self.capture is not None:
             cap = self.mgr.settings.max_capture_bytes
             buf = self.capture[stream]
+            before = len(buf)
             buf += data
             # Trim lazily (at twice the cap) so a flood costs O(n), not O(n^2).
             if len(buf) > 2 * cap or (len(buf) > cap and n >= cap):
                 del buf[: len(buf) - cap]
                 self.truncated[stream] = True
+            self.mgr.capture_bytes += len(buf) - before
         self._notify()
 
     def _tails_from_log(self) -> dict[int, memoryview | bytes]:
@@ -190,6 +192,7 @@ class Execution:
         """Switch to separate tail buffers (before the in-memory log goes away)."""
         if self.capture is None:
             self.capture = {k: bytearray(v) for k, v in self._tails_from_log().items()}
+            self.mgr.capture_bytes += sum(len(b) for b in self.capture.values())
             cap = self.mgr.settings.max_capture_bytes
             for stream in (STREAM_OUT, STREAM_ERR):
                 self.truncated[stream] = self.totals[stream] > cap
@@ -555,6 +558,7 @@ class ExecutionManager:
         self.log_bytes = 0
         self.mem_log_bytes = 0
         self.spilling_bytes = 0
+        self.capture_bytes = 0  # separate tail buffers (records whose log spilled)
         self.journal = Journal(settings.log_dir, settings.max_records)
 
     def restore(self) -> int:
@@ -666,6 +670,7 @@ class ExecutionManager:
         self.on_activity()
         self._prune_records()
         self._spill_memory_logs()
+        self._trim_captures()
         if self.journal.needs_compaction():
             self._compact()
 
@@ -677,6 +682,7 @@ class ExecutionManager:
     def _drop(self, ex: Execution) -> None:
         if self.records.pop(ex.id, None) is not None:
             self.journal.append("del", {"id": ex.id})
+        self._release_capture(ex)
         if ex.key is not None and self.by_key.get(ex.key) is ex:
             del self.by_key[ex.key]
         self._drop_log(ex)
@@ -692,6 +698,28 @@ class ExecutionManager:
                     os.unlink(ex.log_path)
             self.log_bytes -= ex.log_size
             ex.log_pruned = True
+
+    def _release_capture(self, ex: Execution) -> None:
+        if ex.capture is not None:
+            self.capture_bytes -= sum(len(b) for b in ex.capture.values())
+            ex.capture = {STREAM_OUT: bytearray(), STREAM_ERR: bytearray()}
+
+    def _trim_captures(self) -> None:
+        """Bound the tails that finished records keep in memory (oldest go first).
+
+        A record whose tails were dropped still reports its status, exit code
+        and byte counts; stdout/stderr come back empty and marked truncated,
+        and the full output stays readable by cursor while its log exists.
+        """
+        budget = self.settings.capture_memory_total_bytes
+        if self.capture_bytes <= budget:
+            return
+        for ex in list(self.records.values()):  # oldest first
+            if self.capture_bytes <= budget:
+                break
+            if ex.finished is not None and ex.capture and any(ex.capture.values()):
+                self._release_capture(ex)
+                ex.truncated = {STREAM_OUT: True, STREAM_ERR: True}
 
     def _spill_memory_logs(self) -> None:
         """Keep finished in-memory logs together under their budget.
@@ -729,6 +757,7 @@ class ExecutionManager:
         ex._materialize_capture()
         self.mem_log_bytes -= len(ex.mem_log)
         ex.mem_log = None
+        self._trim_captures()
 
     def _prune_records(self) -> None:
         excess = len(self.records) - self.active - self.settings.max_records
