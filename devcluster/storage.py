@@ -288,9 +288,15 @@ class StorageLayout:
         return self.root / "pki"
 
 
-def registration_socket(kubelet_root_dir: Path, driver_name: str = DRIVER_NAME) -> Path:
+REGISTRATION_SOCKET_NAME = "hostpath-reg.sock"
+"""Shorter than upstream's `<driver name>-reg.sock` (the kubelet takes any
+name): the kubelet root dir of a node cluster is deep in the state dir, and
+the whole path must fit the 107 bytes of a unix socket path."""
+
+
+def registration_socket(kubelet_root_dir: Path) -> Path:
     """The registrar's socket, which the kubelet's plugin watcher picks up."""
-    return kubelet_root_dir / "plugins_registry" / f"{driver_name}-reg.sock"
+    return kubelet_root_dir / "plugins_registry" / REGISTRATION_SOCKET_NAME
 
 
 @dataclass(frozen=True)
@@ -545,7 +551,10 @@ def storage_components(
     if kubelet_root_dir is not None:
         registration = registration_socket(kubelet_root_dir)
         if len(str(registration)) > _MAX_SOCKET_PATH:
-            raise StorageError(f"registration socket path {registration} is too long")
+            raise StorageError(
+                f"registration socket path {registration} is longer than a unix socket "
+                "path may be; use a shorter cluster name, state dir or SANDBOX_CACHE_DIR"
+            )
 
         def remove_registration() -> None:
             registration.unlink(missing_ok=True)
@@ -559,6 +568,7 @@ def storage_components(
                     f"--csi-address={csi_address}",
                     f"--kubelet-registration-path={csi_address}",
                     f"--plugin-registration-dir={registration.parent}",
+                    f"--socket-name={registration.name}",
                     f"--status-file={layout.registrar_status}",
                 ],
                 # Serving the registration socket; the kubelet's confirmation

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from devcluster import build, processes, storage
+from devcluster.cluster import LocalCluster
 from devcluster.controlplane import ControlPlaneError
 from devcluster.storage import StorageControlPlane
 from tests.kube import ApiError, KubeJSON, api_path, core_path
@@ -420,3 +421,155 @@ def test_driver_passes_csi_sanity(tmp_path: Path) -> None:
     # Nothing the suite published is left mounted.
     mounts = Path("/proc/self/mountinfo").read_text()
     assert str(tmp_path) not in mounts
+
+
+NODE_IMAGE = "sandbox-runtime-nopython:dev"  # /bin/sh, UID 1000
+
+
+def run_to_completion(kube: KubeJSON, namespace: str, name: str, timeout: float = WAIT) -> str:
+    """Wait for a pod to finish; its phase."""
+    path = core_path("pods", namespace, name)
+    phase = ""
+
+    def finished() -> bool:
+        nonlocal phase
+        phase = (kube.read(path).get("status") or {}).get("phase", "")
+        return phase in ("Succeeded", "Failed")
+
+    wait_for(finished, f"pod {name} to finish", timeout)
+    return phase
+
+
+def csi_mounts(under: Path) -> list[str]:
+    return [
+        line.split()[4]
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if line.split()[4].startswith(str(under)) and "kubernetes.io~csi" in line
+    ]
+
+
+@pytest.mark.e2e
+def test_pod_mounts_volume_and_snapshot_restores_into_pod() -> None:
+    """On a real node (LocalCluster + StorageAddon): the registrar registers
+    the driver with the kubelet, a pod of a non-root user writes to a
+    provisioned volume (fsGroup applied), a snapshot of it restores into a
+    second pod (read-only mount), unmounts follow pod deletion, and stop
+    leaves no mount or state behind."""
+    cluster = LocalCluster(
+        f"s{os.getpid()}",
+        images=[NODE_IMAGE],
+        addons=[storage.StorageAddon()],
+        die_with_parent=True,
+    )
+    try:
+        cluster.start()
+    except ControlPlaneError as error:
+        pytest.fail(f"node cluster with storage did not start: {error}", pytrace=False)
+    try:
+        with KubeJSON(cluster.kubeconfig) as kube:
+            csinode = api_path("storage.k8s.io/v1", "csinodes", None, cluster.node_name)
+
+            def registered() -> bool:
+                drivers = ((kube.get(csinode) or {}).get("spec") or {}).get("drivers") or []
+                return any(driver.get("name") == storage.DRIVER_NAME for driver in drivers)
+
+            wait_for(registered, "the kubelet to register the driver (CSINode)")
+            assert storage.StorageLayout.of(cluster).registration_confirmed()
+
+            kube.create(core_path("persistentvolumeclaims", "default"), pvc_body("data", "1Gi"))
+            kube.create(
+                core_path("pods", "default"),
+                pod_body(
+                    "writer",
+                    "data",
+                    "echo written-in-pod > /data/hello.txt && stat -c %g /data && sleep 600",
+                    fs_group=2000,
+                ),
+            )
+            path = core_path("pods", "default", "writer")
+            wait_for(
+                lambda: (kube.read(path).get("status") or {}).get("phase") == "Running",
+                "the writer pod to run",
+            )
+            pv_name = kube.read(core_path("persistentvolumeclaims", "default", "data"))["spec"][
+                "volumeName"
+            ]
+            pv = kube.read(core_path("persistentvolumes", None, pv_name))
+            handle: str = pv["spec"]["csi"]["volumeHandle"]
+            volume = storage.StorageLayout.of(cluster).data_dir / "volumes" / handle
+            wait_for(lambda: (volume / "hello.txt").exists(), "the pod's write in the volume")
+            assert (volume / "hello.txt").read_text() == "written-in-pod\n"
+            assert volume.stat().st_gid == 2000  # fsGroupPolicy: File
+            assert len(csi_mounts(cluster.state_dir)) == 1
+
+            kube.create(
+                api_path(SNAPSHOTS, "volumesnapshots", "default"), snapshot_body("snap", "data")
+            )
+            snapshot = api_path(SNAPSHOTS, "volumesnapshots", "default", "snap")
+            wait_for(
+                lambda: (kube.read(snapshot).get("status") or {}).get("readyToUse") is True,
+                "the snapshot to be ready",
+            )
+            source = {
+                "apiGroup": "snapshot.storage.k8s.io",
+                "kind": "VolumeSnapshot",
+                "name": "snap",
+            }
+            kube.create(
+                core_path("persistentvolumeclaims", "default"), pvc_body("restored", "1Gi", source)
+            )
+            kube.create(
+                core_path("pods", "default"),
+                pod_body("reader", "restored", "cat /data/hello.txt", read_only=True),
+            )
+            assert run_to_completion(kube, "default", "reader") == "Succeeded"
+            logs = subprocess.run(
+                cluster.kubectl_command("logs", "reader"),
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
+            assert logs.stdout == "written-in-pod\n"
+
+            for pod in ("writer", "reader"):
+                kube.delete(core_path("pods", "default", pod) + "?gracePeriodSeconds=0")
+            for pod in ("writer", "reader"):
+                wait_for(gone(kube, core_path("pods", "default", pod)), f"pod {pod} to be deleted")
+            wait_for(lambda: not csi_mounts(cluster.state_dir), "the kubelet to unpublish")
+    finally:
+        cluster.stop(remove_state=True)
+    assert not cluster.state_dir.exists()
+    assert not [
+        line
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if str(cluster.state_dir) in line
+    ]
+
+
+def pod_body(
+    name: str, claim: str, script: str, *, fs_group: int | None = None, read_only: bool = False
+) -> dict[str, Any]:
+    security: dict[str, Any] = {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True}
+    if fs_group is not None:
+        security["fsGroup"] = fs_group
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "restartPolicy": "Never",
+            "securityContext": security,
+            "terminationGracePeriodSeconds": 0,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": NODE_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["/bin/sh", "-c", script],
+                    "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": read_only}],
+                }
+            ],
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}],
+        },
+    }

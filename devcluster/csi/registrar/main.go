@@ -90,6 +90,7 @@ func main() {
 	kubeletPath := flag.String("kubelet-registration-path", "", "the driver's CSI socket, as the kubelet reaches it (default: --csi-address)")
 	registrationDir := flag.String("plugin-registration-dir", "/var/lib/kubelet/plugins_registry", "the kubelet's plugin registration directory")
 	statusFile := flag.String("status-file", "", "file written once the kubelet confirmed the registration")
+	socketName := flag.String("socket-name", "", "name of the registration socket (default: <driver name>-reg.sock); the kubelet accepts any name, and a short one keeps a deep kubelet root dir within the 107 bytes of a unix socket path")
 	showVersion := flag.Bool("version", false, "print the version and exit")
 	flag.Parse()
 	if *showVersion {
@@ -113,7 +114,10 @@ func main() {
 	if err := os.MkdirAll(*registrationDir, 0o750); err != nil {
 		log.Fatal(err)
 	}
-	socket := filepath.Join(*registrationDir, name+"-reg.sock")
+	if *socketName == "" {
+		*socketName = name + "-reg.sock"
+	}
+	socket := filepath.Join(*registrationDir, *socketName)
 	if err := os.Remove(socket); err != nil && !os.IsNotExist(err) {
 		log.Fatal(err)
 	}
