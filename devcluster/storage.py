@@ -15,10 +15,9 @@ upstream sidecars, all as host processes.
   snapshot-controller, csi-snapshotter.
 - `install_storage_objects(kubeconfig)` applies the CRDs, the CSIDriver, the
   default StorageClass and VolumeSnapshotClass and the sidecars' RBAC. The
-  provisioner component runs it (through `python -m devcluster.storage
-  prestart`, which then execs the provisioner) so the objects exist before
-  any sidecar needs them: snapshot-controller exits if the CRDs do not appear
-  within 30 s of its start.
+  driver component runs it as its post-start hook (once the driver serves,
+  before the first sidecar starts): the sidecars need their RBAC, and
+  snapshot-controller exits if the CRDs do not appear within 30 s.
 - `StorageAddon`: the same as an addon of `devcluster.cluster.LocalCluster`
   (`LocalCluster(addons=[StorageAddon()])`): node name and kubelet root dir
   come from the cluster.
@@ -45,7 +44,6 @@ import random
 import shutil
 import socket
 import subprocess
-import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,7 +56,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from devcluster import build, pki, processes, versions
-from devcluster.controlplane import Component, ControlPlane, Ports
+from devcluster.controlplane import Component, ControlPlane, ControlPlaneError, Ports
 
 DRIVER_NAME = "hostpath.csi.k8s.io"
 """The upstream hostpath driver's name, so manifests written for it work here."""
@@ -98,7 +96,7 @@ _CRD_FILES = (
 )
 
 
-class StorageError(RuntimeError):
+class StorageError(ControlPlaneError):
     """Building, configuring or installing the storage stack failed; says why."""
 
 
@@ -506,8 +504,8 @@ def storage_components(
     with and volumes cannot be mounted, but provisioning and snapshots work.
     `snapshots=False` runs a driver without snapshot capability and neither
     snapshot sidecar, and installs no VolumeSnapshot CRDs (the "no snapshot
-    support" cluster). `install_objects` makes the provisioner's process
-    apply `install_storage_objects` before it execs the provisioner.
+    support" cluster). `install_objects`: the driver's post-start hook
+    applies `install_storage_objects` with the cluster's admin kubeconfig.
 
     Writes the sidecars' client certificates and kubeconfigs (idempotent).
     """
@@ -544,6 +542,11 @@ def storage_components(
             ],
             ready=lambda: unix_socket_accepts(layout.socket),
             ready_timeout=30.0,
+            post_start=(
+                (lambda: install_storage_objects(cluster.kubeconfig, snapshots=snapshots))
+                if install_objects
+                else None
+            ),
             # Started first, stopped last: by then no sidecar uses the data.
             cleanup=lambda: remove_storage_state(layout),
         )
@@ -590,18 +593,6 @@ def storage_components(
         "--extra-create-metadata",
         "--v=2",
     ]
-    if install_objects:
-        provisioner_argv = [
-            sys.executable,
-            "-m",
-            "devcluster.storage",
-            "prestart",
-            f"--kubeconfig={cluster.kubeconfig}",
-            f"--kubectl={build.kubernetes_paths()['kubectl']}",
-            f"--snapshots={'true' if snapshots else 'false'}",
-            "--",
-            *provisioner_argv,
-        ]
     components.append(
         Component(
             name=PROVISIONER,
@@ -610,7 +601,6 @@ def storage_components(
             # the driver and learnt its name.
             ready=lambda: http_ok(sidecar_ports.provisioner),
             ready_timeout=120.0,
-            env={"PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
         )
     )
     if snapshots:
@@ -893,35 +883,19 @@ class StorageControlPlane(ControlPlane):
 # ---- command line ------------------------------------------------------------------------
 
 
-def _prestart(args: argparse.Namespace) -> None:
-    """Install the cluster objects, then become the given command (exec: same
-    PID, so the component's PID record and process group stay valid)."""
-    command: list[str] = [arg for arg in args.command if arg != "--"]
-    if not command:
-        raise SystemExit("prestart: no command to exec after --")
-    try:
-        install_storage_objects(
-            Path(args.kubeconfig), kubectl=Path(args.kubectl), snapshots=args.snapshots == "true"
-        )
-    except StorageError as error:
-        print(f"devcluster.storage prestart: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from error
-    print("devcluster.storage prestart: cluster objects installed", file=sys.stderr, flush=True)
-    os.execv(command[0], command)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m devcluster.storage")
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser("build", help="build (or reuse) the storage binaries and print their paths")
-    pre = sub.add_parser("prestart", help="internal: install objects, then exec a command")
-    pre.add_argument("--kubeconfig", required=True)
-    pre.add_argument("--kubectl", required=True)
-    pre.add_argument("--snapshots", choices=("true", "false"), default="true")
-    pre.add_argument("command", nargs=argparse.REMAINDER)
+    install = sub.add_parser(
+        "install", help="apply the storage objects (CRDs, classes, RBAC) to a cluster"
+    )
+    install.add_argument("--kubeconfig", required=True, type=Path, help="an admin kubeconfig")
+    install.add_argument("--no-snapshots", action="store_true", help="no CRDs, no snapshot class")
     args = parser.parse_args(argv)
-    if args.action == "prestart":
-        _prestart(args)
+    if args.action == "install":
+        storage_binaries()  # the manifests come with the build
+        install_storage_objects(args.kubeconfig, snapshots=not args.no_snapshots)
     else:
         for name, path in storage_binaries().items():
             print(f"{name}\t{path}")
