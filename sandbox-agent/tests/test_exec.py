@@ -442,3 +442,15 @@ def test_resource_usage_reported(sandbox: Sandbox) -> None:
     ex = sandbox.sh("i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done")
     assert ex["userCpuSeconds"] is not None and ex["userCpuSeconds"] > 0
     assert ex["maxRssKib"] > 0
+
+
+def test_stdin_closed_by_the_command_is_reported(sandbox: Sandbox) -> None:
+    ex = sandbox.run(expect=202, command="exec 0<&-; sleep 2", stdinOpen=True, background=True)
+    wait_until(lambda: sandbox.client.get(f"/v1/executions/{ex['id']}").json()["pid"])
+    time.sleep(0.3)
+    # the first write hits EPIPE in the runner, which tells the agent
+    sandbox.client.post(f"/v1/executions/{ex['id']}/stdin", json={"data": "x" * 100})
+    wait_until(lambda: not sandbox.client.get(f"/v1/executions/{ex['id']}").json()["stdinOpen"])
+    r = sandbox.client.post(f"/v1/executions/{ex['id']}/stdin", json={"data": "more"})
+    assert sandbox.error(r, 409) == "stdin_closed"
+    sandbox.client.post(f"/v1/executions/{ex['id']}/cancel")

@@ -307,3 +307,17 @@ def test_runner_runs_as_plain_file_with_explicit_socket(tmp_path: Path) -> None:
         proc.wait(5)
     assert proc.returncode == 0
     assert not sock_path.exists()
+
+
+def test_runner_bounds_unread_stdin(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(runner=False)
+    sb.start_runner(extra_env={"SANDBOX_RUNNER_STDIN_BUFFER_BYTES": "1000"})
+    ex = sb.run(expect=202, command="sleep 10", stdinOpen=True, background=True)
+    wait_until(lambda: sb.client.get(f"/v1/executions/{ex['id']}").json()["pid"])
+    for _ in range(4):  # more than the pipe holds plus the runner's buffer
+        sb.client.post(f"/v1/executions/{ex['id']}/stdin", json={"data": "x" * 65536})
+    wait_until(lambda: not sb.client.get(f"/v1/executions/{ex['id']}").json()["stdinOpen"])
+    r = sb.client.post(f"/v1/executions/{ex['id']}/stdin", json={"data": "x"})
+    assert sb.error(r, 409) == "stdin_closed"
+    assert sb.client.get(f"/v1/executions/{ex['id']}").json()["status"] == "running"
+    sb.client.post(f"/v1/executions/{ex['id']}/cancel")

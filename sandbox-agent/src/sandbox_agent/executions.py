@@ -213,6 +213,9 @@ class Execution:
         self.error = models.RunError(code="spawn_failed", message=message)
         self._finish("failed")
 
+    def on_stdin_closed(self) -> None:
+        self.stdin_open = False  # further writes get 409 stdin_closed
+
     def on_lost(self, code: str, message: str) -> None:
         self.error = models.RunError(code=code, message=message)
         self._finish("lost")

@@ -51,6 +51,9 @@ STDOUT_PIPE_SIZE = int(os.environ.get("SANDBOX_RUNNER_PIPE_BYTES", str(1 << 20))
 F_SETPIPE_SZ = 1031
 SOCKET_BUFFER = 4 << 20
 LINGER = float(os.environ.get("SANDBOX_RUNNER_LINGER_MS", "1")) / 1000.0
+# stdin a command does not read is buffered up to this; past it, its stdin
+# is closed (and the agent told) rather than letting the buffer grow.
+STDIN_BUFFER = int(os.environ.get("SANDBOX_RUNNER_STDIN_BUFFER_BYTES", str(64 << 20)))
 
 # agent -> runner
 T_HELLO = 1
@@ -67,6 +70,7 @@ T_STDERR = 68
 T_EXIT = 69
 T_SPAWN_FAILED = 70
 T_PONG = 71
+T_STDIN_CLOSED = 72  # the command's stdin is gone (EPIPE or buffer overflow)
 
 # Output keeps flowing after the leader exits while a background grandchild
 # holds the pipes; wait this long for EOF, then report the exit anyway
@@ -400,8 +404,11 @@ class Runner:
         elif ftype == T_STDIN:
             child = conn.children.get(channel)
             if child is not None and child.in_fd >= 0 and not child.stdin_close:
-                child.stdin_buf += payload
-                self._write_stdin(child)
+                if len(child.stdin_buf) + len(payload) > STDIN_BUFFER:
+                    self._stdin_gone(child)
+                else:
+                    child.stdin_buf += payload
+                    self._write_stdin(child)
         elif ftype == T_STDIN_CLOSE:
             child = conn.children.get(channel)
             if child is not None and child.in_fd >= 0:
@@ -497,9 +504,8 @@ class Runner:
                 break
             except OSError:
                 # EPIPE: the command closed its stdin; drop what is left.
-                child.stdin_buf.clear()
-                child.stdin_close = True
-                break
+                self._stdin_gone(child)
+                return
             del child.stdin_buf[:n]
         want_write = bool(child.stdin_buf)
         registered = fd in self.by_fd
@@ -512,6 +518,18 @@ class Runner:
         if not want_write and child.stdin_close:
             os.close(fd)
             child.in_fd = -1
+
+    def _stdin_gone(self, child: Child) -> None:
+        child.stdin_buf.clear()
+        child.stdin_close = True
+        fd = child.in_fd
+        if fd >= 0:
+            if self.by_fd.pop(fd, None) is not None:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.sel.unregister(fd)
+            os.close(fd)
+            child.in_fd = -1
+        self._send(child.conn, T_STDIN_CLOSED, child.channel, b"")
 
     # -- children ----------------------------------------------------------
 

@@ -39,6 +39,7 @@ class Channel(Protocol):
     def on_exit(self, exit_code: int | None, signal: int | None, usage: dict[str, Any]) -> None: ...
     def on_spawn_failed(self, message: str) -> None: ...
     def on_lost(self, code: str, message: str) -> None: ...
+    def on_stdin_closed(self) -> None: ...
 
 
 def _obj(payload: bytes | memoryview) -> dict[str, Any]:
@@ -205,6 +206,11 @@ class _Wire(asyncio.Protocol):
             message = _str(_obj(payload), "message", 1000)
             del self.channels[chan]
             ch.on_spawn_failed(message)
+        elif ftype == wire.T_STDIN_CLOSED:
+            ch = self.channels.get(chan)
+            if ch is None:
+                raise ProtocolViolation(f"stdin state for unknown channel {chan}")
+            ch.on_stdin_closed()
         elif ftype == wire.T_PONG:
             fut = self.pings.pop(bytes(payload), None)
             if fut is not None and not fut.done():
