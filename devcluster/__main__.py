@@ -1,8 +1,14 @@
-"""`python -m devcluster up|down|status|kubeconfig [--name NAME]`.
+"""`python -m devcluster up|down|status|kubeconfig [--name NAME] [--node]`.
 
 `up` leaves the cluster running after the command exits (each component is in
 its own session); `down` stops it and deletes its state. Both are safe to
 repeat: `up` on a healthy cluster does nothing, on a stale one restarts it.
+
+`--node`: the single-node cluster (`devcluster.cluster.LocalCluster`: also
+kube-scheduler, containerd, kubelet, pod network, local images), default
+name `local`; without it the control plane only, default name `dev`.
+`down`, `status` and `kubeconfig` find out from the cluster's state which
+kind it is, so `--node` only changes their default name there.
 """
 
 from __future__ import annotations
@@ -11,8 +17,9 @@ import argparse
 import logging
 import sys
 
-from devcluster import build
-from devcluster.controlplane import DEFAULT_NAME, ControlPlane, ControlPlaneError
+from devcluster import build, hostdeps, images
+from devcluster.cluster import DEFAULT_NODE_CLUSTER, LocalCluster
+from devcluster.controlplane import DEFAULT_NAME, ControlPlane, ControlPlaneError, open_cluster
 
 
 def _up(cluster: ControlPlane) -> int:
@@ -27,6 +34,18 @@ def _up(cluster: ControlPlane) -> int:
         print(
             f"cluster {cluster.name!r} is up at {cluster.server} "
             f"(started in {cluster.start_duration:.1f}s)",
+            file=sys.stderr,
+        )
+    if isinstance(cluster, LocalCluster):
+        # Images added since the cluster started (or rebuilt) go in without a restart.
+        cluster.load_images(cluster.image_names)
+        net = cluster.pod_network
+        env = " ".join(f"{key}={value}" for key, value in cluster.in_cluster_api_env().items())
+        print(
+            f"\nNode {cluster.node_name!r}: pods on {net.subnet} (bridge {net.bridge}, "
+            f"reachable from this machine), images: {', '.join(cluster.image_names)}.\n"
+            f"Pods use imagePullPolicy IfNotPresent or Never (no registry is reachable).\n"
+            f"In-cluster API clients (no kube-proxy) need: {env}",
             file=sys.stderr,
         )
     kubectl = cluster.kubectl
@@ -81,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m devcluster",
         description="A local Kubernetes control plane (etcd, kube-apiserver, "
-        "kube-controller-manager) on 127.0.0.1, for development and tests.",
+        "kube-controller-manager) on 127.0.0.1, or with --node a single-node cluster "
+        "(plus kube-scheduler, containerd, kubelet), for development and tests.",
     )
     parser.add_argument(
         "command",
@@ -89,7 +109,24 @@ def main(argv: list[str] | None = None) -> int:
         help="up: start (no-op if healthy); down: stop and delete state; "
         "status: exit 0 if healthy; kubeconfig: print the admin kubeconfig path",
     )
-    parser.add_argument("--name", default=DEFAULT_NAME, help="cluster name (default: %(default)s)")
+    parser.add_argument(
+        "--name",
+        default=None,
+        help=f"cluster name (default: {DEFAULT_NAME}, with --node {DEFAULT_NODE_CLUSTER})",
+    )
+    parser.add_argument(
+        "--node",
+        action="store_true",
+        help="up: a single-node cluster that runs pods (needs root; installs Debian "
+        "packages and builds images on first use)",
+    )
+    parser.add_argument(
+        "--images",
+        default=None,
+        metavar="NAMES",
+        help="up --node: comma-separated images to build and import "
+        f"(default: all of {', '.join(images.IMAGES)})",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -98,11 +135,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     # A cold build takes minutes: always say what is going on.
     logging.getLogger("devcluster.build").setLevel(logging.INFO)
-    cluster = ControlPlane(args.name)
+    logging.getLogger("devcluster.images").setLevel(logging.INFO)
+    name = args.name or (DEFAULT_NODE_CLUSTER if args.node else DEFAULT_NAME)
+    cluster: ControlPlane
+    if args.command == "up" and args.node:
+        wanted = args.images.split(",") if args.images else None
+        try:
+            cluster = LocalCluster(name, images=wanted)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    else:
+        # The kind the state says (a node cluster stays one), else a control plane.
+        cluster = open_cluster(name)
     commands = {"up": _up, "down": _down, "status": _status, "kubeconfig": _kubeconfig}
     try:
         return commands[args.command](cluster)
-    except ControlPlaneError as error:
+    except (ControlPlaneError, images.ImageError, hostdeps.HostDepsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except RuntimeError as error:  # a failed build says what failed in its message

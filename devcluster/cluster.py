@@ -399,7 +399,7 @@ class LocalCluster(ControlPlane):
                 ),
                 ports=[node_ports.kubelet, node_ports.kubelet_healthz],
                 ready_timeout=120.0,
-                post_start=lambda: _set_pod_cidr(
+                post_start=lambda: _after_node_ready(
                     api_host, api_port, admin, self.node_name, str(pod_net.subnet)
                 ),
                 # Runs while containerd still does: pods are torn down through
@@ -770,6 +770,19 @@ def _node_ready(host: str, port: int, context: ssl.SSLContext, node: str) -> boo
         return False
     conditions = body.get("status", {}).get("conditions", [])
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _after_node_ready(host: str, port: int, context: ssl.SSLContext, node: str, cidr: str) -> None:
+    _set_pod_cidr(host, port, context, node, cidr)
+    # A pod created before the service-account controller made `default` is
+    # refused ("serviceaccount default not found"): a cluster that says it
+    # is up must take pods right away.
+    deadline = time.monotonic() + 60.0
+    path = "/api/v1/namespaces/default/serviceaccounts/default"
+    while _api(host, port, context, "GET", path)[0] != 200:
+        if time.monotonic() > deadline:
+            raise ControlPlaneError("ServiceAccount default/default did not appear within 60s")
+        time.sleep(0.1)
 
 
 def _set_pod_cidr(host: str, port: int, context: ssl.SSLContext, node: str, cidr: str) -> None:

@@ -9,6 +9,15 @@ if the binaries cannot be built or the cluster cannot start, every test that
 uses it errors with the reason. `--devcluster-name NAME` uses (and starts if
 needed) a named cluster such as the one `make cluster-up` runs, and leaves it
 running, for a fast edit-test loop.
+
+The session-scoped fixture `local_cluster` is the node tier: a
+`devcluster.cluster.LocalCluster` named `pytest-<pid>-node` (control plane,
+kube-scheduler, containerd, kubelet, pod network, every image of
+`devcluster.images.IMAGES` imported), stopped at the end with everything it
+started. Needs root. It never skips either: missing Debian packages are
+installed, binaries and images are built during collection, and whatever
+fails errors the tests that use it. `--devcluster-node NAME` runs against
+the named node cluster (`python -m devcluster up --node`) and leaves it up.
 """
 
 from __future__ import annotations
@@ -23,11 +32,14 @@ from types import FrameType
 
 import pytest
 
-from devcluster import build
+from devcluster import build, hostdeps, images
+from devcluster.cluster import LocalCluster, node_binaries
 from devcluster.controlplane import ControlPlane, ControlPlaneError, sweep_orphans
 
 FIXTURE = "control_plane"
+NODE_FIXTURE = "local_cluster"
 _build_error = pytest.StashKey[str]()
+_node_build_error = pytest.StashKey[str]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -39,6 +51,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run against the named local cluster (started if not healthy) and leave it "
         "running; default: a private cluster for this session, stopped at the end",
     )
+    group.addoption(
+        "--devcluster-node",
+        default=None,
+        metavar="NAME",
+        help="local_cluster: use the named node cluster (started if not healthy) and leave "
+        "it running; default: a private node cluster for this session",
+    )
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -47,7 +66,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     Here rather than in the fixture: a cold build takes minutes, far longer than
     the per-test timeout, which also covers fixture setup.
     """
-    if not any(FIXTURE in getattr(item, "fixturenames", ()) for item in session.items):
+
+    def used(fixture: str) -> bool:
+        return any(fixture in getattr(item, "fixturenames", ()) for item in session.items)
+
+    if used(NODE_FIXTURE):
+        _prepare_node(session)
+    if not used(FIXTURE) and not used(NODE_FIXTURE):
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     began = time.monotonic()
@@ -67,6 +92,29 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     elapsed = time.monotonic() - began
     if elapsed > 5 and reporter is not None:
         reporter.write_line(f"devcluster: binaries ready after {elapsed:.0f}s")
+
+
+def _prepare_node(session: pytest.Session) -> None:
+    """Debian packages, node binaries and images for `local_cluster`, before
+    any test runs (minutes when cold: longer than a test's timeout)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    began = time.monotonic()
+    if reporter is not None:
+        reporter.write_line(
+            "devcluster: preparing the node tier (Debian packages, kubelet/scheduler/crictl, "
+            "images); cold, this takes many minutes"
+        )
+    try:
+        hostdeps.ensure()
+        node_binaries(build_missing=True)
+        for spec in images.IMAGES.values():
+            images.ensure_built(spec)
+    except Exception as error:
+        session.config.stash[_node_build_error] = f"{type(error).__name__}: {error}"
+        return
+    elapsed = time.monotonic() - began
+    if elapsed > 5 and reporter is not None:
+        reporter.write_line(f"devcluster: node tier ready after {elapsed:.0f}s")
 
 
 @contextlib.contextmanager
@@ -128,8 +176,42 @@ def control_plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
                     reporter.write_line(f"devcluster: logs kept in {cluster.logs_dir}")
 
 
+@pytest.fixture(scope="session")
+def local_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    """A running single-node cluster: pods are scheduled and run, from the local
+    images (use `imagePullPolicy: IfNotPresent` or `Never`). Pod IPs are
+    reachable from the test process. Fails, never skips, when it cannot start.
+    """
+    for key in (_build_error, _node_build_error):
+        error = request.config.stash.get(key, None)
+        if error is not None:
+            pytest.fail(f"devcluster: preparing the node tier failed: {error}", pytrace=False)
+    name: str | None = request.config.getoption("devcluster_node")
+    if name:
+        cluster = LocalCluster(name)
+        if not cluster.is_healthy():
+            _start(cluster)
+        else:
+            cluster.load_images(cluster.image_names)
+        yield cluster
+        return
+    sweep_orphans("pytest-")
+    cluster = LocalCluster(f"pytest-{os.getpid()}-node", die_with_parent=True)
+    with _sigterm_raises_interrupt():
+        _start(cluster)
+        try:
+            yield cluster
+        finally:
+            failed = request.session.testsfailed > 0
+            cluster.stop(remove_state=not failed)
+            if failed:
+                reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+                if reporter is not None:
+                    reporter.write_line(f"devcluster: node logs kept in {cluster.logs_dir}")
+
+
 def _start(cluster: ControlPlane) -> None:
     try:
         cluster.start()
-    except ControlPlaneError as error:
+    except (ControlPlaneError, images.ImageError, hostdeps.HostDepsError) as error:
         pytest.fail(f"devcluster: cluster {cluster.name!r} did not start: {error}", pytrace=False)

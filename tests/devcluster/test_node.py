@@ -1,0 +1,524 @@
+"""The node tier: a real single-node cluster (devcluster/cluster.py) runs pods.
+
+Pods run from the locally built images (devcluster/images.py) on the pod
+bridge; this process reaches pod IPs directly. The last test starts and stops
+clusters of its own (beside the session's) and checks that nothing of them is
+left: processes, shims, mounts, the bridge, iptables rules, cgroups.
+
+Needs root, like the node tier itself. Preparing the tier (Debian packages,
+kubelet/scheduler/crictl builds, images) happens during collection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devcluster import images, network, processes, versions
+from devcluster.cluster import LocalCluster, _cgroup_hierarchies, _mount_points_under
+from tests.kube import KubeJSON, core_path
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+WAIT = 120.0
+JSON = dict[str, Any]
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = WAIT) -> float:
+    """Poll until `condition()`; returns the seconds it took."""
+    began = time.monotonic()
+    while not condition():
+        if time.monotonic() - began > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.2)
+    return time.monotonic() - began
+
+
+@pytest.fixture
+def kube(local_cluster: LocalCluster) -> Iterator[KubeJSON]:
+    with KubeJSON(local_cluster.kubeconfig) as client:
+        yield client
+
+
+@pytest.fixture
+def namespace(kube: KubeJSON) -> Iterator[str]:
+    name = f"node-{uuid.uuid4().hex[:8]}"
+    kube.create(core_path("namespaces"), {"metadata": {"name": name}})
+    yield name
+    kube.delete(core_path("namespaces", name=name))
+
+
+def restricted(uid: int, *, read_only: bool = True) -> JSON:
+    """Pod Security Standards `restricted`, as the operator's pods run."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": read_only,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def pod(name: str, image: str, command: list[str] | None, **spec: Any) -> JSON:
+    """A pod of one container `main`; `command=None` runs the image's entrypoint."""
+    container: JSON = {
+        "name": "main",
+        "image": image,
+        "imagePullPolicy": "Never",
+        **({"command": command} if command is not None else {}),
+        **spec.pop("container", {}),
+    }
+    return {
+        "metadata": {"name": name},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [container],
+            **spec,
+        },
+    }
+
+
+def run(kube: KubeJSON, namespace: str, body: JSON) -> JSON:
+    """Create the pod and return it once it finished (Succeeded/Failed) or,
+    with restartPolicy Always, once all its containers are ready."""
+    name = body["metadata"]["name"]
+    serves = body["spec"].get("restartPolicy") == "Always"
+    kube.create(core_path("pods", namespace), body)
+    path = core_path("pods", namespace, name)
+    latest: JSON = {}
+
+    def settled() -> bool:
+        nonlocal latest
+        latest = kube.read(path)
+        status = latest.get("status", {})
+        if status.get("phase") in ("Succeeded", "Failed"):
+            return True
+        ready = [c.get("ready") for c in status.get("containerStatuses", [])]
+        return serves and bool(ready) and all(ready)
+
+    wait_for(settled, f"pod {namespace}/{name} to run or finish")
+    return latest
+
+
+def logs(cluster: LocalCluster, namespace: str, name: str) -> str:
+    """The container log: kubectl -> API server -> the kubelet's TLS port."""
+    proc = subprocess.run(
+        cluster.kubectl_command("logs", "-n", namespace, name),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def http_get(host: str, port: int, path: str) -> tuple[int, str]:
+    connection = http.client.HTTPConnection(host, port, timeout=5.0)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
+
+
+# ---- the session's node cluster ---------------------------------------------------
+
+
+def test_node_registers_ready_with_its_pod_subnet(
+    local_cluster: LocalCluster, kube: KubeJSON
+) -> None:
+    node = kube.read(core_path("nodes", name=local_cluster.node_name))
+    conditions = {c["type"]: c["status"] for c in node["status"]["conditions"]}
+    assert conditions["Ready"] == "True"
+    net = local_cluster.pod_network
+    assert node["spec"]["podCIDR"] == str(net.subnet)
+    addresses = {a["type"]: a["address"] for a in node["status"]["addresses"]}
+    assert addresses["InternalIP"] == net.gateway
+    info = node["status"]["nodeInfo"]
+    assert info["kubeletVersion"] == versions.KUBERNETES
+    assert info["containerRuntimeVersion"].startswith("containerd://1.6")
+    # The pause image and every image of the catalogue are in the node's store.
+    present = {name for image in node["status"].get("images", []) for name in image["names"]}
+    for spec in images.IMAGES.values():
+        assert spec.reference in present, f"{spec.reference} not imported"
+
+
+def test_python_runtime_pod_runs_and_its_log_is_readable(
+    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
+) -> None:
+    body = pod(
+        "hello",
+        "sandbox-runtime-python:dev",
+        ["python3", "-c", "import os, sys; print('hello', sys.version_info[:2], os.getuid())"],
+        securityContext={"fsGroup": 1000},
+        container={"securityContext": restricted(1000)},
+    )
+    finished = run(kube, namespace, body)
+    assert finished["status"]["phase"] == "Succeeded", finished["status"]
+    assert logs(local_cluster, namespace, "hello").strip() == "hello (3, 11) 1000"
+
+
+def test_this_host_reaches_a_pod_ip_and_emptydir_is_shared(
+    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
+) -> None:
+    marker = uuid.uuid4().hex
+    body = pod(
+        "web",
+        "sandbox-runtime-python:dev",
+        ["python3", "-m", "http.server", "8000", "--directory", "/data"],
+        restartPolicy="Always",
+        initContainers=[
+            {
+                "name": "fill",
+                "image": "sandbox-runtime-python:dev",
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["sh", "-c", f"echo {marker} > /data/index.html"],
+                "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                "securityContext": restricted(1000),
+            }
+        ],
+        volumes=[{"name": "data", "emptyDir": {}}],
+        container={
+            "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+            "securityContext": restricted(1000),
+            "readinessProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 1},
+        },
+    )
+    running = run(kube, namespace, body)
+    ip = running["status"]["podIP"]
+    assert ipaddress.ip_address(ip) in local_cluster.pod_network.subnet
+    status, text = http_get(ip, 8000, "/index.html")
+    assert (status, text.strip()) == (200, marker)
+
+
+def test_hostport_reaches_the_pod_through_portmap(
+    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
+) -> None:
+    # Below the range the clusters' own ports come from (20000 and up): a
+    # hostPort DNATs every local connection to that port.
+    host_port = 18100 + int(uuid.uuid4().hex[:4], 16) % 800
+    body = pod(
+        "mapped",
+        "sandbox-runtime-python:dev",
+        ["python3", "-m", "http.server", "8000", "--directory", "/etc"],
+        restartPolicy="Always",
+        container={
+            "ports": [{"containerPort": 8000, "hostPort": host_port}],
+            "securityContext": restricted(1000),
+            "readinessProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 1},
+        },
+    )
+    run(kube, namespace, body)
+    net = local_cluster.pod_network
+    assert network.rules_of(net), "portmap added no rules carrying the network's name"
+    status, text = http_get(net.gateway, host_port, "/hostname")
+    assert status == 200
+    assert text.strip() == "mapped"
+
+
+def test_image_without_python_fails_clearly_and_runs_a_shell(
+    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
+) -> None:
+    failed = run(
+        kube,
+        namespace,
+        pod("python", "sandbox-runtime-nopython:dev", ["python3", "-c", "print(1)"]),
+    )
+    assert failed["status"]["phase"] == "Failed"
+    terminated = failed["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert terminated["reason"] == "StartError"
+    assert "python3" in terminated["message"]
+    shell = run(
+        kube,
+        namespace,
+        pod("shell", "sandbox-runtime-nopython:dev", ["sh", "-c", "echo shell-ok"]),
+    )
+    assert shell["status"]["phase"] == "Succeeded"
+    assert logs(local_cluster, namespace, "shell").strip() == "shell-ok"
+
+
+def test_node_and_operator_images_run_read_only_and_non_root(
+    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
+) -> None:
+    node = run(
+        kube,
+        namespace,
+        pod(
+            "node",
+            "sandbox-runtime-node:dev",
+            ["sh", "-c", "node -e 'console.log(6*7)' && npm --version >/dev/null && python3 -V"],
+            container={"securityContext": restricted(1000)},
+        ),
+    )
+    assert node["status"]["phase"] == "Succeeded", node["status"]
+    assert logs(local_cluster, namespace, "node").split()[:2] == ["42", "Python"]
+    operator = run(
+        kube,
+        namespace,
+        pod(
+            "operator",
+            "sandbox-operator:dev",
+            ["/usr/local/bin/kopf", "--version"],
+            container={"securityContext": restricted(65532)},
+        ),
+    )
+    assert operator["status"]["phase"] == "Succeeded", operator["status"]
+    assert "kopf" in logs(local_cluster, namespace, "operator").lower()
+
+
+def test_agent_image_serves_as_uid_65532_on_a_read_only_root(
+    kube: KubeJSON, namespace: str
+) -> None:
+    kube.create(
+        core_path("secrets", namespace),
+        {"metadata": {"name": "agent-token"}, "stringData": {"token": uuid.uuid4().hex}},
+    )
+    body = pod(
+        "agent",
+        "sandbox-agent:dev",
+        None,  # the image's entrypoint
+        restartPolicy="Always",
+        securityContext={"fsGroup": 1000},
+        volumes=[
+            {"name": "token", "secret": {"secretName": "agent-token"}},
+            {"name": "workspace", "emptyDir": {}},
+            {"name": "run", "emptyDir": {}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+        container={
+            "env": [{"name": "SANDBOX_AGENT_TOKEN_FILE", "value": "/token/token"}],
+            "volumeMounts": [
+                {"name": "token", "mountPath": "/token", "readOnly": True},
+                {"name": "workspace", "mountPath": "/workspace"},
+                {"name": "run", "mountPath": "/sandbox/run"},
+                {"name": "tmp", "mountPath": "/tmp"},
+            ],
+            "securityContext": restricted(65532),
+            "readinessProbe": {"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 1},
+        },
+    )
+    running = run(kube, namespace, body)
+    assert running["status"]["phase"] == "Running", running["status"]
+    status, _ = http_get(running["status"]["podIP"], 8080, "/healthz")
+    assert status == 200
+
+
+def test_a_pod_reaches_the_api_server_with_the_in_cluster_env(
+    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
+) -> None:
+    # kube-root-ca.crt is published into every namespace by the controller
+    # manager; verifying against it checks the serving certificate's IP SANs.
+    wait_for(
+        lambda: kube.get(core_path("configmaps", namespace, "kube-root-ca.crt")) is not None,
+        "kube-root-ca.crt",
+    )
+    script = (
+        "import json, os, ssl, http.client\n"
+        "ctx = ssl.create_default_context(cafile='/ca/ca.crt')\n"
+        "c = http.client.HTTPSConnection(os.environ['KUBERNETES_SERVICE_HOST'],"
+        " int(os.environ['KUBERNETES_SERVICE_PORT']), context=ctx, timeout=10)\n"
+        "c.request('GET', '/version')\n"
+        "print(json.loads(c.getresponse().read())['gitVersion'])\n"
+    )
+    env = [{"name": k, "value": v} for k, v in local_cluster.in_cluster_api_env().items()]
+    body = pod(
+        "api",
+        "sandbox-runtime-python:dev",
+        ["python3", "-c", script],
+        volumes=[{"name": "ca", "configMap": {"name": "kube-root-ca.crt"}}],
+        container={
+            "env": env,
+            "volumeMounts": [{"name": "ca", "mountPath": "/ca"}],
+            "securityContext": restricted(1000),
+        },
+    )
+    finished = run(kube, namespace, body)
+    assert finished["status"]["phase"] == "Succeeded", logs(local_cluster, namespace, "api")
+    assert logs(local_cluster, namespace, "api").strip() == versions.KUBERNETES
+    # The `kubernetes` Service points at the same address (lease reconciler).
+    endpoints = kube.read(core_path("endpoints", "default", "kubernetes"))
+    assert endpoints["subsets"][0]["addresses"][0]["ip"] == local_cluster.apiserver_host
+
+
+# ---- clusters of this test's own: start twice, crash, stop ---------------------------
+
+
+def _iptables_lines() -> set[str]:
+    return {
+        line
+        for line in network.iptables_save().splitlines()
+        if line and not line.startswith("#") and not line.startswith("COMMIT")
+    }
+
+
+def _shims_of(cluster: LocalCluster) -> list[int]:
+    socket = str(cluster.containerd_socket).encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                cmdline = (entry / "cmdline").read_bytes()
+                if b"containerd-shim" in cmdline and socket in cmdline:
+                    found.append(int(entry.name))
+    return found
+
+
+def _processes_using(state_dir: Path) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or processes.is_zombie(int(entry.name)):
+            continue
+        with contextlib.suppress(OSError):
+            if str(state_dir).encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+    return found
+
+
+def _populate(cluster: LocalCluster) -> None:
+    """Pods that leave every kind of trace: a hostPort (iptables), a Secret
+    volume (tmpfs mount under the kubelet dir), an emptyDir, containers
+    (overlay mounts, shims, cgroups, a veth on the bridge)."""
+    with KubeJSON(cluster.kubeconfig) as kube:
+        kube.create(
+            core_path("secrets", "default"),
+            {"metadata": {"name": "s"}, "stringData": {"k": "v"}},
+        )
+        body = pod(
+            "traces",
+            "sandbox-runtime-python:dev",
+            ["python3", "-m", "http.server", "8000"],
+            restartPolicy="Always",
+            volumes=[
+                {"name": "s", "secret": {"secretName": "s"}},
+                {"name": "e", "emptyDir": {}},
+            ],
+            container={
+                "ports": [{"containerPort": 8000, "hostPort": 18000}],
+                "volumeMounts": [
+                    {"name": "s", "mountPath": "/s"},
+                    {"name": "e", "mountPath": "/e"},
+                ],
+                "readinessProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 1},
+            },
+        )
+        run(kube, "default", body)
+
+
+def _assert_nothing_left(
+    cluster: LocalCluster, pids: dict[str, int], iptables_before: set[str]
+) -> None:
+    for name, pid in pids.items():
+        assert processes.group_members(pid) == [], f"{name}'s process group survived"
+    assert _shims_of(cluster) == []
+    assert _processes_using(cluster.state_dir) == []
+    assert _mount_points_under(cluster.state_dir) == []
+    net = cluster.pod_network
+    assert not network.bridge_exists(net.bridge)
+    assert network.rules_of(net) == []
+    added = _iptables_lines() - iptables_before
+    assert not [line for line in added if "CNI" in line or net.name in line], added
+    for hierarchy in _cgroup_hierarchies():
+        assert not (hierarchy / cluster.cgroup_root.lstrip("/")).exists()
+    assert not cluster.node_dir.exists()
+
+
+def test_stop_leaves_nothing_and_start_recovers_from_a_crash(
+    local_cluster: LocalCluster,
+) -> None:
+    # local_cluster: built everything, and must survive this test's clusters.
+    iptables_before = _iptables_lines()
+    cluster = LocalCluster(
+        f"pytest-{os.getpid()}-node-own",
+        images=["sandbox-runtime-python:dev"],
+        die_with_parent=True,
+    )
+    try:
+        cluster.start()
+        first = cluster.pids()
+        cluster.start()  # twice in a row: a clean restart
+        assert cluster.is_healthy()
+        assert set(cluster.pids().values()).isdisjoint(first.values())
+        _populate(cluster)
+        assert _shims_of(cluster)
+        assert _mount_points_under(cluster.state_dir)
+        assert network.rules_of(cluster.pod_network)
+
+        # A crash: kubelet and containerd die; shims, containers, mounts,
+        # the bridge and the portmap rules stay behind.
+        crashed = cluster.pids()
+        for name in ("kubelet", "containerd"):
+            os.killpg(crashed[name], signal.SIGKILL)
+        wait_for(lambda: not processes.group_members(crashed["containerd"]), "containerd gone")
+        assert _shims_of(cluster), "shims outlive containerd"
+
+        fresh = LocalCluster(
+            cluster.name, images=["sandbox-runtime-python:dev"], die_with_parent=True
+        )
+        fresh.start()  # cleans up the crashed run first
+        assert fresh.is_healthy()
+        pids = fresh.pids()
+        assert set(pids.values()).isdisjoint(crashed.values())
+        assert network.rules_of(fresh.pod_network) == [], "the crashed run's rules are gone"
+
+        fresh.stop()
+        _assert_nothing_left(fresh, {**crashed, **pids}, iptables_before)
+        # Logs and the image store stay after stop(); everything goes with remove_state.
+        assert (fresh.logs_dir / "kubelet.log").stat().st_size > 0
+        fresh.stop(remove_state=True)
+        assert not fresh.state_dir.exists()
+    finally:
+        cluster.stop(remove_state=True)
+    assert local_cluster.is_healthy(), "stopping one node cluster must not touch another"
+
+
+def test_cli_up_node_and_down(local_cluster: LocalCluster) -> None:
+    name = f"pytest-{os.getpid()}-node-cli"
+    repo = Path(__file__).resolve().parents[2]
+    cluster = LocalCluster(name)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "devcluster", *args],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+            env={**os.environ, "PYTHONPATH": str(repo)},
+        )
+
+    try:
+        up = cli("up", "--node", "--name", name, "--images", "sandbox-runtime-python:dev")
+        assert up.returncode == 0, up.stderr
+        assert Path(up.stdout.strip()) == cluster.kubeconfig
+        assert "KUBERNETES_SERVICE_HOST=" in up.stderr
+        status = cli("status", "--name", name)
+        assert status.returncode == 0, status.stdout
+        assert "kubelet" in status.stdout
+        assert "containerd" in status.stdout
+        pids = cluster.pids()
+        down = cli("down", "--name", name)
+        assert down.returncode == 0, down.stderr
+        for pid in pids.values():
+            assert processes.group_members(pid) == []
+        assert not cluster.state_dir.exists()
+        assert not network.bridge_exists(network.PodNetwork(name, network.POD_SUPERNET).bridge)
+    finally:
+        cluster.stop(remove_state=True)
