@@ -54,6 +54,10 @@ test-integration: install binaries ## Operator against a real control plane
 test-agent: install ## The sandbox agent and runner as real processes
 	$(PY) -m pytest sandbox-agent/tests
 
+.PHONY: openapi
+openapi: install ## Regenerate sandbox-agent/openapi.json (a test fails when it is stale)
+	$(PY) -m sandbox_agent.openapi > sandbox-agent/openapi.json
+
 .PHONY: cluster-up
 cluster-up: install ## Start a local control plane (etcd, apiserver, controller-manager)
 	$(PY) -m devcluster up --name $(CLUSTER)

@@ -38,8 +38,14 @@ def helm_binary() -> Path:
         ldflags = f"-s -w -X helm.sh/helm/v3/internal/version.version={HELM_VERSION}"
         with tempfile.TemporaryDirectory(dir=workdir) as out:
             build._go(
-                ["build", "-trimpath", f"-ldflags={ldflags}", "-o", out + "/helm",
-                 f"{HELM_MODULE}/cmd/helm"],
+                [
+                    "build",
+                    "-trimpath",
+                    f"-ldflags={ldflags}",
+                    "-o",
+                    out + "/helm",
+                    f"{HELM_MODULE}/cmd/helm",
+                ],
                 workdir,
             )
             build._install(Path(out), binary.parent, started, HELM_VERSION)
@@ -53,16 +59,28 @@ def install_chart(
     release: str = "sandbox-operator",
     namespace: str = "sandbox-system",
     values: list[str] | None = None,
+    string_values: list[str] | None = None,
     timeout: str = "5m",
 ) -> str:
     """`helm upgrade --install --wait` of the chart; returns helm's output."""
     argv = [
-        str(helm_binary()), "upgrade", "--install", release, str(chart),
-        f"--kubeconfig={kubeconfig}", "--namespace", namespace, "--create-namespace",
-        "--wait", f"--timeout={timeout}",
+        str(helm_binary()),
+        "upgrade",
+        "--install",
+        release,
+        str(chart),
+        f"--kubeconfig={kubeconfig}",
+        "--namespace",
+        namespace,
+        "--create-namespace",
+        "--wait",
+        f"--timeout={timeout}",
     ]
     for value in values or []:
         argv += ["--set", value]
+    # --set turns "6443" into a number; env values and the like must stay strings.
+    for value in string_values or []:
+        argv += ["--set-string", value]
     proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"helm install failed:\n{proc.stdout}\n{proc.stderr}")
@@ -73,9 +91,20 @@ def uninstall_chart(
     kubeconfig: Path, *, release: str = "sandbox-operator", namespace: str = "sandbox-system"
 ) -> None:
     subprocess.run(
-        [str(helm_binary()), "uninstall", release, f"--kubeconfig={kubeconfig}",
-         "--namespace", namespace, "--ignore-not-found", "--wait"],
-        capture_output=True, text=True, check=False, timeout=300,
+        [
+            str(helm_binary()),
+            "uninstall",
+            release,
+            f"--kubeconfig={kubeconfig}",
+            "--namespace",
+            namespace,
+            "--ignore-not-found",
+            "--wait",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
     )
 
 
