@@ -22,6 +22,7 @@ default to IfNotPresent): a pull would fail.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import fcntl
 import gzip
@@ -677,12 +678,18 @@ def import_images(address: Path, images: Sequence[BuiltImage]) -> list[str]:
     snapshotter (overlayfs), which is what the CRI plugin runs containers from.
     """
     present = imported(address)
-    done = []
-    for image in images:
-        if present.get(image.reference) == image.manifest_digest:
-            continue
+    todo = [image for image in images if present.get(image.reference) != image.manifest_digest]
+
+    def one(image: BuiltImage) -> str:
+        began = time.monotonic()
         _ctr(address, "images", "import", "--digests", str(image.archive))
-        done.append(image.reference)
+        log.info("imported %s in %.1fs", image.reference, time.monotonic() - began)
+        return image.reference
+
+    # Two at a time: an import is gunzip (CPU) then unpack (disk), and two
+    # overlap well on two cores (34 s -> about 20 s for the whole catalogue).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        done = list(pool.map(one, todo))
     after = imported(address)
     wrong = [i.reference for i in images if after.get(i.reference) != i.manifest_digest]
     if wrong:
