@@ -19,9 +19,9 @@ RELEASE = "sandbox-operator"
 NAMESPACE = "sandbox-system"
 
 
-def node_cluster(name: str) -> LocalCluster:
+def node_cluster(name: str, *, die_with_parent: bool = False) -> LocalCluster:
     """A single-node cluster with the CSI storage stack (snapshots included)."""
-    return LocalCluster(name, addons=[StorageAddon()])
+    return LocalCluster(name, addons=[StorageAddon()], die_with_parent=die_with_parent)
 
 
 def install_operator(cluster: LocalCluster, *, extra_values: list[str] | None = None) -> str:

@@ -41,7 +41,9 @@ class Settings(BaseModel):
     default_runtime: str = "python"
 
     # Defaults for fields a Sandbox leaves unset.
+    # The CPU limit; the request is `sandbox_cpu_request` (capped at the limit).
     default_cpu: Quantity = "1"
+    sandbox_cpu_request: Quantity = "100m"
     default_memory: Quantity = "1Gi"
     default_ephemeral_storage: Quantity = "2Gi"
     default_workspace_size: Quantity = "1Gi"
@@ -52,6 +54,7 @@ class Settings(BaseModel):
     # The agent sidecar.
     agent_port: Annotated[int, Field(ge=1, le=65535)] = 8080
     agent_cpu: Quantity = "250m"
+    agent_cpu_request: Quantity = "50m"
     agent_memory: Quantity = "256Mi"
     agent_ephemeral_storage: Quantity = "512Mi"
     # Distinct UIDs: user code must not be able to act as the agent.

@@ -7,6 +7,7 @@ skips: when the node cannot start, every test errors with the reason.
 from __future__ import annotations
 
 import os
+from functools import partial
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -17,6 +18,8 @@ import pytest
 
 from devcluster import deploy
 from devcluster.cluster import LocalCluster
+from devcluster.controlplane import sweep_orphans
+from devcluster.pytest_plugin import _sigterm_raises_interrupt
 from tests.integration.harness import wait_for
 from tests.kube import JSON, KubeJSON, api_path, core_path
 
@@ -89,25 +92,46 @@ class Sandboxes:
         return wait_for(ready, timeout, f"sandbox {self.namespace}/{name} Ready", interval=0.5)
 
 
+def _gone(kube: KubeJSON, path: str) -> bool:
+    return kube.get(path) is None
+
+
 @pytest.fixture(scope="session")
 def e2e_cluster() -> Iterator[LocalCluster]:
-    cluster = deploy.node_cluster(f"e2e-{os.getpid()}")
-    cluster.start()
-    try:
-        deploy.install_operator(cluster)
-        deploy.wait_for_crds(cluster)
-        yield cluster
-    finally:
-        cluster.stop(remove_state=True)
+    # "pytest-" names are swept by the next session if this one is SIGKILLed.
+    sweep_orphans("pytest-")
+    cluster = deploy.node_cluster(f"pytest-{os.getpid()}-e2e", die_with_parent=True)
+    with _sigterm_raises_interrupt():
+        cluster.start()
+        try:
+            deploy.install_operator(cluster)
+            deploy.wait_for_crds(cluster)
+            yield cluster
+        finally:
+            cluster.stop(remove_state=True)
 
 
 @pytest.fixture(scope="session")
-def e2e(e2e_cluster: LocalCluster) -> Iterator[E2E]:
+def e2e_context(e2e_cluster: LocalCluster) -> Iterator[E2E]:
     context = E2E(e2e_cluster)
     yield context
-    for name in context.namespaces:
-        context.kube.delete(core_path("namespaces", name))
     context.kube.close()
+
+
+@pytest.fixture
+def e2e(e2e_context: E2E) -> Iterator[E2E]:
+    """The cluster, with each test's namespaces deleted after it: a 2-core node
+    holds only a few sandboxes at a time."""
+    yield e2e_context
+    for name in e2e_context.namespaces:
+        e2e_context.kube.delete(core_path("namespaces", name))
+    for name in e2e_context.namespaces:
+        wait_for(
+            lambda name=name: e2e_context.kube.get(core_path("namespaces", name)) is None,
+            120,
+            f"namespace {name} deleted",
+        )
+    e2e_context.namespaces.clear()
 
 
 @pytest.fixture(scope="session")

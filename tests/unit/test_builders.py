@@ -59,10 +59,17 @@ def test_pod_isolation_choices() -> None:
     assert not any(m["name"] == "agent-token" for m in sandbox["volumeMounts"])
     # The runner is what the sandbox container runs.
     assert sandbox["command"] == ["python3", "/sandbox/run/runner.py"]
-    # Requests equal limits, ephemeral storage included, for both containers.
+    # Memory and ephemeral storage: requests equal limits; CPU: a small request.
     for container in (agent, sandbox):
-        assert container["resources"]["requests"] == container["resources"]["limits"]
-        assert "ephemeral-storage" in container["resources"]["limits"]
+        requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+        assert "ephemeral-storage" in limits
+        assert {k: v for k, v in requests.items() if k != "cpu"} == {
+            k: v for k, v in limits.items() if k != "cpu"
+        }
+    assert sandbox["resources"]["requests"]["cpu"] == "100m"
+    assert sandbox["resources"]["limits"]["cpu"] == "1"
+    tiny = _pod(resources={"cpu": "50m"})["spec"]["containers"][0]["resources"]
+    assert tiny["requests"]["cpu"] == "50m"  # never a request above the limit
 
 
 def test_runtime_catalog_and_image_override() -> None:

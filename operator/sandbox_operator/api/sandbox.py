@@ -44,7 +44,9 @@ class EgressPolicy(StrEnum):
 
 
 class Resources(Model):
-    """Requests equal limits: a sandbox gets exactly what it asks for."""
+    """Limits of the sandbox container. Memory and ephemeral storage are also its
+    requests; CPU is requested at the operator's `sandbox_cpu_request` (idle sandboxes
+    should not hold whole cores)."""
 
     cpu: Annotated[
         Quantity | None,

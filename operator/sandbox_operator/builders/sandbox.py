@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sandbox_operator.api.common import API_VERSION
+from sandbox_operator.api.common import API_VERSION, quantity_value
 from sandbox_operator.api.sandbox import EgressPolicy, SandboxSpec
 from sandbox_operator.config import Settings
 
@@ -116,9 +116,14 @@ def build_claim(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON 
     return claim
 
 
-def _resources(cpu: str, memory: str, ephemeral: str) -> JSON:
-    amounts = {"cpu": cpu, "memory": memory, "ephemeral-storage": ephemeral}
-    return {"requests": dict(amounts), "limits": dict(amounts)}
+def _resources(cpu: str, cpu_request: str, memory: str, ephemeral: str) -> JSON:
+    """Memory and disk: requests = limits, so a node never promises what it lacks.
+    CPU: a small request under the limit. Sandboxes idle most of their life;
+    reserving their full CPU would fit a fraction of them on a node."""
+    limits = {"cpu": cpu, "memory": memory, "ephemeral-storage": ephemeral}
+    if quantity_value(cpu_request) > quantity_value(cpu):
+        cpu_request = cpu
+    return {"requests": {**limits, "cpu": cpu_request}, "limits": limits}
 
 
 def _restricted(uid: int, read_only_root: bool) -> JSON:
@@ -188,7 +193,10 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
             "runAsGroup": settings.fs_group,
         },
         "resources": _resources(
-            settings.agent_cpu, settings.agent_memory, settings.agent_ephemeral_storage
+            settings.agent_cpu,
+            settings.agent_cpu_request,
+            settings.agent_memory,
+            settings.agent_ephemeral_storage,
         ),
         "volumeMounts": [
             {"name": "workspace", "mountPath": WORKSPACE_PATH},
@@ -216,6 +224,7 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
         },
         "resources": _resources(
             spec.resources.cpu or settings.default_cpu,
+            settings.sandbox_cpu_request,
             spec.resources.memory or settings.default_memory,
             spec.resources.ephemeral_storage or settings.default_ephemeral_storage,
         ),
