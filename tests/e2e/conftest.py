@@ -7,10 +7,10 @@ skips: when the node cannot start, every test errors with the reason.
 from __future__ import annotations
 
 import os
-from functools import partial
 import subprocess
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -126,11 +126,8 @@ def e2e(e2e_context: E2E) -> Iterator[E2E]:
     for name in e2e_context.namespaces:
         e2e_context.kube.delete(core_path("namespaces", name))
     for name in e2e_context.namespaces:
-        wait_for(
-            lambda name=name: e2e_context.kube.get(core_path("namespaces", name)) is None,
-            120,
-            f"namespace {name} deleted",
-        )
+        path = core_path("namespaces", name)
+        wait_for(partial(_gone, e2e_context.kube, path), 120, f"namespace {name} deleted")
     e2e_context.namespaces.clear()
 
 
