@@ -47,6 +47,33 @@ class E2E:
         self.namespaces.append(name)
         return name
 
+    def kill_container(self, namespace: str, pod: str, container: str) -> None:
+        """SIGKILL a container's processes through the node's CRI, like a crash would."""
+        found = subprocess.run(
+            self.cluster.crictl_command(
+                "ps",
+                "-q",
+                "--name",
+                f"^{container}$",
+                "--label",
+                f"io.kubernetes.pod.namespace={namespace}",
+                "--label",
+                f"io.kubernetes.pod.name={pod}",
+            ),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.split()
+        assert len(found) == 1, found
+        subprocess.run(
+            self.cluster.crictl_command("stop", "--timeout", "0", found[0]),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+
     def describe(self, namespace: str, sandbox: str) -> str:
         """What to look at when a sandbox does not become Ready."""
         parts = [
@@ -124,9 +151,9 @@ def e2e(e2e_context: E2E) -> Iterator[E2E]:
     holds only a few sandboxes at a time."""
     yield e2e_context
     for name in e2e_context.namespaces:
-        e2e_context.kube.delete(core_path("namespaces", name))
+        e2e_context.kube.delete(core_path("namespaces", name=name))
     for name in e2e_context.namespaces:
-        path = core_path("namespaces", name)
+        path = core_path("namespaces", name=name)
         wait_for(partial(_gone, e2e_context.kube, path), 120, f"namespace {name} deleted")
     e2e_context.namespaces.clear()
 
