@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CLUSTER ?= dev
 # The tiers `make test` runs.
-TEST_TIERS ?= tests/unit tests/integration tests/devcluster sandbox-agent/tests
+TEST_TIERS ?= tests/unit tests/integration tests/devcluster sandbox-agent/tests tests/e2e
 
 .DEFAULT_GOAL := help
 
@@ -50,6 +50,10 @@ test-unit: install ## Fast tests: models, builders, conditions, CRD freshness
 test-integration: install binaries ## Operator against a real control plane
 	$(PY) -m pytest -p devcluster.pytest_plugin tests/integration tests/devcluster
 
+.PHONY: test-e2e
+test-e2e: install binaries ## End to end on a private single-node cluster (root)
+	$(PY) -m pytest -p devcluster.pytest_plugin tests/e2e
+
 .PHONY: test-agent
 test-agent: install ## The sandbox agent and runner as real processes
 	$(PY) -m pytest sandbox-agent/tests
@@ -75,18 +79,19 @@ run: install ## Run the operator locally against the cluster-up cluster
 	$(VENV)/bin/kopf run -m sandbox_operator --all-namespaces --standalone
 
 .PHONY: bench
-bench: install binaries ## Benchmarks: agent vs subprocess floor; 1,000 Sandboxes
+bench: install binaries ## Benchmarks: agent vs subprocess; 1,000 Sandboxes; node cold start and exec
 	$(PY) benchmarks/agent_bench.py
 	$(PY) benchmarks/sandbox_scale.py
+	$(PY) benchmarks/node_bench.py
 
 .PHONY: clean
 clean: ## Remove the virtualenv and caches inside the repo (not the binary cache)
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
 
-.PHONY: demo
-demo: install binaries ## Main job: control plane + CRDs + operator, apply examples/, report
-	$(PY) hack/demo.py up
+.PHONY: up
+up: install binaries ## Main job: single-node cluster, the chart, examples/, a command in a sandbox
+	$(PY) hack/up.py up
 
-.PHONY: demo-down
-demo-down: install ## Stop everything `make demo` started and remove its state
-	$(PY) hack/demo.py down
+.PHONY: down
+down: install ## Remove everything `make up` started (processes, mounts, interfaces, iptables, state)
+	$(PY) hack/up.py down
