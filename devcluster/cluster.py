@@ -146,9 +146,21 @@ class LocalCluster(ControlPlane):
         images: Sequence[str] | None = None,
         addons: Sequence[NodeAddon] = (),
         node_name: str | None = None,
-        **kwargs: object,
+        state_dir: Path | None = None,
+        die_with_parent: bool = False,
+        stop_grace: float = 10.0,
+        start_attempts: int = 3,
+        apiserver_args: Sequence[str] = (),
     ) -> None:
-        super().__init__(name, **kwargs)  # type: ignore[arg-type]
+        """See `ControlPlane` for the other arguments (`die_with_parent` for tests)."""
+        super().__init__(
+            name,
+            state_dir=state_dir,
+            die_with_parent=die_with_parent,
+            stop_grace=stop_grace,
+            start_attempts=start_attempts,
+            apiserver_args=apiserver_args,
+        )
         wanted = list(images) if images is not None else list(imagelib.IMAGES)
         unknown = [image for image in wanted if image not in imagelib.IMAGES]
         if unknown:

@@ -357,6 +357,53 @@ def test_a_pod_reaches_the_api_server_with_the_in_cluster_env(
     assert endpoints["subsets"][0]["addresses"][0]["ip"] == local_cluster.apiserver_host
 
 
+def test_pause_reaps_orphans_of_a_shared_process_namespace(
+    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
+) -> None:
+    # With a shared PID namespace the pause process is PID 1 of the pod: an
+    # orphan that exits becomes its zombie until it reaps it.
+    script = (
+        "import os, time\n"
+        "for _ in range(5):\n"
+        "    if os.fork() == 0:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(0.2)\n"
+        "            os._exit(0)\n"
+        "        os._exit(0)\n"
+        "    os.wait()\n"
+        "time.sleep(1.5)\n"
+        "init = open('/proc/1/cmdline').read().strip(chr(0))\n"
+        "zombies = [p for p in os.listdir('/proc') if p.isdigit()"
+        " and open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[0] == 'Z']\n"
+        "print(init, len(zombies))\n"
+    )
+    body = pod(
+        "reaper",
+        "sandbox-runtime-python:dev",
+        ["python3", "-c", script],
+        shareProcessNamespace=True,
+        container={"securityContext": restricted(1000)},
+    )
+    finished = run(kube, namespace, body)
+    assert finished["status"]["phase"] == "Succeeded", finished["status"]
+    assert logs(local_cluster, namespace, "reaper").split() == ["/pause", "0"]
+
+
+def test_pause_exits_zero_on_sigterm_and_sigint(tmp_path: Path) -> None:
+    binary = tmp_path / "pause"
+    subprocess.run(
+        ["gcc", "-static", "-Os", "-o", str(binary), str(images.PAUSE_SOURCE)],
+        check=True,
+        capture_output=True,
+    )
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        proc = subprocess.Popen([str(binary)], stderr=subprocess.DEVNULL)
+        time.sleep(0.2)
+        assert proc.poll() is None, "pause must keep running until signalled"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=5) == 0
+
+
 # ---- clusters of this test's own: start twice, crash, stop ---------------------------
 
 
