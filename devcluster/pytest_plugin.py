@@ -107,8 +107,8 @@ def _prepare_node(session: pytest.Session) -> None:
     try:
         hostdeps.ensure()
         node_binaries(build_missing=True)
-        for spec in images.IMAGES.values():
-            images.ensure_built(spec)
+        # The fixture's cluster imports every image: its seeded store too.
+        images.ensure_seed([images.ensure_built(spec) for spec in images.IMAGES.values()])
     except Exception as error:
         session.config.stash[_node_build_error] = f"{type(error).__name__}: {error}"
         return
