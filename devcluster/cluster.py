@@ -298,8 +298,13 @@ class LocalCluster(ControlPlane):
             directory.mkdir(parents=True, exist_ok=True)
         if not self.image_store_dir.exists() and self._seed is not None:
             began = time.monotonic()
-            imagelib.clone_seed(self._seed, self.image_store_dir)
-            log.info("image store cloned in %.1fs", time.monotonic() - began)
+            try:
+                imagelib.clone_seed(self._seed, self.image_store_dir)
+                log.info("image store cloned in %.1fs", time.monotonic() - began)
+            except imagelib.ImageError as error:
+                # E.g. a state dir on another filesystem (no hard links across):
+                # containerd's post-start import fills the store instead.
+                log.warning("image store not cloned, importing instead: %s", error)
         pod_net = network.allocate(self.name, self._network_record, clusters_root())
         network.create_bridge(pod_net)
         scheduler, kubelet, healthz = _free_ports(3)

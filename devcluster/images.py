@@ -790,12 +790,23 @@ def ensure_seed(images: Sequence[BuiltImage]) -> Path:
                     daemon.wait(timeout=15)
         (seed / ".complete").write_text(json.dumps([i.reference for i in images]) + "\n")
         log.info("seeded image store %s in %.1fs", key, time.monotonic() - began)
-        # Seeds of other image sets (older digests) are only disk space now.
-        for old in stores.iterdir():
-            if old != seed and old.is_dir() and time.time() - old.stat().st_mtime > 86400:
-                with _lock(f"store-{old.name}"):  # not while someone clones it
-                    shutil.rmtree(old, ignore_errors=True)
+        _prune_seeds(stores, keep=seed)
         return seed
+
+
+# Seeds are up to 2 GB each and every edit of sandbox-agent/ or operator/
+# makes a new one: keep the newest few (several image sets are in use at once:
+# the tests' clusters import different ones).
+_SEEDS_KEPT = 4
+
+
+def _prune_seeds(stores: Path, keep: Path) -> None:
+    seeds = [d for d in stores.iterdir() if d.is_dir() and (d / ".complete").exists()]
+    seeds.sort(key=lambda d: (d / ".complete").stat().st_mtime, reverse=True)
+    for old in seeds[_SEEDS_KEPT:]:
+        if old != keep:
+            with _lock(f"store-{old.name}"):  # not while someone clones it
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def clone_seed(seed: Path, target: Path) -> None:
@@ -810,6 +821,8 @@ def clone_seed(seed: Path, target: Path) -> None:
             if linked.exists():
                 linked.unlink()
                 shutil.copy2(seed / database, linked)
+        # Recently used: kept by _prune_seeds.
+        os.utime(seed / ".complete")
     (tmp / ".complete").unlink(missing_ok=True)
     os.replace(tmp, target)
 
