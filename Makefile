@@ -30,7 +30,7 @@ crds: install ## Regenerate crds/ and the chart's CRD copies from the models
 lint: install ## ruff (lint + format check) and mypy --strict
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy operator devcluster tests sandbox-agent/src benchmarks
+	$(VENV)/bin/mypy operator devcluster tests sandbox-agent/src benchmarks hack
 
 .PHONY: binaries
 binaries: install ## Build (or reuse) the pinned Kubernetes, etcd and helm binaries
