@@ -643,14 +643,20 @@ disabled_plugins = [
         if killed:
             log.info("killed %d leftover container/shim processes", killed)
         self._remove_shim_sockets()
-        for point in _mount_points_under(self.node_dir):
+
+        # Everything mounted below the state dir (not the dir itself, should
+        # someone have put it on a filesystem of its own): overlay rootfs and
+        # netns mounts of containerd, tmpfs volumes and CSI bind mounts of the
+        # kubelet, whatever an addon mounted. Deepest first.
+        def below() -> list[Path]:
+            found = _mount_points_under(self.state_dir)
+            if self.containerd_socket.parent != self.containerd_dir:
+                found += _mount_points_under(self.containerd_socket.parent)
+            return [point for point in found if point != self.state_dir]
+
+        for point in below():
             _umount(point)
-        if self.containerd_socket.parent != self.containerd_dir:
-            for point in _mount_points_under(self.containerd_socket.parent):
-                _umount(point)
-        for point in _mount_points_under(self.image_store_dir):
-            _umount(point)
-        left = _mount_points_under(self.node_dir) + _mount_points_under(self.image_store_dir)
+        left = below()
         if left:
             problems.append(f"mounts left: {left}")
         sandboxes = self._sandbox_ids()
