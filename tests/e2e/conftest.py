@@ -12,7 +12,6 @@ import uuid
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,9 +20,7 @@ from devcluster.cluster import LocalCluster
 from devcluster.controlplane import sweep_orphans
 from devcluster.pytest_plugin import _sigterm_raises_interrupt
 from tests.integration.harness import wait_for
-from tests.kube import JSON, KubeJSON, api_path, core_path
-
-GROUP, VERSION = "sandbox.dev", "v1alpha1"
+from tests.kube import KubeJSON, core_path
 
 
 class E2E:
@@ -84,39 +81,6 @@ class E2E:
             ).stdout,
         ]
         return "\n".join(parts)
-
-
-class Sandboxes:
-    def __init__(self, kube: KubeJSON, namespace: str) -> None:
-        self.kube = kube
-        self.namespace = namespace
-
-    def _path(self, name: str | None = None) -> str:
-        return api_path(f"{GROUP}/{VERSION}", "sandboxes", self.namespace, name)
-
-    def create(self, name: str, spec: JSON | None = None) -> JSON:
-        body = {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "Sandbox",
-            "metadata": {"name": name},
-            "spec": spec or {},
-        }
-        return self.kube.create(self._path(), body)
-
-    def get(self, name: str) -> JSON | None:
-        return self.kube.get(self._path(name))
-
-    def patch(self, name: str, body: JSON) -> None:
-        self.kube.patch(self._path(name), body)
-
-    def wait_ready(self, name: str, timeout: float = 180) -> dict[str, Any]:
-        def ready() -> JSON | None:
-            body = self.get(name) or {}
-            conds = (body.get("status") or {}).get("conditions", [])
-            ok = any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
-            return body if ok else None
-
-        return wait_for(ready, timeout, f"sandbox {self.namespace}/{name} Ready", interval=0.5)
 
 
 def _gone(kube: KubeJSON, path: str) -> bool:

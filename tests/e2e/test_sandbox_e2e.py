@@ -14,9 +14,10 @@ import httpx
 import yaml
 
 from tests.e2e.agent import Agent
-from tests.e2e.conftest import E2E, Sandboxes
+from tests.e2e.conftest import E2E
 from tests.integration.harness import wait_for
 from tests.kube import KubeJSON, core_path
+from tests.sandboxes import Sandboxes
 
 
 def _gone(kube: KubeJSON, path: str) -> bool:

@@ -17,11 +17,10 @@ from tests.integration.harness import (
     OperatorProcess,
     next_pod_ip,
     operator_credentials,
-    wait_for,
 )
-from tests.kube import JSON, KubeJSON, api_path, core_path
+from tests.kube import JSON, KubeJSON, core_path
+from tests.sandboxes import Sandboxes
 
-GROUP, VERSION = "sandbox.dev", "v1alpha1"
 # Short intervals so lifecycle tests finish in seconds, not minutes.
 OPERATOR_ENV = {
     "SANDBOX_OPERATOR_RECONCILE_INTERVAL_SECONDS": "1",
@@ -132,56 +131,6 @@ def agents(tmp_path: Path) -> Iterator[Callable[[str], AgentProcess]]:
     yield start
     for agent in started:
         agent.stop()
-
-
-class Sandboxes:
-    """Create, read and wait on Sandboxes of one namespace."""
-
-    def __init__(self, kube: KubeJSON, namespace: str) -> None:
-        self.kube = kube
-        self.namespace = namespace
-
-    def path(self, name: str | None = None) -> str:
-        return api_path(f"{GROUP}/{VERSION}", "sandboxes", self.namespace, name)
-
-    def create(self, name: str, spec: JSON | None = None) -> JSON:
-        body = {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "Sandbox",
-            "metadata": {"name": name},
-            "spec": spec or {},
-        }
-        return self.kube.create(self.path(), body)
-
-    def get(self, name: str) -> JSON | None:
-        return self.kube.get(self.path(name))
-
-    def read(self, name: str) -> JSON:
-        """The Sandbox; ApiError (404) when it does not exist."""
-        return self.kube.read(self.path(name))
-
-    def patch(self, name: str, body: JSON) -> None:
-        self.kube.patch(self.path(name), body)
-
-    def delete(self, name: str) -> None:
-        self.kube.delete(self.path(name))
-
-    def condition(self, name: str, kind: str) -> JSON | None:
-        body = self.get(name) or {}
-        for cond in (body.get("status") or {}).get("conditions", []):
-            if cond["type"] == kind:
-                result: JSON = cond
-                return result
-        return None
-
-    def wait_phase(self, name: str, phase: str, timeout: float = 30) -> JSON:
-        def reached() -> JSON | None:
-            body = self.get(name)
-            if body and (body.get("status") or {}).get("phase") == phase:
-                return body
-            return None
-
-        return wait_for(reached, timeout, f"sandbox {name} phase {phase}")
 
 
 @pytest.fixture

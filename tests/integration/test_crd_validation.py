@@ -11,10 +11,9 @@ from typing import Any
 
 import pytest
 
+from sandbox_operator.api.common import GROUP, VERSION
 from tests.integration.conftest import namespace_manifest
 from tests.kube import ApiError, KubeJSON, api_path, core_path
-
-GROUP, VERSION = "sandbox.dev", "v1alpha1"
 
 LONG = "x" * 300
 

@@ -9,9 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from devcluster.controlplane import ControlPlane
-from tests.integration.conftest import Sandboxes, kubectl
+from tests.integration.conftest import kubectl
 from tests.integration.harness import AgentProcess, Node, OperatorProcess, secret_token, wait_for
 from tests.kube import ApiError, KubeJSON, api_path, core_path
+from tests.sandboxes import Sandboxes
 
 MANAGED = "app.kubernetes.io/managed-by=sandbox-operator"
 
