@@ -53,8 +53,8 @@ from devcluster.controlplane import (
     ControlPlane,
     ControlPlaneError,
     Ports,
-    _free_ports,
     clusters_root,
+    free_ports,
     probe_https,
 )
 
@@ -307,7 +307,7 @@ class LocalCluster(ControlPlane):
                 log.warning("image store not cloned, importing instead: %s", error)
         pod_net = network.allocate(self.name, self._network_record, clusters_root())
         network.create_bridge(pod_net)
-        scheduler, kubelet, healthz = _free_ports(3)
+        scheduler, kubelet, healthz = free_ports(3)
         self._write_cluster_file(
             node_ports={"scheduler": scheduler, "kubelet": kubelet, "kubelet_healthz": healthz},
             node_name=self.node_name,

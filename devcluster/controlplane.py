@@ -143,7 +143,9 @@ class ControlPlaneError(RuntimeError):
     """The cluster could not be started or stopped; the message says which part and why."""
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """Free TCP ports below the ephemeral range, so no outgoing connection takes
+    one between choosing and binding it."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     high = max(low - 1, _PORT_RANGE_START + 1000)
     taken = processes.listening_ports()
@@ -536,7 +538,7 @@ class ControlPlane:
         for directory in (self.state_dir, self.run_dir, self.logs_dir):
             directory.mkdir(parents=True, exist_ok=True)
         self.state_dir.chmod(0o700)
-        ports = Ports(*_free_ports(4))
+        ports = Ports(*free_ports(4))
         owner = os.getpid()
         self._write_cluster_file(
             name=self.name,

@@ -40,7 +40,6 @@ import datetime
 import http.client
 import json
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -55,8 +54,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from devcluster import build, pki, processes, versions
-from devcluster.controlplane import Component, ControlPlane, ControlPlaneError, Ports
+from devcluster import build, pki, versions
+from devcluster.controlplane import (
+    Component,
+    ControlPlane,
+    ControlPlaneError,
+    Ports,
+    free_ports,
+)
 
 DRIVER_NAME = "hostpath.csi.k8s.io"
 """The upstream hostpath driver's name, so manifests written for it work here."""
@@ -79,7 +84,6 @@ _CSI_TIMEOUT = "300s"
 _RETRY_MAX = "30s"
 # A unix socket path must fit sockaddr_un.sun_path (108 bytes incl. NUL).
 _MAX_SOCKET_PATH = 107
-_PORT_RANGE_START = 20000
 _CERT_VALIDITY = datetime.timedelta(days=365)
 
 _CSI_SOURCE = Path(__file__).resolve().parent / "csi"
@@ -306,26 +310,6 @@ class StoragePorts:
     snapshotter: int
 
 
-def _choose_ports(count: int) -> list[int]:
-    # Like the control plane's: below the ephemeral range, so no outgoing
-    # connection takes the port between choosing and binding it.
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    high = max(low - 1, _PORT_RANGE_START + 1000)
-    taken = processes.listening_ports()
-    chosen: list[int] = []
-    while len(chosen) < count:
-        port = random.randint(_PORT_RANGE_START, high)
-        if port in taken or port in chosen:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        chosen.append(port)
-    return chosen
-
-
 def _storage_ports(layout: StorageLayout, ports: Ports) -> StoragePorts:
     """The sidecars' ports for this start of the cluster.
 
@@ -337,7 +321,7 @@ def _storage_ports(layout: StorageLayout, ports: Ports) -> StoragePorts:
         data = json.loads(layout.ports_file.read_text())
         if data["apiserver"] == ports.apiserver:
             return StoragePorts(**data["sidecars"])
-    chosen = StoragePorts(*_choose_ports(3))
+    chosen = StoragePorts(*free_ports(3))
     layout.root.mkdir(parents=True, exist_ok=True)
     tmp = layout.ports_file.with_suffix(".tmp")
     tmp.write_text(json.dumps({"apiserver": ports.apiserver, "sidecars": asdict(chosen)}))
