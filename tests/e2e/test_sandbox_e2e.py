@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from tests.e2e.agent import Agent
@@ -18,6 +19,10 @@ from tests.e2e.conftest import E2E
 from tests.integration.harness import wait_for
 from tests.kube import KubeJSON, core_path
 from tests.sandboxes import Sandboxes
+
+# The session fixture's setup (node binaries, CSI builds and images when the
+# cache is cold) is charged to the first test: allow for a cold machine.
+pytestmark = pytest.mark.timeout(1800)
 
 
 def _gone(kube: KubeJSON, path: str) -> bool:
