@@ -12,10 +12,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from devcluster import build
+from devcluster import build, versions
 
-HELM_VERSION = "v3.19.0"
-HELM_MODULE = "helm.sh/helm/v3"
+HELM_VERSION = versions.HELM
+HELM_MODULE = versions.HELM_MODULE
 
 
 def helm_path() -> Path:

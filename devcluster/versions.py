@@ -51,3 +51,7 @@ CRI_TOOLS = "v1.34.0"
 DEBIAN_SUITE = "bookworm"
 DEBIAN_PYTHON = "3.11"
 DEBIAN_GLIBC = (2, 36)
+
+# helm, for installing the chart like a user (built from its Go module).
+HELM_MODULE = "helm.sh/helm/v3"
+HELM = "v3.19.0"
