@@ -58,15 +58,19 @@ def go_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _build_lock(name: str) -> Iterator[None]:
-    """Serialise builds of the same thing across processes (parallel test runs)."""
-    lock_path = cache_root() / f".{name}.lock"
-    with lock_path.open("w") as handle:
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock across processes (parallel test runs, CLI and tests)."""
+    with path.open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build_lock(name: str) -> contextlib.AbstractContextManager[None]:
+    """Serialise builds of the same thing across processes."""
+    return file_lock(cache_root() / f".{name}.lock")
 
 
 def _go(args: list[str], cwd: Path) -> str:

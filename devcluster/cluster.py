@@ -53,6 +53,7 @@ from devcluster.controlplane import (
     ControlPlane,
     ControlPlaneError,
     Ports,
+    _probe,
     clusters_root,
     free_ports,
     probe_https,
@@ -756,15 +757,7 @@ disabled_plugins = [
 
 
 def _http_ok(port: int, path: str) -> bool:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
-    try:
-        connection.request("GET", path)
-        response = connection.getresponse()
-        return response.status == 200 and response.read().strip() == b"ok"
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        connection.close()
+    return _probe(http.client.HTTPConnection("127.0.0.1", port, timeout=2.0), path)
 
 
 def _api(

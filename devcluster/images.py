@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import fcntl
 import gzip
 import hashlib
 import io
@@ -311,15 +310,8 @@ def cached(spec: ImageSpec) -> BuiltImage | None:
         return None
 
 
-@contextlib.contextmanager
-def _lock(name: str) -> Iterator[None]:
-    path = images_dir() / f".{_slug(name)}.lock"
-    with path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def _lock(name: str) -> contextlib.AbstractContextManager[None]:
+    return build.file_lock(images_dir() / f".{_slug(name)}.lock")
 
 
 def ensure_built(spec: ImageSpec) -> BuiltImage:

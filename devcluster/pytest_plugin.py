@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Iterator
 from types import FrameType
+from typing import TypeVar
 
 import pytest
 
@@ -158,22 +159,10 @@ def control_plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
         yield cluster
         return
 
-    sweep_orphans("pytest-")
     # die_with_parent: even a SIGKILLed pytest takes its cluster along.
     cluster = ControlPlane(f"pytest-{os.getpid()}", die_with_parent=True)
-    with _sigterm_raises_interrupt():
-        _start(cluster)
-        try:
-            yield cluster
-        finally:
-            # Keep state (logs!) of a failed session for a look; the next
-            # session's sweep removes it once this process is gone.
-            failed = request.session.testsfailed > 0
-            cluster.stop(remove_state=not failed)
-            if failed:
-                reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-                if reporter is not None:
-                    reporter.write_line(f"devcluster: logs kept in {cluster.logs_dir}")
+    with private_cluster(request, cluster):
+        yield cluster
 
 
 @pytest.fixture(scope="session")
@@ -195,8 +184,20 @@ def local_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
             cluster.load_images(cluster.image_names)
         yield cluster
         return
+    node = LocalCluster(f"pytest-{os.getpid()}-node", die_with_parent=True)
+    with private_cluster(request, node):
+        yield node
+
+
+ClusterT = TypeVar("ClusterT", bound=ControlPlane)
+
+
+@contextlib.contextmanager
+def private_cluster(request: pytest.FixtureRequest, cluster: ClusterT) -> Iterator[ClusterT]:
+    """Start a session's own cluster (named "pytest-...", so the next session's
+    sweep removes it if this one is SIGKILLed) and always stop it. SIGTERM
+    unwinds through here too. A failed session keeps the state (logs!) for a look."""
     sweep_orphans("pytest-")
-    cluster = LocalCluster(f"pytest-{os.getpid()}-node", die_with_parent=True)
     with _sigterm_raises_interrupt():
         _start(cluster)
         try:
@@ -207,7 +208,9 @@ def local_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
             if failed:
                 reporter = request.config.pluginmanager.get_plugin("terminalreporter")
                 if reporter is not None:
-                    reporter.write_line(f"devcluster: node logs kept in {cluster.logs_dir}")
+                    reporter.write_line(
+                        f"devcluster: logs of {cluster.name} kept in {cluster.logs_dir}"
+                    )
 
 
 def _start(cluster: ControlPlane) -> None:

@@ -17,8 +17,7 @@ import pytest
 
 from devcluster import deploy
 from devcluster.cluster import LocalCluster
-from devcluster.controlplane import sweep_orphans
-from devcluster.pytest_plugin import _sigterm_raises_interrupt
+from devcluster.pytest_plugin import private_cluster
 from tests.integration.harness import wait_for
 from tests.kube import KubeJSON, core_path
 
@@ -88,18 +87,12 @@ def _gone(kube: KubeJSON, path: str) -> bool:
 
 
 @pytest.fixture(scope="session")
-def e2e_cluster() -> Iterator[LocalCluster]:
-    # "pytest-" names are swept by the next session if this one is SIGKILLed.
-    sweep_orphans("pytest-")
+def e2e_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     cluster = deploy.node_cluster(f"pytest-{os.getpid()}-e2e", die_with_parent=True)
-    with _sigterm_raises_interrupt():
-        cluster.start()
-        try:
-            deploy.install_operator(cluster)
-            deploy.wait_for_crds(cluster)
-            yield cluster
-        finally:
-            cluster.stop(remove_state=True)
+    with private_cluster(request, cluster):
+        deploy.install_operator(cluster)
+        deploy.wait_for_crds(cluster)
+        yield cluster
 
 
 @pytest.fixture(scope="session")
