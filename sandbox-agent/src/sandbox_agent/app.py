@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from . import __version__, archive, files, metrics, models, patch
 from .config import Settings
 from .errors import ApiError, bad_request
-from .executions import ExecutionManager, rfc3339, stream_events
+from .executions import Execution, ExecutionManager, rfc3339, stream_events
 from .paths import Workspace
 from .runner_client import RunnerClient
 
@@ -59,12 +59,52 @@ class AgentState:
         self.last_activity = self.started
         self.executions = ExecutionManager(settings, self.runner, self.touch)
         self.runner.on_change.append(self._runner_changed)
+        # Executions stopped by a quiesce, and the timer that resumes them even
+        # when the caller (the operator) never comes back to say so.
+        self.quiesced: list[Execution] = []
+        self.resume_at: float | None = None
+        self.resume_timer: asyncio.TimerHandle | None = None
 
     def touch(self) -> None:
         self.last_activity = time.time()
 
     def _runner_changed(self) -> None:
         metrics.RUNNER_CONNECTED.set(1 if self.runner.connected else 0)
+
+    def quiesce(self, seconds: float) -> list[Execution]:
+        """SIGSTOP every running execution's process group until `resume` or
+        `seconds` from now. Refuses (503) when the runner cannot relay signals:
+        a snapshot taken then would not be the consistent one asked for."""
+        running = [ex for ex in self.executions.records.values() if ex.finished is None]
+        if running and not self.runner.connected:
+            raise ApiError(
+                503,
+                "runner_unavailable",
+                "cannot pause running executions: the runner is not connected",
+            )
+        for ex in running:
+            if ex not in self.quiesced:
+                self.runner.signal(ex.channel, _signal.SIGSTOP)
+                self.quiesced.append(ex)
+        if self.resume_timer is not None:
+            self.resume_timer.cancel()
+        self.resume_at = time.time() + seconds
+        self.resume_timer = asyncio.get_running_loop().call_later(seconds, self.resume)
+        return list(self.quiesced)
+
+    def resume(self) -> int:
+        """SIGCONT what `quiesce` stopped; idempotent."""
+        if self.resume_timer is not None:
+            self.resume_timer.cancel()
+            self.resume_timer = None
+        self.resume_at = None
+        resumed = 0
+        for ex in self.quiesced:
+            if ex.finished is None:
+                self.runner.signal(ex.channel, _signal.SIGCONT)
+                resumed += 1
+        self.quiesced = []
+        return resumed
 
 
 def state_of(request: Request) -> AgentState:
@@ -316,6 +356,37 @@ async def workspace_sync(request: Request) -> Response:
     st = state_of(request)
     st.touch()
     return ok(await asyncio.to_thread(files.sync, st.workspace))
+
+
+async def workspace_quiesce(request: Request) -> Response:
+    """Stop running executions' writes, then flush: the state a snapshot should
+    capture. Not activity: the operator calls it, not the user."""
+    st = state_of(request)
+    raw = await read_body(request, st.settings.max_body_bytes)
+    try:
+        req = (
+            msgspec.json.decode(raw, type=models.QuiesceRequest)
+            if raw.strip()
+            else models.QuiesceRequest()
+        )
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise bad_request("invalid_request", str(exc)) from None
+    stopped = st.quiesce(req.seconds)
+    synced = await asyncio.to_thread(files.sync, st.workspace)
+    return ok(
+        models.QuiesceResult(
+            quiesced=[ex.id for ex in stopped],
+            resume_at=rfc3339(st.resume_at) if st.resume_at else None,
+            synced=synced.synced,
+            duration_seconds=synced.duration_seconds,
+        )
+    )
+
+
+async def workspace_resume(request: Request) -> Response:
+    st = state_of(request)
+    st.resume()
+    return ok(models.QuiesceResult(quiesced=[], resume_at=None, synced=False, duration_seconds=0))
 
 
 # -- exec -------------------------------------------------------------------
@@ -866,6 +937,23 @@ OPS: tuple[Op, ...] = (
         "Flush the workspace to disk (sync)",
         "info",
         responses={200: models.SyncResult},
+    ),
+    Op(
+        "POST",
+        "/v1/workspace/quiesce",
+        workspace_quiesce,
+        "Stop (SIGSTOP) running executions until resume or `seconds`, then sync",
+        "info",
+        body=models.QuiesceRequest,
+        responses={200: models.QuiesceResult, 400: models.ErrorBody, 503: models.ErrorBody},
+    ),
+    Op(
+        "POST",
+        "/v1/workspace/resume",
+        workspace_resume,
+        "Continue (SIGCONT) what quiesce stopped; idempotent",
+        "info",
+        responses={200: models.QuiesceResult},
     ),
     Op(
         "POST",

@@ -238,6 +238,26 @@ class SyncResult(_Out, kw_only=True):
     duration_seconds: float
 
 
+class QuiesceRequest(_Base, kw_only=True):
+    seconds: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=600,
+            description="Resume by itself after this long, whatever happens to the caller",
+        ),
+    ] = 60.0
+
+
+class QuiesceResult(_Out, kw_only=True):
+    quiesced: Annotated[
+        list[str], Meta(description="Ids of the running executions now stopped (SIGSTOP)")
+    ]
+    resume_at: Annotated[str | None, Meta(description="RFC 3339 UTC; None when resumed")]
+    synced: bool
+    duration_seconds: float
+
+
 # -- files ----------------------------------------------------------------
 
 
