@@ -49,6 +49,35 @@ class AgentClient:
             )
         return response.json()
 
+    async def _post(self, endpoint: str, token: str, path: str, body: Any = None) -> Any:
+        try:
+            response = await self._http.post(
+                endpoint + path, headers={"Authorization": f"Bearer {token}"}, json=body
+            )
+        except httpx.HTTPError as exc:
+            raise AgentError(f"agent at {endpoint} unreachable: {exc!r}") from exc
+        if response.status_code != 200:
+            raise AgentError(
+                f"agent at {endpoint} answered {response.status_code}: {response.text[:200]}"
+            )
+        return response.json()
+
+    async def sync(self, endpoint: str, token: str) -> None:
+        """Flush the workspace to disk."""
+        await self._post(endpoint, token, "/v1/workspace/sync")
+
+    async def quiesce(self, endpoint: str, token: str, seconds: float) -> int:
+        """Stop running executions (the agent resumes them after `seconds` by itself)
+        and flush the workspace; the number of executions stopped."""
+        data = await self._post(endpoint, token, "/v1/workspace/quiesce", {"seconds": seconds})
+        try:
+            return len(data["quiesced"])
+        except (KeyError, TypeError) as exc:
+            raise AgentError(f"agent at {endpoint} sent a malformed answer: {exc!r}") from exc
+
+    async def resume(self, endpoint: str, token: str) -> None:
+        await self._post(endpoint, token, "/v1/workspace/resume")
+
     async def info(self, endpoint: str, token: str) -> AgentInfo:
         data = await self._get(endpoint, token, "/v1/info")
         try:

@@ -23,6 +23,7 @@ RUNNING = "Running"
 PAUSED = "Paused"
 FAILED = "Failed"
 TERMINATING = "Terminating"
+RESTORING = "Restoring"
 
 # Reasons.
 REASON_READY = "SandboxReady"
@@ -48,6 +49,12 @@ REASON_CLAIM_BOUND = "ClaimBound"
 REASON_CLAIM_PENDING = "ClaimPending"
 REASON_EPHEMERAL = "Ephemeral"
 REASON_NO_POD = "NoPod"
+# WorkspaceRestored (only when spec.workspace.fromSnapshot is set).
+REASON_RESTORED = "Restored"
+REASON_RESTORING = "Restoring"
+REASON_ROLLING_BACK = "RollingBack"
+REASON_SNAPSHOT_NOT_READY = "SnapshotNotReady"
+REASON_SNAPSHOT_FAILED = "SnapshotFailed"
 
 _IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName"}
 _PYTHON_HINT = "the runtime image must provide python3 >= 3.9 on PATH"
@@ -73,6 +80,10 @@ class Observed:
     invalid: str | None = None
     # The API server refused a child (quota, admission, missing ServiceAccount...).
     create_error: str | None = None
+    # WorkspaceRestored, when the workspace comes from a Snapshot.
+    restore: Cond | None = None
+    # The pod is kept stopped while the workspace is restored or rolled back.
+    holding: bool = False
 
 
 def _pod_condition(pod: JSON, kind: str) -> JSON | None:
@@ -148,6 +159,13 @@ def _workspace_condition(observed: Observed) -> Cond:
 
 def compute(observed: Observed) -> tuple[str, list[Cond]]:
     """(phase, conditions) for a Sandbox in the observed situation."""
+    phase, conds = _compute(observed)
+    if observed.restore is not None and not observed.invalid:
+        conds.insert(1, observed.restore)
+    return phase, conds
+
+
+def _compute(observed: Observed) -> tuple[str, list[Cond]]:
     if observed.invalid:
         bad = Cond("Ready", FALSE, REASON_INVALID_SPEC, observed.invalid)
         return FAILED, [bad]
@@ -172,6 +190,11 @@ def compute(observed: Observed) -> tuple[str, list[Cond]]:
         ]
         return PAUSED, conds
     conds.append(Cond("Paused", FALSE, REASON_NOT_PAUSED))
+
+    if observed.holding:
+        message = observed.restore.message if observed.restore else "restoring the workspace"
+        conds.append(Cond("Ready", FALSE, REASON_RESTORING, message))
+        return RESTORING, conds
 
     if pod is None:
         conds.append(Cond("Ready", FALSE, REASON_POD_MISSING, "creating the pod"))

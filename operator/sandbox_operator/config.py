@@ -81,8 +81,14 @@ class Settings(BaseModel):
     dns_namespace: str = "kube-system"
     dns_pod_labels: dict[str, str] = Field(default_factory=lambda: {"k8s-app": "kube-dns"})
 
-    # Snapshots.
+    # Snapshots. No class: the VolumeSnapshotClass of the workspace volume's
+    # CSI driver (the one marked default, if several).
     volume_snapshot_class: str | None = None
+    # How long the agent keeps executions stopped for a quiescing Snapshot if
+    # the operator never tells it to resume (a crash, say).
+    snapshot_quiesce_seconds: float = 120.0
+    # How long the idle policy waits for its Snapshot before it deletes or pauses anyway.
+    idle_snapshot_timeout: Duration = "10m"
 
     # Reconciliation.
     reconcile_interval_seconds: float = 30.0

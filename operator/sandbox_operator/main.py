@@ -19,11 +19,13 @@ from sandbox_operator.agent_client import AgentClient
 from sandbox_operator.api.common import GROUP
 from sandbox_operator.builders.sandbox import LABEL_MANAGED_BY, LABEL_SANDBOX, MANAGED_BY
 from sandbox_operator.handlers import sandbox
+from sandbox_operator.handlers import snapshot as snapshots
 from sandbox_operator.kube import Kube
 
 # Read at import: the timer interval is fixed when handlers are registered.
 SETTINGS = config.load()
 SANDBOX = (GROUP, "sandboxes")
+SNAPSHOT = (GROUP, "snapshots")
 OWN_PODS = {LABEL_MANAGED_BY: MANAGED_BY}
 
 
@@ -161,3 +163,31 @@ async def pod_event(
                 pod=pod,
                 pod_known=True,
             )
+
+
+@kopf.on.create(*SNAPSHOT)
+@kopf.on.resume(*SNAPSHOT)
+async def snapshot_changed(
+    body: kopf.Body, memo: Any, logger: kopf.Logger, reason: str, retry: int, **_: Any
+) -> None:
+    async with _measured("Snapshot", str(reason)):
+        await snapshots.take(_runtime(memo), dict(body), logger, retry=retry)
+
+
+# Only mirrors the VolumeSnapshot of a taken Snapshot (deleted or repaired behind our back).
+@kopf.timer(
+    *SNAPSHOT,
+    interval=SETTINGS.reconcile_interval_seconds * 2,
+    initial_delay=SETTINGS.reconcile_interval_seconds * 2,
+)
+async def snapshot_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+    if body["metadata"].get("deletionTimestamp"):
+        return
+    async with _measured("Snapshot", "timer"):
+        await snapshots.observe(_runtime(memo), dict(body), logger)
+
+
+@kopf.on.delete(*SNAPSHOT)
+async def snapshot_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+    async with _measured("Snapshot", "delete"):
+        await snapshots.release(_runtime(memo), dict(body), logger)

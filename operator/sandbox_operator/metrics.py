@@ -28,6 +28,22 @@ TEARDOWNS = Counter(
     "Automatic lifecycle actions (idle delete, idle pause, max lifetime).",
     ["action"],
 )
+SNAPSHOTS = Counter(
+    "sandbox_operator_snapshots_total",
+    "Snapshots that reached a final phase, by result (ready, failed).",
+    ["result"],
+)
+SNAPSHOT_SECONDS = Histogram(
+    "sandbox_operator_snapshot_ready_seconds",
+    "Time from a Snapshot's creation to its being ready to restore.",
+    buckets=(1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),
+)
+RESTORES = Counter(
+    "sandbox_operator_workspace_restores_total",
+    "Workspace claims made from a Snapshot, by kind (restore: a new claim; rollback:"
+    " a claim replaced).",
+    ["kind"],
+)
 AGENT_ERRORS = Counter(
     "sandbox_operator_agent_errors_total",
     "Failed calls from the operator to sandbox agents.",

@@ -40,6 +40,13 @@ class Agent:
         result: JSON = response.json()
         return result
 
+    def start(self, shell: str) -> JSON:
+        """Start a command in the background; its Execution record (status running)."""
+        response = self._http.post("/v1/executions", json={"command": shell, "background": True})
+        assert response.status_code == 202, response.text
+        result: JSON = response.json()
+        return result
+
     def write(self, path: str, content: str) -> None:
         response = self._http.post(
             "/v1/files/write", json={"path": path, "content": content, "parents": True}

@@ -85,7 +85,11 @@ class Workspace(Model):
             cel(
                 "!(has(self.ephemeral) && self.ephemeral && has(self.storageClassName))",
                 "storageClassName cannot be set for an ephemeral workspace",
-            )
+            ),
+            cel(
+                "!(has(self.ephemeral) && self.ephemeral && has(self.fromSnapshot))",
+                "fromSnapshot needs a persistent workspace (not ephemeral)",
+            ),
         )
     )
 
@@ -103,6 +107,16 @@ class Workspace(Model):
     storage_class_name: Annotated[
         str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
     ] = None
+    from_snapshot: Annotated[str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)] = (
+        Field(
+            default=None,
+            description=(
+                "A Snapshot (same namespace) the workspace starts from. Changing it on an"
+                " existing Sandbox rolls the workspace back to that snapshot: the pod stops,"
+                " the claim is replaced from the snapshot, the pod starts again."
+            ),
+        )
+    )
 
 
 class Lifecycle(Model):
@@ -114,6 +128,20 @@ class Lifecycle(Model):
         default=None, description="Tear down this long after creation, whatever the activity."
     )
     on_idle: OnIdle = Field(default=OnIdle.DELETE, description="What idle timeout does.")
+    snapshot_on_idle: bool = Field(
+        default=False,
+        description=(
+            "Take a Snapshot of the workspace before the idle policy deletes or pauses the"
+            " sandbox. The Snapshot is not owned by the Sandbox: it outlives it."
+        ),
+    )
+    snapshot_timeout: Duration | None = Field(
+        default=None,
+        description=(
+            "How long the idle policy waits for that Snapshot before it goes ahead anyway"
+            " (the operator's default applies when unset)."
+        ),
+    )
 
 
 class ExposedPort(Model):
@@ -145,6 +173,12 @@ class SandboxSpec(Model):
                 " && has(self.lifecycle) && has(self.lifecycle.onIdle)"
                 " && self.lifecycle.onIdle == 'Pause')",
                 "lifecycle.onIdle: Pause needs a persistent workspace (not workspace.ephemeral)",
+            ),
+            cel(
+                "!(has(self.workspace) && has(self.workspace.ephemeral) && self.workspace.ephemeral"
+                " && has(self.lifecycle) && has(self.lifecycle.snapshotOnIdle)"
+                " && self.lifecycle.snapshotOnIdle)",
+                "lifecycle.snapshotOnIdle needs a persistent workspace (not workspace.ephemeral)",
             ),
         )
     )
@@ -190,6 +224,21 @@ class SandboxStatus(Model):
         default=None, description="Set when the idle policy paused the sandbox; cleared on resume."
     )
     expires_at: str | None = None
+    workspace_snapshot: str | None = Field(
+        default=None, description="The Snapshot the current workspace was restored from."
+    )
+    workspace_lineage: list[str] = Field(
+        default_factory=list,
+        description="That Snapshot, then the one its source was restored from, and so on.",
+    )
+    workspace_restore_request: str | None = Field(
+        default=None,
+        description="The restore-requested-at annotation value the last restore answered.",
+    )
+    idle_snapshot: str | None = Field(
+        default=None, description="The Snapshot the idle policy took (or is taking)."
+    )
+    idle_snapshot_started_at: str | None = None
     active_executions: int | None = None
     restarts: int | None = None
     message: str | None = None

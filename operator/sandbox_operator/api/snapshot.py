@@ -56,4 +56,14 @@ class SnapshotStatus(Model):
     restore_size: str | None = None
     creation_time: str | None = None
     source_sandbox: str | None = None
-    lineage: list[str] = Field(default_factory=list)
+    lineage: list[str] = Field(
+        default_factory=list,
+        description=(
+            "The Snapshot the source sandbox's workspace was restored from, then the one"
+            " that Snapshot's source came from, and so on (nearest first)."
+        ),
+    )
+    volume_snapshot_class_name: str | None = None
+    quiesced_executions: int | None = Field(
+        default=None, description="Running executions paused while the snapshot was cut."
+    )

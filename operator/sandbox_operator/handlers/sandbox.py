@@ -25,12 +25,16 @@ from sandbox_operator.agent_client import AgentClient, AgentError, parse_time
 from sandbox_operator.api.common import parse_duration
 from sandbox_operator.api.sandbox import OnIdle, SandboxSpec
 from sandbox_operator.builders import sandbox as build
+from sandbox_operator.builders import snapshot as snapshot_build
 from sandbox_operator.config import Settings
 from sandbox_operator.kube import MERGE_PATCH, Kube, KubeError, resource_path
 
 JSON = dict[str, Any]
 
 RESUME_ANNOTATION = "sandbox.dev/resume-requested-at"
+# A new value rolls the workspace back to `spec.workspace.fromSnapshot` again.
+RESTORE_ANNOTATION = "sandbox.dev/restore-requested-at"
+SNAPSHOTS = ("sandbox.dev/v1alpha1", "snapshots")
 POD_HASH_ANNOTATION = "sandbox.dev/pod-spec-hash"
 SANDBOXES = ("sandbox.dev/v1alpha1", "sandboxes")
 # How long teardown waits for a graceful pod exit before forcing it.
@@ -95,6 +99,7 @@ def iso(moment: datetime) -> str:
 def _path(plural: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
     api_version = {
         "sandboxes": SANDBOXES[0],
+        "snapshots": SNAPSHOTS[0],
         "networkpolicies": "networking.k8s.io/v1",
     }.get(plural, "v1")
     return resource_path(api_version, plural, namespace, name, sub)
@@ -139,7 +144,10 @@ def desired_pod(ref: build.SandboxRef, spec: SandboxSpec, settings: Settings) ->
     of killing every running sandbox at once. `paused` is left out: pausing
     is handled by deleting the pod, not by replacing it."""
     pod = build.build_pod(ref, spec, settings)
-    stamped = spec.model_copy(update={"paused": False}).to_wire()
+    # fromSnapshot is left out too: a rollback replaces the pod by itself, and
+    # naming a snapshot that is not ready yet must not restart the sandbox.
+    workspace = spec.workspace.model_copy(update={"from_snapshot": None})
+    stamped = spec.model_copy(update={"paused": False, "workspace": workspace}).to_wire()
     pod["metadata"]["annotations"][POD_HASH_ANNOTATION] = _hash(stamped)
     return pod
 
@@ -167,19 +175,145 @@ async def _create_or_converge(kube: Kube, plural: str, obj: JSON, converge: bool
         await kube.patch(_path(plural, namespace, obj["metadata"]["name"]), {"spec": obj["spec"]})
 
 
+@dataclass(frozen=True)
+class WorkspacePlan:
+    """Where the workspace claim comes from, and whether the pod must wait for it."""
+
+    # Make a missing claim from this Snapshot (None: an empty claim).
+    source: snapshot_build.RestoreSource | None = None
+    # Keep the pod stopped and create no claim: a restore or rollback is under way.
+    hold: bool = False
+    # The existing claim must go first (rollback); it is this one.
+    replace: JSON | None = None
+    condition: conditions.Cond | None = None
+    # Status fields (workspaceSnapshot, workspaceLineage, workspaceRestoreRequest).
+    fields: JSON = field(default_factory=dict)
+    # Worth retrying soon (a snapshot on its way, a pod or claim going).
+    busy: bool = False
+
+
+def _restored(name: str) -> conditions.Cond:
+    return conditions.Cond(
+        "WorkspaceRestored",
+        conditions.TRUE,
+        conditions.REASON_RESTORED,
+        f"the workspace was restored from snapshot {name}",
+    )
+
+
+async def plan_workspace(rt: Runtime, body: JSON, spec: SandboxSpec) -> WorkspacePlan:
+    """Decide from what exists whether the workspace must be (re)made from a Snapshot.
+
+    Restart-safe: the claim records the Snapshot and request it was made from,
+    so a rollback interrupted anywhere resumes from what it finds. Nothing is
+    deleted before the Snapshot is ready to restore."""
+    wanted = spec.workspace.from_snapshot
+    if not wanted or spec.workspace.ephemeral:
+        return WorkspacePlan()
+    meta = body["metadata"]
+    status = body.get("status") or {}
+    request = (meta.get("annotations") or {}).get(RESTORE_ANNOTATION, "")
+    if (status.get("workspaceSnapshot"), status.get("workspaceRestoreRequest") or "") == (
+        wanted,
+        request,
+    ):
+        return WorkspacePlan(condition=_restored(wanted))  # the steady state: no reads
+    claim_name = build.names(meta["name"])["claim"]
+    claim = await rt.kube.get(_path("persistentvolumeclaims", meta["namespace"], claim_name))
+    going = claim is not None and bool(claim["metadata"].get("deletionTimestamp"))
+    if claim is not None and not going:
+        origin, origin_request, lineage = snapshot_build.claim_origin(claim)
+        if (origin, origin_request) == (wanted, request):
+            fields = {
+                "workspaceSnapshot": wanted,
+                "workspaceLineage": lineage,
+                "workspaceRestoreRequest": request,
+            }
+            return WorkspacePlan(condition=_restored(wanted), fields=fields)
+    snap = await rt.kube.get(_path("snapshots", meta["namespace"], wanted))
+    snap_status = (snap or {}).get("status") or {}
+    if snap is None or snap_status.get("phase") != "Ready":
+        if snap is None:
+            why = "does not exist"
+        else:
+            ready: JSON = next(
+                (c for c in snap_status.get("conditions") or [] if c.get("type") == "Ready"), {}
+            )
+            why = f"is {snap_status.get('phase') or 'Pending'}: {ready.get('message', '')}"
+        failed = snap_status.get("phase") == "Failed"
+        cond = conditions.Cond(
+            "WorkspaceRestored",
+            conditions.FALSE,
+            conditions.REASON_SNAPSHOT_FAILED if failed else conditions.REASON_SNAPSHOT_NOT_READY,
+            f"snapshot {wanted} {why}".strip(),
+        )
+        # An existing workspace keeps serving until the snapshot can replace it;
+        # without one, no empty claim is made in place of the restored one.
+        hold = claim is None or going
+        return WorkspacePlan(condition=cond, hold=hold, busy=not failed)
+    source = snapshot_build.RestoreSource(
+        snapshot=wanted,
+        volume_snapshot=snap_status.get("volumeSnapshotName", ""),
+        restore_size=snap_status.get("restoreSize"),
+        lineage=(wanted, *snap_status.get("lineage", [])),
+        request=request,
+    )
+    if claim is None:
+        cond = conditions.Cond(
+            "WorkspaceRestored",
+            conditions.FALSE,
+            conditions.REASON_RESTORING,
+            f"creating the workspace from snapshot {wanted}",
+        )
+        return WorkspacePlan(source=source, condition=cond, busy=True)
+    cond = conditions.Cond(
+        "WorkspaceRestored",
+        conditions.FALSE,
+        conditions.REASON_ROLLING_BACK,
+        f"rolling the workspace back to snapshot {wanted}: stopping the pod, replacing the claim",
+    )
+    return WorkspacePlan(source=source, hold=True, replace=claim, condition=cond, busy=True)
+
+
+async def roll_back(rt: Runtime, body: JSON, plan: WorkspacePlan, pod: JSON | None) -> None:
+    """One step of a rollback: the pod goes first (no writes in flight), then the
+    old claim; the next pass makes the new claim from the snapshot."""
+    if plan.replace is None or pod is not None:
+        return  # ensure_pod stops the pod (plan.hold); the claim waits for that
+    claim = plan.replace
+    if claim["metadata"].get("deletionTimestamp"):
+        return
+    await rt.kube.delete(
+        _path("persistentvolumeclaims", claim["metadata"]["namespace"], claim["metadata"]["name"]),
+        uid=claim["metadata"]["uid"],
+    )
+    metrics.RESTORES.labels("rollback").inc()
+    snapshot = plan.source.snapshot if plan.source else ""
+    event(body, "info", reason="RollingBack", message=f"replacing the claim from {snapshot}")
+
+
 async def ensure_children(
-    rt: Runtime, ref: build.SandboxRef, spec: SandboxSpec, converge: bool
+    rt: Runtime,
+    ref: build.SandboxRef,
+    spec: SandboxSpec,
+    converge: bool,
+    workspace: WorkspacePlan | None = None,
 ) -> None:
     """Create what is missing; with `converge`, also update what drifted. Idempotent."""
     kube, settings = rt.kube, rt.settings
     child = build.names(ref.name)
+    workspace = workspace or WorkspacePlan()
     # The token is random, so only ever created, never replaced (409 = keep the old one).
     await kube.create(
         _path("secrets", ref.namespace), build.build_secret(ref, secrets.token_urlsafe(32))
     )
-    claim = build.build_claim(ref, spec, settings)
+    claim = None if workspace.hold else build.build_claim(ref, spec, settings)
     if claim is not None:
-        await kube.create(_path("persistentvolumeclaims", ref.namespace), claim)
+        if workspace.source is not None:
+            claim = snapshot_build.restore_into(claim, workspace.source)
+        created = await kube.create(_path("persistentvolumeclaims", ref.namespace), claim)
+        if created is not None and workspace.source is not None:
+            metrics.RESTORES.labels("restore").inc()
     await _create_or_converge(
         kube, "networkpolicies", build.build_network_policy(ref, spec, settings), converge
     )
@@ -191,16 +325,26 @@ async def ensure_children(
 
 
 async def ensure_pod(
-    rt: Runtime, body: JSON, spec: SandboxSpec, pod: JSON | None, logger: kopf.Logger
+    rt: Runtime,
+    body: JSON,
+    spec: SandboxSpec,
+    pod: JSON | None,
+    logger: kopf.Logger,
+    hold: bool = False,
 ) -> JSON | None:
     """Converge the pod: create it, replace it when its spec changed or it ended,
-    delete it when paused. Returns the pod as it now stands (None if absent)."""
+    delete it when paused or `hold` (a workspace restore). Returns the pod as it
+    now stands (None if absent)."""
     ref = ref_of(body)
     path = _path("pods", ref.namespace)
-    if effective_paused(body, spec):
+    paused = effective_paused(body, spec)
+    if paused or hold:
         if pod is not None and not pod["metadata"].get("deletionTimestamp"):
             await rt.kube.delete(f"{path}/{pod['metadata']['name']}", uid=pod["metadata"]["uid"])
-            event(body, "info", reason="Paused", message="pod deleted, workspace kept")
+            if paused:
+                event(body, "info", reason="Paused", message="pod deleted, workspace kept")
+            else:
+                event(body, "info", reason="Restoring", message="pod stopped for a rollback")
         return pod
     desired = desired_pod(ref, spec, rt.settings)
     if pod is not None:
@@ -254,7 +398,17 @@ def build_status(
         if lifetime:
             created = parse_time(body["metadata"]["creationTimestamp"])
             status["expiresAt"] = iso(created + parse_duration(lifetime))
-    for key in ("lastActivity", "idleDeadline", "activeExecutions", "idlePausedAt"):
+    for key in (
+        "lastActivity",
+        "idleDeadline",
+        "activeExecutions",
+        "idlePausedAt",
+        "idleSnapshot",
+        "idleSnapshotStartedAt",
+        "workspaceSnapshot",
+        "workspaceLineage",
+        "workspaceRestoreRequest",
+    ):
         if key in old:
             status[key] = old[key]
     status.update(extra)
@@ -338,18 +492,74 @@ async def lifecycle(
     extra.update(
         lastActivity=iso(last), idleDeadline=iso(deadline), activeExecutions=info.active_executions
     )
-    if now < deadline:
+    # Once the idle policy has started its snapshot, it goes through with its
+    # action: the snapshot's own flush is not the user coming back.
+    snapshotting = status.get("idleSnapshot")
+    if now < deadline and not snapshotting:
         return extra
     action = spec.lifecycle.on_idle
+    meta = body["metadata"]
+    if spec.lifecycle.snapshot_on_idle:
+        if not snapshotting:
+            name = snapshot_build.idle_snapshot_name(meta["name"], deadline)
+            await rt.kube.create(
+                _path("snapshots", meta["namespace"]),
+                snapshot_build.build_idle_snapshot(meta["name"], meta["namespace"], name),
+            )
+            extra.update(idleSnapshot=name, idleSnapshotStartedAt=iso(now))
+            event(body, "info", reason="IdleSnapshot", message=f"taking snapshot {name}")
+        if action is OnIdle.PAUSE:
+            name = extra.get("idleSnapshot") or status["idleSnapshot"]
+            started = extra.get("idleSnapshotStartedAt") or status.get("idleSnapshotStartedAt")
+            if not await idle_snapshot_settled(rt, body, spec, name, started, now):
+                return extra  # paused once the snapshot is done (or timed out)
     logger.info("idle since %s; %s", iso(last), action.value)
     metrics.TEARDOWNS.labels(f"idle_{action.value.lower()}").inc()
     event(body, "info", reason="IdleTimeout", message=f"idle since {iso(last)}: {action.value}")
     if action is OnIdle.DELETE:
-        meta = body["metadata"]
+        if extra.get("idleSnapshot"):
+            # Teardown (the finalizer) waits for the snapshot it finds in status.
+            await write_status(rt, body, {**status, **extra})
         await rt.kube.delete(_path("sandboxes", meta["namespace"], meta["name"]), uid=meta["uid"])
     else:
         extra["idlePausedAt"] = iso(now)
     return extra
+
+
+def idle_snapshot_timeout(spec: SandboxSpec | None, settings: Settings) -> float:
+    timeout = (spec.lifecycle.snapshot_timeout if spec else None) or settings.idle_snapshot_timeout
+    return parse_duration(timeout).total_seconds()
+
+
+async def idle_snapshot_settled(
+    rt: Runtime,
+    body: JSON,
+    spec: SandboxSpec | None,
+    name: str,
+    started: str | None,
+    now: datetime,
+) -> bool:
+    """Is the idle policy's Snapshot Ready or Failed, or has the wait for it run
+    out? A failure or timeout is reported (Event) and the teardown goes ahead:
+    the bound on the wait is the user's to set, and the Snapshot says why."""
+    namespace = body["metadata"]["namespace"]
+    snap = await rt.kube.get(_path("snapshots", namespace, name))
+    phase = ((snap or {}).get("status") or {}).get("phase")
+    if phase == "Ready":
+        return True
+    timeout = idle_snapshot_timeout(spec, rt.settings)
+    late = started is not None and (now - parse_time(started)).total_seconds() > timeout
+    if snap is not None and phase != "Failed" and not late:
+        return False
+    why = (
+        "it does not exist"
+        if snap is None
+        else "it failed (see the Snapshot's conditions)"
+        if phase == "Failed"
+        else f"it was not ready within {timeout:g}s"
+    )
+    event(body, "warn", reason="IdleSnapshotFailed", message=f"snapshot {name}: {why}; going ahead")
+    return True
 
 
 async def reconcile(
@@ -400,14 +610,18 @@ async def _reconcile(
     assert spec is not None
     ref = ref_of(body)
     try:
+        workspace = await plan_workspace(rt, body, spec)
         if children is not Children.POD:
-            await ensure_children(rt, ref, spec, converge=children is Children.CONVERGE)
+            await ensure_children(
+                rt, ref, spec, converge=children is Children.CONVERGE, workspace=workspace
+            )
         if not pod_known:
             pod = await rt.kube.get(_path("pods", ref.namespace, build.names(ref.name)["pod"]))
         if pod is None and children is Children.POD and not effective_paused(body, spec):
             # The pod is gone (evicted, deleted): its siblings may be too.
-            await ensure_children(rt, ref, spec, converge=False)
-        pod = await ensure_pod(rt, body, spec, pod, logger)
+            await ensure_children(rt, ref, spec, converge=False, workspace=workspace)
+        await roll_back(rt, body, workspace, pod)
+        pod = await ensure_pod(rt, body, spec, pod, logger, hold=workspace.hold)
     except KubeError as exc:
         if exc.status >= 500 or exc.status == 429:
             raise kopf.TemporaryError(f"API server: {exc}", delay=CREATE_RETRY_SECONDS) from exc
@@ -424,16 +638,21 @@ async def _reconcile(
         await write_status(rt, body, build_status(body, spec, observed, rt.settings, now, {}))
         raise kopf.TemporaryError(str(exc), delay=CREATE_RETRY_SECONDS) from exc
 
-    extra: JSON = {}
+    extra: JSON = {**workspace.fields}
     paused = effective_paused(body, spec)
     if not paused:
         extra["idlePausedAt"] = None
+        if (body.get("status") or {}).get("idlePausedAt"):
+            # Resumed: the next idle period takes a snapshot of its own.
+            extra.update(idleSnapshot=None, idleSnapshotStartedAt=None)
     observed = conditions.Observed(
         generation=meta.get("generation", 0),
         paused=paused,
         deleting=bool(meta.get("deletionTimestamp")),
         ephemeral=spec.workspace.ephemeral,
         pod=pod,
+        restore=workspace.condition,
+        holding=workspace.hold,
     )
     status = build_status(body, spec, observed, rt.settings, now, extra)
     if not observed.deleting:
@@ -446,11 +665,23 @@ async def _reconcile(
         status.update(changes)
     status = {k: v for k, v in status.items() if v is not None}
     await write_status(rt, body, status)
+    if workspace.busy and children is not Children.POD:
+        # Change handlers retry; timers and pod events come back by themselves.
+        raise kopf.TemporaryError("restoring the workspace from a snapshot", delay=1)
 
 
 async def teardown(rt: Runtime, body: JSON, logger: kopf.Logger) -> None:
-    """Finalizer: stop the pod first (no writes in flight), then let GC take the rest."""
+    """Finalizer: wait for the idle policy's snapshot (bounded), stop the pod (no
+    writes in flight), then let GC take the rest. Snapshots are not owned by
+    the Sandbox: they stay."""
     ref = ref_of(body)
+    status = body.get("status") or {}
+    idle_snapshot = status.get("idleSnapshot")
+    if idle_snapshot and not status.get("idlePausedAt"):
+        spec, _ = parse_spec(body, rt.settings)
+        started = status.get("idleSnapshotStartedAt")
+        if not await idle_snapshot_settled(rt, body, spec, idle_snapshot, started, now_utc()):
+            raise kopf.TemporaryError(f"waiting for snapshot {idle_snapshot}", delay=2)
     metrics.PHASES.forget(ref.namespace, ref.name)
     rt.forget(ref.namespace, ref.name)
     path = _path("pods", ref.namespace, build.names(ref.name)["pod"])

@@ -1,0 +1,153 @@
+"""Snapshot builders and conditions: pure functions."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from sandbox_operator import conditions
+from sandbox_operator import snapshot_conditions as sc
+from sandbox_operator.api.sandbox import SandboxSpec
+from sandbox_operator.builders import sandbox as sandbox_build
+from sandbox_operator.builders import snapshot as build
+from sandbox_operator.config import Settings
+
+REF = build.SnapshotRef(name="snap", namespace="ns", uid="1234-abcd")
+SOURCE = build.RestoreSource(
+    snapshot="snap",
+    volume_snapshot="sandbox-snapshot-1234-abcd",
+    restore_size="2Gi",
+    lineage=("snap", "older"),
+    request="2026-01-01T00:00:00Z",
+)
+
+
+def test_volume_snapshot_is_named_by_uid_unowned_and_labelled() -> None:
+    vs = build.build_volume_snapshot(REF, "box", "box-workspace", "csi-hostpath-snapclass")
+    assert vs["metadata"]["name"] == "sandbox-snapshot-1234-abcd"
+    assert "ownerReferences" not in vs["metadata"]
+    assert vs["metadata"]["labels"][build.LABEL_SNAPSHOT] == "snap"
+    assert vs["metadata"]["labels"][sandbox_build.LABEL_SANDBOX] == "box"
+    assert vs["spec"] == {
+        "source": {"persistentVolumeClaimName": "box-workspace"},
+        "volumeSnapshotClassName": "csi-hostpath-snapclass",
+    }
+    unclassed = build.build_volume_snapshot(REF, "box", "box-workspace", None)
+    assert "volumeSnapshotClassName" not in unclassed["spec"]
+
+
+def _class(name: str, driver: str, default: bool = False) -> dict[str, object]:
+    annotations = {build.DEFAULT_CLASS_ANNOTATION: "true"} if default else {}
+    return {"metadata": {"name": name, "annotations": annotations}, "driver": driver}
+
+
+def test_snapshot_class_is_the_drivers_default_or_only_one() -> None:
+    assert build.pick_snapshot_class([_class("a", "x"), _class("b", "y")], "y") == "b"
+    two = [_class("a", "x"), _class("b", "x", default=True)]
+    assert build.pick_snapshot_class(two, "x") == "b"
+    assert build.pick_snapshot_class([_class("a", "x"), _class("b", "x")], "x") is None
+    assert build.pick_snapshot_class([_class("a", "x")], "z") is None
+    assert build.pick_snapshot_class([], "x") is None
+
+
+def test_restored_claim_has_a_data_source_enough_room_and_its_origin() -> None:
+    ref = sandbox_build.SandboxRef(name="box", namespace="ns", uid="u")
+    spec = SandboxSpec.model_validate({"workspace": {"size": "1Gi", "fromSnapshot": "snap"}})
+    claim = sandbox_build.build_claim(ref, spec, Settings())
+    assert claim is not None
+    restored = build.restore_into(claim, SOURCE)
+    assert restored["spec"]["dataSource"] == {
+        "apiGroup": "snapshot.storage.k8s.io",
+        "kind": "VolumeSnapshot",
+        "name": "sandbox-snapshot-1234-abcd",
+    }
+    # The snapshot is 2Gi: a 1Gi claim could not hold it.
+    assert restored["spec"]["resources"]["requests"]["storage"] == "2Gi"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi"  # input untouched
+    assert build.claim_origin(restored) == ("snap", "2026-01-01T00:00:00Z", ["snap", "older"])
+    assert build.claim_origin(claim) == (None, "", [])
+    assert build.restored_size("5Gi", "2Gi") == "5Gi"
+    assert build.restored_size("1Gi", None) == "1Gi"
+
+
+def test_idle_snapshot_is_named_after_the_deadline_and_not_owned() -> None:
+    deadline = datetime(2026, 3, 4, 5, 6, 7, tzinfo=UTC)
+    name = build.idle_snapshot_name("box", deadline)
+    assert name == "box-idle-20260304050607"
+    body = build.build_idle_snapshot("box", "ns", name)
+    assert "ownerReferences" not in body["metadata"]
+    assert body["spec"]["sandboxRef"] == {"name": "box"}
+    assert body["metadata"]["labels"][sandbox_build.LABEL_SANDBOX] == "box"
+
+
+@pytest.mark.parametrize(
+    ("observed", "phase", "reason"),
+    [
+        (sc.Observed(failure=(sc.REASON_UNSUPPORTED, "no API")), sc.FAILED, sc.REASON_UNSUPPORTED),
+        (
+            sc.Observed(waiting=(sc.REASON_SANDBOX_NOT_FOUND, "x")),
+            sc.PENDING,
+            sc.REASON_SANDBOX_NOT_FOUND,
+        ),
+        (sc.Observed(created=True), sc.FAILED, sc.REASON_VOLUME_SNAPSHOT_MISSING),
+        (sc.Observed(created=True, volume_snapshot={}), sc.IN_PROGRESS, sc.REASON_CREATING),
+        (
+            sc.Observed(created=True, volume_snapshot={"status": {"readyToUse": True}}),
+            sc.READY,
+            sc.REASON_READY,
+        ),
+        (
+            sc.Observed(
+                created=True,
+                volume_snapshot={"status": {"readyToUse": False, "error": {"message": "boom"}}},
+            ),
+            sc.FAILED,
+            sc.REASON_SNAPSHOT_FAILED,
+        ),
+    ],
+)
+def test_snapshot_phase_and_ready_reason(observed: sc.Observed, phase: str, reason: str) -> None:
+    got_phase, conds = sc.compute(observed)
+    ready = [c for c in conds if c.type == "Ready"]
+    assert (got_phase, ready[0].reason) == (phase, reason)
+    assert ready[0].status == ("True" if phase == sc.READY else "False")
+
+
+def test_csi_error_message_reaches_the_condition_and_fields_mirror_the_volume_snapshot() -> None:
+    vs = {
+        "status": {
+            "readyToUse": True,
+            "restoreSize": "10Mi",
+            "creationTime": "2026-01-01T00:00:00Z",
+        }
+    }
+    assert sc.volume_snapshot_fields(vs) == {
+        "readyToUse": True,
+        "restoreSize": "10Mi",
+        "creationTime": "2026-01-01T00:00:00Z",
+    }
+    assert sc.cut(vs)
+    assert not sc.cut({"status": {}})
+    _, conds = sc.compute(
+        sc.Observed(created=True, volume_snapshot={"status": {"error": {"message": "disk full"}}})
+    )
+    assert "disk full" in conds[-1].message
+
+
+def test_a_sandbox_held_for_a_rollback_is_restoring_not_ready() -> None:
+    restore = conditions.Cond("WorkspaceRestored", "False", conditions.REASON_ROLLING_BACK, "msg")
+    observed = conditions.Observed(
+        generation=1,
+        paused=False,
+        deleting=False,
+        ephemeral=False,
+        pod=None,
+        restore=restore,
+        holding=True,
+    )
+    phase, conds = conditions.compute(observed)
+    assert phase == conditions.RESTORING
+    by_type = {c.type: c for c in conds}
+    assert by_type["Ready"].reason == conditions.REASON_RESTORING
+    assert by_type["WorkspaceRestored"] == restore
