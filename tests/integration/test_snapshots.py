@@ -1,15 +1,27 @@
 """Snapshot object logic against a real API server that has no VolumeSnapshot API.
 
 This control plane has neither the snapshot CRDs nor a CSI driver: the path a
-cluster without snapshot support takes. The CSI side (real VolumeSnapshots,
-restores, rollbacks) is exercised end to end in tests/e2e/test_snapshot_e2e.py.
+cluster without snapshot support takes. Real VolumeSnapshots, restores and
+rollbacks are in test_snapshot_storage.py (a control plane with CSI storage)
+and tests/e2e/test_snapshot_e2e.py (a real node).
 """
 
 from __future__ import annotations
 
+import random
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
 import pytest
 
-from tests.integration.harness import OperatorProcess, wait_for
+from tests.integration.harness import (
+    AgentProcess,
+    Node,
+    OperatorProcess,
+    secret_token,
+    wait_for,
+)
 from tests.kube import ApiError, KubeJSON, core_path
 from tests.sandboxes import Sandboxes
 from tests.snapshots import Snapshots
@@ -107,3 +119,80 @@ def test_snapshot_spec_is_validated_by_the_api_server(kube: KubeJSON, ns: str) -
         kube.patch(snapshots.path("fine"), {"spec": {"sandboxRef": {"name": "other"}}})
     assert moved.value.status == 422
     assert "immutable" in moved.value.message
+
+
+@pytest.fixture
+def own_agent(tmp_path: Path) -> Iterator[Callable[[str], AgentProcess]]:
+    """A real agent + runner on a loopback address of its own: not the shared
+    counter's next one, which another test session on this machine may hold."""
+    started: list[AgentProcess] = []
+
+    def start(token: str) -> AgentProcess:
+        for _ in range(50):
+            ip = f"127.{random.randint(100, 250)}.{random.randint(0, 250)}.{random.randint(2, 250)}"
+            with socket.socket() as probe:
+                try:
+                    probe.bind((ip, 8080))
+                except OSError:
+                    continue
+            agent = AgentProcess(tmp_path / f"agent-{len(started)}", ip, 8080, token)
+            started.append(agent)
+            agent.start()
+            return agent
+        raise AssertionError("no free loopback address for an agent")
+
+    yield start
+    for agent in started:
+        agent.stop()
+
+
+def _events(kube: KubeJSON, ns: str, reason: str) -> list[str]:
+    events = kube.list(core_path("events", ns))
+    return [e.get("message", "") for e in events if e.get("reason") == reason]
+
+
+def test_idle_snapshot_that_fails_is_reported_and_the_pause_goes_ahead(
+    kube: KubeJSON,
+    ns: str,
+    sandboxes: Sandboxes,
+    node: Node,
+    own_agent: Callable[[str], AgentProcess],
+) -> None:
+    snapshots = Snapshots(kube, ns)
+    sandboxes.create(
+        "dozy", {"lifecycle": {"idleTimeout": "2s", "onIdle": "Pause", "snapshotOnIdle": True}}
+    )
+    wait_for(lambda: kube.get(core_path("pods", ns, "dozy")), 20, "pod dozy")
+    agent = own_agent(secret_token(kube, ns, "dozy"))
+    node.run_pod(ns, "dozy", agent.ip)
+    body = sandboxes.wait_phase("dozy", "Paused", timeout=60)
+    name = body["status"]["idleSnapshot"]
+    assert name.startswith("dozy-idle-")
+    taken = snapshots.get(name)
+    assert taken is not None
+    assert not taken["metadata"].get("ownerReferences")
+    assert taken["status"]["phase"] == "Failed"
+    assert (snapshots.condition(name) or {})["reason"] == "SnapshotsUnsupported"
+    wait_for(lambda: _events(kube, ns, "IdleSnapshotFailed"), 30, "an IdleSnapshotFailed Event")
+    assert name in _events(kube, ns, "IdleSnapshotFailed")[0]
+
+
+def test_idle_delete_waits_for_its_snapshot_and_the_snapshot_outlives_the_sandbox(
+    kube: KubeJSON,
+    ns: str,
+    sandboxes: Sandboxes,
+    node: Node,
+    own_agent: Callable[[str], AgentProcess],
+) -> None:
+    snapshots = Snapshots(kube, ns)
+    sandboxes.create(
+        "gone", {"lifecycle": {"idleTimeout": "2s", "onIdle": "Delete", "snapshotOnIdle": True}}
+    )
+    wait_for(lambda: kube.get(core_path("pods", ns, "gone")), 20, "pod gone")
+    agent = own_agent(secret_token(kube, ns, "gone"))
+    node.run_pod(ns, "gone", agent.ip)
+    wait_for(lambda: sandboxes.get("gone") is None, 60, "idle deletion")
+    taken = snapshots.list("sandbox.dev/sandbox=gone")
+    assert len(taken) == 1, taken
+    # The finalizer let the sandbox go only once its snapshot had settled.
+    assert taken[0]["status"]["phase"] == "Failed"

@@ -1,0 +1,239 @@
+"""Snapshot object logic against a control plane with CSI storage and snapshots.
+
+A private control plane of this module runs the CSI hostpath driver, the
+external provisioner, snapshotter and snapshot controller (no kubelet: volumes
+are provisioned, snapshotted and restored, never mounted). The operator runs
+under the chart's RBAC. The sandboxes are paused (no pod, no agent needed), so
+the workspace data is read and written in the driver's volume directories.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devcluster import build, storage
+from devcluster.controlplane import ControlPlaneError
+from devcluster.storage import StorageControlPlane
+from tests.integration.conftest import OPERATOR_ENV
+from tests.integration.harness import OperatorProcess, operator_credentials, wait_for
+from tests.kube import JSON, KubeJSON, api_path, core_path
+from tests.sandboxes import Sandboxes
+from tests.snapshots import VOLUME_SNAPSHOTS, Snapshots
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[StorageControlPlane]:
+    build.etcd_binary()
+    build.kubernetes_binaries()
+    storage.storage_binaries()
+    cluster = StorageControlPlane(f"pytest-snapshots-{os.getpid()}", die_with_parent=True)
+    try:
+        cluster.start()
+    except ControlPlaneError as error:
+        pytest.fail(f"storage control plane did not start: {error}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop(remove_state=True)
+
+
+@pytest.fixture(scope="module")
+def skube(cluster: StorageControlPlane) -> Iterator[KubeJSON]:
+    with KubeJSON(cluster.kubeconfig) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def soperator(
+    cluster: StorageControlPlane,
+    skube: KubeJSON,
+    repo: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[OperatorProcess]:
+    applied = subprocess.run(
+        cluster.kubectl_command("apply", "-f", str(repo / "crds")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert applied.returncode == 0, applied.stderr
+    waited = subprocess.run(
+        cluster.kubectl_command(
+            "wait",
+            "--for=condition=Established",
+            "crd",
+            "-l",
+            "app.kubernetes.io/part-of=sandbox-operator",
+            "--timeout=60s",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert waited.returncode == 0, waited.stderr
+    kubeconfig = operator_credentials(
+        cluster, skube, repo, tmp_path_factory.mktemp("soperator") / "kubeconfig"
+    )
+    process = OperatorProcess(kubeconfig, tmp_path_factory.mktemp("soperator-logs"), OPERATOR_ENV)
+    process.start()
+    yield process
+    process.stop()
+    assert process.errors() == [], f"handler tracebacks in {process.log}"
+
+
+@pytest.fixture
+def sns(skube: KubeJSON, soperator: OperatorProcess) -> Iterator[str]:
+    name = f"s-{os.urandom(4).hex()}"
+    skube.create(core_path("namespaces"), {"apiVersion": "v1", "metadata": {"name": name}})
+    yield name
+    skube.delete(core_path("namespaces", name=name))
+
+
+def workspace_dir(cluster: StorageControlPlane, kube: KubeJSON, ns: str, sandbox: str) -> Path:
+    """The driver's directory of a sandbox's workspace volume, once bound."""
+
+    def bound() -> JSON | None:
+        claim = kube.get(core_path("persistentvolumeclaims", ns, f"{sandbox}-workspace"))
+        if claim and (claim.get("status") or {}).get("phase") == "Bound":
+            return claim
+        return None
+
+    claim = wait_for(bound, 60, f"claim of {sandbox} bound")
+    pv = kube.read(core_path("persistentvolumes", name=claim["spec"]["volumeName"]))
+    path: Path = cluster.storage.data_dir / "volumes" / pv["spec"]["csi"]["volumeHandle"]
+    assert path.is_dir(), path
+    return path
+
+
+def test_snapshot_rollback_fork_lineage_and_retention_on_real_volumes(
+    cluster: StorageControlPlane, skube: KubeJSON, sns: str
+) -> None:
+    sandboxes, snapshots = Sandboxes(skube, sns), Snapshots(skube, sns)
+    sandboxes.create("paused", {"paused": True, "workspace": {"size": "16Mi"}})
+    volume = workspace_dir(cluster, skube, sns, "paused")
+    (volume / "state.txt").write_text("original\n")
+
+    snapshots.create("one", "paused", tag="one", quiesce=True)
+    status = snapshots.wait_phase("one", "Ready")["status"]
+    assert status["readyToUse"] is True
+    assert status["volumeSnapshotClassName"] == storage.SNAPSHOT_CLASS
+    assert status["lineage"] == []
+    quiesced = snapshots.condition("one", "Quiesced") or {}
+    assert quiesced.get("reason") == "NoPod", quiesced
+    vs = snapshots.volume_snapshot(status["volumeSnapshotName"])
+    assert vs is not None
+    assert vs["spec"]["source"] == {"persistentVolumeClaimName": "paused-workspace"}
+
+    # Roll back: the claim is replaced by one made from the snapshot.
+    (volume / "state.txt").write_text("changed\n")
+    old_claim = skube.read(core_path("persistentvolumeclaims", sns, "paused-workspace"))
+    sandboxes.patch("paused", {"spec": {"workspace": {"fromSnapshot": "one"}}})
+    wait_for(
+        lambda: (
+            ((sandboxes.get("paused") or {}).get("status") or {}).get("workspaceSnapshot") == "one"
+        ),
+        90,
+        "rollback recorded",
+    )
+    cond = sandboxes.condition("paused", "WorkspaceRestored") or {}
+    assert (cond.get("status"), cond.get("reason")) == ("True", "Restored"), cond
+    claim = skube.read(core_path("persistentvolumeclaims", sns, "paused-workspace"))
+    assert claim["metadata"]["uid"] != old_claim["metadata"]["uid"]
+    assert claim["spec"]["dataSource"]["name"] == status["volumeSnapshotName"]
+    restored = workspace_dir(cluster, skube, sns, "paused")
+    assert (restored / "state.txt").read_text() == "original\n"
+
+    # A snapshot of the rolled-back sandbox knows where its workspace came from.
+    snapshots.create("two", "paused", retainPolicy="Retain")
+    two = snapshots.wait_phase("two", "Ready")["status"]
+    assert two["lineage"] == ["one"]
+
+    # The source goes; its snapshots stay and still restore.
+    sandboxes.delete("paused")
+    wait_for(lambda: sandboxes.get("paused") is None, 60, "sandbox deleted")
+    assert snapshots.get("one") is not None
+    sandboxes.create("fork", {"paused": True, "workspace": {"fromSnapshot": "two"}})
+    fork = workspace_dir(cluster, skube, sns, "fork")
+    assert (fork / "state.txt").read_text() == "original\n"
+    wait_for(
+        lambda: (
+            ((sandboxes.get("fork") or {}).get("status") or {}).get("workspaceLineage")
+            == ["two", "one"]
+        ),
+        30,
+        "the fork's lineage",
+    )
+
+    # Retain keeps the VolumeSnapshot; Delete removes it.
+    snapshots.delete("two")
+    snapshots.delete("one")
+    wait_for(lambda: snapshots.get("one") is None and snapshots.get("two") is None, 60, "deleted")
+    assert snapshots.volume_snapshot(two["volumeSnapshotName"]) is not None
+    wait_for(
+        lambda: snapshots.volume_snapshot(status["volumeSnapshotName"]) is None,
+        60,
+        "one's VolumeSnapshot deleted",
+    )
+    skube.delete(api_path(VOLUME_SNAPSHOTS, "volumesnapshots", sns, two["volumeSnapshotName"]))
+
+
+def test_rollback_interrupted_by_an_operator_crash_converges(
+    cluster: StorageControlPlane, skube: KubeJSON, sns: str, soperator: OperatorProcess
+) -> None:
+    sandboxes, snapshots = Sandboxes(skube, sns), Snapshots(skube, sns)
+    sandboxes.create("crashy", {"paused": True, "workspace": {"size": "16Mi"}})
+    volume = workspace_dir(cluster, skube, sns, "crashy")
+    (volume / "data.txt").write_text("checkpoint\n")
+    snapshots.create("cp", "crashy")
+    snapshots.wait_phase("cp", "Ready")
+    (volume / "data.txt").write_text("later\n")
+
+    # The operator dies; the rollback is asked for while it is down, and the
+    # state it finds on restart is the middle of one: old claim already gone.
+    soperator.kill()
+    try:
+        sandboxes.patch("crashy", {"spec": {"workspace": {"fromSnapshot": "cp"}}})
+        skube.delete(core_path("persistentvolumeclaims", sns, "crashy-workspace"))
+        wait_for(
+            lambda: skube.get(core_path("persistentvolumeclaims", sns, "crashy-workspace")) is None,
+            60,
+            "old claim gone",
+        )
+    finally:
+        soperator.start()
+    wait_for(
+        lambda: (
+            ((sandboxes.get("crashy") or {}).get("status") or {}).get("workspaceSnapshot") == "cp"
+        ),
+        90,
+        "rollback finished after the restart",
+    )
+    assert (workspace_dir(cluster, skube, sns, "crashy") / "data.txt").read_text() == (
+        "checkpoint\n"
+    )
+
+
+def test_a_volume_snapshot_deleted_behind_the_operators_back_shows(
+    cluster: StorageControlPlane, skube: KubeJSON, sns: str
+) -> None:
+    sandboxes, snapshots = Sandboxes(skube, sns), Snapshots(skube, sns)
+    sandboxes.create("lone", {"paused": True, "workspace": {"size": "16Mi"}})
+    workspace_dir(cluster, skube, sns, "lone")
+    snapshots.create("fragile", "lone")
+    name = snapshots.wait_phase("fragile", "Ready")["status"]["volumeSnapshotName"]
+    skube.delete(api_path(VOLUME_SNAPSHOTS, "volumesnapshots", sns, name))
+    wait_for(
+        lambda: (snapshots.condition("fragile") or {}).get("reason") == "VolumeSnapshotMissing",
+        60,
+        "VolumeSnapshotMissing",
+    )
+    assert snapshots.get("fragile")["status"]["phase"] == "Failed"  # type: ignore[index]
