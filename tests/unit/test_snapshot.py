@@ -151,3 +151,18 @@ def test_a_sandbox_held_for_a_rollback_is_restoring_not_ready() -> None:
     by_type = {c.type: c for c in conds}
     assert by_type["Ready"].reason == conditions.REASON_RESTORING
     assert by_type["WorkspaceRestored"] == restore
+
+
+def test_naming_a_snapshot_does_not_restart_the_pod_by_itself() -> None:
+    """The pod hash leaves fromSnapshot out: a rollback replaces the pod when
+    its snapshot is ready, not when the field is written."""
+    from sandbox_operator.handlers.sandbox import POD_HASH_ANNOTATION, desired_pod
+
+    ref = sandbox_build.SandboxRef(name="box", namespace="ns", uid="u")
+    plain = SandboxSpec.model_validate({})
+    restored = SandboxSpec.model_validate({"workspace": {"fromSnapshot": "snap"}})
+    hashes = {
+        desired_pod(ref, spec, Settings())["metadata"]["annotations"][POD_HASH_ANNOTATION]
+        for spec in (plain, restored)
+    }
+    assert len(hashes) == 1

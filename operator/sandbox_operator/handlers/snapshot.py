@@ -10,7 +10,6 @@ creating it and recording it costs nothing: the next pass finds it by name.
 from __future__ import annotations
 
 import base64
-from datetime import datetime
 from typing import Any
 
 import kopf
@@ -353,12 +352,3 @@ async def release(rt: Runtime, body: JSON, logger: kopf.Logger) -> None:
         if exc.status >= 500 or exc.status == 429:
             raise kopf.TemporaryError(f"API server: {exc}", delay=RETRY_SECONDS) from exc
         raise
-
-
-def done(status: JSON) -> bool:
-    """Ready or Failed: what an idle teardown waits for."""
-    return status.get("phase") in sc.TERMINAL
-
-
-def timed_out(started: str | None, timeout_seconds: float, now: datetime) -> bool:
-    return bool(started) and (now - parse_time(started or "")).total_seconds() > timeout_seconds
