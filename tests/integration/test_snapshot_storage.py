@@ -20,7 +20,7 @@ from devcluster import build, storage
 from devcluster.controlplane import ControlPlaneError
 from devcluster.storage import StorageControlPlane
 from tests.integration.conftest import OPERATOR_ENV
-from tests.integration.harness import OperatorProcess, operator_credentials, wait_for
+from tests.integration.harness import Node, OperatorProcess, operator_credentials, wait_for
 from tests.kube import JSON, KubeJSON, api_path, core_path
 from tests.sandboxes import Sandboxes
 from tests.snapshots import VOLUME_SNAPSHOTS, Snapshots
@@ -237,3 +237,23 @@ def test_a_volume_snapshot_deleted_behind_the_operators_back_shows(
         "VolumeSnapshotMissing",
     )
     assert snapshots.get("fragile")["status"]["phase"] == "Failed"  # type: ignore[index]
+
+
+def test_quiesce_that_cannot_reach_the_agent_refuses_to_snapshot(
+    cluster: StorageControlPlane, skube: KubeJSON, sns: str
+) -> None:
+    sandboxes, snapshots = Sandboxes(skube, sns), Snapshots(skube, sns)
+    sandboxes.create("mute", {"workspace": {"size": "16Mi"}})
+    workspace_dir(cluster, skube, sns, "mute")
+    wait_for(lambda: skube.get(core_path("pods", sns, "mute")), 30, "pod mute")
+    # The pod runs, as far as the API says, but nothing answers at its address.
+    Node(skube).run_pod(sns, "mute", "127.254.254.254")
+    sandboxes.wait_phase("mute", "Running")
+    snapshots.create("held", "mute", quiesce=True)
+    body = snapshots.wait_phase("held", "Failed")
+    cond = snapshots.condition("held") or {}
+    assert cond["reason"] == "QuiesceFailed", cond
+    assert "no snapshot was taken" in cond["message"]
+    assert body["status"].get("volumeSnapshotName") is None
+    listed = skube.list(api_path(VOLUME_SNAPSHOTS, "volumesnapshots", sns))
+    assert listed == []
