@@ -25,7 +25,8 @@ from tests.kube import JSON, KubeJSON, api_path, core_path
 from tests.sandboxes import Sandboxes
 from tests.snapshots import VOLUME_SNAPSHOTS, Snapshots
 
-pytestmark = pytest.mark.timeout(900)
+# The first test is charged with a cold build of the CSI binaries (minutes).
+pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")
