@@ -14,7 +14,20 @@ import httpx
 
 
 class AgentError(Exception):
-    """The agent could not be reached or answered with an error."""
+    """The agent could not be reached or answered with an error.
+
+    `status` is the HTTP status of an answer (None: no answer at all) and
+    `code` the agent's machine-readable error code, when it sent one."""
+
+    def __init__(self, message: str, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+    @property
+    def refused(self) -> bool:
+        """The agent answered and will give the same answer again (a 4xx other than 429)."""
+        return self.status is not None and 400 <= self.status < 500 and self.status != 429
 
 
 @dataclass(frozen=True)
@@ -36,31 +49,49 @@ class AgentClient:
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
         self._http = httpx.AsyncClient(timeout=timeout, limits=limits)
 
-    async def _get(self, endpoint: str, token: str, path: str) -> Any:
+    async def _call(
+        self,
+        method: str,
+        endpoint: str,
+        token: str,
+        path: str,
+        *,
+        json: Any = None,
+        content: bytes | None = None,
+        params: dict[str, str] | None = None,
+        read_timeout: float | None = None,
+    ) -> Any:
         try:
-            response = await self._http.get(
-                endpoint + path, headers={"Authorization": f"Bearer {token}"}
+            response = await self._http.request(
+                method,
+                endpoint + path,
+                headers={"Authorization": f"Bearer {token}"},
+                json=json,
+                content=content,
+                params=params,
+                timeout=read_timeout if read_timeout is not None else self._http.timeout,
             )
         except httpx.HTTPError as exc:
             raise AgentError(f"agent at {endpoint} unreachable: {exc!r}") from exc
-        if response.status_code != 200:
+        if response.status_code >= 300:
+            code = message = None
+            try:
+                error = response.json()["error"]
+                code, message = str(error["code"]), str(error["message"])
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:200]
             raise AgentError(
-                f"agent at {endpoint} answered {response.status_code}: {response.text[:200]}"
+                f"agent at {endpoint} answered {response.status_code}: {message}",
+                status=response.status_code,
+                code=code,
             )
-        return response.json()
+        return response.json() if response.content else None
+
+    async def _get(self, endpoint: str, token: str, path: str) -> Any:
+        return await self._call("GET", endpoint, token, path)
 
     async def _post(self, endpoint: str, token: str, path: str, body: Any = None) -> Any:
-        try:
-            response = await self._http.post(
-                endpoint + path, headers={"Authorization": f"Bearer {token}"}, json=body
-            )
-        except httpx.HTTPError as exc:
-            raise AgentError(f"agent at {endpoint} unreachable: {exc!r}") from exc
-        if response.status_code != 200:
-            raise AgentError(
-                f"agent at {endpoint} answered {response.status_code}: {response.text[:200]}"
-            )
-        return response.json()
+        return await self._call("POST", endpoint, token, path, json=body)
 
     async def sync(self, endpoint: str, token: str) -> None:
         """Flush the workspace to disk."""
@@ -89,6 +120,63 @@ class AgentClient:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AgentError(f"agent at {endpoint} sent malformed info: {exc!r}") from exc
+
+    # Executions. Records are the agent's JSON (sandbox-agent/openapi.json, Execution).
+
+    async def start(self, endpoint: str, token: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Start a command in the background; with an idempotency key, a repeat of the
+        same request returns the first execution instead of running it again."""
+        record: dict[str, Any] = await self._call(
+            "POST", endpoint, token, "/v1/executions", json={**request, "background": True}
+        )
+        return record
+
+    async def execution(
+        self, endpoint: str, token: str, execution_id: str, wait_seconds: float = 0
+    ) -> dict[str, Any]:
+        """One execution with its output tails, waiting up to `wait_seconds` for its exit."""
+        params = {"waitSeconds": f"{wait_seconds:g}"} if wait_seconds else None
+        record: dict[str, Any] = await self._call(
+            "GET",
+            endpoint,
+            token,
+            f"/v1/executions/{execution_id}",
+            params=params,
+            read_timeout=wait_seconds + (self._http.timeout.read or 5) if wait_seconds else None,
+        )
+        return record
+
+    async def find(self, endpoint: str, token: str, idempotency_key: str) -> dict[str, Any] | None:
+        """The execution started with this idempotency key, if the agent knows it."""
+        listing = await self._call("GET", endpoint, token, "/v1/executions")
+        for record in listing.get("executions", []):
+            if record.get("idempotencyKey") == idempotency_key:
+                return await self.execution(endpoint, token, str(record["id"]))
+        return None
+
+    async def cancel(
+        self, endpoint: str, token: str, execution_id: str, grace_seconds: float
+    ) -> dict[str, Any]:
+        """SIGTERM the process group, SIGKILL after the grace; returns the ended execution."""
+        record: dict[str, Any] = await self._call(
+            "POST",
+            endpoint,
+            token,
+            f"/v1/executions/{execution_id}/cancel",
+            json={"graceSeconds": grace_seconds},
+            read_timeout=grace_seconds + (self._http.timeout.read or 5) + 5,
+        )
+        return record
+
+    async def write_file(
+        self, endpoint: str, token: str, path: str, content: bytes, mode: int | None
+    ) -> None:
+        params = {"path": path}
+        if mode is not None:
+            params["mode"] = f"{mode:04o}"
+        await self._call(
+            "PUT", endpoint, token, "/v1/files/content", content=content, params=params
+        )
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -81,6 +81,18 @@ class Settings(BaseModel):
     dns_namespace: str = "kube-system"
     dns_pod_labels: dict[str, str] = Field(default_factory=lambda: {"k8s-app": "kube-dns"})
 
+    # Executions.
+    # Executions running at once in one sandbox; later ones wait, in creation order.
+    max_executions_per_sandbox: Annotated[int, Field(ge=1, le=1024)] = 8
+    # How long an Execution waits for its sandbox to exist and be ready before failing.
+    execution_sandbox_wait: Duration = "10m"
+    # Bytes of stdout/stderr kept in an Execution's status (the agent keeps the rest).
+    execution_output_tail_bytes: Annotated[int, Field(ge=0, le=65536)] = 4096
+    # Longest single wait on the agent for a command's exit (then the loop looks around).
+    execution_poll_seconds: Annotated[float, Field(gt=0, le=600)] = 20.0
+    # SIGTERM-to-SIGKILL grace when an Execution is cancelled or deleted.
+    execution_cancel_grace_seconds: Annotated[float, Field(ge=0, le=300)] = 2.0
+
     # Snapshots. No class: the VolumeSnapshotClass of the workspace volume's
     # CSI driver (the one marked default, if several).
     volume_snapshot_class: str | None = None

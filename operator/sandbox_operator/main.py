@@ -18,13 +18,14 @@ from sandbox_operator import config, metrics
 from sandbox_operator.agent_client import AgentClient
 from sandbox_operator.api.common import GROUP
 from sandbox_operator.builders.sandbox import LABEL_MANAGED_BY, LABEL_SANDBOX, MANAGED_BY
-from sandbox_operator.handlers import sandbox
+from sandbox_operator.handlers import execution, sandbox
 from sandbox_operator.handlers import snapshot as snapshots
 from sandbox_operator.kube import Kube
 
 # Read at import: the timer interval is fixed when handlers are registered.
 SETTINGS = config.load()
 SANDBOX = (GROUP, "sandboxes")
+EXECUTION = (GROUP, "executions")
 SNAPSHOT = (GROUP, "snapshots")
 OWN_PODS = {LABEL_MANAGED_BY: MANAGED_BY}
 
@@ -48,6 +49,7 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
         kube=Kube.from_environment(),
         agents=AgentClient(timeout=SETTINGS.agent_timeout_seconds),
     )
+    memo.scheduler = execution.Scheduler()
     if SETTINGS.metrics_port:
         start_http_server(SETTINGS.metrics_port)
 
@@ -163,6 +165,43 @@ async def pod_event(
                 pod=pod,
                 pod_known=True,
             )
+
+
+@kopf.index(*EXECUTION)
+def execution_slots(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """Executions by (namespace, sandbox): the per-sandbox queue, read without a GET."""
+    return {(namespace, execution.sandbox_of(dict(body))): execution.slot_entry(dict(body))}
+
+
+# One task per Execution follows it from Queued to its end. Deleting it stops
+# the task at once; the deletion handler below then cancels what still runs.
+@kopf.daemon(*EXECUTION, cancellation_timeout=1.0)
+async def execution_daemon(
+    body: kopf.Body, memo: Any, logger: kopf.Logger, stopped: kopf.DaemonStopped, **kwargs: Any
+) -> None:
+    await execution.run(
+        _runtime(memo),
+        memo.scheduler,
+        body,
+        kwargs["sandbox_bodies"],
+        kwargs["execution_slots"],
+        stopped,
+        logger,
+    )
+
+
+@kopf.on.event(*EXECUTION)
+def execution_event(body: kopf.Body, memo: Any, **_: Any) -> None:
+    # Not an on.field handler: those store a diff base on every Execution (a write).
+    execution.woken(memo.scheduler, dict(body))
+
+
+@kopf.on.delete(*EXECUTION, retries=10, errors=kopf.ErrorsMode.IGNORED)
+async def execution_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs: Any) -> None:
+    async with _measured("Execution", "delete"):
+        await execution.deleted(
+            _runtime(memo), memo.scheduler, dict(body), kwargs["sandbox_bodies"], logger
+        )
 
 
 @kopf.on.create(*SNAPSHOT)

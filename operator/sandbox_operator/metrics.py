@@ -28,6 +28,16 @@ TEARDOWNS = Counter(
     "Automatic lifecycle actions (idle delete, idle pause, max lifetime).",
     ["action"],
 )
+EXECUTIONS = Counter(
+    "sandbox_operator_executions_total",
+    "Executions that reached a terminal phase, by phase and reason.",
+    ["phase", "reason"],
+)
+EXECUTION_SECONDS = Histogram(
+    "sandbox_operator_execution_seconds",
+    "Time from an Execution's creation to its terminal phase (queueing included).",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800),
+)
 SNAPSHOTS = Counter(
     "sandbox_operator_snapshots_total",
     "Snapshots that reached a final phase, by result (ready, failed).",

@@ -11,12 +11,15 @@ from pathlib import Path
 import pytest
 
 from devcluster.controlplane import ControlPlane
+from tests.executions import Executions
 from tests.integration.harness import (
     AgentProcess,
     Node,
     OperatorProcess,
     next_pod_ip,
     operator_credentials,
+    secret_token,
+    wait_for,
 )
 from tests.kube import JSON, KubeJSON, core_path
 from tests.sandboxes import Sandboxes
@@ -26,6 +29,9 @@ OPERATOR_ENV = {
     "SANDBOX_OPERATOR_RECONCILE_INTERVAL_SECONDS": "1",
     "SANDBOX_OPERATOR_AGENT_TIMEOUT_SECONDS": "2",
     "SANDBOX_OPERATOR_DEFAULT_IDLE_TIMEOUT": "null",
+    # Small enough that queueing and the wait bound show within a test.
+    "SANDBOX_OPERATOR_MAX_EXECUTIONS_PER_SANDBOX": "2",
+    "SANDBOX_OPERATOR_EXECUTION_SANDBOX_WAIT": "15s",
 }
 
 
@@ -136,3 +142,31 @@ def agents(tmp_path: Path) -> Iterator[Callable[[str], AgentProcess]]:
 @pytest.fixture
 def sandboxes(kube: KubeJSON, ns: str) -> Sandboxes:
     return Sandboxes(kube, ns)
+
+
+@pytest.fixture
+def executions(kube: KubeJSON, ns: str) -> Executions:
+    return Executions(kube, ns)
+
+
+@pytest.fixture
+def live_sandbox(
+    sandboxes: Sandboxes,
+    kube: KubeJSON,
+    node: Node,
+    agents: Callable[[str], AgentProcess],
+) -> Callable[..., AgentProcess]:
+    """Create a Sandbox (or take an existing one), play the node for its pod with
+    a real agent, and return the agent once the Sandbox is Running."""
+
+    def start(name: str, spec: JSON | None = None, *, create: bool = True) -> AgentProcess:
+        if create:
+            sandboxes.create(name, spec or {"runtime": "python"})
+        ns = sandboxes.namespace
+        wait_for(lambda: kube.get(core_path("pods", ns, name)) is not None, 20, f"pod {name}")
+        agent = agents(secret_token(kube, ns, name))
+        node.run_pod(ns, name, agent.ip)
+        sandboxes.wait_phase(name, "Running")
+        return agent
+
+    return start

@@ -119,9 +119,27 @@ class ExecutionStatus(Model):
     model_config = ConfigDict(extra="ignore")
 
     phase: ExecutionPhase | None = None
+    reason: str | None = Field(
+        default=None, description="Why the Execution waits or how it ended, in one word."
+    )
+    message: str | None = None
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list)
-    sandbox: str | None = None
+    sandbox: str | None = Field(default=None, description="The sandbox the command runs in.")
+    one_shot: bool | None = Field(
+        default=None, description="The sandbox was created for this run and is deleted after it."
+    )
+    sandbox_resumed: bool | None = Field(
+        default=None, description="The sandbox was paused and was resumed for this Execution."
+    )
+    pod_uid: str | None = Field(
+        default=None,
+        alias="podUID",
+        description="The pod the command was started in (recorded before it is started).",
+    )
+    agent_execution_id: str | None = Field(
+        default=None, description="The agent's id: full output is readable there by cursor."
+    )
     exit_code: int | None = None
     signal: str | None = None
     start_time: str | None = None
@@ -131,5 +149,5 @@ class ExecutionStatus(Model):
     stderr: str | None = None
     stdout_truncated: bool | None = None
     stderr_truncated: bool | None = None
-    agent_execution_id: str | None = None
-    message: str | None = None
+    stdout_bytes: int | None = None
+    stderr_bytes: int | None = None

@@ -215,6 +215,11 @@ class SandboxStatus(Model):
     conditions: list[Condition] = Field(default_factory=list)
     pod_name: str | None = None
     pod_ip: str | None = Field(default=None, alias="podIP")
+    pod_uid: str | None = Field(
+        default=None,
+        alias="podUID",
+        description="The running pod's UID (tells a replaced pod from the one a command ran in).",
+    )
     agent_endpoint: str | None = None
     workspace_claim: str | None = None
     image: str | None = None

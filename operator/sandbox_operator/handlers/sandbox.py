@@ -12,6 +12,7 @@ import base64
 import hashlib
 import json
 import secrets
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import Enum
@@ -388,6 +389,7 @@ def build_status(
         ),
         "podName": pod.get("metadata", {}).get("name"),
         "podIP": pod_ip,
+        "podUID": pod.get("metadata", {}).get("uid"),
         "agentEndpoint": f"http://{pod_ip}:{settings.agent_port}" if pod_ip else None,
     }
     if spec is not None and observed.invalid is None:
@@ -488,6 +490,11 @@ async def lifecycle(
     reported = now if info.active_executions else info.last_activity.replace(microsecond=0)
     previous = status.get("lastActivity")
     last = max(reported, parse_time(previous)) if previous else reported
+    # A resume request (an Execution waiting for this sandbox) is activity too:
+    # without it a fresh pod could be paused again before the work arrives.
+    resumed = (body["metadata"].get("annotations") or {}).get(RESUME_ANNOTATION)
+    with suppress(ValueError):
+        last = max(last, parse_time(resumed).replace(microsecond=0)) if resumed else last
     deadline = last + parse_duration(idle_timeout)
     extra.update(
         lastActivity=iso(last), idleDeadline=iso(deadline), activeExecutions=info.active_executions
