@@ -91,3 +91,24 @@ def test_quiesce_refuses_when_the_runner_is_gone(fresh: Callable[..., Sandbox]) 
     else:
         assert r.status_code == 200, r.text
         assert r.json()["quiesced"] == []
+
+
+def test_writes_wait_while_quiesced_and_reads_do_not(sandbox: Sandbox, wsdir: str) -> None:
+    path = f"{wsdir}/late.txt"
+    r = sandbox.client.post("/v1/workspace/quiesce", json={"seconds": 1.5})
+    assert r.status_code == 200, r.text
+    began = time.monotonic()
+    # A read goes through at once.
+    assert sandbox.client.get("/v1/info").status_code == 200
+    assert time.monotonic() - began < 1.0
+    # A write waits for the resume (here: the quiesce's own bound), then lands.
+    sandbox.write(path, b"after\n")
+    waited = time.monotonic() - began
+    assert waited >= 1.0, waited
+    assert sandbox.read(path) == b"after\n"
+    # And a command, after an explicit resume, starts at once.
+    sandbox.client.post("/v1/workspace/quiesce", json={"seconds": 30})
+    sandbox.client.post("/v1/workspace/resume")
+    began = time.monotonic()
+    assert sandbox.sh("true")["exitCode"] == 0
+    assert time.monotonic() - began < 5

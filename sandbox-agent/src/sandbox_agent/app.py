@@ -64,6 +64,8 @@ class AgentState:
         self.quiesced: list[Execution] = []
         self.resume_at: float | None = None
         self.resume_timer: asyncio.TimerHandle | None = None
+        self.resumed = asyncio.Event()
+        self.resumed.set()
 
     def touch(self) -> None:
         self.last_activity = time.time()
@@ -88,6 +90,7 @@ class AgentState:
                 self.quiesced.append(ex)
         if self.resume_timer is not None:
             self.resume_timer.cancel()
+        self.resumed.clear()
         self.resume_at = time.time() + seconds
         self.resume_timer = asyncio.get_running_loop().call_later(seconds, self.resume)
         return list(self.quiesced)
@@ -98,6 +101,7 @@ class AgentState:
             self.resume_timer.cancel()
             self.resume_timer = None
         self.resume_at = None
+        self.resumed.set()
         resumed = 0
         for ex in self.quiesced:
             if ex.finished is None:
@@ -381,6 +385,31 @@ async def workspace_quiesce(request: Request) -> Response:
             duration_seconds=synced.duration_seconds,
         )
     )
+
+
+# Requests that would change the workspace. While it is quiesced they wait for
+# the resume (bounded by the quiesce's own timer) instead of writing into the
+# snapshot being cut; reads, signals and stdin go through.
+_WRITE_PATHS = frozenset({"/v1/executions", "/v1/executions/stream"})
+_READ_ONLY_POSTS = frozenset({"/v1/files/search", "/v1/files/find"})
+
+
+def _writes(op: Op) -> bool:
+    if op.method not in ("POST", "PUT", "DELETE", "PATCH"):
+        return False
+    if op.path in _WRITE_PATHS:
+        return True
+    return op.path.startswith("/v1/files/") and op.path not in _READ_ONLY_POSTS
+
+
+def _wait_while_quiesced(
+    handler: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    async def gated(request: Request) -> Response:
+        await state_of(request).resumed.wait()
+        return await handler(request)
+
+    return gated
 
 
 async def workspace_resume(request: Request) -> Response:
@@ -942,7 +971,8 @@ OPS: tuple[Op, ...] = (
         "POST",
         "/v1/workspace/quiesce",
         workspace_quiesce,
-        "Stop (SIGSTOP) running executions until resume or `seconds`, then sync",
+        "Stop (SIGSTOP) running executions until resume or `seconds`, then sync;"
+        " new commands and file writes wait meanwhile",
         "info",
         body=models.QuiesceRequest,
         responses={200: models.QuiesceResult, 400: models.ErrorBody, 503: models.ErrorBody},
@@ -1303,7 +1333,14 @@ def build_app(settings: Settings, token: bytes) -> ASGIApp:
         state.executions.journal.close()
 
     app = Starlette(
-        routes=[Route(op.path, op.handler, methods=[op.method]) for op in OPS],
+        routes=[
+            Route(
+                op.path,
+                _wait_while_quiesced(op.handler) if _writes(op) else op.handler,
+                methods=[op.method],
+            )
+            for op in OPS
+        ],
         exception_handlers={
             ApiError: _api_error,
             HTTPException: _http_error,
