@@ -258,3 +258,26 @@ def test_quiesce_that_cannot_reach_the_agent_refuses_to_snapshot(
     assert body["status"].get("volumeSnapshotName") is None
     listed = skube.list(api_path(VOLUME_SNAPSHOTS, "volumesnapshots", sns))
     assert listed == []
+
+
+def test_a_driver_without_a_snapshot_class_cannot_snapshot(
+    cluster: StorageControlPlane, skube: KubeJSON, sns: str
+) -> None:
+    sandboxes, snapshots = Sandboxes(skube, sns), Snapshots(skube, sns)
+    sandboxes.create("nosnap", {"paused": True, "workspace": {"size": "16Mi"}})
+    workspace_dir(cluster, skube, sns, "nosnap")
+    path = api_path(VOLUME_SNAPSHOTS, "volumesnapshotclasses", name=storage.SNAPSHOT_CLASS)
+    saved = skube.read(path)
+    skube.delete(path)
+    try:
+        snapshots.create("impossible", "nosnap")
+        snapshots.wait_phase("impossible", "Failed")
+    finally:
+        meta = {k: saved["metadata"][k] for k in ("name", "annotations")}
+        skube.create(
+            api_path(VOLUME_SNAPSHOTS, "volumesnapshotclasses"), {**saved, "metadata": meta}
+        )
+    cond = snapshots.condition("impossible") or {}
+    assert cond["reason"] == "SnapshotsUnsupported", cond
+    assert storage.DRIVER_NAME in cond["message"]
+    assert "cannot take snapshots" in cond["message"]
