@@ -19,14 +19,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from devcluster import deploy  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    create_namespace,
+    latency_row,
+    operator_cluster,
+    sandbox_ready,
+    wait_until,
+)
 from devcluster.cluster import LocalCluster  # noqa: E402
 from sandbox_operator.api.sandbox import SandboxSpec  # noqa: E402
 from sandbox_operator.builders import sandbox as build  # noqa: E402
@@ -36,28 +41,9 @@ from tests.kube import KubeJSON, api_path, core_path  # noqa: E402
 NS = "bench"
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def _wait(probe: Any, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        if time.monotonic() > deadline:
-            raise SystemExit("timed out")
-        time.sleep(0.05)
-
-
 def _pod_ready(kube: KubeJSON, name: str) -> bool:
     pod = kube.get(core_path("pods", NS, name)) or {}
     conds = (pod.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
-
-
-def _sandbox_ready(kube: KubeJSON, name: str) -> bool:
-    body = kube.get(api_path("sandbox.dev/v1alpha1", "sandboxes", NS, name)) or {}
-    conds = (body.get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
 
@@ -72,7 +58,7 @@ def sandbox_start(kube: KubeJSON, name: str) -> float:
             "spec": {},
         },
     )
-    _wait(lambda: _sandbox_ready(kube, name))
+    wait_until(lambda: sandbox_ready(kube, NS, name))
     return time.monotonic() - started
 
 
@@ -96,7 +82,7 @@ def bare_start(kube: KubeJSON, name: str, settings: Settings) -> float:
             "Pod": "pods",
         }
         kube.create(core_path(plural[obj["kind"]], NS), obj)
-    _wait(lambda: _pod_ready(kube, name))
+    wait_until(lambda: _pod_ready(kube, name))
     return time.monotonic() - started
 
 
@@ -142,14 +128,9 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=20)
     parser.add_argument("--execs", type=int, default=30)
     args = parser.parse_args()
-    cluster = deploy.node_cluster(f"bench-node-{os.getpid()}")
-    cluster.start()
-    try:
-        deploy.install_operator(cluster)
-        deploy.wait_for_crds(cluster)
+    with operator_cluster(f"bench-node-{os.getpid()}") as cluster:
         kube = KubeJSON(cluster.kubeconfig)
-        kube.create(core_path("namespaces"), {"metadata": {"name": NS}})
-        _wait(lambda: kube.get(core_path("serviceaccounts", NS, "default")) is not None)
+        create_namespace(kube, NS)
         settings = Settings()
         sandbox_times, bare_times = [], []
         for i in range(args.count):
@@ -161,22 +142,16 @@ def main() -> None:
             kube.delete(core_path("pods", NS, f"b{i}"))
         agent, kubectl = exec_round_trips(cluster, kube, f"s{args.count - 1}", args.execs)
 
-        def row(label: str, values: list[float]) -> str:
-            p50, p90 = statistics.median(values) * 1000, _percentile(values, 0.9) * 1000
-            return f"  {label:<36} p50 {p50:8.1f} ms   p90 {p90:8.1f} ms"
-
         print(f"\nCold start, create -> Ready, {args.count} each, one at a time:")
-        print(row("Sandbox (operator, agent, runner)", sandbox_times))
-        print(row("bare Pod (same images, PVC, Secret)", bare_times))
+        print(latency_row("Sandbox (operator, agent, runner)", sandbox_times))
+        print(latency_row("bare Pod (same images, PVC, Secret)", bare_times))
         ratio = statistics.median(sandbox_times) / statistics.median(bare_times)
         print(f"  ratio p50: {ratio:.2f}x (target <= 1.5x)")
         print(f"\nCommand round trip `true`, {args.execs} each, same pod:")
-        print(row("agent HTTP (keep-alive)", agent))
-        print(row("kubectl exec", kubectl))
+        print(latency_row("agent HTTP (keep-alive)", agent))
+        print(latency_row("kubectl exec", kubectl))
         speedup = statistics.median(kubectl) / statistics.median(agent)
         print(f"  agent is {speedup:.1f}x faster at p50 (target >= 20x)")
-    finally:
-        cluster.stop(remove_state=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ kubeconfig's credentials; requests go through one httpx.Client.
 
 from __future__ import annotations
 
+import json
 import ssl
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -158,3 +160,25 @@ class KubeJSON:
             if not token:
                 return items
             params["continue"] = token
+
+    def watch(
+        self,
+        path: str,
+        resource_version: str | None = None,
+        timeout_seconds: int = 300,
+    ) -> Iterator[JSON]:
+        """The watch events (`{"type": ..., "object": ...}`) of the collection at
+        `path`, as the server streams them, until it ends the watch after
+        `timeout_seconds`. From `resource_version` when given, else from now
+        (after the current state, which comes first as ADDED events)."""
+        params: dict[str, str | int] = {"watch": 1, "timeoutSeconds": timeout_seconds}
+        if resource_version is not None:
+            params["resourceVersion"] = resource_version
+        timeout = httpx.Timeout(self._http.timeout.connect, read=timeout_seconds + 30)
+        with self._http.stream("GET", path, params=params, timeout=timeout) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise _error(response)
+            for line in response.iter_lines():
+                if line:
+                    yield json.loads(line)

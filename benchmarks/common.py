@@ -1,0 +1,131 @@
+"""What the node benchmarks share: percentiles, waiting, readiness, watching."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from devcluster import deploy  # noqa: E402
+from devcluster.cluster import LocalCluster  # noqa: E402
+from tests.kube import JSON, ApiError, KubeJSON, api_path, core_path  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def latency_row(label: str, values: list[float]) -> str:
+    p50, p90 = statistics.median(values) * 1000, percentile(values, 0.9) * 1000
+    return f"  {label:<36} p50 {p50:8.1f} ms   p90 {p90:8.1f} ms"
+
+
+def wait_until(probe: Callable[[], Any], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise SystemExit("timed out")
+        time.sleep(0.05)
+
+
+@contextmanager
+def operator_cluster(name: str) -> Iterator[LocalCluster]:
+    """A new node cluster with the operator installed from the chart; removed at the end."""
+    cluster = deploy.node_cluster(name)
+    cluster.start()
+    try:
+        deploy.install_operator(cluster)
+        deploy.wait_for_crds(cluster)
+        yield cluster
+    finally:
+        cluster.stop(remove_state=True)
+
+
+def create_namespace(kube: KubeJSON, name: str, labels: dict[str, str] | None = None) -> None:
+    """A namespace, once its `default` ServiceAccount (which pods need) is there."""
+    kube.create(core_path("namespaces"), {"metadata": {"name": name, "labels": labels or {}}})
+    wait_until(lambda: kube.get(core_path("serviceaccounts", name, "default")) is not None)
+
+
+def sandbox_ready(kube: KubeJSON, namespace: str, name: str) -> bool:
+    body = kube.get(api_path("sandbox.dev/v1alpha1", "sandboxes", namespace, name)) or {}
+    conds = (body.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+class Watcher:
+    """Follows a collection through one watch at a time (re-opened when the server
+    ends it) and notes, per object name, when each state `classify` gives it was
+    first seen (monotonic clock, on arrival of the event)."""
+
+    def __init__(
+        self, kubeconfig: Path | str, path: str, classify: Callable[[JSON], str | None]
+    ) -> None:
+        self.path, self.classify = path, classify
+        self.kube = KubeJSON(kubeconfig)
+        self.seen: dict[str, dict[str, float]] = {}
+        self.last: dict[str, JSON] = {}
+        self.changed = threading.Condition()
+        self.closing = False
+        # The list's version: events from here on; the thread starts watching now.
+        self.version = str(self.kube.read(path)["metadata"]["resourceVersion"])
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.closing:
+            try:
+                for event in self.kube.watch(self.path, self.version, timeout_seconds=120):
+                    arrived = time.monotonic()
+                    obj = event["object"]
+                    if event["type"] == "ERROR":
+                        raise ApiError(int(obj.get("code", 500)), str(obj.get("message")), obj)
+                    self.version = obj["metadata"]["resourceVersion"]
+                    if event["type"] not in ("ADDED", "MODIFIED"):
+                        continue
+                    state = self.classify(obj)
+                    with self.changed:
+                        name = obj["metadata"]["name"]
+                        self.last[name] = obj
+                        if state is not None:
+                            self.seen.setdefault(name, {}).setdefault(state, arrived)
+                        self.changed.notify_all()
+            except ApiError as exc:
+                if self.closing:
+                    return
+                if exc.status != 410:
+                    raise
+                # Too old a version: go on from the present (states may be missed).
+                self.version = str(self.kube.read(self.path)["metadata"]["resourceVersion"])
+            except Exception:
+                if self.closing:
+                    return  # the client was closed under the open watch
+                raise
+
+    def wait(self, name: str, states: set[str], timeout: float = 300) -> tuple[str, float]:
+        """The first of `states` that `name` reached, and when it was seen."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while True:
+                reached = [(t, s) for s, t in self.seen.get(name, {}).items() if s in states]
+                if reached:
+                    moment, state = min(reached)
+                    return state, moment
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.thread.is_alive():
+                    raise SystemExit(f"{name}: none of {sorted(states)} within {timeout} s")
+                self.changed.wait(min(left, 1.0))
+
+    def close(self) -> None:
+        self.closing = True
+        self.kube.close()
