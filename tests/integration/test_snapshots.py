@@ -106,7 +106,7 @@ def test_restore_waits_for_its_snapshot_and_creates_nothing_meanwhile(
         "WorkspaceRestored=False SnapshotFailed",
     )
     assert kube.get(core_path("persistentvolumeclaims", ns, "fork-workspace")) is None
-    assert "sandbox_operator_snapshots_total" in running_operator.metrics()
+    assert 'sandbox_operator_snapshots_total{result="failed"}' in running_operator.metrics()
 
 
 def test_snapshot_spec_is_validated_by_the_api_server(kube: KubeJSON, ns: str) -> None:
