@@ -79,10 +79,11 @@ run: install ## Run the operator locally against the cluster-up cluster
 	$(VENV)/bin/kopf run -m sandbox_operator --all-namespaces --standalone
 
 .PHONY: bench
-bench: install binaries ## Benchmarks: agent vs subprocess; 1,000 Sandboxes; node cold start and exec; snapshots vs tar
+bench: install binaries ## Benchmarks: agent vs subprocess; 1,000 Sandboxes; node cold start and exec; Executions vs Jobs; snapshots vs tar
 	$(PY) benchmarks/agent_bench.py
 	$(PY) benchmarks/sandbox_scale.py
 	$(PY) benchmarks/node_bench.py
+	$(PY) benchmarks/execution_bench.py
 	$(PY) benchmarks/snapshot_bench.py
 
 .PHONY: clean
