@@ -39,6 +39,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import write_results
+
 MiB = 1 << 20
 
 
@@ -367,11 +371,7 @@ def main() -> int:
     results["cpu_per_call"] = cpu_note
     print(f"load average before/after: {results['loadavg_before']} / {results['loadavg_after']}")
     if args.json:
-        out = Path(__file__).resolve().parent / "results"
-        out.mkdir(exist_ok=True)
-        path = out / f"agent_bench-{time.strftime('%Y%m%dT%H%M%S')}.json"
-        path.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {path}")
+        write_results("agent_bench", results)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import threading
@@ -28,6 +29,15 @@ def percentile(values: list[float], q: float) -> float:
 def latency_row(label: str, values: list[float]) -> str:
     p50, p90 = statistics.median(values) * 1000, percentile(values, 0.9) * 1000
     return f"  {label:<36} p50 {p50:8.1f} ms   p90 {p90:8.1f} ms"
+
+
+def write_results(name: str, results: dict[str, Any]) -> None:
+    """benchmarks/results/<name>-<time>.json (not tracked by git)."""
+    out = REPO / "benchmarks" / "results"
+    out.mkdir(exist_ok=True)
+    path = out / f"{name}-{time.strftime('%Y%m%dT%H%M%S')}.json"
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 def wait_until(probe: Callable[[], Any], timeout: float = 300) -> None:

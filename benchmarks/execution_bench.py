@@ -34,15 +34,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import (  # noqa: E402
-    Watcher,
-    create_namespace,
-    latency_row,
-    operator_cluster,
-    percentile,
-    sandbox_ready,
-    wait_until,
-)
+from benchmarks import common  # noqa: E402
+from benchmarks.common import Watcher, latency_row, sandbox_ready  # noqa: E402
 from sandbox_operator.config import Settings  # noqa: E402
 from tests.kube import JSON, KubeJSON, api_path  # noqa: E402
 
@@ -180,7 +173,7 @@ def steps(watcher: Watcher, names: list[str], order: list[str]) -> list[tuple[st
 def summary(values: list[float]) -> dict[str, float]:
     return {
         "p50_ms": statistics.median(values) * 1000,
-        "p90_ms": percentile(values, 0.9) * 1000,
+        "p90_ms": common.percentile(values, 0.9) * 1000,
         "min_ms": min(values) * 1000,
         "max_ms": max(values) * 1000,
     }
@@ -198,15 +191,15 @@ def main() -> None:
     args = parser.parse_args()
     settings = Settings()
     results: dict[str, Any] = {"loadavg_before": os.getloadavg()}
-    with operator_cluster(f"bench-exec-{os.getpid()}") as cluster:
+    with common.operator_cluster(f"bench-exec-{os.getpid()}") as cluster:
         kube = KubeJSON(cluster.kubeconfig)
         # Pod Security as a sandbox namespace would have it: the Job must be admitted too.
-        create_namespace(kube, NS, {"pod-security.kubernetes.io/enforce": "restricted"})
+        common.create_namespace(kube, NS, {"pod-security.kubernetes.io/enforce": "restricted"})
         executions = Watcher(cluster.kubeconfig, api_path(GROUP, "executions", NS), execution_state)
         jobs = Watcher(cluster.kubeconfig, api_path("batch/v1", "jobs", NS), job_state)
         sandboxes = [f"s{i}" for i in range(args.sandboxes)]
         create_sandbox(kube, sandboxes[0])
-        wait_until(lambda: sandbox_ready(kube, NS, sandboxes[0]))
+        common.wait_until(lambda: sandbox_ready(kube, NS, sandboxes[0]))
 
         # 1. Latency, interleaved.
         for i in range(2):
@@ -226,7 +219,7 @@ def main() -> None:
         # 2. Throughput across sandboxes.
         for name in sandboxes[1:]:
             create_sandbox(kube, name)
-        wait_until(lambda: all(sandbox_ready(kube, NS, name) for name in sandboxes))
+        common.wait_until(lambda: all(sandbox_ready(kube, NS, name) for name in sandboxes))
         time.sleep(2)  # let the sandboxes' own start-up work settle
         results["loadavg_throughput_start"] = os.getloadavg()
         names = [f"t{i}" for i in range(args.executions)]
@@ -295,11 +288,7 @@ def main() -> None:
         )
     print(f"load average before/after: {results['loadavg_before']} / {results['loadavg_after']}")
     if args.json:
-        out = Path(__file__).resolve().parent / "results"
-        out.mkdir(exist_ok=True)
-        path = out / f"execution_bench-{time.strftime('%Y%m%dT%H%M%S')}.json"
-        path.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {path}")
+        common.write_results("execution_bench", results)
 
 
 if __name__ == "__main__":
