@@ -54,7 +54,12 @@ def up() -> None:
         raise SystemExit(1)
     items = _json(cluster, "get", "sandboxes")["items"]
     assert isinstance(items, list)
-    names = [item["metadata"]["name"] for item in items]
+    # One-shot sandboxes belong to their Execution and go away with its end.
+    names = [
+        item["metadata"]["name"]
+        for item in items
+        if "sandbox.dev/execution" not in (item["metadata"].get("labels") or {})
+    ]
     for name in names:
         waited = deploy.kubectl(
             cluster, "wait", "--for=condition=Ready", f"sandbox/{name}", "--timeout=300s"
@@ -62,8 +67,19 @@ def up() -> None:
         if waited.returncode != 0:
             print(deploy.kubectl(cluster, "get", "sandbox", name, "-o", "yaml").stdout)
             raise SystemExit(f"sandbox {name} did not become Ready")
+    executions = _json(cluster, "get", "executions")["items"]
+    assert isinstance(executions, list)
+    for item in executions:
+        name = item["metadata"]["name"]
+        waited = deploy.kubectl(
+            cluster, "wait", "--for=condition=Complete", f"execution/{name}", "--timeout=300s"
+        )
+        if waited.returncode != 0:
+            print(deploy.kubectl(cluster, "get", "execution", name, "-o", "yaml").stdout)
+            raise SystemExit(f"execution {name} did not complete")
     print()
     print(deploy.kubectl(cluster, "get", "sandboxes", "-o", "wide").stdout)
+    print(deploy.kubectl(cluster, "get", "executions").stdout)
     print(deploy.kubectl(cluster, "get", "pods,pvc", "-o", "wide").stdout)
 
     name = names[0]

@@ -16,6 +16,7 @@ import yaml
 
 from tests.e2e.agent import Agent
 from tests.e2e.conftest import E2E
+from tests.executions import Executions
 from tests.integration.harness import wait_for
 from tests.kube import KubeJSON, core_path
 from tests.sandboxes import Sandboxes
@@ -37,15 +38,19 @@ def test_examples_become_ready_and_serve_exec_and_files(e2e: E2E, repo: Path) ->
     ns = e2e.namespace()
     applied = e2e.kubectl("apply", "-n", ns, "-f", str(repo / "examples"))
     assert applied.returncode == 0, applied.stderr
-    names = [
-        yaml.safe_load(p.read_text())["metadata"]["name"]
-        for p in sorted((repo / "examples").glob("*.yaml"))
-    ]
+    documents = [yaml.safe_load(p.read_text()) for p in sorted((repo / "examples").glob("*.yaml"))]
+    names = [d["metadata"]["name"] for d in documents if d["kind"] == "Sandbox"]
     for name in names:
         waited = e2e.kubectl(
             "wait", "-n", ns, "--for=condition=Ready", f"sandbox/{name}", "--timeout=180s"
         )
         assert waited.returncode == 0, waited.stderr + e2e.describe(ns, name)
+    runs = Executions(e2e.kube, ns)
+    for document in documents:
+        if document["kind"] == "Execution":
+            status = runs.wait_done(document["metadata"]["name"], timeout=180)
+            assert status["phase"] == "Succeeded", status
+            assert status["stdout"], status
     agent = Agent.of(e2e.kube, ns, names[0])
     result = agent.run(["python3", "-c", "print(6 * 7)"])
     assert result["exitCode"] == 0

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 import time
 from collections.abc import Callable
 
 from devcluster.controlplane import ControlPlane
+from sandbox_operator.builders import execution as build
 from tests.executions import Executions
 from tests.integration.conftest import kubectl
-from tests.integration.harness import AgentProcess, Node, wait_for
+from tests.integration.harness import AgentProcess, Node, OperatorProcess, wait_for
 from tests.kube import KubeJSON, core_path
 from tests.sandboxes import Sandboxes
 
@@ -348,3 +350,37 @@ def test_status_survives_json_roundtrip_of_kubectl(
     status = json.loads(shown.stdout)["status"]
     for key in ("podUID", "agentExecutionId", "stdoutBytes", "observedGeneration", "duration"):
         assert key in status, key
+
+
+def test_exactly_once_across_operator_kills(
+    executions: Executions, live_sandbox: LiveSandbox, running_operator: OperatorProcess
+) -> None:
+    """100 Executions each append one unique line while the operator is SIGKILLed
+    and restarted at random moments: every line lands exactly once, every
+    Execution ends, none is lost."""
+    agent = live_sandbox("box")
+    rng = random.Random(20261126)
+    names = [f"line-{i:03d}" for i in range(100)]
+    for name in names:
+        delay = rng.choice(["0", "0.05", "0.2"])
+        executions.run(name, "box", f"sleep {delay}; echo {name} >> lines.txt")
+
+    def unfinished() -> list[str]:
+        return [n for n in names if not build.terminal(executions.status(n))]
+
+    kills = 0
+    while unfinished() and kills < 8:
+        time.sleep(rng.uniform(0.1, 1.5))
+        running_operator.kill()
+        kills += 1
+        running_operator.start()
+    wait_for(lambda: not unfinished(), 120, "every Execution to end")
+    assert kills >= 3, "the operator finished before it could be killed often enough"
+    failed = {
+        n: (s["phase"], s.get("reason"), s.get("message"))
+        for n in names
+        if (s := executions.status(n))["phase"] != "Succeeded"
+    }
+    assert failed == {}
+    lines = (agent.workspace / "lines.txt").read_text().split()
+    assert sorted(lines) == names

@@ -229,9 +229,11 @@ class Run:
         await self.race(asyncio.sleep(seconds))
 
     async def wait(self, reason: str, message: str) -> None:
-        """Stay Queued for `reason`; fail once the configured bound has passed."""
+        """Stay Queued for `reason`; fail once the configured bound has passed,
+        unless the wait is for a slot (a busy sandbox is not a broken one)."""
         bound = parse_duration(self.rt.settings.execution_sandbox_wait)
-        if self.created and now_utc() - parse_time(self.created) > bound:
+        overdue = self.created and now_utc() - parse_time(self.created) > bound
+        if overdue and reason != build.REASON_CONCURRENCY_LIMIT:
             await self.fail(
                 reason, f"{message} (gave up after {self.rt.settings.execution_sandbox_wait})"
             )
