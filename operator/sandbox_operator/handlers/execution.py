@@ -161,6 +161,10 @@ class Run:
     async def write(self, changes: JSON) -> None:
         """Patch status when it changed. Every write lands before the next step:
         the recorded state is what a restarted operator starts from."""
+        if "sandbox" not in self.status:
+            # Which sandbox, recorded with the first write (one write fewer per run).
+            one_shot = (self.body.get("spec") or {}).get("sandboxTemplate") is not None
+            changes = {"sandbox": self.sandbox_name(), "oneShot": one_shot or None, **changes}
         status = build.build_status(self.status, changes, self.generation, now_utc())
         if status == self.status:
             return
@@ -337,11 +341,6 @@ class Run:
             )
             return
         name = self.sandbox_name()
-        if not self.status.get("sandbox"):
-            changes: JSON = {"sandbox": name}
-            if self.spec.sandbox_template is not None:
-                changes["oneShot"] = True
-            await self.write(changes)
         sandbox = self.sandbox()
         if sandbox is None or sandbox["metadata"].get("deletionTimestamp"):
             if self.spec.sandbox_template is not None and sandbox is None:
