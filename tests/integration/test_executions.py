@@ -384,3 +384,61 @@ def test_exactly_once_across_operator_kills(
     assert failed == {}
     lines = (agent.workspace / "lines.txt").read_text().split()
     assert sorted(lines) == names
+
+
+def _record_intent(
+    kube: KubeJSON, executions: Executions, name: str, sandbox: str, pod_uid: str
+) -> None:
+    """Write what the operator writes just before it sends a command."""
+    kube.patch(
+        executions.path(name) + "/status",
+        {
+            "status": {
+                "phase": "Running",
+                "reason": "Started",
+                "sandbox": sandbox,
+                "podUID": pod_uid,
+                "startTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+        },
+    )
+
+
+def test_restart_after_send_adopts_the_run_and_replaced_pod_is_lost(
+    executions: Executions,
+    live_sandbox: LiveSandbox,
+    running_operator: OperatorProcess,
+    kube: KubeJSON,
+) -> None:
+    """The two crash windows, made deterministic: the operator died after sending
+    a command but before recording the agent's id (the restarted operator must
+    adopt that run, not start another), and after recording the intent for a
+    pod that has since been replaced (the command must never run)."""
+    agent = live_sandbox("box")
+    ns = executions.namespace
+    pod_uid = kube.read(core_path("pods", ns, "box"))["metadata"]["uid"]
+    running_operator.stop()
+    sent = executions.run("sent", "box", "echo once >> sent.txt")
+    never = executions.run("never", "box", "echo ran >> never.txt")
+    _record_intent(kube, executions, "sent", "box", pod_uid)
+    _record_intent(kube, executions, "never", "box", "a-pod-that-is-gone")
+    posted = agent.call(
+        "POST",
+        "/v1/executions",
+        json.dumps(
+            {
+                "command": "echo once >> sent.txt",
+                "idempotencyKey": sent["metadata"]["uid"],
+                "timeoutSeconds": 180.0,
+                "env": {},
+            }
+        ).encode(),
+    )
+    running_operator.start()
+    status = executions.wait_done("sent")
+    assert (status["phase"], status["agentExecutionId"]) == ("Succeeded", posted["id"])
+    assert (agent.workspace / "sent.txt").read_text() == "once\n"
+    status = executions.wait_done("never")
+    assert (status["phase"], status["reason"]) == ("Failed", "Lost")
+    assert not (agent.workspace / "never.txt").exists()
+    assert never["metadata"]["uid"] not in json.dumps(agent.call("GET", "/v1/executions"))
