@@ -139,3 +139,9 @@ class Watcher:
     def close(self) -> None:
         self.closing = True
         self.kube.close()
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -45,7 +45,7 @@ ARGV = ["echo", "hi"]
 TERMINAL = {"Succeeded", "Failed", "TimedOut", "Cancelled"}
 JOB_TERMINAL = {"Complete", "Failed"}
 # What the watch shows of an Execution on its way, in order.
-EXECUTION_STEPS = ["Accepted", "Assigned", "Queued", "Running", "Started"]
+EXECUTION_STEPS = ["Accepted", "Assigned", "Queued", "Running", "Started", "Succeeded"]
 
 
 def execution_state(obj: JSON) -> str | None:
@@ -170,12 +170,106 @@ def steps(watcher: Watcher, names: list[str], order: list[str]) -> list[tuple[st
     return out
 
 
+def format_steps(found: list[tuple[str, float]]) -> str:
+    return ", ".join(f"{step} {ms:.0f} ms" for step, ms in found)
+
+
 def summary(values: list[float]) -> dict[str, float]:
     return {
         "p50_ms": statistics.median(values) * 1000,
         "p90_ms": common.percentile(values, 0.9) * 1000,
         "min_ms": min(values) * 1000,
         "max_ms": max(values) * 1000,
+    }
+
+
+def latency(
+    kube: KubeJSON,
+    executions: Watcher,
+    jobs: Watcher,
+    sandbox: str,
+    args: argparse.Namespace,
+    settings: Settings,
+) -> dict[str, Any]:
+    """Execution and Job one at a time, interleaved (the order swapped every
+    pair), after a warm-up of two each; prints its table."""
+    for i in range(2):
+        run_execution(kube, executions, f"warm-e{i}", sandbox)
+        run_job(kube, jobs, f"warm-j{i}", settings)
+    loadavg_start = os.getloadavg()
+    exec_times, job_times = [], []
+    for i in range(args.runs):
+        for kind in ("e", "j") if i % 2 == 0 else ("j", "e"):
+            if kind == "e":
+                exec_times.append(run_execution(kube, executions, f"e{i}", sandbox))
+            else:
+                job_times.append(run_job(kube, jobs, f"j{i}", settings))
+            time.sleep(args.gap)
+    exec_steps = steps(executions, [f"e{i}" for i in range(args.runs)], EXECUTION_STEPS)
+    job_steps = steps(jobs, [f"j{i}" for i in range(args.runs)], ["Active", "Complete"])
+    exec_p50, job_p50 = statistics.median(exec_times), statistics.median(job_times)
+    speedup = job_p50 / exec_p50
+    print(f"\nCreate -> terminal phase, `{' '.join(ARGV)}`, {args.runs} each, interleaved:")
+    print(latency_row("Execution (running Sandbox)", exec_times))
+    print(latency_row("Job (same image, same namespace)", job_times))
+    print(f"  Execution is {speedup:.1f}x faster at p50 (target >= 10x): ", end="")
+    print("met" if speedup >= 10 else "NOT met")
+    print(f"  Execution p50 {exec_p50 * 1000:.1f} ms (target <= 200 ms): ", end="")
+    print("met" if exec_p50 <= 0.2 else "NOT met")
+    print("  Execution, p50 from create to first seen:", format_steps(exec_steps))
+    print("  Job, p50 from create to first seen:", format_steps(job_steps))
+    return {
+        "runs": args.runs,
+        "execution": summary(exec_times),
+        "job": summary(job_times),
+        "speedup_p50": speedup,
+        "execution_steps_p50_ms": dict(exec_steps),
+        "job_steps_p50_ms": dict(job_steps),
+        "loadavg_start": loadavg_start,
+        "loadavg_end": os.getloadavg(),
+    }
+
+
+def throughput(
+    kube: KubeJSON, executions: Watcher, sandboxes: list[str], count: int, settings: Settings
+) -> dict[str, Any]:
+    """`count` Executions created round-robin across the Ready `sandboxes` as fast
+    as one client creates them; prints its table."""
+    loadavg_start = os.getloadavg()
+    names = [f"t{i}" for i in range(count)]
+    created: dict[str, float] = {}
+    first = time.monotonic()
+    for i, name in enumerate(names):
+        created[name] = time.monotonic()
+        body = execution_body(name, sandboxes[i % len(sandboxes)])
+        kube.create(api_path(GROUP, "executions", NS), body)
+    all_created = time.monotonic()
+    ended = {name: executions.wait(name, TERMINAL, timeout=600)[1] for name in names}
+    for name in names:
+        check_execution(executions, name)
+        executions.seen[name]["created"] = created[name]
+    last = max(ended.values())
+    latencies = [ended[name] - created[name] for name in names]
+    rate = len(names) / (last - first)
+    t_steps = steps(executions, names, EXECUTION_STEPS)
+    print(
+        f"\nThroughput: {len(names)} Executions round-robin across {len(sandboxes)} "
+        f"sandboxes (at most {settings.max_executions_per_sandbox} at once in each):"
+    )
+    print(f"  created in {all_created - first:.2f} s; all Succeeded")
+    print(f"  {rate:.1f} executions/s, first create to last terminal ({last - first:.2f} s)")
+    print(latency_row("create -> terminal, each", latencies))
+    print("  p50 from create to first seen:", format_steps(t_steps))
+    return {
+        "executions": len(names),
+        "sandboxes": len(sandboxes),
+        "per_second": rate,
+        "seconds": last - first,
+        "create_seconds": all_created - first,
+        "latency": summary(latencies),
+        "steps_p50_ms": dict(t_steps),
+        "loadavg_start": loadavg_start,
+        "loadavg_end": os.getloadavg(),
     }
 
 
@@ -195,97 +289,25 @@ def main() -> None:
         kube = KubeJSON(cluster.kubeconfig)
         # Pod Security as a sandbox namespace would have it: the Job must be admitted too.
         common.create_namespace(kube, NS, {"pod-security.kubernetes.io/enforce": "restricted"})
-        executions = Watcher(cluster.kubeconfig, api_path(GROUP, "executions", NS), execution_state)
-        jobs = Watcher(cluster.kubeconfig, api_path("batch/v1", "jobs", NS), job_state)
         sandboxes = [f"s{i}" for i in range(args.sandboxes)]
-        create_sandbox(kube, sandboxes[0])
-        common.wait_until(lambda: sandbox_ready(kube, NS, sandboxes[0]))
-
-        # 1. Latency, interleaved.
-        for i in range(2):
-            run_execution(kube, executions, f"warm-e{i}", sandboxes[0])
-            run_job(kube, jobs, f"warm-j{i}", settings)
-        results["loadavg_latency_start"] = os.getloadavg()
-        exec_times, job_times = [], []
-        for i in range(args.runs):
-            for kind in ("e", "j") if i % 2 == 0 else ("j", "e"):
-                if kind == "e":
-                    exec_times.append(run_execution(kube, executions, f"e{i}", sandboxes[0]))
-                else:
-                    job_times.append(run_job(kube, jobs, f"j{i}", settings))
-                time.sleep(args.gap)
-        results["loadavg_latency_end"] = os.getloadavg()
-
-        # 2. Throughput across sandboxes.
-        for name in sandboxes[1:]:
-            create_sandbox(kube, name)
-        common.wait_until(lambda: all(sandbox_ready(kube, NS, name) for name in sandboxes))
-        time.sleep(2)  # let the sandboxes' own start-up work settle
-        results["loadavg_throughput_start"] = os.getloadavg()
-        names = [f"t{i}" for i in range(args.executions)]
-        created: dict[str, float] = {}
-        first = time.monotonic()
-        for i, name in enumerate(names):
-            created[name] = time.monotonic()
-            body = execution_body(name, sandboxes[i % len(sandboxes)])
-            kube.create(api_path(GROUP, "executions", NS), body)
-        all_created = time.monotonic()
-        ended = {name: executions.wait(name, TERMINAL, timeout=600)[1] for name in names}
-        for name in names:
-            check_execution(executions, name)
-            executions.seen[name]["created"] = created[name]
-        last = max(ended.values())
-        throughput = [ended[name] - created[name] for name in names]
-        rate = len(names) / (last - first)
-        results["loadavg_after"] = os.getloadavg()
-        executions.close()
-        jobs.close()
-
-        measured = [f"e{i}" for i in range(args.runs)]
-        exec_steps = steps(executions, measured, [*EXECUTION_STEPS, "Succeeded"])
-        job_steps = steps(jobs, [f"j{i}" for i in range(args.runs)], ["Active", "Complete"])
-        exec_p50, job_p50 = statistics.median(exec_times), statistics.median(job_times)
-        speedup = job_p50 / exec_p50
-        print(f"\nCreate -> terminal phase, `{' '.join(ARGV)}`, {args.runs} each, interleaved:")
-        print(latency_row("Execution (running Sandbox)", exec_times))
-        print(latency_row("Job (same image, same namespace)", job_times))
-        print(f"  Execution is {speedup:.1f}x faster at p50 (target >= 10x): ", end="")
-        print("met" if speedup >= 10 else "NOT met")
-        print(f"  Execution p50 {exec_p50 * 1000:.1f} ms (target <= 200 ms): ", end="")
-        print("met" if exec_p50 <= 0.2 else "NOT met")
-        print("  Execution, p50 from create to first seen: ", end="")
-        print(", ".join(f"{step} {ms:.0f} ms" for step, ms in exec_steps))
-        print("  Job, p50 from create to first seen: ", end="")
-        print(", ".join(f"{step} {ms:.0f} ms" for step, ms in job_steps))
-        print(
-            f"\nThroughput: {len(names)} Executions round-robin across {len(sandboxes)} "
-            f"sandboxes (at most {settings.max_executions_per_sandbox} at once in each):"
-        )
-        print(f"  created in {all_created - first:.2f} s; all Succeeded")
-        print(f"  {rate:.1f} executions/s, first create to last terminal ({last - first:.2f} s)")
-        print(latency_row("create -> terminal, each", throughput))
-        t_steps = steps(executions, names, [*EXECUTION_STEPS, "Succeeded"])
-        print("  p50 from create to first seen: ", end="")
-        print(", ".join(f"{step} {ms:.0f} ms" for step, ms in t_steps))
-        results.update(
-            {
-                "runs": args.runs,
-                "execution": summary(exec_times),
-                "job": summary(job_times),
-                "speedup_p50": speedup,
-                "execution_steps_p50_ms": dict(exec_steps),
-                "job_steps_p50_ms": dict(job_steps),
-                "throughput": {
-                    "executions": len(names),
-                    "sandboxes": len(sandboxes),
-                    "per_second": rate,
-                    "seconds": last - first,
-                    "create_seconds": all_created - first,
-                    "latency": summary(throughput),
-                    "steps_p50_ms": dict(t_steps),
-                },
-            }
-        )
+        with (
+            Watcher(cluster.kubeconfig, api_path(GROUP, "executions", NS), execution_state) as ex,
+            Watcher(cluster.kubeconfig, api_path("batch/v1", "jobs", NS), job_state) as jobs,
+        ):
+            create_sandbox(kube, sandboxes[0])
+            common.wait_until(lambda: sandbox_ready(kube, NS, sandboxes[0]))
+            results["latency"] = latency(kube, ex, jobs, sandboxes[0], args, settings)
+            began = time.monotonic()
+            for name in sandboxes[1:]:
+                create_sandbox(kube, name)
+            common.wait_until(
+                lambda: all(sandbox_ready(kube, NS, name) for name in sandboxes), timeout=600
+            )
+            results["sandboxes_ready_seconds"] = time.monotonic() - began
+            print(f"\n{len(sandboxes)} sandboxes Ready {time.monotonic() - began:.1f} s after create")
+            time.sleep(2)  # let the sandboxes' own start-up work settle
+            results["throughput"] = throughput(kube, ex, sandboxes, args.executions, settings)
+    results["loadavg_after"] = os.getloadavg()
     print(f"load average before/after: {results['loadavg_before']} / {results['loadavg_after']}")
     if args.json:
         common.write_results("execution_bench", results)
