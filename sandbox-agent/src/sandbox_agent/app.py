@@ -246,6 +246,17 @@ async def body_as(request: Request, typ: type[T]) -> T:
         raise bad_request("invalid_json", f"malformed JSON: {exc}") from None
 
 
+async def optional_body_as(request: Request, typ: type[T], default: Callable[[], T]) -> T:
+    """A body whose every field has a default: an empty body means `default()`."""
+    raw = await read_body(request, state_of(request).settings.max_body_bytes)
+    if not raw.strip():
+        return default()
+    try:
+        return msgspec.json.decode(raw, type=typ)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise bad_request("invalid_request", str(exc)) from None
+
+
 def q_str(request: Request, name: str, default: str | None = None) -> str:
     v = request.query_params.get(name, default)
     if v is None:
@@ -366,15 +377,7 @@ async def workspace_quiesce(request: Request) -> Response:
     """Stop running executions' writes, then flush: the state a snapshot should
     capture. Not activity: the operator calls it, not the user."""
     st = state_of(request)
-    raw = await read_body(request, st.settings.max_body_bytes)
-    try:
-        req = (
-            msgspec.json.decode(raw, type=models.QuiesceRequest)
-            if raw.strip()
-            else models.QuiesceRequest()
-        )
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise bad_request("invalid_request", str(exc)) from None
+    req = await optional_body_as(request, models.QuiesceRequest, models.QuiesceRequest)
     stopped = st.quiesce(req.seconds)
     synced = await asyncio.to_thread(files.sync, st.workspace)
     return ok(
@@ -626,15 +629,7 @@ async def exec_signal(request: Request) -> Response:
 async def exec_cancel(request: Request) -> Response:
     st = state_of(request)
     ex = st.executions.get(request.path_params["id"])
-    raw = await read_body(request, st.settings.max_body_bytes)
-    try:
-        req = (
-            msgspec.json.decode(raw, type=models.CancelRequest)
-            if raw.strip()
-            else models.CancelRequest()
-        )
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise bad_request("invalid_request", str(exc)) from None
+    req = await optional_body_as(request, models.CancelRequest, models.CancelRequest)
     st.touch()
     if ex.finished is None:
         ex.cancel(req.grace_seconds)
