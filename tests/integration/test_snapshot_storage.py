@@ -10,7 +10,6 @@ the workspace data is read and written in the driver's volume directories.
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 from devcluster import build, storage
 from devcluster.controlplane import ControlPlaneError
 from devcluster.storage import StorageControlPlane
-from tests.integration.conftest import OPERATOR_ENV
+from tests.integration.conftest import OPERATOR_ENV, kubectl
 from tests.integration.harness import Node, OperatorProcess, operator_credentials, wait_for
 from tests.kube import JSON, KubeJSON, api_path, core_path
 from tests.sandboxes import Sandboxes
@@ -58,28 +57,11 @@ def soperator(
     repo: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[OperatorProcess]:
-    applied = subprocess.run(
-        cluster.kubectl_command("apply", "-f", str(repo / "crds")),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    # The session's `crds` fixture serves the session's control plane, not this one.
+    applied = kubectl(cluster, "apply", "-f", str(repo / "crds"))
     assert applied.returncode == 0, applied.stderr
-    waited = subprocess.run(
-        cluster.kubectl_command(
-            "wait",
-            "--for=condition=Established",
-            "crd",
-            "-l",
-            "app.kubernetes.io/part-of=sandbox-operator",
-            "--timeout=60s",
-        ),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    crds = ("crd", "-l", "app.kubernetes.io/part-of=sandbox-operator")
+    waited = kubectl(cluster, "wait", "--for=condition=Established", *crds, "--timeout=60s")
     assert waited.returncode == 0, waited.stderr
     kubeconfig = operator_credentials(
         cluster, skube, repo, tmp_path_factory.mktemp("soperator") / "kubeconfig"

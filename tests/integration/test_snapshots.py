@@ -151,6 +151,23 @@ def _events(kube: KubeJSON, ns: str, reason: str) -> list[str]:
     return [e.get("message", "") for e in events if e.get("reason") == reason]
 
 
+def _idle_sandbox(
+    kube: KubeJSON,
+    sandboxes: Sandboxes,
+    node: Node,
+    own_agent: Callable[[str], AgentProcess],
+    name: str,
+    on_idle: str,
+) -> None:
+    """A running sandbox (real agent, pod status played) that snapshots when idle."""
+    ns = sandboxes.namespace
+    lifecycle = {"idleTimeout": "2s", "onIdle": on_idle, "snapshotOnIdle": True}
+    sandboxes.create(name, {"lifecycle": lifecycle})
+    wait_for(lambda: kube.get(core_path("pods", ns, name)), 20, f"pod {name}")
+    agent = own_agent(secret_token(kube, ns, name))
+    node.run_pod(ns, name, agent.ip)
+
+
 def test_idle_snapshot_that_fails_is_reported_and_the_pause_goes_ahead(
     kube: KubeJSON,
     ns: str,
@@ -159,12 +176,7 @@ def test_idle_snapshot_that_fails_is_reported_and_the_pause_goes_ahead(
     own_agent: Callable[[str], AgentProcess],
 ) -> None:
     snapshots = Snapshots(kube, ns)
-    sandboxes.create(
-        "dozy", {"lifecycle": {"idleTimeout": "2s", "onIdle": "Pause", "snapshotOnIdle": True}}
-    )
-    wait_for(lambda: kube.get(core_path("pods", ns, "dozy")), 20, "pod dozy")
-    agent = own_agent(secret_token(kube, ns, "dozy"))
-    node.run_pod(ns, "dozy", agent.ip)
+    _idle_sandbox(kube, sandboxes, node, own_agent, "dozy", "Pause")
     body = sandboxes.wait_phase("dozy", "Paused", timeout=60)
     name = body["status"]["idleSnapshot"]
     assert name.startswith("dozy-idle-")
@@ -185,12 +197,7 @@ def test_idle_delete_waits_for_its_snapshot_and_the_snapshot_outlives_the_sandbo
     own_agent: Callable[[str], AgentProcess],
 ) -> None:
     snapshots = Snapshots(kube, ns)
-    sandboxes.create(
-        "gone", {"lifecycle": {"idleTimeout": "2s", "onIdle": "Delete", "snapshotOnIdle": True}}
-    )
-    wait_for(lambda: kube.get(core_path("pods", ns, "gone")), 20, "pod gone")
-    agent = own_agent(secret_token(kube, ns, "gone"))
-    node.run_pod(ns, "gone", agent.ip)
+    _idle_sandbox(kube, sandboxes, node, own_agent, "gone", "Delete")
     wait_for(lambda: sandboxes.get("gone") is None, 60, "idle deletion")
     taken = snapshots.list("sandbox.dev/sandbox=gone")
     assert len(taken) == 1, taken
