@@ -9,8 +9,9 @@
    that drifts of the machine's load hit both alike; two of each first as a
    warm-up, not counted.
 2. Throughput: `--executions` Executions created round-robin across
-   `--sandboxes` Ready Sandboxes as fast as one client creates them;
-   executions/s from the first create to the last terminal phase seen.
+   `--sandboxes` Ready Sandboxes as fast as 4 client threads create them;
+   executions/s from the first create to the last terminal phase seen, and
+   the CPU seconds the operator and each cluster component used meanwhile.
 
 Timing: from just before the create request to the arrival of the first
 watch event showing the terminal state. One watch per kind (a streaming GET
@@ -27,21 +28,30 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import Watcher, latency_row, sandbox_ready  # noqa: E402
+from devcluster.cluster import LocalCluster  # noqa: E402
+from devcluster.deploy import NAMESPACE as OPERATOR_NAMESPACE  # noqa: E402
+from devcluster.deploy import RELEASE as OPERATOR  # noqa: E402
 from sandbox_operator.config import Settings  # noqa: E402
-from tests.kube import JSON, KubeJSON, api_path  # noqa: E402
+from tests.kube import JSON, KubeJSON, api_path, core_path  # noqa: E402
 
 NS = "bench-exec"
 GROUP = "sandbox.dev/v1alpha1"
 ARGV = ["echo", "hi"]
+# Client threads creating the throughput run's Executions.
+CREATORS = 4
 TERMINAL = {"Succeeded", "Failed", "TimedOut", "Cancelled"}
 JOB_TERMINAL = {"Complete", "Failed"}
 # What the watch shows of an Execution on its way, in order.
@@ -230,19 +240,55 @@ def latency(
     }
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def operator_cpu(kube: KubeJSON) -> float:
+    """The operator's CPU seconds so far, from its own metrics endpoint."""
+    pods = kube.list(core_path("pods", OPERATOR_NAMESPACE), "app.kubernetes.io/name=" + OPERATOR)
+    ip = next(p["status"]["podIP"] for p in pods if p["status"].get("phase") == "Running")
+    text = httpx.get(f"http://{ip}:{Settings().metrics_port}/metrics", timeout=10).text
+    line = next(x for x in text.splitlines() if x.startswith("process_cpu_seconds_total "))
+    return float(line.split()[1])
+
+
+def cpu_use(cluster: LocalCluster, kube: KubeJSON) -> dict[str, float]:
+    """CPU seconds so far of the operator and of each of the cluster's components."""
+    used = {name: process_cpu(pid) for name, pid in cluster.pids().items()}
+    used["sandbox-operator"] = operator_cpu(kube)
+    return used
+
+
 def throughput(
-    kube: KubeJSON, executions: Watcher, sandboxes: list[str], count: int, settings: Settings
+    cluster: LocalCluster,
+    kube: KubeJSON,
+    executions: Watcher,
+    sandboxes: list[str],
+    count: int,
+    settings: Settings,
 ) -> dict[str, Any]:
-    """`count` Executions created round-robin across the Ready `sandboxes` as fast
-    as one client creates them; prints its table."""
+    """`count` Executions created round-robin across the Ready `sandboxes` by
+    `CREATORS` client threads; prints its table and where the CPU went."""
     loadavg_start = os.getloadavg()
     names = [f"t{i}" for i in range(count)]
     created: dict[str, float] = {}
-    first = time.monotonic()
-    for i, name in enumerate(names):
+    local = threading.local()
+
+    def create(index: int) -> None:
+        if not hasattr(local, "kube"):
+            local.kube = KubeJSON(cluster.kubeconfig)
+        name = names[index]
+        body = execution_body(name, sandboxes[index % len(sandboxes)])
         created[name] = time.monotonic()
-        body = execution_body(name, sandboxes[i % len(sandboxes)])
-        kube.create(api_path(GROUP, "executions", NS), body)
+        local.kube.create(api_path(GROUP, "executions", NS), body)
+
+    cpu_before = cpu_use(cluster, kube)
+    first = time.monotonic()
+    with ThreadPoolExecutor(CREATORS) as pool:
+        list(pool.map(create, range(count)))
     all_created = time.monotonic()
     ended = {name: executions.wait(name, TERMINAL, timeout=600)[1] for name in names}
     for name in names:
@@ -252,15 +298,20 @@ def throughput(
     latencies = [ended[name] - created[name] for name in names]
     rate = len(names) / (last - first)
     t_steps = steps(executions, names, EXECUTION_STEPS)
+    cpu_after = cpu_use(cluster, kube)
+    cpu = {k: cpu_after[k] - cpu_before[k] for k in cpu_after if k in cpu_before}
     print(
         f"\nThroughput: {len(names)} Executions round-robin across {len(sandboxes)} "
         f"sandboxes (at most {settings.max_executions_per_sandbox} at once in each):"
     )
-    print(f"  created in {all_created - first:.2f} s; all Succeeded")
+    print(f"  created in {all_created - first:.2f} s by {CREATORS} threads; all Succeeded")
     print(f"  {rate:.1f} executions/s, first create to last terminal ({last - first:.2f} s)")
     print(latency_row("create -> terminal, each", latencies))
     print("  p50 from create to first seen:", format_steps(t_steps))
+    print(f"  CPU seconds used over the {last - first:.1f} s (of {os.cpu_count()} cores):", end="")
+    print(", ".join(f" {k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])))
     return {
+        "cpu_seconds": cpu,
         "executions": len(names),
         "sandboxes": len(sandboxes),
         "per_second": rate,
@@ -306,7 +357,9 @@ def main() -> None:
             ready = results["sandboxes_ready_seconds"] = time.monotonic() - began
             print(f"\n{len(sandboxes)} sandboxes Ready {ready:.1f} s after create")
             time.sleep(2)  # let the sandboxes' own start-up work settle
-            results["throughput"] = throughput(kube, ex, sandboxes, args.executions, settings)
+            results["throughput"] = throughput(
+                cluster, kube, ex, sandboxes, args.executions, settings
+            )
     results["loadavg_after"] = os.getloadavg()
     print(f"load average before/after: {results['loadavg_before']} / {results['loadavg_after']}")
     if args.json:
