@@ -491,8 +491,17 @@ class Run:
         if record is None:
             return
         outcome = build.outcome_of(record)
-        if outcome is not None:
-            await self.finish(outcome, record)
+        if outcome is None:
+            return
+        deleted = (self.sandbox() or sandbox)["metadata"].get("deletionTimestamp")
+        if outcome.phase is not ExecutionPhase.SUCCEEDED and deleted:
+            # The sandbox's teardown stopped the pod: that is the cause worth naming.
+            outcome = build.Outcome(
+                ExecutionPhase.FAILED,
+                build.REASON_SANDBOX_DELETED,
+                f"sandbox {name} was deleted while the command ran ({outcome.message})",
+            )
+        await self.finish(outcome, record)
 
     async def observe(self, endpoint: str, token: str) -> JSON | None:
         """The agent's record after one wait (None: woken or not yet started)."""
