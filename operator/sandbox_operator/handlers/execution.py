@@ -57,6 +57,7 @@ SlotIndex = kopf.Index[Key, JSON]
 API_VERSION = "sandbox.dev/v1alpha1"
 # How often a waiting Execution looks at the indexes again (in-memory, free).
 WAIT_POLL_SECONDS = 0.5
+SECRET_POLL_SECONDS = 2.0
 # Backoff while the agent cannot be reached (pod restarting, network blip).
 AGENT_RETRY_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -154,6 +155,7 @@ class Run:
         self.status: JSON = dict(body.get("status") or {})
         self.spec: ExecutionSpec | None = None
         self.endpoint: str | None = None
+        self.resolved_env: dict[str, str] | None = None
         self.attempt = 0
 
     # -- status ------------------------------------------------------------------
@@ -245,7 +247,10 @@ class Run:
         await self.write(
             {"phase": ExecutionPhase.QUEUED.value, "reason": reason, "message": message}
         )
-        await self.pause(WAIT_POLL_SECONDS)
+        # Waits on the indexes are free; a wait for a Secret asks the API server.
+        await self.pause(
+            SECRET_POLL_SECONDS if reason == build.REASON_SECRET_NOT_FOUND else WAIT_POLL_SECONDS
+        )
 
     # -- the sandbox ---------------------------------------------------------------
 
@@ -290,8 +295,11 @@ class Run:
         )
 
     async def env(self) -> dict[str, str] | tuple[str, str]:
-        """Resolved environment, or (reason, message) when a Secret is not there (yet)."""
+        """Resolved environment, or (reason, message) when a Secret is not there (yet).
+        Read once: a queued Execution must not read Secrets at every look around."""
         assert self.spec is not None
+        if self.resolved_env is not None:
+            return self.resolved_env
         resolved: dict[str, str] = {}
         for var in self.spec.env:
             if var.value is not None:
@@ -309,8 +317,9 @@ class Run:
                     if secret
                     else f"secret {ref.name!r} not found"
                 )
-                return "SecretNotFound", f"spec.env[{var.name}]: {where}"
+                return build.REASON_SECRET_NOT_FOUND, f"spec.env[{var.name}]: {where}"
             resolved[var.name] = base64.b64decode(encoded).decode(errors="replace")
+        self.resolved_env = resolved
         return resolved
 
     # -- the steps -----------------------------------------------------------------
