@@ -1,6 +1,6 @@
 """Snapshots on the real local node, side by side with a plain tar copy.
 
-    python benchmarks/snapshot_bench.py [--sizes 10,1024] [--repeat 1]
+    python benchmarks/snapshot_bench.py [--sizes 10,1024]
 
 For each workspace size (MiB of incompressible data in 16 MiB files, written
 through the agent):
@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,13 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from devcluster import deploy  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    create_namespace,
+    operator_cluster,
+    sandbox_ready,
+    wait_until,
+    write_results,
+)
 from devcluster.storage import StorageLayout  # noqa: E402
 from tests.kube import KubeJSON, api_path, core_path  # noqa: E402
 
@@ -40,18 +47,8 @@ API = "sandbox.dev/v1alpha1"
 CHUNK_MIB = 16
 
 
-def _wait(probe: Any, what: str, timeout: float = 1800) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def _ready(kube: KubeJSON, name: str) -> bool:
-    body = kube.get(api_path(API, "sandboxes", NS, name)) or {}
-    conds = (body.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+def _absent(kube: KubeJSON, path: str) -> bool:
+    return kube.get(path) is None
 
 
 def _phase(kube: KubeJSON, name: str) -> str | None:
@@ -73,7 +70,7 @@ def create_sandbox(kube: KubeJSON, name: str, workspace: dict[str, Any]) -> floa
             "spec": {"workspace": workspace},
         },
     )
-    _wait(lambda: _ready(kube, name), f"sandbox {name} Ready")
+    wait_until(lambda: sandbox_ready(kube, NS, name), timeout=1800)
     return time.monotonic() - began
 
 
@@ -107,7 +104,7 @@ def snapshot(kube: KubeJSON, name: str, sandbox: str) -> float:
             "spec": {"sandboxRef": {"name": sandbox}},
         },
     )
-    _wait(lambda: _phase(kube, name) == "Ready", f"snapshot {name} Ready")
+    wait_until(lambda: _phase(kube, name) == "Ready", timeout=1800)
     return time.monotonic() - began
 
 
@@ -144,16 +141,11 @@ def main() -> None:
     parser.add_argument("--sizes", default="10,1024", help="workspace sizes in MiB")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    cluster = deploy.node_cluster(f"bench-snap-{os.getpid()}")
-    cluster.start()
     rows = []
-    try:
-        deploy.install_operator(cluster)
-        deploy.wait_for_crds(cluster)
+    with operator_cluster(f"bench-snap-{os.getpid()}") as cluster:
         kube = KubeJSON(cluster.kubeconfig)
         layout = StorageLayout.of(cluster)
-        kube.create(core_path("namespaces"), {"metadata": {"name": NS}})
-        _wait(lambda: kube.get(core_path("serviceaccounts", NS, "default")) is not None, "SA")
+        create_namespace(kube, NS)
         for mib in sizes:
             claim_size = f"{max(1, (mib * 2) // 1024 + 1)}Gi"
             source, snap, restored = f"src-{mib}", f"snap-{mib}", f"restored-{mib}"
@@ -165,14 +157,20 @@ def main() -> None:
             rows.append((mib, to_ready, restore, tar))
             for name in (source, restored):
                 kube.delete(api_path(API, "sandboxes", NS, name))
-            gone = api_path(API, "sandboxes", NS, restored)
-            _wait(lambda gone=gone: kube.get(gone) is None, "cleanup")
-        print("\nWorkspace snapshot and restore on the CSI hostpath driver, one each:")
-        print(f"  {'size':>8}  {'snapshot->Ready':>16}  {'restore->Ready':>15}  {'tar copy':>9}")
-        for mib, to_ready, restore, tar in rows:
-            print(f"  {mib:>5} MiB  {to_ready:>14.2f} s  {restore:>13.2f} s  {tar:>7.2f} s")
-    finally:
-        cluster.stop(remove_state=True)
+            wait_until(partial(_absent, kube, api_path(API, "sandboxes", NS, restored)))
+    print("\nWorkspace snapshot and restore on the CSI hostpath driver, one each:")
+    print(f"  {'size':>8}  {'snapshot->Ready':>16}  {'restore->Ready':>15}  {'tar copy':>9}")
+    for mib, to_ready, restore, tar in rows:
+        print(f"  {mib:>5} MiB  {to_ready:>14.2f} s  {restore:>13.2f} s  {tar:>7.2f} s")
+    write_results(
+        "snapshot_bench",
+        {
+            "seconds": [
+                {"mib": mib, "snapshot_ready": r, "restore_ready": t, "tar_copy": c}
+                for mib, r, t, c in rows
+            ]
+        },
+    )
 
 
 if __name__ == "__main__":
