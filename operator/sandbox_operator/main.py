@@ -190,12 +190,6 @@ async def execution_daemon(
     )
 
 
-@kopf.on.event(*EXECUTION)
-def execution_event(body: kopf.Body, memo: Any, **_: Any) -> None:
-    # Not an on.field handler: those store a diff base on every Execution (a write).
-    execution.woken(memo.scheduler, dict(body))
-
-
 @kopf.on.delete(*EXECUTION, retries=10, errors=kopf.ErrorsMode.IGNORED)
 async def execution_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs: Any) -> None:
     async with _measured("Execution", "delete"):

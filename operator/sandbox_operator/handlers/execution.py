@@ -58,6 +58,8 @@ API_VERSION = "sandbox.dev/v1alpha1"
 # How often a waiting Execution looks at the indexes again (in-memory, free).
 WAIT_POLL_SECONDS = 0.5
 SECRET_POLL_SECONDS = 2.0
+# How soon a waiting or running Execution notices `spec.cancel` (a look at memory).
+CANCEL_POLL_SECONDS = 0.5
 # Backoff while the agent cannot be reached (pod restarting, network blip).
 AGENT_RETRY_SECONDS = (0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -218,12 +220,19 @@ class Run:
         return bool((self.body.get("spec") or {}).get("cancel"))
 
     async def race(self, work: Awaitable[T]) -> T | None:
-        """`work`'s result, or None when woken first (cancel, a free slot)."""
+        """`work`'s result, or None when something else comes first: a free slot
+        (a wake-up from a finishing sibling) or a cancel request (seen in the live
+        body, which Kopf keeps current from the watch: no handler per event)."""
         wakeup = self.scheduler.wakeup(self.namespace, self.name)
         task = asyncio.ensure_future(work)
         waker = asyncio.ensure_future(wakeup.wait())
+        cancelled = self.cancel_requested()
         try:
-            done, _ = await asyncio.wait({task, waker}, return_when=asyncio.FIRST_COMPLETED)
+            done: set[asyncio.Future[Any]] = set()
+            while not done and cancelled == self.cancel_requested():
+                done, _ = await asyncio.wait(
+                    {task, waker}, timeout=CANCEL_POLL_SECONDS, return_when=asyncio.FIRST_COMPLETED
+                )
         finally:
             for pending in (task, waker):
                 if not pending.done():
@@ -638,10 +647,3 @@ async def _cancel(
         if exc.status == 404:
             return
         raise kopf.TemporaryError(f"could not cancel the command: {exc}", delay=2) from exc
-
-
-def woken(scheduler: Scheduler, body: JSON) -> None:
-    """A change the daemon should see at once (cancel requested)."""
-    if (body.get("spec") or {}).get("cancel") and not build.terminal(body.get("status") or {}):
-        meta = body["metadata"]
-        scheduler.wake(meta["namespace"], meta["name"])
