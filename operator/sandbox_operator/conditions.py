@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from sandbox_operator.builders.sandbox import AGENT_CONTAINER, SANDBOX_CONTAINER
@@ -92,6 +93,23 @@ def _pod_condition(pod: JSON, kind: str) -> JSON | None:
             result: JSON = cond
             return result
     return None
+
+
+# The scheduler's message for a pod whose Immediate-binding claim is not bound yet.
+UNBOUND_CLAIM_MESSAGE = "unbound immediate PersistentVolumeClaims"
+
+
+def stuck_on_unbound_claim(pod: JSON, now: datetime, patience: timedelta) -> bool:
+    """The scheduler gave up on the pod because its claim was not bound yet, longer
+    than `patience` ago. The scheduler requeues such pods when the claim binds,
+    but can miss that event (the binder writes volumeName and the Bound phase in
+    two updates) and then waits up to five minutes before it looks again."""
+    scheduled = _pod_condition(pod, "PodScheduled") or {}
+    message = str(scheduled.get("message", ""))
+    since = scheduled.get("lastTransitionTime")
+    if scheduled.get("status") != "False" or UNBOUND_CLAIM_MESSAGE not in message or not since:
+        return False
+    return now - datetime.fromisoformat(str(since).replace("Z", "+00:00")) > patience
 
 
 def container_status(pod: JSON, name: str) -> JSON | None:

@@ -261,6 +261,18 @@ class Node:
         }
         self._patch_status(namespace, name, status)
 
+    def unschedulable(self, namespace: str, name: str, message: str) -> None:
+        """What the scheduler writes when it cannot place the pod (a minute ago)."""
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 60))
+        condition = {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": message,
+            "lastTransitionTime": since,
+        }
+        self._patch_status(namespace, name, {"phase": "Pending", "conditions": [condition]})
+
     def fail_pod(self, namespace: str, name: str, reason: str = "Evicted") -> None:
         self._patch_status(
             namespace,

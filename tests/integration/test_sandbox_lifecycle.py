@@ -254,6 +254,33 @@ def test_failed_pod_is_recreated_on_the_same_claim(
     assert _workspace_claim_name(kube.read(_pod(ns, "india"))) == "india-workspace"
 
 
+def test_pod_left_unscheduled_on_an_unbound_claim_is_replaced(
+    sandboxes: Sandboxes, kube: KubeJSON, node: Node
+) -> None:
+    """The scheduler said the claim was unbound and did not come back: after the
+    patience the operator replaces the pod, which the scheduler then sees afresh."""
+    ns = sandboxes.namespace
+    sandboxes.create("lima")
+    wait_for(lambda: _exists(kube, _pod(ns, "lima")), 20, "pod")
+    old_uid = kube.read(_pod(ns, "lima"))["metadata"]["uid"]
+    node.unschedulable(
+        ns, "lima", "0/1 nodes are available: pod has unbound immediate PersistentVolumeClaims."
+    )
+
+    def replaced() -> bool:
+        try:
+            return bool(kube.read(_pod(ns, "lima"))["metadata"]["uid"] != old_uid)
+        except ApiError:
+            return False
+
+    wait_for(replaced, 30, "a new pod")
+    # Any other reason to wait for a node is left to the scheduler.
+    newer_uid = kube.read(_pod(ns, "lima"))["metadata"]["uid"]
+    node.unschedulable(ns, "lima", "0/1 nodes are available: 1 Insufficient cpu.")
+    time.sleep(3)
+    assert kube.read(_pod(ns, "lima"))["metadata"]["uid"] == newer_uid
+
+
 def test_invalid_spec_is_explained_and_blocks_nobody(sandboxes: Sandboxes) -> None:
     sandboxes.create("juliet", {"runtime": "cobol"})
     sandboxes.create("kilo")

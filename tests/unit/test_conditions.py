@@ -154,3 +154,25 @@ def test_merge_keeps_transition_time_while_status_holds() -> None:
     assert same[0]["reason"] == "B"
     flipped = c.merge(same, [c.Cond("Ready", "True", "C")], 2, "t3")
     assert flipped[0]["lastTransitionTime"] == "t3"
+
+
+def test_a_pod_stuck_on_an_unbound_claim_is_noticed_after_the_patience() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    def pod(status: str, message: str, since: str) -> dict[str, object]:
+        cond = {"type": "PodScheduled", "status": status, "message": message}
+        return {"status": {"conditions": [{**cond, "lastTransitionTime": since}]}}
+
+    now = datetime(2026, 1, 1, 0, 1, tzinfo=UTC)
+    patience = timedelta(seconds=15)
+    message = "0/1 nodes are available: pod has unbound immediate PersistentVolumeClaims."
+    assert c.stuck_on_unbound_claim(pod("False", message, "2026-01-01T00:00:00Z"), now, patience)
+    assert not c.stuck_on_unbound_claim(
+        pod("False", message, "2026-01-01T00:00:50Z"), now, patience
+    )
+    assert not c.stuck_on_unbound_claim(
+        pod("False", "0/1 nodes are available: insufficient cpu", "2026-01-01T00:00:00Z"),
+        now,
+        patience,
+    )
+    assert not c.stuck_on_unbound_claim(pod("True", "", "2026-01-01T00:00:00Z"), now, patience)

@@ -41,6 +41,9 @@ SANDBOXES = ("sandbox.dev/v1alpha1", "sandboxes")
 # How long teardown waits for a graceful pod exit before forcing it.
 POD_DELETE_PATIENCE = timedelta(seconds=60)
 CREATE_RETRY_SECONDS = 3
+# How long a pod may wait unscheduled on a claim that is not bound before it is
+# replaced (see conditions.stuck_on_unbound_claim).
+UNBOUND_CLAIM_PATIENCE = timedelta(seconds=15)
 
 
 class Children(Enum):
@@ -355,8 +358,15 @@ async def ensure_pod(
         outdated = (pod["metadata"].get("annotations") or {}).get(POD_HASH_ANNOTATION) != desired[
             "metadata"
         ]["annotations"][POD_HASH_ANNOTATION]
-        if phase in ("Failed", "Succeeded") or outdated:
-            why = "the sandbox spec changed" if outdated else f"pod {phase}"
+        stuck = conditions.stuck_on_unbound_claim(pod, now_utc(), UNBOUND_CLAIM_PATIENCE)
+        if phase in ("Failed", "Succeeded") or outdated or stuck:
+            why = (
+                "the sandbox spec changed"
+                if outdated
+                else "the scheduler did not retry after the workspace claim was bound"
+                if stuck
+                else f"pod {phase}"
+            )
             logger.info("replacing pod: %s", why)
             event(body, "info", reason="PodReplaced", message=f"replacing the pod: {why}")
             metrics.POD_RECREATIONS.inc()
