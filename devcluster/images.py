@@ -54,6 +54,8 @@ PAUSE_SOURCE = Path(__file__).resolve().parent / "pause.c"
 # The pod sandbox image (containerd's `sandbox_image`). A `localhost/` name:
 # this is not upstream's pause binary and must never look like it could be pulled.
 PAUSE = "localhost/devcluster/pause:1"
+# Superseded archives younger than this are kept: another session may be importing one.
+STALE_ARCHIVE_SECONDS = 3600
 
 # Users present in every Debian image, so that tools that look the current
 # user up (git, ssh, getpass) work under the UIDs the operator runs pods with
@@ -347,10 +349,13 @@ def ensure_built(spec: ImageSpec) -> BuiltImage:
         )
         data = {**asdict(image), "archive": str(archive)}
         meta.write_text(json.dumps(data, indent=2) + "\n")
-        # Older archives of the same image are only disk space now.
+        # Older archives of the same image are only disk space now, unless another
+        # session on this machine built one of them moments ago and is importing it.
         for old in images_dir().glob(f"{_slug(spec.name)}-*"):
-            if old not in (archive, meta):
-                old.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                recent = time.time() - old.stat().st_mtime < STALE_ARCHIVE_SECONDS
+                if old not in (archive, meta) and not recent:
+                    old.unlink()
         log.info(
             "built %s in %.0fs: layer %.0f MiB (rootfs %.0f MiB)",
             spec.name,

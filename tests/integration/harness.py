@@ -28,7 +28,9 @@ from tests.kube import STRATEGIC_MERGE_PATCH, KubeJSON, api_path, core_path
 VENV_BIN = Path(sys.executable).parent
 T = TypeVar("T")
 
-_loopback_hosts = itertools.count(2)
+# Each test process starts in its own 127.0.X.0/24 (X from the PID), so that two
+# sessions on one machine do not hand their agents the same address.
+_loopback_hosts = itertools.count((os.getpid() % 200) * 250)
 
 
 def free_port() -> int:
@@ -39,7 +41,7 @@ def free_port() -> int:
 
 
 def next_pod_ip() -> str:
-    """A fresh 127.0.0.x address (all of 127/8 reaches loopback on Linux)."""
+    """A fresh 127.0.x.y address (all of 127/8 reaches loopback on Linux)."""
     n = next(_loopback_hosts)
     return f"127.0.{n // 250}.{n % 250 + 2}"
 
