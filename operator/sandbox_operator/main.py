@@ -93,7 +93,6 @@ async def sandbox_changed(
             await sandbox.reconcile(
                 _runtime(memo),
                 dict(body),
-                memo,
                 logger,
                 children=sandbox.Children.ENSURE,
                 pod=None,
@@ -101,7 +100,7 @@ async def sandbox_changed(
             )
         else:
             children = sandbox.Children.CONVERGE if reason == "update" else sandbox.Children.ENSURE
-            await sandbox.reconcile(_runtime(memo), dict(body), memo, logger, children=children)
+            await sandbox.reconcile(_runtime(memo), dict(body), logger, children=children)
 
 
 # The change handlers just reconciled a new object: the first tick can wait a full interval.
@@ -117,7 +116,7 @@ async def sandbox_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any
         # A bad spec was already reported in status by the change handler.
         with suppress(kopf.PermanentError):
             await sandbox.reconcile(
-                _runtime(memo), dict(body), memo, logger, children=sandbox.Children.POD
+                _runtime(memo), dict(body), logger, children=sandbox.Children.POD
             )
 
 
@@ -159,7 +158,6 @@ async def pod_event(
             await sandbox.reconcile(
                 _runtime(memo),
                 owner,
-                memo,
                 logger,
                 children=sandbox.Children.POD,
                 pod=pod,

@@ -34,11 +34,10 @@ from sandbox_operator.api.common import parse_duration
 from sandbox_operator.api.execution import ExecutionPhase, ExecutionSpec
 from sandbox_operator.api.sandbox import SandboxSpec
 from sandbox_operator.builders import execution as build
-from sandbox_operator.builders.sandbox import TOKEN_KEY
-from sandbox_operator.builders.sandbox import names as sandbox_names
 from sandbox_operator.handlers.sandbox import (
     RESUME_ANNOTATION,
     Runtime,
+    agent_token,
     effective_paused,
     event,
     iso,
@@ -71,8 +70,6 @@ class Scheduler:
     # Slots taken by this process and not yet visible in the index.
     claimed: dict[Key, set[str]] = field(default_factory=dict)
     wakeups: dict[Key, asyncio.Event] = field(default_factory=dict)
-    # Agent tokens by (namespace, sandbox UID): a token never changes for a sandbox.
-    tokens: dict[Key, str] = field(default_factory=dict)
     slot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def wakeup(self, namespace: str, name: str) -> asyncio.Event:
@@ -278,7 +275,7 @@ class Run:
         return next(iter(self.sandboxes.get((self.namespace, self.sandbox_name()), [])), None)
 
     async def token(self, sandbox: JSON) -> str | None:
-        return await agent_token(self.rt, self.scheduler, sandbox)
+        return await agent_token(self.rt, sandbox)
 
     async def ensure_one_shot(self, template: SandboxSpec) -> None:
         sandbox = build.build_one_shot_sandbox(dict(self.body["metadata"]), template)
@@ -562,22 +559,6 @@ class Run:
         )
 
 
-async def agent_token(rt: Runtime, scheduler: Scheduler, sandbox: JSON) -> str | None:
-    """The sandbox's agent token, read once per sandbox (it never changes)."""
-    meta = sandbox["metadata"]
-    key = (meta["namespace"], meta["uid"])
-    token = scheduler.tokens.get(key)
-    if token:
-        return token
-    path = resource_path("v1", "secrets", meta["namespace"], sandbox_names(meta["name"])["secret"])
-    encoded = ((await rt.kube.get(path)) or {}).get("data", {}).get(TOKEN_KEY)
-    if not encoded:
-        return None
-    token = base64.b64decode(encoded).decode()
-    scheduler.tokens[key] = token
-    return token
-
-
 def _ready_message(sandbox_status: JSON) -> str:
     for cond in sandbox_status.get("conditions", []):
         if cond.get("type") == "Ready":
@@ -618,7 +599,7 @@ async def deleted(
         sb_status = sandbox.get("status") or {}
         endpoint = sb_status.get("agentEndpoint")
         if endpoint and sb_status.get("podUID") == status["podUID"]:
-            token = await agent_token(rt, scheduler, sandbox)
+            token = await agent_token(rt, sandbox)
             if token:
                 await _cancel(
                     rt, endpoint, token, meta["uid"], status.get("agentExecutionId"), logger

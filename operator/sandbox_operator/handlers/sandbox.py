@@ -70,13 +70,18 @@ class Runtime:
     # The status this process last wrote per Sandbox. The operator is the only
     # writer of status, so this is fresher than a body Kopf received earlier.
     statuses: dict[tuple[str, str], JSON] = field(default_factory=dict)
+    # Agent tokens by (namespace, sandbox UID): a sandbox's token never changes,
+    # and a namesake created later has another UID.
+    tokens: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
 
-    def forget(self, namespace: str, name: str) -> None:
+    def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
         self.locks.pop((namespace, name), None)
         self.statuses.pop((namespace, name), None)
+        if uid is not None:
+            self.tokens.pop((namespace, uid), None)
 
 
 def event(body: JSON, kind: str, reason: str, message: str) -> None:
@@ -449,16 +454,19 @@ async def write_status(rt: Runtime, body: JSON, status: JSON) -> None:
     body["status"] = status
 
 
-async def _agent_token(rt: Runtime, body: JSON, memo: Any) -> str | None:
-    token: str | None = memo.get("agent_token")
+async def agent_token(rt: Runtime, sandbox: JSON) -> str | None:
+    """The bearer token of a sandbox's agent, read from its Secret once."""
+    meta = sandbox["metadata"]
+    key = (meta["namespace"], meta["uid"])
+    token = rt.tokens.get(key)
     if token:
         return token
-    ref = ref_of(body)
-    secret = await rt.kube.get(_path("secrets", ref.namespace, build.names(ref.name)["secret"]))
-    if not secret:
+    path = _path("secrets", meta["namespace"], build.names(meta["name"])["secret"])
+    encoded = ((await rt.kube.get(path)) or {}).get("data", {}).get(build.TOKEN_KEY)
+    if not encoded:
         return None
-    token = base64.b64decode(secret.get("data", {}).get(build.TOKEN_KEY, "")).decode()
-    memo["agent_token"] = token
+    token = base64.b64decode(encoded).decode()
+    rt.tokens[key] = token
     return token
 
 
@@ -467,7 +475,6 @@ async def lifecycle(
     body: JSON,
     spec: SandboxSpec,
     status: JSON,
-    memo: Any,
     now: datetime,
     logger: kopf.Logger,
 ) -> JSON:
@@ -486,7 +493,7 @@ async def lifecycle(
     endpoint = status.get("agentEndpoint")
     if status.get("phase") != conditions.RUNNING or not endpoint or not idle_timeout:
         return extra
-    token = await _agent_token(rt, body, memo)
+    token = await agent_token(rt, body)
     if not token:
         return extra
     try:
@@ -495,7 +502,7 @@ async def lifecycle(
         # Unknown activity is never taken for idleness: no teardown on a blip.
         metrics.AGENT_ERRORS.inc()
         logger.warning("agent info failed: %s", exc)
-        memo.pop("agent_token", None)
+        rt.tokens.pop((body["metadata"]["namespace"], body["metadata"]["uid"]), None)
         return extra
     reported = now if info.active_executions else info.last_activity.replace(microsecond=0)
     previous = status.get("lastActivity")
@@ -582,7 +589,6 @@ async def idle_snapshot_settled(
 async def reconcile(
     rt: Runtime,
     body: JSON,
-    memo: Any,
     logger: kopf.Logger,
     *,
     children: Children,
@@ -596,13 +602,12 @@ async def reconcile(
         known = rt.statuses.get((meta["namespace"], meta["name"]))
         if known is not None:
             body = {**body, "status": known}
-        await _reconcile(rt, body, memo, logger, children=children, pod=pod, pod_known=pod_known)
+        await _reconcile(rt, body, logger, children=children, pod=pod, pod_known=pod_known)
 
 
 async def _reconcile(
     rt: Runtime,
     body: JSON,
-    memo: Any,
     logger: kopf.Logger,
     *,
     children: Children,
@@ -673,11 +678,11 @@ async def _reconcile(
     )
     status = build_status(body, spec, observed, rt.settings, now, extra)
     if not observed.deleting:
-        changes = await lifecycle(rt, body, spec, status, memo, now, logger)
+        changes = await lifecycle(rt, body, spec, status, now, logger)
         if changes.get("idlePausedAt"):
             # Paused by the idle policy just now: converge again as a paused sandbox.
             body["status"] = {**(body.get("status") or {}), **status, **changes}
-            await _reconcile(rt, body, memo, logger, children=Children.POD, pod=pod, pod_known=True)
+            await _reconcile(rt, body, logger, children=Children.POD, pod=pod, pod_known=True)
             return
         status.update(changes)
     status = {k: v for k, v in status.items() if v is not None}
@@ -700,7 +705,7 @@ async def teardown(rt: Runtime, body: JSON, logger: kopf.Logger) -> None:
         if not await idle_snapshot_settled(rt, body, spec, idle_snapshot, started, now_utc()):
             raise kopf.TemporaryError(f"waiting for snapshot {idle_snapshot}", delay=2)
     metrics.PHASES.forget(ref.namespace, ref.name)
-    rt.forget(ref.namespace, ref.name)
+    rt.forget(ref.namespace, ref.name, ref.uid)
     path = _path("pods", ref.namespace, build.names(ref.name)["pod"])
     pod = await rt.kube.get(path)
     if pod is None:

@@ -9,7 +9,6 @@ creating it and recording it costs nothing: the next pass finds it by name.
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
 import kopf
@@ -25,6 +24,7 @@ from sandbox_operator.conditions import FALSE, TRUE, Cond
 from sandbox_operator.handlers.sandbox import (
     SANDBOXES,
     Runtime,
+    agent_token,
     event,
     iso,
     now_utc,
@@ -107,15 +107,6 @@ async def _write(rt: Runtime, body: JSON, phase: str, conds: list[Cond], fields:
         elif phase == sc.FAILED and ready is not None:
             metrics.SNAPSHOTS.labels("failed").inc()
             event(body, "warn", reason=ready.reason, message=ready.message)
-
-
-async def agent_token(rt: Runtime, namespace: str, sandbox: str) -> str | None:
-    secret = await rt.kube.get(
-        resource_path("v1", "secrets", namespace, sandbox_build.names(sandbox)["secret"], None)
-    )
-    if not secret:
-        return None
-    return base64.b64decode(secret.get("data", {}).get(sandbox_build.TOKEN_KEY, "")).decode()
 
 
 async def _snapshot_class(rt: Runtime, spec: SnapshotSpec, driver: str) -> str:
@@ -205,7 +196,7 @@ async def _prepare(
         return claim_name, class_name, sandbox, quiesce, None
     if not endpoint or phase not in (conditions.RUNNING, conditions.TERMINATING):
         raise Wait(sc.REASON_SANDBOX_NOT_READY, f"sandbox {source!r} is {phase}, not Running")
-    token = await agent_token(rt, namespace, source)
+    token = await agent_token(rt, sandbox)
     try:
         if token is None:
             raise AgentError("the sandbox's agent token Secret is missing")
@@ -313,7 +304,7 @@ async def _resume(rt: Runtime, body: JSON, logger: kopf.Logger) -> None:
     source = (body.get("status") or {}).get("sourceSandbox") or body["spec"]["sandboxRef"]["name"]
     sandbox = await rt.kube.get(_sandbox_path(namespace, source))
     endpoint = ((sandbox or {}).get("status") or {}).get("agentEndpoint")
-    token = await agent_token(rt, namespace, source)
+    token = await agent_token(rt, sandbox) if sandbox else None
     if not endpoint or not token:
         return
     try:
