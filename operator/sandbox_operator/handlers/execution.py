@@ -429,9 +429,9 @@ class Run:
         )
         self.endpoint = endpoint
         self.logger.info("starting in sandbox %s, pod %s, agent %s", name, pod_uid, endpoint)
-        await self.send(endpoint, pod_uid, env)
+        await self.send(endpoint, env)
 
-    async def send(self, endpoint: str, pod_uid: str, env: dict[str, str]) -> None:
+    async def send(self, endpoint: str, env: dict[str, str]) -> None:
         """Write the input files and start the command (idempotent by the UID key)."""
         assert self.spec is not None
         sandbox = self.sandbox()
@@ -529,7 +529,7 @@ class Run:
                 if isinstance(env, tuple):
                     await self.fail(*env)
                     return None
-                await self.send(endpoint, self.status["podUID"], env)
+                await self.send(endpoint, env)
                 return None
             await self.write({"agentExecutionId": found["id"]})
             execution_id = found["id"]
@@ -541,7 +541,6 @@ class Run:
 
     async def after(self) -> None:
         """Finished: remove a one-shot sandbox, then the Execution after its TTL."""
-        assert self.spec is not None or not self.status.get("oneShot")
         if self.status.get("oneShot"):
             name = self.sandbox_name()
             path = resource_path(API_VERSION, "sandboxes", self.namespace, name)
