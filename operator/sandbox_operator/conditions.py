@@ -87,12 +87,17 @@ class Observed:
     holding: bool = False
 
 
-def _pod_condition(pod: JSON, kind: str) -> JSON | None:
-    for cond in pod.get("status", {}).get("conditions", []) or []:
+def find(status: JSON, kind: str) -> JSON | None:
+    """The condition of type `kind` in an object's status (a pod's or one of ours)."""
+    for cond in status.get("conditions") or []:
         if cond.get("type") == kind:
             result: JSON = cond
             return result
     return None
+
+
+def _pod_condition(pod: JSON, kind: str) -> JSON | None:
+    return find(pod.get("status") or {}, kind)
 
 
 # The scheduler's message for a pod whose Immediate-binding claim is not bound yet.

@@ -35,6 +35,15 @@ MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 
 
+def status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
+    """The merge patch that turns status `old` into `new`; None when nothing changed
+    (every write costs the API server). Keys gone from `new` are nulled: a merge
+    patch would keep them otherwise."""
+    if new == old:
+        return None
+    return {"status": {**{k: None for k in old if k not in new}, **new}}
+
+
 @dataclass(frozen=True)
 class Response:
     status_code: int

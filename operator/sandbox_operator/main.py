@@ -177,7 +177,7 @@ def execution_slots(namespace: str | None, body: kopf.Body, **_: Any) -> dict[An
 async def execution_daemon(
     body: kopf.Body, memo: Any, logger: kopf.Logger, stopped: kopf.DaemonStopped, **kwargs: Any
 ) -> None:
-    await execution.run(
+    await execution.Run(
         _runtime(memo),
         memo.scheduler,
         body,
@@ -185,7 +185,7 @@ async def execution_daemon(
         kwargs["execution_slots"],
         stopped,
         logger,
-    )
+    ).drive()
 
 
 @kopf.on.delete(*EXECUTION, retries=10, errors=kopf.ErrorsMode.IGNORED)

@@ -45,6 +45,18 @@ def _workspace_claim_name(pod: dict[str, Any]) -> str:
     return name
 
 
+def _wait_replaced(kube: KubeJSON, ns: str, name: str, old_uid: str) -> None:
+    """Until the sandbox's pod exists again under another UID."""
+
+    def replaced() -> bool:
+        try:
+            return bool(kube.read(_pod(ns, name))["metadata"]["uid"] != old_uid)
+        except ApiError:
+            return False
+
+    wait_for(replaced, 30, "a new pod")
+
+
 def _ready(
     sandboxes: Sandboxes,
     kube: KubeJSON,
@@ -244,13 +256,7 @@ def test_failed_pod_is_recreated_on_the_same_claim(
     old_uid = kube.read(_pod(ns, "india"))["metadata"]["uid"]
     node.fail_pod(ns, "india", "Evicted")
 
-    def replaced() -> bool:
-        try:
-            return bool(kube.read(_pod(ns, "india"))["metadata"]["uid"] != old_uid)
-        except ApiError:
-            return False
-
-    wait_for(replaced, 30, "a new pod")
+    _wait_replaced(kube, ns, "india", old_uid)
     assert _workspace_claim_name(kube.read(_pod(ns, "india"))) == "india-workspace"
 
 
@@ -267,13 +273,7 @@ def test_pod_left_unscheduled_on_an_unbound_claim_is_replaced(
         ns, "lima", "0/1 nodes are available: pod has unbound immediate PersistentVolumeClaims."
     )
 
-    def replaced() -> bool:
-        try:
-            return bool(kube.read(_pod(ns, "lima"))["metadata"]["uid"] != old_uid)
-        except ApiError:
-            return False
-
-    wait_for(replaced, 30, "a new pod")
+    _wait_replaced(kube, ns, "lima", old_uid)
     # Any other reason to wait for a node is left to the scheduler.
     newer_uid = kube.read(_pod(ns, "lima"))["metadata"]["uid"]
     node.unschedulable(ns, "lima", "0/1 nodes are available: 1 Insufficient cpu.")

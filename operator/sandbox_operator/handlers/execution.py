@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import kopf
 from pydantic import ValidationError
 
-from sandbox_operator import metrics
+from sandbox_operator import conditions, metrics
 from sandbox_operator.agent_client import AgentError, parse_time
 from sandbox_operator.api.common import parse_duration
 from sandbox_operator.api.execution import ExecutionPhase, ExecutionSpec
@@ -44,7 +44,7 @@ from sandbox_operator.handlers.sandbox import (
     now_utc,
     readable,
 )
-from sandbox_operator.kube import MERGE_PATCH, KubeError, resource_path
+from sandbox_operator.kube import MERGE_PATCH, KubeError, resource_path, status_patch
 
 JSON = dict[str, Any]
 T = TypeVar("T")
@@ -167,9 +167,9 @@ class Run:
             one_shot = (self.body.get("spec") or {}).get("sandboxTemplate") is not None
             changes = {"sandbox": self.sandbox_name(), "oneShot": one_shot or None, **changes}
         status = build.build_status(self.status, changes, self.generation, now_utc())
-        if status == self.status:
+        patch = status_patch(self.status, status)
+        if patch is None:
             return
-        patch = {"status": {**{k: None for k in self.status if k not in status}, **status}}
         path = resource_path(API_VERSION, "executions", self.namespace, self.name, "status")
         written = await self.rt.kube.patch(path, patch, MERGE_PATCH)
         if written is None:
@@ -330,6 +330,17 @@ class Run:
 
     # -- the steps -----------------------------------------------------------------
 
+    async def drive(self) -> None:
+        """The daemon body: take the Execution to its end. API errors are retried by
+        Kopf (the daemon restarts and picks up from the recorded status)."""
+        with contextlib.suppress(Stop):
+            try:
+                await self.run()
+            except KubeError as exc:
+                if exc.status >= 500 or exc.status == 429:
+                    raise kopf.TemporaryError(f"API server: {exc}", delay=1) from exc
+                raise
+
     async def run(self) -> None:
         try:
             self.spec = ExecutionSpec.model_validate(self.body.get("spec") or {})
@@ -368,7 +379,7 @@ class Run:
         if sb_status.get("phase") == "Failed":
             await self.fail(
                 build.REASON_SANDBOX_FAILED,
-                f"sandbox {name} failed: {sb_status.get('message') or _ready_message(sb_status)}",
+                f"sandbox {name} failed: {sb_status.get('message') or _why_not_ready(sb_status)}",
             )
             return
         try:
@@ -558,32 +569,9 @@ class Run:
         )
 
 
-def _ready_message(sandbox_status: JSON) -> str:
-    for cond in sandbox_status.get("conditions", []):
-        if cond.get("type") == "Ready":
-            return str(cond.get("message") or cond.get("reason"))
-    return "no detail"
-
-
-async def run(
-    rt: Runtime,
-    scheduler: Scheduler,
-    body: kopf.Body,
-    sandboxes: SandboxIndex,
-    slots: SlotIndex,
-    stopped: kopf.DaemonStopped,
-    logger: kopf.Logger,
-) -> None:
-    """The daemon body: drive one Execution to its end. API errors are retried by
-    Kopf (the daemon restarts and picks up from the recorded status)."""
-    task = Run(rt, scheduler, body, sandboxes, slots, stopped, logger)
-    with contextlib.suppress(Stop):
-        try:
-            await task.run()
-        except KubeError as exc:
-            if exc.status >= 500 or exc.status == 429:
-                raise kopf.TemporaryError(f"API server: {exc}", delay=1) from exc
-            raise
+def _why_not_ready(sandbox_status: JSON) -> str:
+    ready = conditions.find(sandbox_status, "Ready") or {}
+    return str(ready.get("message") or ready.get("reason") or "no detail")
 
 
 async def deleted(

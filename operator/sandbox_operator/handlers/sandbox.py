@@ -28,7 +28,7 @@ from sandbox_operator.api.sandbox import OnIdle, SandboxSpec
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.builders import snapshot as snapshot_build
 from sandbox_operator.config import Settings
-from sandbox_operator.kube import MERGE_PATCH, Kube, KubeError, resource_path
+from sandbox_operator.kube import MERGE_PATCH, Kube, KubeError, resource_path, status_patch
 
 JSON = dict[str, Any]
 
@@ -432,20 +432,16 @@ def build_status(
     return {k: v for k, v in status.items() if v is not None}
 
 
-def _same(old: JSON, new: JSON) -> bool:
-    return all(old.get(k) == v for k, v in new.items()) and all(k in new for k in old)
-
-
 async def write_status(rt: Runtime, body: JSON, status: JSON) -> None:
     """Patch status only when it changed: every write costs the API server."""
     old = body.get("status") or {}
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
     metrics.PHASES.set(*key, status.get("phase", ""))
-    if _same(old, status):
+    patch = status_patch(old, status)
+    if patch is None:
         rt.statuses[key] = status
         return
-    patch: JSON = {"status": {**{k: None for k in old if k not in status}, **status}}
     written = await rt.kube.patch(
         _path("sandboxes", meta["namespace"], meta["name"], "status"), patch, MERGE_PATCH
     )

@@ -30,7 +30,7 @@ from sandbox_operator.handlers.sandbox import (
     now_utc,
     readable,
 )
-from sandbox_operator.kube import MERGE_PATCH, KubeError, resource_path
+from sandbox_operator.kube import MERGE_PATCH, KubeError, resource_path, status_patch
 
 JSON = dict[str, Any]
 
@@ -69,14 +69,6 @@ def _snapshot_path(namespace: str, name: str | None = None, sub: str | None = No
     return resource_path(SNAPSHOTS[0], SNAPSHOTS[1], namespace, name, sub)
 
 
-def _condition(status: JSON, kind: str) -> JSON | None:
-    for cond in status.get("conditions") or []:
-        if cond.get("type") == kind:
-            found: JSON = cond
-            return found
-    return None
-
-
 async def _write(rt: Runtime, body: JSON, phase: str, conds: list[Cond], fields: JSON) -> None:
     """Patch status when it changed; an Event when the phase did."""
     meta = body["metadata"]
@@ -91,10 +83,11 @@ async def _write(rt: Runtime, body: JSON, phase: str, conds: list[Cond], fields:
         ),
     }
     status = {k: v for k, v in status.items() if v is not None}
-    if status == old:
+    patch = status_patch(old, status)
+    if patch is None:
         return
     await rt.kube.patch(
-        _snapshot_path(meta["namespace"], meta["name"], "status"), {"status": status}, MERGE_PATCH
+        _snapshot_path(meta["namespace"], meta["name"], "status"), patch, MERGE_PATCH
     )
     body["status"] = status
     if old.get("phase") != phase:
@@ -282,7 +275,7 @@ async def _follow(rt: Runtime, body: JSON, logger: kopf.Logger, wait: bool) -> s
     meta = body["metadata"]
     status = body.get("status") or {}
     vs = await rt.kube.get(_vs_path(meta["namespace"], status["volumeSnapshotName"]))
-    quiesce = _condition(status, "Quiesced")
+    quiesce = conditions.find(status, "Quiesced")
     cond: Cond | None = None
     if quiesce is not None:
         cond = Cond("Quiesced", quiesce["status"], quiesce["reason"], quiesce.get("message", ""))
@@ -328,7 +321,7 @@ async def release(rt: Runtime, body: JSON, logger: kopf.Logger) -> None:
     VolumeSnapshot and recording it must not leave an orphan."""
     ref = ref_of(body)
     status = body.get("status") or {}
-    quiesce = _condition(status, "Quiesced")
+    quiesce = conditions.find(status, "Quiesced")
     if quiesce is not None and quiesce["reason"] == sc.REASON_QUIESCED:
         await _resume(rt, body, logger)
     policy = (body.get("spec") or {}).get("retainPolicy", RetainPolicy.DELETE.value)
