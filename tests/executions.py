@@ -26,6 +26,14 @@ class Executions(Resources):
         status: JSON = self.read(name).get("status") or {}
         return status
 
+    def statuses(self, names: list[str]) -> list[JSON]:
+        """The statuses of `names`, all from one list call: one moment of the cluster
+        (reading them one by one would mix moments and count a run twice)."""
+        by_name = {
+            i["metadata"]["name"]: i.get("status") or {} for i in self.kube.list(self.path())
+        }
+        return [by_name.get(name, {}) for name in names]
+
     def wait_status(
         self, name: str, what: str, test: Callable[[JSON], bool], timeout: float = 30
     ) -> JSON:

@@ -70,7 +70,7 @@ def test_commands_with_inputs_outcomes_queueing_and_cancel(e2e: E2E) -> None:
     queued_seen = False
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        statuses = [executions.status(n) for n in names]
+        statuses = executions.statuses(names)
         phases = [s.get("phase") for s in statuses]
         running_max = max(running_max, phases.count("Running"))
         queued_seen |= any(s.get("reason") == "ConcurrencyLimit" for s in statuses)

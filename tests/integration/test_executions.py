@@ -185,7 +185,7 @@ def test_concurrency_limit_queues_in_creation_order(
     seen_running = 0
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        phases = [(executions.get(n) or {}).get("status", {}).get("phase") for n in names]
+        phases = [status.get("phase") for status in executions.statuses(names)]
         seen_running = max(seen_running, phases.count("Running"))
         assert phases.count("Running") <= 2, phases
         if all(p == "Succeeded" for p in phases):
