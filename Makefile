@@ -76,7 +76,7 @@ KUBECTL = $$($(PY) -c 'from devcluster import build; print(build.kubernetes_bina
 run: install ## Run the operator locally against the cluster-up cluster
 	export KUBECONFIG=$$($(PY) -m devcluster kubeconfig --name $(CLUSTER)) && \
 	$(KUBECTL) apply -f crds/ && \
-	$(VENV)/bin/kopf run -m sandbox_operator --all-namespaces --standalone
+	$(VENV)/bin/kopf run -m sandbox_operator.main --all-namespaces --standalone
 
 .PHONY: bench
 bench: install binaries ## Benchmarks: agent vs subprocess; 1,000 Sandboxes; node cold start and exec; Executions vs Jobs; snapshots vs tar

@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from devcluster.controlplane import ControlPlane  # noqa: E402
-from sandbox_operator.kube import Kube, resource_path  # noqa: E402
+from sandbox_operator.kube import Kube  # noqa: E402
+from sandbox_operator.resources import PODS, SANDBOXES  # noqa: E402
 from tests.integration.harness import OperatorProcess, operator_credentials  # noqa: E402
 from tests.kube import KubeJSON  # noqa: E402
 
@@ -55,7 +56,7 @@ def peak_rss_mib(pid: int) -> float:
 
 async def create_all(kubeconfig: Path, count: int, concurrency: int) -> None:
     kube = Kube.from_environment(str(kubeconfig))
-    path = resource_path("sandbox.dev/v1alpha1", "sandboxes", NAMESPACE)
+    path = SANDBOXES.path(NAMESPACE)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> None:
@@ -73,9 +74,9 @@ async def create_all(kubeconfig: Path, count: int, concurrency: int) -> None:
 
 
 def progress(kube: KubeJSON) -> tuple[int, int]:
-    sandboxes = kube.list(resource_path("sandbox.dev/v1alpha1", "sandboxes", NAMESPACE))
+    sandboxes = kube.list(SANDBOXES.path(NAMESPACE))
     with_status = sum(1 for s in sandboxes if (s.get("status") or {}).get("podName"))
-    pods = kube.list(resource_path("v1", "pods", NAMESPACE))
+    pods = kube.list(PODS.path(NAMESPACE))
     return with_status, len(pods)
 
 

@@ -20,7 +20,7 @@ import httpx
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
-from sandbox_operator.kube import resource_path
+from sandbox_operator.resources import Resource
 
 JSON = dict[str, Any]
 
@@ -42,8 +42,15 @@ class ApiError(Exception):
         self.body = body
 
 
-# One path builder for the project: the operator's own.
-api_path = resource_path
+def api_path(
+    api_version: str,
+    plural: str,
+    namespace: str | None = None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> str:
+    """A REST path, built by the operator's own path function."""
+    return Resource(api_version, plural).path(namespace, name, subresource)
 
 
 def core_path(

@@ -1,9 +1,6 @@
 """Sandbox operator: Kopf handlers reconciling Sandbox, Execution and Snapshot.
 
-`kopf run -m sandbox_operator` imports this package, which registers the
-handlers (see main.py). Importing only `sandbox_operator.api` for the models
-is cheap apart from that registration, which has no side effects beyond
-reading the settings.
+`kopf run -m sandbox_operator.main` registers the handlers (main.py). Importing
+the package or its models (`sandbox_operator.api`) registers nothing and reads
+no settings.
 """
-
-from sandbox_operator import main as _registration  # noqa: F401

@@ -6,11 +6,15 @@ this client uses the few calls the operator needs.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import httpx
+
+from sandbox_operator.clock import parse_time
 
 
 class AgentError(Exception):
@@ -36,10 +40,16 @@ class AgentInfo:
     active_executions: int
     version: str | None
     runner_connected: bool
+    # Digest of the environment the agent gives new commands (see environment_hash).
+    environment_hash: str | None = None
 
 
-def parse_time(value: str) -> datetime:
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+def environment_hash(env: dict[str, str], unset: list[str]) -> str:
+    """The agent's digest of an environment overlay (its /v1/environment contract)."""
+    canonical = json.dumps(
+        {"env": env, "unset": sorted(unset)}, sort_keys=True, separators=(",", ":")
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 class AgentClient:
@@ -56,7 +66,7 @@ class AgentClient:
         token: str,
         path: str,
         *,
-        json: Any = None,
+        body: Any = None,
         content: bytes | None = None,
         params: dict[str, str] | None = None,
         read_timeout: float | None = None,
@@ -66,7 +76,7 @@ class AgentClient:
                 method,
                 endpoint + path,
                 headers={"Authorization": f"Bearer {token}"},
-                json=json,
+                json=body,
                 content=content,
                 params=params,
                 timeout=read_timeout if read_timeout is not None else self._http.timeout,
@@ -91,7 +101,7 @@ class AgentClient:
         return await self._call("GET", endpoint, token, path)
 
     async def _post(self, endpoint: str, token: str, path: str, body: Any = None) -> Any:
-        return await self._call("POST", endpoint, token, path, json=body)
+        return await self._call("POST", endpoint, token, path, body=body)
 
     async def sync(self, endpoint: str, token: str) -> None:
         """Flush the workspace to disk."""
@@ -117,9 +127,19 @@ class AgentClient:
                 active_executions=int(data.get("activeExecutions", 0)),
                 version=data.get("version"),
                 runner_connected=bool(data.get("runnerConnected", False)),
+                environment_hash=data.get("environmentHash"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AgentError(f"agent at {endpoint} sent malformed info: {exc!r}") from exc
+
+    async def set_environment(
+        self, endpoint: str, token: str, env: dict[str, str], unset: list[str]
+    ) -> str:
+        """Replace the environment overlay new commands get; returns its digest."""
+        data = await self._call(
+            "PUT", endpoint, token, "/v1/environment", body={"env": env, "unset": sorted(unset)}
+        )
+        return str((data or {}).get("hash", ""))
 
     # Executions. Records are the agent's JSON (sandbox-agent/openapi.json, Execution).
 
@@ -127,7 +147,7 @@ class AgentClient:
         """Start a command in the background; with an idempotency key, a repeat of the
         same request returns the first execution instead of running it again."""
         record: dict[str, Any] = await self._call(
-            "POST", endpoint, token, "/v1/executions", json={**request, "background": True}
+            "POST", endpoint, token, "/v1/executions", body={**request, "background": True}
         )
         return record
 
@@ -163,7 +183,7 @@ class AgentClient:
             endpoint,
             token,
             f"/v1/executions/{execution_id}/cancel",
-            json={"graceSeconds": grace_seconds},
+            body={"graceSeconds": grace_seconds},
             read_timeout=grace_seconds + (self._http.timeout.read or 5) + 5,
         )
         return record

@@ -102,9 +102,13 @@ class Settings(BaseModel):
     # How long the idle policy waits for its Snapshot before it deletes or pauses anyway.
     idle_snapshot_timeout: Duration = "10m"
 
+    # A pod whose agent stops being ready for longer than this (while its runtime
+    # container runs) is replaced on the same workspace. The kubelet restarts a
+    # wedged runtime container well before that (see builders.sandbox).
+    agent_unready_patience: Duration = "2m"
+
     # Reconciliation.
     reconcile_interval_seconds: float = 30.0
-    activity_poll_seconds: float = 15.0
     agent_timeout_seconds: float = 5.0
     metrics_port: int = 8000
     max_workers: int = 32

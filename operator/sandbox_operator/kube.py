@@ -20,7 +20,7 @@ import ssl
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from kubernetes import client as k8s_client
@@ -65,23 +65,43 @@ class KubeError(Exception):
         self.message = message
 
 
-def resource_path(
-    api_version: str,
-    plural: str,
-    namespace: str | None = None,
-    name: str | None = None,
-    subresource: str | None = None,
-) -> str:
-    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    parts = [base]
-    if namespace:
-        parts.append(f"namespaces/{namespace}")
-    parts.append(plural)
-    if name:
-        parts.append(name)
-    if subresource:
-        parts.append(subresource)
-    return "/".join(parts)
+class Refused(KubeError):
+    """The API server refused to create an object (a 4xx other than 409 and 429)."""
+
+    def __init__(self, error: KubeError, kind: str, name: str) -> None:
+        super().__init__(error.status, error.reason, error.message)
+        self.kind = kind
+        self.name = name
+
+    @property
+    def permanent(self) -> bool:
+        """The same object will be refused again (invalid), unlike a quota or a policy
+        refusal (403), which can change without the object changing."""
+        return self.status in (400, 422)
+
+    def __str__(self) -> str:
+        return f"the API server refused to create {self.kind} {self.name}: {self.message}"
+
+
+class Api(Protocol):
+    """The few calls the controllers make: what a test double has to provide."""
+
+    async def get(self, path: str, params: dict[str, str] | None = None) -> JSON | None: ...
+
+    async def create(self, path: str, body: JSON) -> JSON | None: ...
+
+    async def patch(self, path: str, body: Any, content_type: str = ...) -> JSON | None: ...
+
+    async def delete(
+        self,
+        path: str,
+        *,
+        grace_seconds: int | None = None,
+        propagation: str = "Background",
+        uid: str | None = None,
+    ) -> bool: ...
+
+    async def close(self) -> None: ...
 
 
 class Kube:
@@ -186,8 +206,15 @@ class Kube:
         return self._object(await self.request("GET", path, params=params), absent=404)
 
     async def create(self, path: str, body: JSON) -> JSON | None:
-        """Create; None when it already exists (409), so callers stay idempotent."""
-        return self._object(await self.request("POST", path, body=body), absent=409)
+        """Create; None when it already exists (409), so callers stay idempotent.
+        Raises Refused when the API server will not have it (invalid, quota, policy)."""
+        try:
+            return self._object(await self.request("POST", path, body=body), absent=409)
+        except KubeError as exc:
+            if 400 <= exc.status < 500 and exc.status != 429:
+                name = body.get("metadata", {}).get("name", "")
+                raise Refused(exc, body.get("kind", "object"), name) from exc
+            raise
 
     async def patch(self, path: str, body: Any, content_type: str = MERGE_PATCH) -> JSON | None:
         """Patch; None when the object is gone."""

@@ -1,50 +1,59 @@
 """Kopf registration: wires decorators to the per-kind handler modules. Thin.
 
-Run with `kopf run -m sandbox_operator --all-namespaces` (or `--namespace X`).
+Run with `kopf run -m sandbox_operator.main --all-namespaces` (or `--namespace X`).
+Every handler runs under the one error policy (errors.policy), which also
+counts it in the metrics.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import suppress
 from typing import Any
 
 import kopf
 from prometheus_client import start_http_server
 
-from sandbox_operator import config, metrics
+from sandbox_operator import bookkeeping, config, errors
 from sandbox_operator.agent_client import AgentClient
-from sandbox_operator.api.common import GROUP
-from sandbox_operator.builders.sandbox import LABEL_MANAGED_BY, LABEL_SANDBOX, MANAGED_BY
+from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers import execution, sandbox
 from sandbox_operator.handlers import snapshot as snapshots
 from sandbox_operator.kube import Kube
+from sandbox_operator.resources import (
+    CLAIMS,
+    EXECUTIONS,
+    LABEL_MANAGED_BY,
+    LABEL_SANDBOX,
+    MANAGED_BY,
+    PODS,
+    SANDBOXES,
+    SNAPSHOTS,
+)
 
 # Read at import: the timer interval is fixed when handlers are registered.
 SETTINGS = config.load()
-SANDBOX = (GROUP, "sandboxes")
-EXECUTION = (GROUP, "executions")
-SNAPSHOT = (GROUP, "snapshots")
-OWN_PODS = {LABEL_MANAGED_BY: MANAGED_BY}
+SANDBOX = (SANDBOXES.group, SANDBOXES.plural)
+EXECUTION = (EXECUTIONS.group, EXECUTIONS.plural)
+SNAPSHOT = (SNAPSHOTS.group, SNAPSHOTS.plural)
+POD = (PODS.group, PODS.version, PODS.plural)
+CLAIM = (CLAIMS.group, CLAIMS.version, CLAIMS.plural)
+OWN = {LABEL_MANAGED_BY: MANAGED_BY}
 
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
-    # Kopf's bookkeeping under the project's own prefix, never kopf.zalando.org.
-    settings.persistence.finalizer = f"{GROUP}/finalizer"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
-    )
-    # Watch only our own pods, filtered by the API server, not in this process.
-    settings.watching.label_selectors["", "v1", "pods"] = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+    bookkeeping.configure(settings)
+    # Watch only our own pods and claims, filtered by the API server, not in this process.
+    for resource in (POD, CLAIM):
+        settings.watching.label_selectors[resource] = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
     settings.execution.max_workers = SETTINGS.max_workers
     # Handler chatter stays in logs; Events are for what users should see.
     settings.posting.level = logging.WARNING
     settings.networking.connect_timeout = 10
-    memo.runtime = sandbox.Runtime(
+    # The liveness endpoint is probed every few seconds: its access log is noise.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    memo.ctx = OperatorContext(
         settings=SETTINGS,
         kube=Kube.from_environment(),
         agents=AgentClient(timeout=SETTINGS.agent_timeout_seconds),
@@ -56,51 +65,65 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
 
 @kopf.on.cleanup()
 async def close(memo: Any, **_: Any) -> None:
-    runtime: sandbox.Runtime = memo.runtime
-    await runtime.kube.close()
-    await runtime.agents.close()
+    ctx: OperatorContext = memo.ctx
+    await ctx.kube.close()
+    await ctx.agents.close()
 
 
-@asynccontextmanager
-async def _measured(kind: str, trigger: str) -> AsyncIterator[None]:
-    started = time.perf_counter()
-    result = "error"
-    try:
-        yield
-        result = "ok"
-    except kopf.TemporaryError:
-        result = "retry"
-        raise
-    finally:
-        metrics.RECONCILES.labels(kind, trigger, result).inc()
-        metrics.RECONCILE_SECONDS.labels(kind, trigger).observe(time.perf_counter() - started)
+def _ctx(memo: Any) -> OperatorContext:
+    ctx: OperatorContext = memo.ctx
+    return ctx
 
 
-def _runtime(memo: Any) -> sandbox.Runtime:
-    runtime: sandbox.Runtime = memo.runtime
-    return runtime
+def _trim(body: kopf.Body) -> dict[str, Any]:
+    """A body to keep in an index: managedFields are most of its size and never read."""
+    meta = {k: v for k, v in body["metadata"].items() if k != "managedFields"}
+    return {**dict(body), "metadata": meta}
+
+
+# -- Sandbox -------------------------------------------------------------------------
+
+
+@kopf.index(*SANDBOX)
+def sandbox_bodies(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """Sandboxes by (namespace, name), so pod events and Executions find them without a GET."""
+    return {(namespace, name): _trim(body)}
+
+
+@kopf.index(*POD, labels=OWN)
+def sandbox_pods(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> Any:
+    """Our pods by (namespace, sandbox)."""
+    owner = labels.get(LABEL_SANDBOX)
+    return {(namespace, owner): _trim(body)} if owner else None
+
+
+@kopf.index(*CLAIM, labels=OWN)
+def sandbox_claims(namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any) -> Any:
+    """Our workspace claims by (namespace, sandbox)."""
+    owner = labels.get(LABEL_SANDBOX)
+    return {(namespace, owner): _trim(body)} if owner else None
 
 
 @kopf.on.create(*SANDBOX)
 @kopf.on.update(*SANDBOX)
 @kopf.on.resume(*SANDBOX)
 async def sandbox_changed(
-    body: kopf.Body, memo: Any, logger: kopf.Logger, reason: str, **_: Any
+    body: kopf.Body, memo: Any, logger: kopf.Logger, reason: str, **kwargs: Any
 ) -> None:
-    async with _measured("Sandbox", str(reason)):
-        if reason == "create":
-            # Nothing exists yet: create straight away instead of asking first.
-            await sandbox.reconcile(
-                _runtime(memo),
-                dict(body),
-                logger,
-                children=sandbox.Children.ENSURE,
-                pod=None,
-                pod_known=True,
-            )
-        else:
-            children = sandbox.Children.CONVERGE if reason == "update" else sandbox.Children.ENSURE
-            await sandbox.reconcile(_runtime(memo), dict(body), logger, children=children)
+    ctx = _ctx(memo)
+    children = {
+        "create": sandbox.Children.ENSURE,
+        "update": sandbox.Children.CONVERGE,
+    }.get(str(reason), sandbox.Children.ENSURE)
+    async with errors.policy("Sandbox", str(reason), sandbox.refused(ctx, dict(body))):
+        await sandbox.reconcile(
+            ctx,
+            dict(body),
+            logger,
+            children=children,
+            pods=kwargs["sandbox_pods"],
+            claims=kwargs["sandbox_claims"],
+        )
 
 
 # The change handlers just reconciled a new object: the first tick can wait a full interval.
@@ -109,60 +132,71 @@ async def sandbox_changed(
     interval=SETTINGS.reconcile_interval_seconds,
     initial_delay=SETTINGS.reconcile_interval_seconds,
 )
-async def sandbox_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+async def sandbox_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs: Any) -> None:
     if body["metadata"].get("deletionTimestamp"):
         return
-    async with _measured("Sandbox", "timer"):
-        # A bad spec was already reported in status by the change handler.
-        with suppress(kopf.PermanentError):
+    ctx = _ctx(memo)
+    # A bad spec was already reported in status by the change handler.
+    with suppress(kopf.PermanentError):
+        async with errors.policy("Sandbox", "timer", sandbox.refused(ctx, dict(body))):
             await sandbox.reconcile(
-                _runtime(memo), dict(body), logger, children=sandbox.Children.POD
+                ctx,
+                dict(body),
+                logger,
+                children=sandbox.Children.POD,
+                pods=kwargs["sandbox_pods"],
+                claims=kwargs["sandbox_claims"],
             )
 
 
 @kopf.on.delete(*SANDBOX)
 async def sandbox_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
-    async with _measured("Sandbox", "delete"):
-        await sandbox.teardown(_runtime(memo), dict(body), logger)
+    async with errors.policy("Sandbox", "delete"):
+        await sandbox.teardown(_ctx(memo), dict(body), logger)
 
 
-@kopf.index(*SANDBOX)
-def sandbox_bodies(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    """Sandboxes by (namespace, name), so pod events find their owner without a GET.
-
-    managedFields are dropped: they are most of a body's size and never read."""
-    meta = {k: v for k, v in body["metadata"].items() if k != "managedFields"}
-    return {(namespace, name): {**dict(body), "metadata": meta}}
-
-
-@kopf.on.event("", "v1", "pods", labels=OWN_PODS)
-async def pod_event(
-    type: str,
-    body: kopf.Body,
-    memo: Any,
-    logger: kopf.Logger,
-    **kwargs: Any,
+async def _child_changed(
+    trigger: str, type: str, body: kopf.Body, memo: Any, logger: kopf.Logger, kwargs: Any
 ) -> None:
-    """A sandbox pod changed: refresh its Sandbox's status, recreate it if it ended."""
-    sandbox_bodies: kopf.Index[tuple[str, str], dict[str, Any]] = kwargs["sandbox_bodies"]
+    """A pod or claim of a Sandbox changed: converge its Sandbox now."""
     meta = body["metadata"]
     name = (meta.get("labels") or {}).get(LABEL_SANDBOX)
-    if not name:
-        return
-    owner = next(iter(sandbox_bodies.get((meta["namespace"], name), [])), None)
+    bodies = kwargs["sandbox_bodies"].get((meta["namespace"], name), []) if name else []
+    owner = next(iter(bodies), None)
     if owner is None or owner["metadata"].get("deletionTimestamp"):
         return
-    pod = None if type == "DELETED" else dict(body)
-    async with _measured("Sandbox", "pod-event"):
-        with suppress(kopf.PermanentError):
+    ctx = _ctx(memo)
+    # A pod event carries the pod as it stands; a claim event leaves the pod to the index.
+    is_pod = trigger == "pod-event"
+    with suppress(kopf.PermanentError):
+        async with errors.policy("Sandbox", trigger, sandbox.refused(ctx, owner)):
             await sandbox.reconcile(
-                _runtime(memo),
+                ctx,
                 owner,
                 logger,
                 children=sandbox.Children.POD,
-                pod=pod,
-                pod_known=True,
+                pods=kwargs["sandbox_pods"],
+                claims=kwargs["sandbox_claims"],
+                pod=dict(body) if is_pod and type != "DELETED" else None,
+                pod_known=is_pod,
             )
+
+
+@kopf.on.event(*POD, labels=OWN)
+async def pod_event(
+    type: str, body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs: Any
+) -> None:
+    await _child_changed("pod-event", type, body, memo, logger, kwargs)
+
+
+@kopf.on.event(*CLAIM, labels=OWN)
+async def claim_event(
+    type: str, body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs: Any
+) -> None:
+    await _child_changed("claim-event", type, body, memo, logger, kwargs)
+
+
+# -- Execution ------------------------------------------------------------------------
 
 
 @kopf.index(*EXECUTION)
@@ -177,23 +211,29 @@ def execution_slots(namespace: str | None, body: kopf.Body, **_: Any) -> dict[An
 async def execution_daemon(
     body: kopf.Body, memo: Any, logger: kopf.Logger, stopped: kopf.DaemonStopped, **kwargs: Any
 ) -> None:
-    await execution.Run(
-        _runtime(memo),
+    ctx = _ctx(memo)
+    run = execution.Run(
+        ctx,
         memo.scheduler,
         body,
         kwargs["sandbox_bodies"],
         kwargs["execution_slots"],
         stopped,
         logger,
-    ).drive()
+    )
+    async with errors.policy("Execution", "daemon", run.refused, daemon=True):
+        await run.drive()
 
 
 @kopf.on.delete(*EXECUTION, retries=10, errors=kopf.ErrorsMode.IGNORED)
 async def execution_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs: Any) -> None:
-    async with _measured("Execution", "delete"):
+    async with errors.policy("Execution", "delete"):
         await execution.deleted(
-            _runtime(memo), memo.scheduler, dict(body), kwargs["sandbox_bodies"], logger
+            _ctx(memo), memo.scheduler, dict(body), kwargs["sandbox_bodies"], logger
         )
+
+
+# -- Snapshot --------------------------------------------------------------------------
 
 
 @kopf.on.create(*SNAPSHOT)
@@ -201,11 +241,12 @@ async def execution_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **k
 async def snapshot_changed(
     body: kopf.Body, memo: Any, logger: kopf.Logger, reason: str, retry: int, **_: Any
 ) -> None:
-    async with _measured("Snapshot", str(reason)):
-        await snapshots.take(_runtime(memo), dict(body), logger, retry=retry)
+    ctx = _ctx(memo)
+    async with errors.policy("Snapshot", str(reason), snapshots.refused(ctx, dict(body))):
+        await snapshots.take(ctx, dict(body), logger, retry=retry)
 
 
-# Only mirrors the VolumeSnapshot of a taken Snapshot (deleted or repaired behind our back).
+# Mirrors the VolumeSnapshot of a taken Snapshot (deleted or repaired behind our back).
 @kopf.timer(
     *SNAPSHOT,
     interval=SETTINGS.reconcile_interval_seconds * 2,
@@ -214,11 +255,11 @@ async def snapshot_changed(
 async def snapshot_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
     if body["metadata"].get("deletionTimestamp"):
         return
-    async with _measured("Snapshot", "timer"):
-        await snapshots.observe(_runtime(memo), dict(body), logger)
+    async with errors.policy("Snapshot", "timer"):
+        await snapshots.observe(_ctx(memo), dict(body), logger)
 
 
 @kopf.on.delete(*SNAPSHOT)
 async def snapshot_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
-    async with _measured("Snapshot", "delete"):
-        await snapshots.release(_runtime(memo), dict(body), logger)
+    async with errors.policy("Snapshot", "delete"):
+        await snapshots.release(_ctx(memo), dict(body), logger)

@@ -66,7 +66,7 @@ def _log_tail(path: Path, lines: int = 60) -> str:
 
 
 class OperatorProcess:
-    """`kopf run -m sandbox_operator` as a child process, killable at will."""
+    """`kopf run -m sandbox_operator.main` as a child process, killable at will."""
 
     def __init__(self, kubeconfig: Path, log_dir: Path, env: dict[str, str]) -> None:
         self.kubeconfig = kubeconfig
@@ -95,7 +95,7 @@ class OperatorProcess:
             str(VENV_BIN / "kopf"),
             "run",
             "-m",
-            "sandbox_operator",
+            "sandbox_operator.main",
             "--all-namespaces",
             "--standalone",
             f"--liveness=http://127.0.0.1:{self.health_port}/healthz",

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from devcluster.controlplane import ControlPlane
-from sandbox_operator.builders import execution as build
+from sandbox_operator.api.execution import TERMINAL_PHASES
 from tests.executions import Executions
 from tests.integration.conftest import kubectl
 from tests.integration.harness import AgentProcess, Node, OperatorProcess, wait_for
@@ -366,7 +366,7 @@ def test_exactly_once_across_operator_kills(
         executions.run(name, "box", f"sleep {delay}; echo {name} >> lines.txt")
 
     def unfinished() -> list[str]:
-        return [n for n in names if not build.terminal(executions.status(n))]
+        return [n for n in names if executions.status(n).get("phase") not in TERMINAL_PHASES]
 
     kills = 0
     while unfinished() and kills < 8:

@@ -9,6 +9,7 @@ import pytest
 from sandbox_operator.api.sandbox import SandboxSpec
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.config import Settings
+from sandbox_operator.resources import POD_HASH_ANNOTATION
 
 REF = build.SandboxRef(name="demo", namespace="team-a", uid="1234")
 SETTINGS = Settings()
@@ -181,14 +182,41 @@ def test_builders_are_deterministic() -> None:
     assert build.build_pod(REF, spec, SETTINGS) == build.build_pod(REF, spec, SETTINGS)
 
 
-def test_pod_hash_follows_the_sandbox_spec_not_the_operator_settings() -> None:
-    from sandbox_operator.handlers.sandbox import POD_HASH_ANNOTATION, desired_pod
-
-    def stamp(spec: SandboxSpec, settings: Settings) -> str:
-        return str(desired_pod(REF, spec, settings)["metadata"]["annotations"][POD_HASH_ANNOTATION])
+def test_pod_stamp_follows_the_sandbox_spec_not_the_operator_settings() -> None:
+    def changed(pod_spec: SandboxSpec, spec: SandboxSpec, settings: Settings) -> list[str] | None:
+        return build.changed_fields(build.desired_pod(REF, pod_spec, settings), spec)
 
     spec = SandboxSpec.model_validate({"runtime": "python"})
-    base = stamp(spec, SETTINGS)
-    assert stamp(spec, Settings(agent_image="sandbox-agent:2")) == base
-    assert stamp(spec.model_copy(update={"paused": True}), SETTINGS) == base
-    assert stamp(SandboxSpec.model_validate({"runtime": "node"}), SETTINGS) != base
+    assert changed(spec, spec, Settings(agent_image="sandbox-agent:2")) == []
+    assert changed(spec, spec.model_copy(update={"paused": True}), SETTINGS) == []
+    node = SandboxSpec.model_validate({"runtime": "node"})
+    assert changed(spec, node, SETTINGS) == ["runtime"]
+
+
+def test_env_ports_and_lifecycle_never_need_a_new_pod() -> None:
+    """They reach the running pod otherwise (the agent, the Service, the operator)."""
+    spec = SandboxSpec.model_validate({"runtime": "python"})
+    pod = build.desired_pod(REF, spec, SETTINGS)
+    changed = SandboxSpec.model_validate(
+        {
+            "runtime": "python",
+            "env": [{"name": "A", "value": "1"}],
+            "network": {"exposedPorts": [{"name": "web", "port": 8000}], "egress": "None"},
+            "lifecycle": {"idleTimeout": "5m", "onIdle": "Pause"},
+        }
+    )
+    assert build.changed_fields(pod, changed) == []
+    bigger = SandboxSpec.model_validate({"runtime": "python", "resources": {"memory": "2Gi"}})
+    assert build.changed_fields(pod, bigger) == ["resources"]
+    # No containerPort: exposing a port is the Service's business.
+    sandbox = next(c for c in pod["spec"]["containers"] if c["name"] == "sandbox")
+    assert "ports" not in sandbox
+
+
+def test_a_pod_of_an_older_operator_is_kept_while_its_digest_matches() -> None:
+    spec = SandboxSpec.model_validate({"runtime": "python", "env": [{"name": "A", "value": "1"}]})
+    pod = build.build_pod(REF, spec, SETTINGS)
+    pod["metadata"]["annotations"][POD_HASH_ANNOTATION] = build.legacy_pod_hash(spec)
+    assert build.changed_fields(pod, spec) == []
+    other = SandboxSpec.model_validate({"runtime": "node"})
+    assert build.changed_fields(pod, other) is None

@@ -7,10 +7,11 @@ from datetime import UTC, datetime
 
 import pytest
 
-from sandbox_operator.api.execution import ExecutionPhase, ExecutionSpec
+from sandbox_operator.api.execution import ExecutionPhase, ExecutionSpec, ExecutionStatus
 from sandbox_operator.api.sandbox import SandboxSpec
 from sandbox_operator.builders import execution as build
 from sandbox_operator.handlers.execution import may_start, sandbox_of, slot_entry
+from sandbox_operator.resources import EXECUTION_ANNOTATION, LABEL_EXECUTION_UID
 
 SANDBOX_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -26,10 +27,13 @@ def test_one_shot_names_are_valid_sandbox_names(name: str) -> None:
 
 
 def test_one_shot_sandbox_is_owned_and_labelled() -> None:
-    meta = {"name": "job", "namespace": "ns", "uid": "1234567890"}
+    meta = {"name": "job" * 80, "namespace": "ns", "uid": "1234567890"}
     body = build.build_one_shot_sandbox(meta, SandboxSpec(runtime="python"))
-    assert body["metadata"]["name"] == "job-12345678"
-    assert body["metadata"]["labels"][build.LABEL_EXECUTION] == "job"
+    assert body["metadata"]["name"] == "jobjobjobjobjobjobjobjobjobjobjobjob-12345678"
+    # A label value holds at most 63 characters: the UID, never the (long) name.
+    assert body["metadata"]["labels"][LABEL_EXECUTION_UID] == "1234567890"
+    assert body["metadata"]["annotations"][EXECUTION_ANNOTATION] == "job" * 80
+    assert all(len(value) <= 63 for value in body["metadata"]["labels"].values())
     owner = body["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["uid"], owner["controller"]) == ("Execution", "1234567890", True)
     assert body["spec"]["runtime"] == "python"
@@ -98,8 +102,8 @@ def test_tails_are_bounded_in_bytes_without_breaking_characters() -> None:
     assert (text, cut) == ("éé", True)
     fields = build.record_fields({"id": "x", "stdout": "a" * 100, "durationSeconds": 0.0123}, 10)
     assert fields["stdout"] == "a" * 10
-    assert fields["stdoutTruncated"] is True
-    assert fields["stderrTruncated"] is False
+    assert fields["stdout_truncated"] is True
+    assert fields["stderr_truncated"] is False
     assert fields["duration"] == "12ms"
 
 
@@ -114,21 +118,29 @@ def test_durations_read_like_kubectl(seconds: float, shown: str) -> None:
 def test_conditions_follow_the_phase() -> None:
     now = datetime(2026, 1, 1, tzinfo=UTC)
     queued = build.build_status(
-        {}, {"phase": "Queued", "reason": "ConcurrencyLimit", "message": "full"}, 1, now
+        ExecutionStatus(),
+        {"phase": "Queued", "reason": "ConcurrencyLimit", "message": "full"},
+        1,
+        now,
     )
-    by_type = {c["type"]: c for c in queued["conditions"]}
-    assert by_type["Scheduled"]["status"] == "False"
-    assert by_type["Scheduled"]["reason"] == "ConcurrencyLimit"
-    assert by_type["Complete"]["status"] == "False"
+    by_type = {c.type: c for c in queued.conditions}
+    assert by_type["Scheduled"].status == "False"
+    assert by_type["Scheduled"].reason == "ConcurrencyLimit"
+    assert by_type["Complete"].status == "False"
     assert "Succeeded" not in by_type
     done = build.build_status(
-        queued, {"phase": "Failed", "reason": "NonZeroExit", "podUID": "p", "message": None}, 1, now
+        queued,
+        {"phase": "Failed", "reason": "NonZeroExit", "pod_uid": "p", "message": None},
+        1,
+        now,
     )
-    by_type = {c["type"]: c for c in done["conditions"]}
-    assert by_type["Scheduled"]["status"] == "True"
-    assert (by_type["Complete"]["status"], by_type["Complete"]["reason"]) == ("True", "NonZeroExit")
-    assert by_type["Succeeded"]["status"] == "False"
-    assert "message" not in done
+    by_type = {c.type: c for c in done.conditions}
+    assert by_type["Scheduled"].status == "True"
+    assert (by_type["Complete"].status, by_type["Complete"].reason) == ("True", "NonZeroExit")
+    assert by_type["Succeeded"].status == "False"
+    assert "message" not in done.to_wire()
+    with pytest.raises(TypeError, match="podUID"):
+        build.build_status(queued, {"podUID": "p"}, 1, now)  # wire names are not field names
 
 
 def _entry(name: str, created: str, started: bool = False, done: bool = False) -> dict[str, object]:

@@ -6,12 +6,17 @@ from datetime import UTC, datetime
 
 import pytest
 
-from sandbox_operator import conditions
-from sandbox_operator import snapshot_conditions as sc
-from sandbox_operator.api.sandbox import SandboxSpec
+from sandbox_operator.api.sandbox import SandboxPhase, SandboxReason, SandboxSpec
+from sandbox_operator.api.snapshot import SnapshotPhase as P
+from sandbox_operator.api.snapshot import SnapshotReason as R
+from sandbox_operator.api.snapshot import SnapshotStatus
 from sandbox_operator.builders import sandbox as sandbox_build
+from sandbox_operator.builders import sandbox_status
 from sandbox_operator.builders import snapshot as build
+from sandbox_operator.builders import snapshot_status as sc
+from sandbox_operator.builders.conditions import Cond
 from sandbox_operator.config import Settings
+from sandbox_operator.resources import LABEL_SANDBOX, LABEL_SNAPSHOT_UID, SNAPSHOT_ANNOTATION
 
 REF = build.SnapshotRef(name="snap", namespace="ns", uid="1234-abcd")
 SOURCE = build.RestoreSource(
@@ -27,8 +32,10 @@ def test_volume_snapshot_is_named_by_uid_unowned_and_labelled() -> None:
     vs = build.build_volume_snapshot(REF, "box", "box-workspace", "csi-hostpath-snapclass")
     assert vs["metadata"]["name"] == "sandbox-snapshot-1234-abcd"
     assert "ownerReferences" not in vs["metadata"]
-    assert vs["metadata"]["labels"][build.LABEL_SNAPSHOT] == "snap"
-    assert vs["metadata"]["labels"][sandbox_build.LABEL_SANDBOX] == "box"
+    # Labels carry the UID (at most 63 characters), the annotation the name.
+    assert vs["metadata"]["labels"][LABEL_SNAPSHOT_UID] == "1234-abcd"
+    assert vs["metadata"]["annotations"][SNAPSHOT_ANNOTATION] == "snap"
+    assert vs["metadata"]["labels"][LABEL_SANDBOX] == "box"
     assert vs["spec"] == {
         "source": {"persistentVolumeClaimName": "box-workspace"},
         "volumeSnapshotClassName": "csi-hostpath-snapclass",
@@ -78,40 +85,39 @@ def test_idle_snapshot_is_named_after_the_deadline_and_not_owned() -> None:
     body = build.build_idle_snapshot("box", "ns", name)
     assert "ownerReferences" not in body["metadata"]
     assert body["spec"]["sandboxRef"] == {"name": "box"}
-    assert body["metadata"]["labels"][sandbox_build.LABEL_SANDBOX] == "box"
+    assert body["metadata"]["labels"][LABEL_SANDBOX] == "box"
 
 
 @pytest.mark.parametrize(
     ("observed", "phase", "reason"),
     [
-        (sc.Observed(failure=(sc.REASON_UNSUPPORTED, "no API")), sc.FAILED, sc.REASON_UNSUPPORTED),
-        (
-            sc.Observed(waiting=(sc.REASON_SANDBOX_NOT_FOUND, "x")),
-            sc.PENDING,
-            sc.REASON_SANDBOX_NOT_FOUND,
-        ),
-        (sc.Observed(created=True), sc.FAILED, sc.REASON_VOLUME_SNAPSHOT_MISSING),
-        (sc.Observed(created=True, volume_snapshot={}), sc.IN_PROGRESS, sc.REASON_CREATING),
+        (sc.Observed(failure=(R.UNSUPPORTED, "no API")), P.FAILED, R.UNSUPPORTED),
+        (sc.Observed(waiting=(R.SANDBOX_NOT_FOUND, "x")), P.PENDING, R.SANDBOX_NOT_FOUND),
+        # Retrying a flush is not failing: only a Failure ends the snapshot.
+        (sc.Observed(waiting=(R.SYNC_FAILED, "agent busy")), P.PENDING, R.SYNC_FAILED),
+        (sc.Observed(failure=(R.SYNC_FAILED, "5 attempts")), P.FAILED, R.SYNC_FAILED),
+        (sc.Observed(created=True), P.FAILED, R.VOLUME_SNAPSHOT_MISSING),
+        (sc.Observed(created=True, volume_snapshot={}), P.IN_PROGRESS, R.CREATING),
         (
             sc.Observed(created=True, volume_snapshot={"status": {"readyToUse": True}}),
-            sc.READY,
-            sc.REASON_READY,
+            P.READY,
+            R.READY,
         ),
         (
             sc.Observed(
                 created=True,
                 volume_snapshot={"status": {"readyToUse": False, "error": {"message": "boom"}}},
             ),
-            sc.FAILED,
-            sc.REASON_SNAPSHOT_FAILED,
+            P.FAILED,
+            R.SNAPSHOT_FAILED,
         ),
     ],
 )
 def test_snapshot_phase_and_ready_reason(observed: sc.Observed, phase: str, reason: str) -> None:
-    got_phase, conds = sc.compute(observed)
-    ready = [c for c in conds if c.type == "Ready"]
-    assert (got_phase, ready[0].reason) == (phase, reason)
-    assert ready[0].status == ("True" if phase == sc.READY else "False")
+    status = sc.build_status(SnapshotStatus(), observed, 1, datetime(2026, 1, 1, tzinfo=UTC))
+    ready = [c for c in status.conditions if c.type == "Ready"]
+    assert (status.phase, ready[0].reason) == (phase, reason)
+    assert ready[0].status == ("True" if phase == P.READY else "False")
 
 
 def test_csi_error_message_reaches_the_condition_and_fields_mirror_the_volume_snapshot() -> None:
@@ -123,21 +129,21 @@ def test_csi_error_message_reaches_the_condition_and_fields_mirror_the_volume_sn
         }
     }
     assert sc.volume_snapshot_fields(vs) == {
-        "readyToUse": True,
-        "restoreSize": "10Mi",
-        "creationTime": "2026-01-01T00:00:00Z",
+        "ready_to_use": True,
+        "restore_size": "10Mi",
+        "creation_time": "2026-01-01T00:00:00Z",
     }
     assert sc.cut(vs)
     assert not sc.cut({"status": {}})
-    _, conds = sc.compute(
+    ready = sc.ready(
         sc.Observed(created=True, volume_snapshot={"status": {"error": {"message": "disk full"}}})
     )
-    assert "disk full" in conds[-1].message
+    assert "disk full" in ready.message
 
 
 def test_a_sandbox_held_for_a_rollback_is_restoring_not_ready() -> None:
-    restore = conditions.Cond("WorkspaceRestored", "False", conditions.REASON_ROLLING_BACK, "msg")
-    observed = conditions.Observed(
+    restore = Cond("WorkspaceRestored", "False", SandboxReason.ROLLING_BACK, "msg")
+    observed = sandbox_status.Observed(
         generation=1,
         paused=False,
         deleting=False,
@@ -146,23 +152,19 @@ def test_a_sandbox_held_for_a_rollback_is_restoring_not_ready() -> None:
         restore=restore,
         holding=True,
     )
-    phase, conds = conditions.compute(observed)
-    assert phase == conditions.RESTORING
-    by_type = {c.type: c for c in conds}
-    assert by_type["Ready"].reason == conditions.REASON_RESTORING
-    assert by_type["WorkspaceRestored"] == restore
+    conds = sandbox_status.compute(observed)
+    assert sandbox_status.phase_of(conds) == SandboxPhase.RESTORING
+    ready = conds["Ready"]
+    assert ready is not None
+    assert ready.reason == SandboxReason.RESTORING
+    assert conds["WorkspaceRestored"] == restore
 
 
 def test_naming_a_snapshot_does_not_restart_the_pod_by_itself() -> None:
-    """The pod hash leaves fromSnapshot out: a rollback replaces the pod when
+    """The pod stamp leaves fromSnapshot out: a rollback replaces the pod when
     its snapshot is ready, not when the field is written."""
-    from sandbox_operator.handlers.sandbox import POD_HASH_ANNOTATION, desired_pod
-
     ref = sandbox_build.SandboxRef(name="box", namespace="ns", uid="u")
     plain = SandboxSpec.model_validate({})
     restored = SandboxSpec.model_validate({"workspace": {"fromSnapshot": "snap"}})
-    hashes = {
-        desired_pod(ref, spec, Settings())["metadata"]["annotations"][POD_HASH_ANNOTATION]
-        for spec in (plain, restored)
-    }
-    assert len(hashes) == 1
+    pod = sandbox_build.desired_pod(ref, plain, Settings())
+    assert sandbox_build.changed_fields(pod, restored) == []

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from datetime import timedelta
 from decimal import Decimal
-from typing import Annotated, Any
+from enum import StrEnum
+from typing import Annotated, Any, Self
 
 from kubernetes.utils.quantity import parse_quantity
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    ValidationError,
+    WithJsonSchema,
+)
 from pydantic.alias_generators import to_camel
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import core_schema
 
 GROUP = "sandbox.dev"
 VERSION = "v1alpha1"
@@ -53,6 +66,14 @@ class Model(BaseModel):
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+    def evolve(self, **changes: Any) -> Self:
+        """A copy with `changes` (by field name; None clears a field), validated: a
+        field that does not exist, or a value of the wrong type, fails here."""
+        unknown = changes.keys() - type(self).model_fields.keys()
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no field(s) {', '.join(sorted(unknown))}")
+        return type(self).model_validate({**dict(self), **changes})
 
 
 # Go-style durations ("90s", "30m", "1h30m"): what `kubectl` users already write.
@@ -107,15 +128,92 @@ Quantity = Annotated[
     ),
 ]
 
-# CEL for "strictly positive", for either form of a quantity.
-POSITIVE_QUANTITY = (
-    "type(self) == int ? self > 0"
-    " : (isQuantity(self) ? quantity(self).isGreaterThan(quantity('0')) : false)"
-)
-
 
 def quantity_value(value: str) -> Decimal:
     return Decimal(parse_quantity(value))  # type: ignore[no-untyped-call]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Field metadata: a quantity or duration field must lie within [low, high].
+
+    The same bounds are checked twice on purpose: by the API server (a CEL rule
+    in the generated CRD), so a bad manifest is refused at admission with this
+    message, and by the model, so an object built in code fails the same way.
+    `Annotated[Quantity | None, Bounds.quantity("cpu", "10m", "512")]`."""
+
+    field: str
+    low: str
+    high: str | None
+    kind: str  # "quantity" or "duration"
+
+    @classmethod
+    def quantity(cls, field: str, low: str, high: str) -> Bounds:
+        return cls(field, low, high, "quantity")
+
+    @classmethod
+    def duration(cls, field: str, low: str, high: str | None = None) -> Bounds:
+        return cls(field, low, high, "duration")
+
+    @property
+    def message(self) -> str:
+        span = f"from {self.low} to {self.high}" if self.high else f"at least {self.low}"
+        noun = "a quantity " if self.kind == "quantity" else ""
+        return f"{self.field} must be {noun}{span}"
+
+    @property
+    def rule(self) -> str:
+        if self.kind == "quantity":
+            # string(self): the value may be an int (`cpu: 2`) or a string (`cpu: 500m`).
+            value = "quantity(string(self))"
+            rule = f"isQuantity(string(self)) && {value}.compareTo(quantity('{self.low}')) >= 0"
+            if self.high:
+                rule += f" && {value}.compareTo(quantity('{self.high}')) <= 0"
+            return rule
+        rule = f"duration(self) >= duration('{self.low}')"
+        if self.high:
+            rule += f" && duration(self) <= duration('{self.high}')"
+        return rule
+
+    def _value(self, text: str) -> Decimal:
+        if self.kind == "quantity":
+            return quantity_value(text)
+        return Decimal(parse_duration(text).total_seconds())
+
+    def check(self, text: str | None) -> str | None:
+        if text is None:
+            return None
+        value = self._value(text)
+        if value < self._value(self.low) or (self.high and value > self._value(self.high)):
+            raise ValueError(self.message)
+        return text
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        json_schema: JsonSchemaValue = handler(schema)
+        rules = json_schema.setdefault("x-kubernetes-validations", [])
+        rules.append(cel(self.rule, self.message))
+        return json_schema
+
+
+def total_size_rule(limit: int, parts: dict[str, str], what: str) -> dict[str, str]:
+    """A CEL rule bounding the combined size of a spec's large text fields.
+
+    `parts` maps a field to a CEL expression of its size in characters (0 when
+    unset). Kept well under the API server's 256 KiB limit on annotations,
+    because `kubectl apply` copies the whole object into one."""
+    total = " + ".join(f"({expr})" for expr in parts.values())
+    return cel(
+        f"{total} <= {limit}",
+        f"{what} ({', '.join(parts)}) may hold at most {limit} characters together;"
+        " put larger inputs into the workspace through the agent API",
+    )
 
 
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -128,16 +226,22 @@ ObjectName = Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, min_length=1, m
 class LocalObjectReference(Model):
     """A reference to an object of a known kind in the same namespace."""
 
-    name: ObjectName
+    name: ObjectName = Field(description="The object's name, in the same namespace.")
 
 
 class SecretKeySelector(Model):
-    name: ObjectName
-    key: Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")]
+    """One key of a Secret in the same namespace."""
+
+    name: ObjectName = Field(description="The Secret's name.")
+    key: Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")] = Field(
+        description="The key in the Secret's data."
+    )
 
 
 class EnvVarSource(Model):
-    secret_key_ref: SecretKeySelector
+    """Where a variable's value comes from."""
+
+    secret_key_ref: SecretKeySelector = Field(description="A key of a Secret.")
 
 
 class EnvVar(Model):
@@ -152,9 +256,21 @@ class EnvVar(Model):
         )
     )
 
-    name: Annotated[str, Field(pattern=ENV_NAME_PATTERN, min_length=1, max_length=256)]
-    value: Annotated[str, Field(max_length=32768)] | None = None
-    value_from: EnvVarSource | None = None
+    name: Annotated[str, Field(pattern=ENV_NAME_PATTERN, min_length=1, max_length=256)] = Field(
+        description="The variable's name."
+    )
+    value: Annotated[str | None, Field(max_length=32768)] = Field(
+        default=None, description="A literal value."
+    )
+    value_from: EnvVarSource | None = Field(
+        default=None, description="A value read from a Secret when the command starts."
+    )
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
 
 
 class Condition(Model):
@@ -162,9 +278,22 @@ class Condition(Model):
 
     model_config = ConfigDict(extra="ignore")
 
-    type: str
-    status: str
-    reason: str
-    message: str = ""
-    last_transition_time: str | None = None
-    observed_generation: int | None = None
+    type: str = Field(description="The condition's type, e.g. Ready.")
+    status: str = Field(description="True, False or Unknown.")
+    reason: str = Field(description="Why, in one CamelCase word that scripts can match.")
+    message: str = Field(default="", description="Why, for people.")
+    last_transition_time: str | None = Field(
+        default=None, description="When the status last changed."
+    )
+    observed_generation: int | None = Field(
+        default=None, description="The spec generation the condition was computed from."
+    )
+
+
+def readable(error: ValidationError, root: str = "spec") -> str:
+    """A pydantic error as one line per problem, with the field path as users write it."""
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"])
+        parts.append(f"{root}.{where}: {item['msg']}")
+    return "; ".join(parts)

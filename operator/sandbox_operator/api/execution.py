@@ -1,13 +1,18 @@
-"""The Execution resource: one command in a sandbox, its outcome in status."""
+"""The Execution resource: one command in a sandbox, its outcome in status.
+
+Besides the models, this module declares the status vocabulary: phases,
+condition types and the reasons `status.reason` and the conditions carry.
+"""
 
 from __future__ import annotations
 
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from sandbox_operator.api.common import (
+    Bounds,
     Condition,
     Duration,
     EnvVar,
@@ -15,12 +20,22 @@ from sandbox_operator.api.common import (
     Model,
     cel,
     immutable,
+    total_size_rule,
     validations,
 )
 from sandbox_operator.api.sandbox import SandboxSpec
 
+# The longest command the sandbox agent accepts (its SANDBOX_AGENT_MAX_TIMEOUT,
+# which the operator sets from this value).
+MAX_TIMEOUT = "1h"
+# The characters a command's inputs (script or command, stdin, files, env values)
+# may hold together (see api.common.total_size_rule).
+MAX_INPUT_CHARACTERS = 131072
+
 
 class ExecutionPhase(StrEnum):
+    """The Execution's recorded state: Queued -> Running -> one of the final four."""
+
     QUEUED = "Queued"
     RUNNING = "Running"
     SUCCEEDED = "Succeeded"
@@ -37,6 +52,40 @@ TERMINAL_PHASES = frozenset(
         ExecutionPhase.CANCELLED,
     }
 )
+
+
+class ExecutionCondition(StrEnum):
+    """Scheduled and Complete always; Succeeded once the Execution is complete."""
+
+    SCHEDULED = "Scheduled"
+    COMPLETE = "Complete"
+    SUCCEEDED = "Succeeded"
+
+
+class ExecutionReason(StrEnum):
+    """`status.reason` and the conditions' reasons: why it waits, or how it ended."""
+
+    QUEUED = "Queued"
+    SANDBOX_NOT_FOUND = "SandboxNotFound"
+    SANDBOX_STARTING = "SandboxStarting"
+    SANDBOX_PAUSED = "SandboxPaused"
+    SANDBOX_RESUMING = "SandboxResuming"
+    SANDBOX_FAILED = "SandboxFailed"
+    SANDBOX_DELETED = "SandboxDeleted"
+    SECRET_NOT_FOUND = "SecretNotFound"
+    CONCURRENCY_LIMIT = "ConcurrencyLimit"
+    CREATE_FAILED = "CreateFailed"
+    STARTED = "Started"
+    SUCCEEDED = "Succeeded"
+    NON_ZERO_EXIT = "NonZeroExit"
+    SIGNALED = "Signaled"
+    OOM_KILLED = "OOMKilled"
+    TIMED_OUT = "TimedOut"
+    CANCELLED = "Cancelled"
+    LOST = "Lost"
+    START_FAILED = "StartFailed"
+    INVALID_SPEC = "InvalidSpec"
+
 
 # Paths are relative to the workspace; the agent refuses escapes at run time,
 # the schema refuses the obvious ones at admission.
@@ -56,8 +105,12 @@ RelativePath = Annotated[
 
 
 class InputFile(Model):
-    path: RelativePath
-    content: Annotated[str, Field(max_length=262144)]
+    """A file written into the workspace before the command starts."""
+
+    path: RelativePath = Field(description="Where, relative to /workspace.")
+    content: Annotated[str, Field(max_length=MAX_INPUT_CHARACTERS)] = Field(
+        description="The file's text."
+    )
     mode: Annotated[int | None, Field(ge=0, le=0o777)] = Field(
         default=None, description="File mode as a decimal integer, e.g. 493 for 0755."
     )
@@ -86,45 +139,95 @@ class ExecutionSpec(Model):
                 "stdin",
                 "files",
                 "timeout",
+                "combinedOutput",
+            ),
+            total_size_rule(
+                MAX_INPUT_CHARACTERS,
+                {
+                    "script": "has(self.script) ? size(self.script) : 0",
+                    "command": "has(self.command) ? self.command.map(a, size(a)).sum() : 0",
+                    "stdin": "has(self.stdin) ? size(self.stdin) : 0",
+                    "files": "has(self.files) ? self.files.map(f, size(f.content)).sum() : 0",
+                    "env": "has(self.env) ? self.env.map(e, has(e.value) ? size(e.value) : 0)"
+                    ".sum() : 0",
+                },
+                "the inputs",
             ),
         )
     )
 
-    sandbox_ref: LocalObjectReference | None = None
+    sandbox_ref: LocalObjectReference | None = Field(
+        default=None, description="The Sandbox to run in (same namespace)."
+    )
     sandbox_template: SandboxSpec | None = Field(
         default=None,
         description="One-shot: a disposable sandbox created for this run and deleted after it.",
     )
     command: Annotated[
         list[Annotated[str, Field(max_length=32768)]] | None, Field(min_length=1, max_length=1024)
-    ] = None
-    script: Annotated[str | None, Field(min_length=1, max_length=262144)] = Field(
-        default=None, description="A shell script, run with /bin/sh -c in the sandbox."
+    ] = Field(default=None, description="The program and its arguments (no shell).")
+    script: Annotated[str | None, Field(min_length=1, max_length=MAX_INPUT_CHARACTERS)] = Field(
+        default=None, description="A shell script, run with /bin/sh in the sandbox."
     )
     env: Annotated[list[EnvVar], Field(max_length=128)] = Field(
         default_factory=list,
+        description="Environment of this command, over the sandbox's own.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
-    working_dir: RelativePath | None = None
-    stdin: Annotated[str | None, Field(max_length=1048576)] = None
+    working_dir: RelativePath | None = Field(
+        default=None, description="Directory to run in, relative to /workspace."
+    )
+    stdin: Annotated[str | None, Field(max_length=MAX_INPUT_CHARACTERS)] = Field(
+        default=None, description="Text fed to the command's standard input."
+    )
     files: Annotated[list[InputFile], Field(max_length=64)] = Field(
         default_factory=list, description="Files written into the workspace before the run."
     )
-    timeout: Duration = Field(default="3m", description="Kill the command after this long.")
-    ttl_seconds_after_finished: Annotated[int | None, Field(ge=0, le=31536000)] = None
+    timeout: Annotated[Duration, Bounds.duration("timeout", "1s", MAX_TIMEOUT)] = Field(
+        default="3m", description=f"Kill the command after this long (at most {MAX_TIMEOUT})."
+    )
+    combined_output: bool = Field(
+        default=False,
+        description="Send stderr into stdout's pipe, so that status.stdout keeps the true"
+        " order of both (status.stderr stays empty). Without it, each stream keeps its own"
+        " order only.",
+    )
+    ttl_seconds_after_finished: Annotated[int | None, Field(ge=0, le=31536000)] = Field(
+        default=None, description="Delete the Execution this many seconds after it ends."
+    )
     cancel: bool = Field(default=False, description="Set to true to kill the running command.")
+
+    @model_validator(mode="after")
+    def _inputs_fit(self) -> ExecutionSpec:
+        total = (
+            len(self.script or "")
+            + sum(len(arg) for arg in self.command or [])
+            + len(self.stdin or "")
+            + sum(len(file.content) for file in self.files)
+            + sum(len(var.value or "") for var in self.env)
+        )
+        if total > MAX_INPUT_CHARACTERS:
+            raise ValueError(f"the inputs may hold at most {MAX_INPUT_CHARACTERS} characters")
+        return self
 
 
 class ExecutionStatus(Model):
+    """Observed state, written only by the operator."""
+
     model_config = ConfigDict(extra="ignore")
 
-    phase: ExecutionPhase | None = None
-    reason: str | None = Field(
+    phase: ExecutionPhase | None = Field(default=None, description="Where the Execution is.")
+    reason: ExecutionReason | None = Field(
         default=None, description="Why the Execution waits or how it ended, in one word."
     )
-    message: str | None = None
-    observed_generation: int | None = None
-    conditions: list[Condition] = Field(default_factory=list)
+    message: str | None = Field(default=None, description="The same, for people.")
+    observed_generation: int | None = Field(
+        default=None, description="The spec generation this status was computed from."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Scheduled and Complete always; Succeeded once complete.",
+    )
     sandbox: str | None = Field(default=None, description="The sandbox the command runs in.")
     one_shot: bool | None = Field(
         default=None, description="The sandbox was created for this run and is deleted after it."
@@ -140,14 +243,18 @@ class ExecutionStatus(Model):
     agent_execution_id: str | None = Field(
         default=None, description="The agent's id: full output is readable there by cursor."
     )
-    exit_code: int | None = None
-    signal: str | None = None
-    start_time: str | None = None
-    completion_time: str | None = None
-    duration: str | None = None
-    stdout: str | None = None
-    stderr: str | None = None
-    stdout_truncated: bool | None = None
-    stderr_truncated: bool | None = None
-    stdout_bytes: int | None = None
-    stderr_bytes: int | None = None
+    exit_code: int | None = Field(default=None, description="The command's exit code.")
+    signal: str | None = Field(default=None, description="The signal that ended the command.")
+    start_time: str | None = Field(default=None, description="When the command was started.")
+    completion_time: str | None = Field(default=None, description="When the Execution ended.")
+    duration: str | None = Field(default=None, description="How long the command ran.")
+    stdout: str | None = Field(default=None, description="The end of the command's stdout.")
+    stderr: str | None = Field(default=None, description="The end of the command's stderr.")
+    stdout_truncated: bool | None = Field(
+        default=None, description="stdout holds only the end of the output."
+    )
+    stderr_truncated: bool | None = Field(
+        default=None, description="stderr holds only the end of the output."
+    )
+    stdout_bytes: int | None = Field(default=None, description="Bytes the command wrote to stdout.")
+    stderr_bytes: int | None = Field(default=None, description="Bytes the command wrote to stderr.")

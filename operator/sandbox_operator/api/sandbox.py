@@ -1,29 +1,105 @@
-"""The Sandbox resource: an isolated, stateful pod with a workspace and an agent."""
+"""The Sandbox resource: an isolated, stateful pod with a workspace and an agent.
+
+Besides the spec and status models, this module declares the status
+vocabulary users and scripts match on: phases, condition types and reasons.
+"""
 
 from __future__ import annotations
 
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 
 from sandbox_operator.api.common import (
     DNS_LABEL_PATTERN,
     DNS_SUBDOMAIN_PATTERN,
-    POSITIVE_QUANTITY,
+    Bounds,
     Condition,
     Duration,
     EnvVar,
     Model,
     Quantity,
     cel,
+    total_size_rule,
     validations,
 )
 
 # `default: {}` on an optional object makes the API server fill in its fields
 # defaults too, so what `kubectl get -o yaml` shows is what the operator uses.
 _SERVER_DEFAULT: JsonDict = {"default": {}}
+
+# The characters all env values of one Sandbox may hold together (see total_size_rule).
+MAX_ENV_CHARACTERS = 65536
+
+
+class SandboxPhase(StrEnum):
+    """The human summary (the PHASE column), derived from the Ready condition's reason."""
+
+    PENDING = "Pending"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    PAUSED = "Paused"
+    FAILED = "Failed"
+    TERMINATING = "Terminating"
+    RESTORING = "Restoring"
+
+
+class SandboxCondition(StrEnum):
+    """Condition types. Ready is always present; the others only while they apply:
+
+    - WorkspaceReady: the spec is valid (the claim's state, or Ephemeral);
+    - Paused: the spec is valid and the children could be created;
+    - PodScheduled, AgentReady, RuntimeReady: a pod exists and the sandbox is
+      neither paused nor being restored (AgentReady and RuntimeReady once it is
+      scheduled and has not ended);
+    - WorkspaceRestored: `spec.workspace.fromSnapshot` is set.
+    """
+
+    READY = "Ready"
+    WORKSPACE_READY = "WorkspaceReady"
+    WORKSPACE_RESTORED = "WorkspaceRestored"
+    PAUSED = "Paused"
+    POD_SCHEDULED = "PodScheduled"
+    AGENT_READY = "AgentReady"
+    RUNTIME_READY = "RuntimeReady"
+
+
+class SandboxReason(StrEnum):
+    """Condition reasons: stable CamelCase words; messages carry the detail."""
+
+    READY = "SandboxReady"
+    INVALID_SPEC = "InvalidSpec"
+    CREATE_FAILED = "CreateFailed"
+    PAUSED = "Paused"
+    PAUSING = "Pausing"
+    NOT_PAUSED = "NotPaused"
+    RESUMING = "Resuming"
+    POD_MISSING = "PodMissing"
+    UNSCHEDULABLE = "Unschedulable"
+    SCHEDULED = "Scheduled"
+    POD_PENDING = "PodPending"
+    POD_FAILED = "PodFailed"
+    AGENT_READY = "AgentReady"
+    AGENT_NOT_READY = "AgentNotReady"
+    RUNTIME_RUNNING = "RuntimeRunning"
+    RUNTIME_STARTING = "RuntimeStarting"
+    RUNTIME_NO_PYTHON = "RuntimeMissingPython"
+    RUNTIME_FAILED = "RuntimeFailed"
+    IMAGE_PULL = "ImagePullFailed"
+    TERMINATING = "Terminating"
+    CLAIM_BOUND = "ClaimBound"
+    CLAIM_PENDING = "ClaimPending"
+    CLAIM_LOST = "ClaimLost"
+    WORKSPACE_PENDING = "WorkspacePending"
+    EPHEMERAL = "Ephemeral"
+    NO_POD = "NoPod"
+    RESTORED = "Restored"
+    RESTORING = "Restoring"
+    ROLLING_BACK = "RollingBack"
+    SNAPSHOT_NOT_READY = "SnapshotNotReady"
+    SNAPSHOT_FAILED = "SnapshotFailed"
 
 
 class OnIdle(StrEnum):
@@ -46,35 +122,24 @@ class EgressPolicy(StrEnum):
 class Resources(Model):
     """Limits of the sandbox container. Memory and ephemeral storage are also its
     requests; CPU is requested at the operator's `sandbox_cpu_request` (idle sandboxes
-    should not hold whole cores)."""
+    should not hold whole cores). Changing them restarts the pod."""
 
-    cpu: Annotated[
-        Quantity | None,
-        Field(
-            json_schema_extra=validations(
-                cel(POSITIVE_QUANTITY, "cpu must be a positive quantity such as 500m, 2 or 1Gi")
-            )
-        ),
-    ] = None
-    memory: Annotated[
-        Quantity | None,
-        Field(
-            json_schema_extra=validations(
-                cel(POSITIVE_QUANTITY, "memory must be a positive quantity such as 500m, 2 or 1Gi")
-            )
-        ),
-    ] = None
+    cpu: Annotated[Quantity | None, Bounds.quantity("cpu", "10m", "512")] = Field(
+        default=None, description="CPU limit (default: the operator's default_cpu)."
+    )
+    memory: Annotated[Quantity | None, Bounds.quantity("memory", "32Mi", "4Ti")] = Field(
+        default=None,
+        description="Memory limit and request; python3 and the runner need about 32Mi"
+        " (default: the operator's default_memory).",
+    )
     ephemeral_storage: Annotated[
-        Quantity | None,
-        Field(
-            json_schema_extra=validations(
-                cel(
-                    POSITIVE_QUANTITY,
-                    "ephemeralStorage must be a positive quantity such as 500m, 2 or 1Gi",
-                )
-            )
-        ),
-    ] = None
+        Quantity | None, Bounds.quantity("ephemeralStorage", "64Mi", "16Ti")
+    ] = Field(
+        default=None,
+        description="Scratch space outside the workspace (the container's writable layer);"
+        " the kubelet evicts the pod beyond it (default: the operator's"
+        " default_ephemeral_storage).",
+    )
 
 
 class Workspace(Model):
@@ -94,19 +159,18 @@ class Workspace(Model):
     )
 
     ephemeral: bool = Field(
-        default=False, description="Use an emptyDir instead of a PersistentVolumeClaim."
+        default=False,
+        description="Use an emptyDir instead of a PersistentVolumeClaim (lost with the pod).",
     )
-    size: Annotated[
-        Quantity | None,
-        Field(
-            json_schema_extra=validations(
-                cel(POSITIVE_QUANTITY, "size must be a positive quantity such as 500m, 2 or 1Gi")
-            )
-        ),
-    ] = Field(default=None, description="Workspace size; the operator default applies when unset.")
+    size: Annotated[Quantity | None, Bounds.quantity("size", "16Mi", "64Ti")] = Field(
+        default=None, description="Workspace size (default: the operator's default_workspace_size)."
+    )
     storage_class_name: Annotated[
         str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
-    ] = None
+    ] = Field(
+        default=None,
+        description="StorageClass of the workspace claim (default: the cluster's default class).",
+    )
     from_snapshot: Annotated[str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)] = (
         Field(
             default=None,
@@ -120,14 +184,21 @@ class Workspace(Model):
 
 
 class Lifecycle(Model):
-    idle_timeout: Duration | None = Field(
+    """When the operator stops the sandbox by itself."""
+
+    idle_timeout: Annotated[Duration | None, Bounds.duration("idleTimeout", "1s")] = Field(
         default=None,
-        description="Tear down after this long without exec or file activity (agent-reported).",
+        description="Tear down after this long without exec or file activity (agent-reported;"
+        " a running command counts as activity). Default: the operator's default_idle_timeout.",
     )
-    max_lifetime: Duration | None = Field(
-        default=None, description="Tear down this long after creation, whatever the activity."
+    max_lifetime: Annotated[Duration | None, Bounds.duration("maxLifetime", "1s")] = Field(
+        default=None, description="Delete the Sandbox this long after creation, whatever it does."
     )
-    on_idle: OnIdle = Field(default=OnIdle.DELETE, description="What idle timeout does.")
+    on_idle: OnIdle = Field(
+        default=OnIdle.DELETE,
+        description="What the idle timeout does: Delete the Sandbox, or Pause it (keeps the"
+        " workspace; resume with the sandbox.dev/resume-requested-at annotation).",
+    )
     snapshot_on_idle: bool = Field(
         default=False,
         description=(
@@ -135,23 +206,35 @@ class Lifecycle(Model):
             " sandbox. The Snapshot is not owned by the Sandbox: it outlives it."
         ),
     )
-    snapshot_timeout: Duration | None = Field(
+    snapshot_timeout: Annotated[Duration | None, Bounds.duration("snapshotTimeout", "1s")] = Field(
         default=None,
-        description=(
-            "How long the idle policy waits for that Snapshot before it goes ahead anyway"
-            " (the operator's default applies when unset)."
-        ),
+        description="How long the idle policy waits for that Snapshot before it goes ahead"
+        " anyway (the operator's idle_snapshot_timeout applies when unset).",
     )
 
 
 class ExposedPort(Model):
-    name: Annotated[str, Field(pattern=DNS_LABEL_PATTERN, max_length=15)]
-    port: Annotated[int, Field(ge=1, le=65535)]
-    protocol: Annotated[str, Field(pattern="^(TCP|UDP)$")] = "TCP"
+    """A port of the sandbox container, published through the Sandbox's Service."""
+
+    name: Annotated[str, Field(pattern=DNS_LABEL_PATTERN, max_length=15)] = Field(
+        description="The Service port's name."
+    )
+    port: Annotated[int, Field(ge=1, le=65535)] = Field(
+        description="The port number, in the sandbox and on the Service."
+    )
+    protocol: Annotated[str, Field(pattern="^(TCP|UDP)$")] = Field(
+        default="TCP", description="TCP or UDP."
+    )
 
 
 class Network(Model):
-    egress: EgressPolicy = EgressPolicy.INTERNET
+    """Reachability of the sandbox. Changing it never restarts the pod."""
+
+    egress: EgressPolicy = Field(
+        default=EgressPolicy.INTERNET,
+        description="Internet: public addresses only (no cluster-internal or metadata"
+        " access); None: nothing; Cluster: anything, cluster services included.",
+    )
     exposed_ports: Annotated[list[ExposedPort], Field(max_length=16)] = Field(
         default_factory=list,
         description="Ports of the sandbox container published through a Service.",
@@ -180,6 +263,14 @@ class SandboxSpec(Model):
                 " && self.lifecycle.snapshotOnIdle)",
                 "lifecycle.snapshotOnIdle needs a persistent workspace (not workspace.ephemeral)",
             ),
+            total_size_rule(
+                MAX_ENV_CHARACTERS,
+                {
+                    "env": "has(self.env) ? self.env.map(e, has(e.value) ? size(e.value) : 0)"
+                    ".sum() : 0"
+                },
+                "the values of env",
+            ),
         )
     )
 
@@ -189,20 +280,52 @@ class SandboxSpec(Model):
     image: Annotated[str | None, Field(min_length=1, max_length=512, pattern=r"^\S+$")] = Field(
         default=None, description="A container image with python3 >= 3.9 (instead of runtime)."
     )
-    image_pull_policy: Annotated[str | None, Field(pattern="^(Always|IfNotPresent|Never)$")] = None
-    resources: Resources = Field(default_factory=Resources, json_schema_extra=_SERVER_DEFAULT)
-    workspace: Workspace = Field(default_factory=Workspace, json_schema_extra=_SERVER_DEFAULT)
+    image_pull_policy: Annotated[str | None, Field(pattern="^(Always|IfNotPresent|Never)$")] = (
+        Field(
+            default=None,
+            description="Always, IfNotPresent or Never (default: the operator's setting).",
+        )
+    )
+    resources: Resources = Field(
+        default_factory=Resources,
+        description="CPU, memory and scratch-space limits of the sandbox container.",
+        json_schema_extra=_SERVER_DEFAULT,
+    )
+    workspace: Workspace = Field(
+        default_factory=Workspace,
+        description="The working directory at /workspace: a claim (kept while paused) or"
+        " an emptyDir.",
+        json_schema_extra=_SERVER_DEFAULT,
+    )
     env: Annotated[list[EnvVar], Field(max_length=128)] = Field(
         default_factory=list,
+        description="Environment of the commands run in the sandbox. Changing it reaches"
+        " commands started afterwards, without restarting the pod.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     paused: bool = Field(default=False, description="Delete the pod, keep the workspace.")
-    lifecycle: Lifecycle = Field(default_factory=Lifecycle, json_schema_extra=_SERVER_DEFAULT)
-    network: Network = Field(default_factory=Network, json_schema_extra=_SERVER_DEFAULT)
+    lifecycle: Lifecycle = Field(
+        default_factory=Lifecycle,
+        description="Idle timeout, maximum lifetime and what happens when idle.",
+        json_schema_extra=_SERVER_DEFAULT,
+    )
+    network: Network = Field(
+        default_factory=Network,
+        description="Egress policy and exposed ports.",
+        json_schema_extra=_SERVER_DEFAULT,
+    )
     runtime_class_name: Annotated[
         str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
     ] = Field(default=None, description="Passed through to the pod, e.g. gvisor or kata.")
-    node_selector: Annotated[dict[str, str], Field(max_length=32)] = Field(default_factory=dict)
+    node_selector: Annotated[dict[str, str], Field(max_length=32)] = Field(
+        default_factory=dict, description="Passed through to the pod."
+    )
+
+    @model_validator(mode="after")
+    def _env_fits(self) -> SandboxSpec:
+        if sum(len(var.value or "") for var in self.env) > MAX_ENV_CHARACTERS:
+            raise ValueError(f"the values of env may hold at most {MAX_ENV_CHARACTERS} characters")
+        return self
 
 
 class SandboxStatus(Model):
@@ -210,30 +333,56 @@ class SandboxStatus(Model):
 
     model_config = ConfigDict(extra="ignore")
 
-    phase: str | None = None
-    observed_generation: int | None = None
-    conditions: list[Condition] = Field(default_factory=list)
-    pod_name: str | None = None
-    pod_ip: str | None = Field(default=None, alias="podIP")
+    phase: SandboxPhase | None = Field(
+        default=None, description="A summary for people; scripts should read the conditions."
+    )
+    observed_generation: int | None = Field(
+        default=None, description="The spec generation this status was computed from."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready always; WorkspaceReady, WorkspaceRestored, Paused, PodScheduled,"
+        " AgentReady and RuntimeReady while they apply.",
+    )
+    pod_name: str | None = Field(default=None, description="The sandbox's pod.")
+    pod_ip: str | None = Field(default=None, alias="podIP", description="The pod's IP address.")
     pod_uid: str | None = Field(
         default=None,
         alias="podUID",
         description="The running pod's UID (tells a replaced pod from the one a command ran in).",
     )
-    agent_endpoint: str | None = None
-    workspace_claim: str | None = None
-    image: str | None = None
-    last_activity: str | None = None
-    idle_deadline: str | None = None
+    agent_endpoint: str | None = Field(
+        default=None, description="URL of the agent in the pod (reachable by the operator)."
+    )
+    workspace_claim: str | None = Field(
+        default=None, description="The PersistentVolumeClaim of the workspace."
+    )
+    image: str | None = Field(default=None, description="The runtime image in use.")
+    ready_pod_uid: str | None = Field(
+        default=None,
+        description="The last pod seen serving; one that stops serving for longer than the"
+        " operator's agent_unready_patience is replaced.",
+    )
+    last_activity: str | None = Field(
+        default=None, description="The last exec or file activity the agent reported."
+    )
+    active_executions: int | None = Field(
+        default=None, description="Commands running in the sandbox, as the agent reported."
+    )
+    idle_deadline: str | None = Field(
+        default=None, description="When the idle policy acts unless there is activity."
+    )
     idle_paused_at: str | None = Field(
         default=None, description="Set when the idle policy paused the sandbox; cleared on resume."
     )
-    expires_at: str | None = None
+    expires_at: str | None = Field(
+        default=None, description="When lifecycle.maxLifetime deletes the Sandbox."
+    )
     workspace_snapshot: str | None = Field(
         default=None, description="The Snapshot the current workspace was restored from."
     )
-    workspace_lineage: list[str] = Field(
-        default_factory=list,
+    workspace_lineage: list[str] | None = Field(
+        default=None,
         description="That Snapshot, then the one its source was restored from, and so on.",
     )
     workspace_restore_request: str | None = Field(
@@ -243,7 +392,6 @@ class SandboxStatus(Model):
     idle_snapshot: str | None = Field(
         default=None, description="The Snapshot the idle policy took (or is taking)."
     )
-    idle_snapshot_started_at: str | None = None
-    active_executions: int | None = None
-    restarts: int | None = None
-    message: str | None = None
+    idle_snapshot_started_at: str | None = Field(
+        default=None, description="When the idle policy asked for that Snapshot."
+    )

@@ -11,39 +11,28 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sandbox_operator import conditions
 from sandbox_operator.api.common import API_VERSION, parse_duration
-from sandbox_operator.api.execution import TERMINAL_PHASES, ExecutionPhase, ExecutionSpec
+from sandbox_operator.api.execution import (
+    TERMINAL_PHASES,
+    ExecutionCondition,
+    ExecutionPhase,
+    ExecutionReason,
+    ExecutionSpec,
+    ExecutionStatus,
+)
 from sandbox_operator.api.sandbox import SandboxSpec
-from sandbox_operator.builders.sandbox import LABEL_MANAGED_BY, MANAGED_BY
+from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, merge
+from sandbox_operator.clock import iso
+from sandbox_operator.resources import (
+    EXECUTION_ANNOTATION,
+    LABEL_EXECUTION_UID,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+)
+
+R = ExecutionReason
 
 JSON = dict[str, Any]
-
-LABEL_EXECUTION = "sandbox.dev/execution"
-
-# Stable reasons (status.reason and the conditions' reasons).
-REASON_SANDBOX_NOT_FOUND = "SandboxNotFound"
-REASON_SANDBOX_STARTING = "SandboxStarting"
-REASON_SANDBOX_PAUSED = "SandboxPaused"
-REASON_SANDBOX_RESUMING = "SandboxResuming"
-REASON_SANDBOX_FAILED = "SandboxFailed"
-REASON_SANDBOX_DELETED = "SandboxDeleted"
-REASON_SECRET_NOT_FOUND = "SecretNotFound"
-REASON_CONCURRENCY_LIMIT = "ConcurrencyLimit"
-REASON_STARTED = "Started"
-REASON_SUCCEEDED = "Succeeded"
-REASON_NON_ZERO_EXIT = "NonZeroExit"
-REASON_SIGNALED = "Signaled"
-REASON_OOM_KILLED = "OOMKilled"
-REASON_TIMED_OUT = "TimedOut"
-REASON_CANCELLED = "Cancelled"
-REASON_LOST = "Lost"
-REASON_START_FAILED = "StartFailed"
-REASON_INVALID_SPEC = "InvalidSpec"
-
-CONDITION_SCHEDULED = "Scheduled"
-CONDITION_COMPLETE = "Complete"
-CONDITION_SUCCEEDED = "Succeeded"
 
 
 def one_shot_name(execution: str, uid: str) -> str:
@@ -63,7 +52,9 @@ def build_one_shot_sandbox(meta: JSON, template: SandboxSpec) -> JSON:
         "metadata": {
             "name": one_shot_name(meta["name"], meta["uid"]),
             "namespace": meta["namespace"],
-            "labels": {LABEL_EXECUTION: meta["name"], LABEL_MANAGED_BY: MANAGED_BY},
+            # The UID, not the name: label values are at most 63 characters.
+            "labels": {LABEL_EXECUTION_UID: meta["uid"], LABEL_MANAGED_BY: MANAGED_BY},
+            "annotations": {EXECUTION_ANNOTATION: meta["name"]},
             "ownerReferences": [
                 {
                     "apiVersion": API_VERSION,
@@ -95,6 +86,8 @@ def agent_request(spec: ExecutionSpec, uid: str, env: dict[str, str]) -> JSON:
         request["cwd"] = spec.working_dir
     if spec.stdin is not None:
         request["stdin"] = spec.stdin
+    if spec.combined_output:
+        request["combinedOutput"] = True
     return request
 
 
@@ -114,34 +107,32 @@ def outcome_of(record: JSON) -> Outcome | None:
     if status == "timed_out":
         return Outcome(
             ExecutionPhase.TIMED_OUT,
-            REASON_TIMED_OUT,
+            R.TIMED_OUT,
             f"killed after the {record.get('timeoutSeconds', 0):g}s timeout",
         )
     if status == "cancelled":
-        return Outcome(ExecutionPhase.CANCELLED, REASON_CANCELLED, "cancelled while running")
+        return Outcome(ExecutionPhase.CANCELLED, R.CANCELLED, "cancelled while running")
     if status == "lost":
         return Outcome(
             ExecutionPhase.FAILED,
-            REASON_LOST,
+            R.LOST,
             "the sandbox's runner went away while the command ran; the outcome is unknown "
             f"and the command is not run again ({error.get('message', 'no detail')})",
         )
     if status == "failed":
         return Outcome(
-            ExecutionPhase.FAILED, REASON_START_FAILED, str(error.get("message", "did not start"))
+            ExecutionPhase.FAILED, R.START_FAILED, str(error.get("message", "did not start"))
         )
     if record.get("oomKilled"):
-        return Outcome(
-            ExecutionPhase.FAILED, REASON_OOM_KILLED, "killed by the out-of-memory killer"
-        )
+        return Outcome(ExecutionPhase.FAILED, R.OOM_KILLED, "killed by the out-of-memory killer")
     if record.get("signalName"):
         return Outcome(
-            ExecutionPhase.FAILED, REASON_SIGNALED, f"killed by signal {record['signalName']}"
+            ExecutionPhase.FAILED, R.SIGNALED, f"killed by signal {record['signalName']}"
         )
     code = record.get("exitCode")
     if code == 0:
-        return Outcome(ExecutionPhase.SUCCEEDED, REASON_SUCCEEDED)
-    return Outcome(ExecutionPhase.FAILED, REASON_NON_ZERO_EXIT, f"exited with code {code}")
+        return Outcome(ExecutionPhase.SUCCEEDED, R.SUCCEEDED)
+    return Outcome(ExecutionPhase.FAILED, R.NON_ZERO_EXIT, f"exited with code {code}")
 
 
 def tail(text: str | None, limit: int) -> tuple[str | None, bool]:
@@ -168,19 +159,20 @@ def format_duration(seconds: float) -> str:
 
 
 def record_fields(record: JSON, tail_bytes: int) -> JSON:
-    """Status fields from an agent execution record, output bounded to `tail_bytes`."""
+    """Status fields (by model field name) from an agent execution record, output
+    bounded to `tail_bytes`."""
     stdout, stdout_cut = tail(record.get("stdout"), tail_bytes)
     stderr, stderr_cut = tail(record.get("stderr"), tail_bytes)
     fields: JSON = {
-        "agentExecutionId": record.get("id"),
-        "exitCode": record.get("exitCode"),
+        "agent_execution_id": record.get("id"),
+        "exit_code": record.get("exitCode"),
         "signal": record.get("signalName"),
         "stdout": stdout,
         "stderr": stderr,
-        "stdoutTruncated": stdout_cut or bool(record.get("stdoutTruncated")),
-        "stderrTruncated": stderr_cut or bool(record.get("stderrTruncated")),
-        "stdoutBytes": record.get("stdoutBytes"),
-        "stderrBytes": record.get("stderrBytes"),
+        "stdout_truncated": stdout_cut or bool(record.get("stdoutTruncated")),
+        "stderr_truncated": stderr_cut or bool(record.get("stderrTruncated")),
+        "stdout_bytes": record.get("stdoutBytes"),
+        "stderr_bytes": record.get("stderrBytes"),
     }
     duration = record.get("durationSeconds")
     if duration is not None:
@@ -188,49 +180,57 @@ def record_fields(record: JSON, tail_bytes: int) -> JSON:
     return fields
 
 
-def execution_conditions(status: JSON) -> list[conditions.Cond]:
-    """Scheduled (holds a slot and was started), Complete (any end; the reason says
-    which, so `kubectl wait --for=condition=Complete` returns on every outcome) and,
-    once complete, Succeeded."""
-    phase = status.get("phase")
-    reason = status.get("reason") or ""
-    message = status.get("message") or ""
-    started = bool(status.get("podUID"))
-    done = phase in TERMINAL_PHASES
-    conds = [
-        conditions.Cond(
-            CONDITION_SCHEDULED,
-            "True" if started else "False",
-            REASON_STARTED if started else reason or "Queued",
-            "" if started else message,
-        ),
-        conditions.Cond(
-            CONDITION_COMPLETE,
-            "True" if done else "False",
-            reason if done else str(phase or "Queued"),
-            message if done else "",
-        ),
-    ]
-    if done:
-        succeeded = phase == ExecutionPhase.SUCCEEDED
-        conds.append(
-            conditions.Cond(CONDITION_SUCCEEDED, "True" if succeeded else "False", reason, message)
-        )
-    return conds
+# -- status: one function per condition ----------------------------------------
 
 
-def build_status(old: JSON, changes: JSON, generation: int, now: datetime) -> JSON:
-    """The whole status after `changes` (None removes a field), conditions included."""
-    status = {k: v for k, v in {**old, **changes}.items() if v is not None}
-    status["observedGeneration"] = generation
-    status["conditions"] = conditions.merge(
-        old.get("conditions", []),
-        execution_conditions(status),
-        generation,
-        now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+def _done(status: ExecutionStatus) -> bool:
+    return status.phase in TERMINAL_PHASES
+
+
+def scheduled(status: ExecutionStatus) -> Cond:
+    """Holds a slot and was started (the pod is recorded before the command is sent)."""
+    if status.pod_uid:
+        return Cond(ExecutionCondition.SCHEDULED, TRUE, R.STARTED)
+    return Cond(
+        ExecutionCondition.SCHEDULED, FALSE, status.reason or R.QUEUED, status.message or ""
     )
-    return status
 
 
-def terminal(status: JSON) -> bool:
-    return status.get("phase") in TERMINAL_PHASES
+def complete(status: ExecutionStatus) -> Cond:
+    """True on every outcome (the reason says which), so `kubectl wait
+    --for=condition=Complete` returns whatever the end."""
+    if _done(status):
+        return Cond(ExecutionCondition.COMPLETE, TRUE, status.reason or "", status.message or "")
+    return Cond(ExecutionCondition.COMPLETE, FALSE, status.phase or ExecutionPhase.QUEUED)
+
+
+def succeeded(status: ExecutionStatus) -> Cond | None:
+    """Only once complete."""
+    if not _done(status):
+        return None
+    ok = status.phase == ExecutionPhase.SUCCEEDED
+    return Cond(
+        ExecutionCondition.SUCCEEDED,
+        TRUE if ok else FALSE,
+        status.reason or "",
+        status.message or "",
+    )
+
+
+def build_status(
+    old: ExecutionStatus, changes: JSON, generation: int, now: datetime
+) -> ExecutionStatus:
+    """The whole status after `changes` (by field name; None clears a field),
+    conditions included. The phase is the Execution's recorded state, and the
+    conditions follow from it."""
+    status = old.evolve(**changes, observed_generation=generation)
+    conds: dict[str, Cond | None] = {
+        ExecutionCondition.SCHEDULED: scheduled(status),
+        ExecutionCondition.COMPLETE: complete(status),
+        ExecutionCondition.SUCCEEDED: succeeded(status),
+    }
+    return status.evolve(conditions=merge(old.conditions, conds, generation, iso(now)))
+
+
+def terminal(status: ExecutionStatus) -> bool:
+    return _done(status)

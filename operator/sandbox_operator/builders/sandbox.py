@@ -7,18 +7,25 @@ collector removes it when the Sandbox goes.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from sandbox_operator.api.common import API_VERSION, quantity_value
+from sandbox_operator.api.common import API_VERSION, parse_duration, quantity_value
+from sandbox_operator.api.execution import MAX_TIMEOUT
 from sandbox_operator.api.sandbox import EgressPolicy, SandboxSpec
 from sandbox_operator.config import Settings
+from sandbox_operator.resources import (
+    IMAGE_ANNOTATION,
+    LABEL_MANAGED_BY,
+    LABEL_SANDBOX,
+    MANAGED_BY,
+    POD_HASH_ANNOTATION,
+    POD_SPEC_ANNOTATION,
+)
 
 JSON = dict[str, Any]
-
-LABEL_SANDBOX = "sandbox.dev/sandbox"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-MANAGED_BY = "sandbox-operator"
 
 WORKSPACE_PATH = "/workspace"
 RUNTIME_DIR = "/sandbox/run"
@@ -26,6 +33,13 @@ TOKEN_DIR = "/var/run/sandbox-agent/token"
 TOKEN_KEY = "token"
 AGENT_CONTAINER = "agent"
 SANDBOX_CONTAINER = "sandbox"
+
+# The agent's probes. /readyz waits up to 2 s for the runner of a container that
+# is just starting, so a normal pod start logs no failed probe.
+READINESS_PATH = "/readyz?waitSeconds=2"
+# Answers 503 once the agent has decided the runtime container must restart (a
+# command that would not die); the kubelet then kills every process in it.
+RUNTIME_LIVENESS_PATH = "/livez/runtime"
 
 # The runtime directory holds only the runner script and its socket.
 _RUNTIME_DIR_LIMIT = "16Mi"
@@ -146,7 +160,7 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
     child = names(ref.name)
     image = image_of(spec, settings)
     pull_policy = spec.image_pull_policy or settings.image_pull_policy
-    agent_http = {"path": "/readyz", "port": "agent"}
+    agent_http = {"path": READINESS_PATH, "port": "agent"}
 
     if spec.workspace.ephemeral:
         workspace_volume: JSON = {
@@ -172,6 +186,11 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
             {"name": "SANDBOX_AGENT_WORKSPACE", "value": WORKSPACE_PATH},
             {"name": "SANDBOX_AGENT_RUNTIME_DIR", "value": RUNTIME_DIR},
             {"name": "SANDBOX_AGENT_LOG_DIR", "value": "/sandbox/logs"},
+            # The longest Execution timeout the CRD admits: both sides agree by construction.
+            {
+                "name": "SANDBOX_AGENT_MAX_TIMEOUT",
+                "value": f"{parse_duration(MAX_TIMEOUT).total_seconds():g}",
+            },
             {"name": "TMPDIR", "value": "/tmp"},
         ],
         "ports": [{"name": "agent", "containerPort": settings.agent_port, "protocol": "TCP"}],
@@ -182,7 +201,12 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
             "periodSeconds": 1,
             "failureThreshold": 60,
         },
-        "readinessProbe": {"httpGet": agent_http, "periodSeconds": 2, "failureThreshold": 2},
+        "readinessProbe": {
+            "httpGet": agent_http,
+            "periodSeconds": 2,
+            "timeoutSeconds": 3,
+            "failureThreshold": 2,
+        },
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": "agent"},
             "periodSeconds": 10,
@@ -232,10 +256,17 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
             {"name": "workspace", "mountPath": WORKSPACE_PATH},
             {"name": "runtime", "mountPath": RUNTIME_DIR},
         ],
-        "ports": [
-            {"name": port.name, "containerPort": port.port, "protocol": port.protocol}
-            for port in spec.network.exposed_ports
-        ],
+        # The agent's verdict, not the runner's: a runtime that cannot kill a command
+        # (a fork bomb, a wedged runner) is restarted by the kubelet. Three misses,
+        # so that an agent restart alone does not take user commands with it.
+        # No `ports`: they are informational, and exposing a port must not restart
+        # the pod (the Service targets the port number).
+        "livenessProbe": {
+            "httpGet": {"path": RUNTIME_LIVENESS_PATH, "port": settings.agent_port},
+            "periodSeconds": 5,
+            "timeoutSeconds": 3,
+            "failureThreshold": 3,
+        },
     }
     pod_spec: JSON = {
         "automountServiceAccountToken": False,
@@ -272,7 +303,7 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
         "kind": "Pod",
         "metadata": {
             **_meta(ref, child["pod"]),
-            "annotations": {"sandbox.dev/image": image},
+            "annotations": {IMAGE_ANNOTATION: image},
         },
         "spec": pod_spec,
     }
@@ -342,3 +373,65 @@ def build_network_policy(ref: SandboxRef, spec: SandboxSpec, settings: Settings)
             "egress": egress,
         },
     }
+
+
+# -- what a pod was built from -------------------------------------------------------
+
+
+def pod_stamp(spec: SandboxSpec) -> JSON:
+    """The fields of the Sandbox spec that only a new pod can apply.
+
+    Everything else reaches a running pod without a restart: env (through the
+    agent, for commands started afterwards), network (the NetworkPolicy and the
+    Service), lifecycle, paused (the pod is deleted, not replaced) and
+    workspace.fromSnapshot (a rollback replaces the pod by itself). Settings of
+    the operator (a new agent image, say) are left out too: they reach each
+    sandbox at its next pod start instead of restarting all of them at once."""
+    return {
+        "image": spec.image,
+        "runtime": spec.runtime,
+        "imagePullPolicy": spec.image_pull_policy,
+        "resources": spec.resources.to_wire(),
+        "workspace": spec.workspace.model_copy(update={"from_snapshot": None}).to_wire(),
+        "runtimeClassName": spec.runtime_class_name,
+        "nodeSelector": dict(spec.node_selector),
+    }
+
+
+def stamp_annotation(spec: SandboxSpec) -> str:
+    return json.dumps(pod_stamp(spec), sort_keys=True, separators=(",", ":"))
+
+
+def stamp_pod(pod: JSON, spec: SandboxSpec) -> JSON:
+    """`pod`, annotated with the stamp it was built from."""
+    pod["metadata"].setdefault("annotations", {})[POD_SPEC_ANNOTATION] = stamp_annotation(spec)
+    return pod
+
+
+def desired_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
+    return stamp_pod(build_pod(ref, spec, settings), spec)
+
+
+def legacy_pod_hash(spec: SandboxSpec) -> str:
+    """The digest that pods made before the stamp existed carry (under
+    POD_HASH_ANNOTATION): of the whole spec but `paused` and `workspace.fromSnapshot`."""
+    workspace = spec.workspace.model_copy(update={"from_snapshot": None})
+    stamped = spec.model_copy(update={"paused": False, "workspace": workspace}).to_wire()
+    return hashlib.sha256(json.dumps(stamped, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def changed_fields(pod: JSON, spec: SandboxSpec) -> list[str] | None:
+    """The spec fields whose change the pod has not got (empty: up to date).
+
+    None for a pod made by an older operator whose digest no longer matches: it
+    is out of date, but which field changed cannot be told."""
+    annotations = pod["metadata"].get("annotations") or {}
+    recorded = annotations.get(POD_SPEC_ANNOTATION)
+    wanted = pod_stamp(spec)
+    if recorded is None:
+        return [] if annotations.get(POD_HASH_ANNOTATION) == legacy_pod_hash(spec) else None
+    try:
+        stamp = json.loads(recorded)
+    except ValueError:
+        return None
+    return sorted(key for key in wanted.keys() | stamp.keys() if wanted.get(key) != stamp.get(key))

@@ -14,22 +14,23 @@ from datetime import datetime
 from typing import Any
 
 from sandbox_operator.api.common import API_VERSION, quantity_value
-from sandbox_operator.builders.sandbox import LABEL_MANAGED_BY, LABEL_SANDBOX, MANAGED_BY
+from sandbox_operator.resources import (
+    CLAIM_FROM_SNAPSHOT,
+    CLAIM_LINEAGE,
+    CLAIM_RESTORE_REQUEST,
+    LABEL_IDLE,
+    LABEL_MANAGED_BY,
+    LABEL_SANDBOX,
+    LABEL_SNAPSHOT_UID,
+    MANAGED_BY,
+    SNAPSHOT_ANNOTATION,
+    SNAPSHOT_GROUP,
+    VOLUME_SNAPSHOTS,
+)
 
 JSON = dict[str, Any]
 
-SNAPSHOT_API = "snapshot.storage.k8s.io"
-SNAPSHOT_API_VERSION = f"{SNAPSHOT_API}/v1"
-LABEL_SNAPSHOT = "sandbox.dev/snapshot"
-LABEL_IDLE = "sandbox.dev/idle-snapshot"
 DEFAULT_CLASS_ANNOTATION = "snapshot.storage.kubernetes.io/is-default-class"
-
-# On a restored workspace claim: which Snapshot (and which restore request) it
-# was made from, and that Snapshot's lineage. Kept on the claim, the object
-# they describe, so a restarted operator can tell an old claim from a new one.
-CLAIM_FROM_SNAPSHOT = "sandbox.dev/from-snapshot"
-CLAIM_RESTORE_REQUEST = "sandbox.dev/restore-request"
-CLAIM_LINEAGE = "sandbox.dev/lineage"
 
 
 @dataclass(frozen=True)
@@ -65,16 +66,18 @@ def build_volume_snapshot(
     if class_name:
         spec["volumeSnapshotClassName"] = class_name
     return {
-        "apiVersion": SNAPSHOT_API_VERSION,
+        "apiVersion": VOLUME_SNAPSHOTS.api_version,
         "kind": "VolumeSnapshot",
         "metadata": {
             "name": volume_snapshot_name(ref),
             "namespace": ref.namespace,
+            # The UID, not the name: label values are at most 63 characters.
             "labels": {
-                LABEL_SNAPSHOT: ref.name,
+                LABEL_SNAPSHOT_UID: ref.uid,
                 LABEL_SANDBOX: sandbox,
                 LABEL_MANAGED_BY: MANAGED_BY,
             },
+            "annotations": {SNAPSHOT_ANNOTATION: ref.name},
         },
         "spec": spec,
     }
@@ -132,7 +135,7 @@ def restore_into(claim: JSON, source: RestoreSource) -> JSON:
     requests["storage"] = restored_size(requests["storage"], source.restore_size)
     spec["resources"] = {**spec["resources"], "requests": requests}
     spec["dataSource"] = {
-        "apiGroup": SNAPSHOT_API,
+        "apiGroup": SNAPSHOT_GROUP,
         "kind": "VolumeSnapshot",
         "name": source.volume_snapshot,
     }

@@ -18,9 +18,8 @@ Kopf's in-memory indexes, so a queue costs the API server nothing.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -28,32 +27,31 @@ from typing import Any, TypeVar
 import kopf
 from pydantic import ValidationError
 
-from sandbox_operator import conditions, metrics
-from sandbox_operator.agent_client import AgentError, parse_time
-from sandbox_operator.api.common import parse_duration
-from sandbox_operator.api.execution import ExecutionPhase, ExecutionSpec
-from sandbox_operator.api.sandbox import SandboxSpec
-from sandbox_operator.builders import execution as build
-from sandbox_operator.handlers.sandbox import (
-    RESUME_ANNOTATION,
-    Runtime,
-    agent_token,
-    effective_paused,
-    event,
-    iso,
-    now_utc,
-    readable,
+from sandbox_operator import envvars, metrics
+from sandbox_operator.agent_client import AgentError
+from sandbox_operator.api.common import parse_duration, readable
+from sandbox_operator.api.execution import (
+    TERMINAL_PHASES,
+    ExecutionPhase,
+    ExecutionReason,
+    ExecutionSpec,
+    ExecutionStatus,
 )
-from sandbox_operator.kube import MERGE_PATCH, KubeError, resource_path, status_patch
+from sandbox_operator.api.sandbox import SandboxCondition, SandboxPhase, SandboxSpec, SandboxStatus
+from sandbox_operator.builders import execution as build
+from sandbox_operator.builders.conditions import find
+from sandbox_operator.clock import iso, iso_precise, now_utc, parse_time
+from sandbox_operator.context import OperatorContext, event
+from sandbox_operator.kube import MERGE_PATCH, Refused, status_patch
+from sandbox_operator.resources import EXECUTIONS, RESUME_ANNOTATION, SANDBOXES
 
 JSON = dict[str, Any]
 T = TypeVar("T")
 Key = tuple[str, str]
 # Kopf indexes: (namespace, name) -> bodies, and (namespace, sandbox) -> slot entries.
-SandboxIndex = kopf.Index[Key, JSON]
-SlotIndex = kopf.Index[Key, JSON]
-
-API_VERSION = "sandbox.dev/v1alpha1"
+SandboxIndex = Mapping[Key, Any]
+SlotIndex = Mapping[Key, Any]
+R = ExecutionReason
 # How often a waiting Execution looks at the indexes again (in-memory, free).
 WAIT_POLL_SECONDS = 0.5
 SECRET_POLL_SECONDS = 2.0
@@ -85,6 +83,21 @@ class Scheduler:
         self.wakeups.pop((namespace, name), None)
 
 
+def sandbox_paused(sandbox: JSON, spec: SandboxSpec) -> bool:
+    """Paused by its spec, or by its idle policy and not resumed since (the Sandbox
+    controller's rule, read from the same annotation and status fields)."""
+    if spec.paused:
+        return True
+    paused_at = (sandbox.get("status") or {}).get("idlePausedAt")
+    if not paused_at:
+        return False
+    resumed = (sandbox["metadata"].get("annotations") or {}).get(RESUME_ANNOTATION)
+    try:
+        return not (resumed and parse_time(resumed) > parse_time(paused_at))
+    except ValueError:
+        return True
+
+
 def sandbox_of(body: JSON) -> str | None:
     """The sandbox an Execution runs in: recorded, referenced, or its one-shot sandbox."""
     recorded = (body.get("status") or {}).get("sandbox")
@@ -104,7 +117,7 @@ def slot_entry(body: JSON) -> JSON:
         "name": body["metadata"]["name"],
         "created": body["metadata"].get("creationTimestamp", ""),
         "started": bool(status.get("podUID")),
-        "done": build.terminal(status),
+        "done": status.get("phase") in TERMINAL_PHASES,
     }
 
 
@@ -135,7 +148,7 @@ class Run:
 
     def __init__(
         self,
-        rt: Runtime,
+        ctx: OperatorContext,
         scheduler: Scheduler,
         body: kopf.Body,
         sandboxes: SandboxIndex,
@@ -143,7 +156,7 @@ class Run:
         stopped: kopf.DaemonStopped,
         logger: kopf.Logger,
     ) -> None:
-        self.rt, self.scheduler, self.body = rt, scheduler, body
+        self.ctx, self.scheduler, self.body = ctx, scheduler, body
         self.sandboxes, self.slots, self.stopped, self.logger = sandboxes, slots, stopped, logger
         meta = body["metadata"]
         self.namespace: str = meta["namespace"]
@@ -151,7 +164,7 @@ class Run:
         self.uid: str = meta["uid"]
         self.created: str = meta.get("creationTimestamp", "")
         self.generation: int = meta.get("generation", 1)
-        self.status: JSON = dict(body.get("status") or {})
+        self.status = ExecutionStatus.model_validate(body.get("status") or {})
         self.spec: ExecutionSpec | None = None
         self.endpoint: str | None = None
         self.resolved_env: dict[str, str] | None = None
@@ -159,19 +172,20 @@ class Run:
 
     # -- status ------------------------------------------------------------------
 
-    async def write(self, changes: JSON) -> None:
-        """Patch status when it changed. Every write lands before the next step:
-        the recorded state is what a restarted operator starts from."""
-        if "sandbox" not in self.status:
+    async def write(self, **changes: Any) -> None:
+        """Patch status when it changed (`changes` by field name; None clears one).
+        Every write lands before the next step: the recorded state is what a
+        restarted operator starts from."""
+        if self.status.sandbox is None:
             # Which sandbox, recorded with the first write (one write fewer per run).
             one_shot = (self.body.get("spec") or {}).get("sandboxTemplate") is not None
-            changes = {"sandbox": self.sandbox_name(), "oneShot": one_shot or None, **changes}
+            changes = {"sandbox": self.sandbox_name(), "one_shot": one_shot or None, **changes}
         status = build.build_status(self.status, changes, self.generation, now_utc())
-        patch = status_patch(self.status, status)
+        patch = status_patch(self.status.to_wire(), status.to_wire())
         if patch is None:
             return
-        path = resource_path(API_VERSION, "executions", self.namespace, self.name, "status")
-        written = await self.rt.kube.patch(path, patch, MERGE_PATCH)
+        path = EXECUTIONS.path(self.namespace, self.name, "status")
+        written = await self.ctx.kube.patch(path, patch, MERGE_PATCH)
         if written is None:
             raise Stop()  # the Execution is gone
         self.status = status
@@ -179,20 +193,20 @@ class Run:
     async def finish(self, outcome: build.Outcome, record: JSON | None = None) -> None:
         now = now_utc()
         changes: JSON = {
-            "phase": outcome.phase.value,
+            "phase": outcome.phase,
             "reason": outcome.reason,
             "message": outcome.message or None,
-            "completionTime": iso(now),
+            "completion_time": iso(now),
         }
         if record is not None:
             changes.update(
-                build.record_fields(record, self.rt.settings.execution_output_tail_bytes)
+                build.record_fields(record, self.ctx.settings.execution_output_tail_bytes)
             )
-        if "duration" not in changes and self.status.get("startTime"):
-            elapsed = (now - parse_time(self.status["startTime"])).total_seconds()
+        if "duration" not in changes and self.status.start_time:
+            elapsed = (now - parse_time(self.status.start_time)).total_seconds()
             changes["duration"] = build.format_duration(elapsed)
-        await self.write(changes)
-        sandbox = self.status.get("sandbox") or ""
+        await self.write(**changes)
+        sandbox = self.status.sandbox or ""
         self.scheduler.release(self.namespace, sandbox, self.name)
         # A slot is free: the queued Executions of this sandbox look again now.
         for entry in self.slots.get((self.namespace, sandbox), []):
@@ -243,20 +257,16 @@ class Run:
     async def wait(self, reason: str, message: str) -> None:
         """Stay Queued for `reason`; fail once the configured bound has passed,
         unless the wait is for a slot (a busy sandbox is not a broken one)."""
-        bound = parse_duration(self.rt.settings.execution_sandbox_wait)
+        bound = parse_duration(self.ctx.settings.execution_sandbox_wait)
         overdue = self.created and now_utc() - parse_time(self.created) > bound
-        if overdue and reason != build.REASON_CONCURRENCY_LIMIT:
+        if overdue and reason != R.CONCURRENCY_LIMIT:
             await self.fail(
-                reason, f"{message} (gave up after {self.rt.settings.execution_sandbox_wait})"
+                reason, f"{message} (gave up after {self.ctx.settings.execution_sandbox_wait})"
             )
             return
-        await self.write(
-            {"phase": ExecutionPhase.QUEUED.value, "reason": reason, "message": message}
-        )
+        await self.write(phase=ExecutionPhase.QUEUED, reason=reason, message=message)
         # Waits on the indexes are free; a wait for a Secret asks the API server.
-        await self.pause(
-            SECRET_POLL_SECONDS if reason == build.REASON_SECRET_NOT_FOUND else WAIT_POLL_SECONDS
-        )
+        await self.pause(SECRET_POLL_SECONDS if reason == R.SECRET_NOT_FOUND else WAIT_POLL_SECONDS)
 
     # -- the sandbox ---------------------------------------------------------------
 
@@ -265,7 +275,7 @@ class Run:
             {
                 "metadata": self.body["metadata"],
                 "spec": self.body.get("spec"),
-                "status": self.status,
+                "status": self.status.to_wire(),
             }
         )
         assert name is not None
@@ -275,12 +285,11 @@ class Run:
         return next(iter(self.sandboxes.get((self.namespace, self.sandbox_name()), [])), None)
 
     async def token(self, sandbox: JSON) -> str | None:
-        return await agent_token(self.rt, sandbox)
+        return await self.ctx.agent_token(sandbox)
 
     async def ensure_one_shot(self, template: SandboxSpec) -> None:
         sandbox = build.build_one_shot_sandbox(dict(self.body["metadata"]), template)
-        path = resource_path(API_VERSION, "sandboxes", self.namespace)
-        if await self.rt.kube.create(path, sandbox) is not None:
+        if await self.ctx.kube.create(SANDBOXES.path(self.namespace), sandbox) is not None:
             event(
                 dict(self.body), "info", "SandboxCreated", f"one-shot sandbox {self.sandbox_name()}"
             )
@@ -288,11 +297,11 @@ class Run:
     async def resume(self, sandbox: JSON) -> None:
         """Ask the Sandbox controller to resume an idle-paused sandbox (an annotation,
         not a spec change: the spec belongs to whoever applied it)."""
-        path = resource_path(API_VERSION, "sandboxes", self.namespace, sandbox["metadata"]["name"])
+        path = SANDBOXES.path(self.namespace, sandbox["metadata"]["name"])
         # Sub-second precision: a pause is recorded to the second, and a resume in
         # that same second must still count as later than the pause.
-        moment = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        await self.rt.kube.patch(path, {"metadata": {"annotations": {RESUME_ANNOTATION: moment}}})
+        moment = iso_precise(datetime.now(UTC))
+        await self.ctx.kube.patch(path, {"metadata": {"annotations": {RESUME_ANNOTATION: moment}}})
         event(
             dict(self.body),
             "info",
@@ -304,53 +313,41 @@ class Run:
         """Resolved environment, or (reason, message) when a Secret is not there (yet).
         Read once: a queued Execution must not read Secrets at every look around."""
         assert self.spec is not None
-        if self.resolved_env is not None:
-            return self.resolved_env
-        resolved: dict[str, str] = {}
-        for var in self.spec.env:
-            if var.value is not None:
-                resolved[var.name] = var.value
-                continue
-            assert var.value_from is not None
-            ref = var.value_from.secret_key_ref
-            secret = await self.rt.kube.get(
-                resource_path("v1", "secrets", self.namespace, ref.name)
-            )
-            encoded = (secret or {}).get("data", {}).get(ref.key)
-            if encoded is None:
-                where = (
-                    f"secret {ref.name!r} has no key {ref.key!r}"
-                    if secret
-                    else f"secret {ref.name!r} not found"
+        if self.resolved_env is None:
+            try:
+                self.resolved_env = await envvars.resolve(
+                    self.ctx.kube, self.namespace, self.spec.env
                 )
-                return build.REASON_SECRET_NOT_FOUND, f"spec.env[{var.name}]: {where}"
-            resolved[var.name] = base64.b64decode(encoded).decode(errors="replace")
-        self.resolved_env = resolved
-        return resolved
+            except envvars.MissingSecret as exc:
+                return R.SECRET_NOT_FOUND, f"spec.{exc}"
+        return self.resolved_env
+
+    def refused(self, exc: Refused) -> Awaitable[None]:
+        """The error policy's report when the API server refuses the one-shot sandbox:
+        the Execution fails (an invalid sandbox) or waits saying why (a quota)."""
+        message = f"{exc}"
+        if exc.permanent:
+            return self.fail(R.CREATE_FAILED, message)
+        return self.wait(R.CREATE_FAILED, message)
 
     # -- the steps -----------------------------------------------------------------
 
     async def drive(self) -> None:
-        """The daemon body: take the Execution to its end. API errors are retried by
-        Kopf (the daemon restarts and picks up from the recorded status)."""
+        """The daemon body: take the Execution to its end. Errors go through the error
+        policy; the daemon restarts and picks up from the recorded status."""
         with contextlib.suppress(Stop):
-            try:
-                await self.run()
-            except KubeError as exc:
-                if exc.status >= 500 or exc.status == 429:
-                    raise kopf.TemporaryError(f"API server: {exc}", delay=1) from exc
-                raise
+            await self.run()
 
     async def run(self) -> None:
         try:
             self.spec = ExecutionSpec.model_validate(self.body.get("spec") or {})
         except ValidationError as exc:
             if not build.terminal(self.status):
-                await self.fail(build.REASON_INVALID_SPEC, readable(exc))
+                await self.fail(R.INVALID_SPEC, readable(exc))
         while not build.terminal(self.status):
             if self.deleting():
                 return  # the deletion handler cancels what runs
-            if self.status.get("podUID"):
+            if self.status.pod_uid:
                 await self.follow()
             else:
                 await self.start()
@@ -360,68 +357,56 @@ class Run:
         """Not started yet: find the sandbox, a slot, then record and send the command."""
         assert self.spec is not None
         if self.cancel_requested():
-            await self.finish(
-                build.Outcome(
-                    ExecutionPhase.CANCELLED, build.REASON_CANCELLED, "cancelled before it started"
-                )
+            outcome = build.Outcome(
+                ExecutionPhase.CANCELLED, R.CANCELLED, "cancelled before it started"
             )
+            await self.finish(outcome)
             return
         name = self.sandbox_name()
         sandbox = self.sandbox()
         if sandbox is None or sandbox["metadata"].get("deletionTimestamp"):
             if self.spec.sandbox_template is not None and sandbox is None:
                 await self.ensure_one_shot(self.spec.sandbox_template)
-                await self.wait(build.REASON_SANDBOX_STARTING, f"creating sandbox {name}")
+                await self.wait(R.SANDBOX_STARTING, f"creating sandbox {name}")
             else:
-                await self.wait(build.REASON_SANDBOX_NOT_FOUND, f"sandbox {name} does not exist")
+                await self.wait(R.SANDBOX_NOT_FOUND, f"sandbox {name} does not exist")
             return
-        sb_status = sandbox.get("status") or {}
-        if sb_status.get("phase") == "Failed":
-            await self.fail(
-                build.REASON_SANDBOX_FAILED,
-                f"sandbox {name} failed: {sb_status.get('message') or _why_not_ready(sb_status)}",
-            )
+        sb_status = SandboxStatus.model_validate(sandbox.get("status") or {})
+        if sb_status.phase == SandboxPhase.FAILED:
+            await self.fail(R.SANDBOX_FAILED, f"sandbox {name} failed: {_why_not_ready(sb_status)}")
             return
         try:
             sb_spec = SandboxSpec.model_validate(sandbox.get("spec") or {})
         except ValidationError:
-            await self.wait(build.REASON_SANDBOX_STARTING, f"sandbox {name} has an invalid spec")
+            await self.wait(R.SANDBOX_STARTING, f"sandbox {name} has an invalid spec")
             return
-        if effective_paused(sandbox, sb_spec):
+        if sandbox_paused(sandbox, sb_spec):
             if sb_spec.paused:
-                await self.wait(
-                    build.REASON_SANDBOX_PAUSED, f"sandbox {name} is paused (spec.paused)"
-                )
+                await self.wait(R.SANDBOX_PAUSED, f"sandbox {name} is paused (spec.paused)")
                 return
-            if not self.status.get("sandboxResumed"):
+            if not self.status.sandbox_resumed:
                 await self.resume(sandbox)
-                await self.write({"sandboxResumed": True})
-            await self.wait(
-                build.REASON_SANDBOX_RESUMING, f"resuming sandbox {name}, paused when idle"
-            )
+                await self.write(sandbox_resumed=True)
+            await self.wait(R.SANDBOX_RESUMING, f"resuming sandbox {name}, paused when idle")
             return
-        endpoint, pod_uid = sb_status.get("agentEndpoint"), sb_status.get("podUID")
-        if sb_status.get("phase") != "Running" or not endpoint or not pod_uid:
-            await self.wait(
-                build.REASON_SANDBOX_STARTING, f"waiting for sandbox {name} to be ready"
-            )
+        endpoint, pod_uid = sb_status.agent_endpoint, sb_status.pod_uid
+        if sb_status.phase != SandboxPhase.RUNNING or not endpoint or not pod_uid:
+            await self.wait(R.SANDBOX_STARTING, f"waiting for sandbox {name} to be ready")
             return
         env = await self.env()
         if isinstance(env, tuple):
             await self.wait(*env)
             return
+        limit = self.ctx.settings.max_executions_per_sandbox
         async with self.scheduler.slot_lock:
             claimed = self.scheduler.claimed.setdefault((self.namespace, name), set())
             entries = list(self.slots.get((self.namespace, name), []))
-            limit = self.rt.settings.max_executions_per_sandbox
-            if not may_start(self.name, self.created, entries, claimed, limit):
-                free = False
-            else:
+            free = may_start(self.name, self.created, entries, claimed, limit)
+            if free:
                 claimed.add(self.name)
-                free = True
         if not free:
             await self.wait(
-                build.REASON_CONCURRENCY_LIMIT,
+                R.CONCURRENCY_LIMIT,
                 f"{limit} executions already run in sandbox {name}; waiting in creation order",
             )
             return
@@ -430,13 +415,11 @@ class Run:
             return
         # The intent is recorded before the command is sent: see the module docstring.
         await self.write(
-            {
-                "phase": ExecutionPhase.RUNNING.value,
-                "reason": build.REASON_STARTED,
-                "message": None,
-                "podUID": pod_uid,
-                "startTime": iso(now_utc()),
-            }
+            phase=ExecutionPhase.RUNNING,
+            reason=R.STARTED,
+            message=None,
+            pod_uid=pod_uid,
+            start_time=iso(now_utc()),
         )
         self.endpoint = endpoint
         self.logger.info("starting in sandbox %s, pod %s, agent %s", name, pod_uid, endpoint)
@@ -451,21 +434,21 @@ class Run:
             return  # follow() sorts out what happened to the sandbox
         try:
             for file in self.spec.files:
-                await self.rt.agents.write_file(
+                await self.ctx.agents.write_file(
                     endpoint, token, file.path, file.content.encode(), file.mode
                 )
-            record = await self.rt.agents.start(
+            record = await self.ctx.agents.start(
                 endpoint, token, build.agent_request(self.spec, self.uid, env)
             )
         except AgentError as exc:
             if exc.refused:
-                await self.fail(build.REASON_START_FAILED, str(exc))
+                await self.fail(R.START_FAILED, str(exc))
             else:
                 self.logger.warning("agent unavailable, will try again: %s", exc)
                 await self.backoff()
             return
         self.attempt = 0
-        await self.write({"agentExecutionId": record["id"]})
+        await self.write(agent_execution_id=record["id"])
 
     async def backoff(self) -> None:
         metrics.AGENT_ERRORS.inc()
@@ -477,24 +460,20 @@ class Run:
         name = self.sandbox_name()
         sandbox = self.sandbox()
         if sandbox is None or sandbox["metadata"].get("deletionTimestamp"):
-            await self.fail(
-                build.REASON_SANDBOX_DELETED, f"sandbox {name} was deleted while the command ran"
-            )
+            await self.fail(R.SANDBOX_DELETED, f"sandbox {name} was deleted while the command ran")
             return
-        sb_status = sandbox.get("status") or {}
-        if sb_status.get("podUID") != self.status["podUID"]:
+        sb_status = SandboxStatus.model_validate(sandbox.get("status") or {})
+        if sb_status.pod_uid != self.status.pod_uid:
             await self.fail(
-                build.REASON_LOST,
+                R.LOST,
                 f"the pod of sandbox {name} ended or was replaced while the command ran; "
                 "the outcome is unknown and the command is not run again",
             )
             return
-        if sb_status.get("phase") == "Failed":
-            await self.fail(
-                build.REASON_SANDBOX_FAILED, f"sandbox {name} failed while the command ran"
-            )
+        if sb_status.phase == SandboxPhase.FAILED:
+            await self.fail(R.SANDBOX_FAILED, f"sandbox {name} failed while the command ran")
             return
-        endpoint = sb_status.get("agentEndpoint") or self.endpoint
+        endpoint = sb_status.agent_endpoint or self.endpoint
         token = await self.token(sandbox)
         if not endpoint or not token:
             await self.pause(WAIT_POLL_SECONDS)  # pod restarting: its status will say more
@@ -502,13 +481,13 @@ class Run:
         try:
             record = await self.observe(endpoint, token)
         except AgentError as exc:
-            if exc.status == 404 and self.status.get("agentExecutionId"):
+            if exc.status == 404 and self.status.agent_execution_id:
                 await self.fail(
-                    build.REASON_LOST,
+                    R.LOST,
                     "the sandbox agent no longer knows this execution; the outcome is unknown",
                 )
             elif exc.refused:
-                await self.fail(build.REASON_START_FAILED, str(exc))
+                await self.fail(R.START_FAILED, str(exc))
             else:
                 self.logger.warning("agent unavailable, will look again: %s", exc)
                 await self.backoff()
@@ -524,15 +503,15 @@ class Run:
             # The sandbox's teardown stopped the pod: that is the cause worth naming.
             outcome = build.Outcome(
                 ExecutionPhase.FAILED,
-                build.REASON_SANDBOX_DELETED,
+                R.SANDBOX_DELETED,
                 f"sandbox {name} was deleted while the command ran ({outcome.message})",
             )
         await self.finish(outcome, record)
 
     async def observe(self, endpoint: str, token: str) -> JSON | None:
         """The agent's record after one wait (None: woken or not yet started)."""
-        agents = self.rt.agents
-        execution_id = self.status.get("agentExecutionId")
+        agents = self.ctx.agents
+        execution_id = self.status.agent_execution_id
         if not execution_id:
             found = await agents.find(endpoint, token, self.uid)
             if found is None:
@@ -542,73 +521,76 @@ class Run:
                     return None
                 await self.send(endpoint, env)
                 return None
-            await self.write({"agentExecutionId": found["id"]})
+            await self.write(agent_execution_id=found["id"])
             execution_id = found["id"]
         if self.cancel_requested():
-            grace = self.rt.settings.execution_cancel_grace_seconds
+            grace = self.ctx.settings.execution_cancel_grace_seconds
             return await agents.cancel(endpoint, token, execution_id, grace)
-        poll = self.rt.settings.execution_poll_seconds
+        poll = self.ctx.settings.execution_poll_seconds
         return await self.race(agents.execution(endpoint, token, execution_id, wait_seconds=poll))
 
     async def after(self) -> None:
         """Finished: remove a one-shot sandbox, then the Execution after its TTL."""
-        if self.status.get("oneShot"):
-            name = self.sandbox_name()
-            path = resource_path(API_VERSION, "sandboxes", self.namespace, name)
-            await self.rt.kube.delete(path)
+        if self.status.one_shot:
+            await self.ctx.kube.delete(SANDBOXES.path(self.namespace, self.sandbox_name()))
         ttl = (self.body.get("spec") or {}).get("ttlSecondsAfterFinished")
-        if ttl is None or not self.status.get("completionTime"):
+        if ttl is None or not self.status.completion_time:
             return
-        finished = parse_time(self.status["completionTime"])
+        finished = parse_time(self.status.completion_time)
         left = ttl - (now_utc() - finished).total_seconds()
         if left > 0 and await self.stopped.wait(left):
             return
-        meta = self.body["metadata"]
-        await self.rt.kube.delete(
-            resource_path(API_VERSION, "executions", self.namespace, self.name), uid=meta["uid"]
+        await self.ctx.kube.delete(
+            EXECUTIONS.path(self.namespace, self.name), uid=self.body["metadata"]["uid"]
         )
 
 
-def _why_not_ready(sandbox_status: JSON) -> str:
-    ready = conditions.find(sandbox_status, "Ready") or {}
-    return str(ready.get("message") or ready.get("reason") or "no detail")
+def _why_not_ready(sandbox_status: SandboxStatus) -> str:
+    ready = find(sandbox_status.conditions, SandboxCondition.READY)
+    return (ready.message or ready.reason) if ready else "no detail"
 
 
 async def deleted(
-    rt: Runtime, scheduler: Scheduler, body: JSON, sandboxes: SandboxIndex, logger: kopf.Logger
+    ctx: OperatorContext,
+    scheduler: Scheduler,
+    body: JSON,
+    sandboxes: SandboxIndex,
+    logger: kopf.Logger,
 ) -> None:
     """Finalizer: kill the process group of a running command, remove a one-shot sandbox."""
-    meta, status = body["metadata"], body.get("status") or {}
+    meta = body["metadata"]
+    status = ExecutionStatus.model_validate(body.get("status") or {})
     scheduler.forget(meta["namespace"], meta["name"])
     sandbox_name = sandbox_of(body)
     sandbox = next(iter(sandboxes.get((meta["namespace"], sandbox_name or ""), [])), None)
-    if not build.terminal(status) and status.get("podUID") and sandbox is not None:
-        sb_status = sandbox.get("status") or {}
-        endpoint = sb_status.get("agentEndpoint")
-        if endpoint and sb_status.get("podUID") == status["podUID"]:
-            token = await agent_token(rt, sandbox)
+    if not build.terminal(status) and status.pod_uid and sandbox is not None:
+        sb_status = SandboxStatus.model_validate(sandbox.get("status") or {})
+        endpoint = sb_status.agent_endpoint
+        if endpoint and sb_status.pod_uid == status.pod_uid:
+            token = await ctx.agent_token(sandbox)
             if token:
-                await _cancel(
-                    rt, endpoint, token, meta["uid"], status.get("agentExecutionId"), logger
-                )
-    if sandbox_name and status.get("oneShot"):
-        await rt.kube.delete(
-            resource_path(API_VERSION, "sandboxes", meta["namespace"], sandbox_name)
-        )
+                await _cancel(ctx, endpoint, token, meta["uid"], status.agent_execution_id, logger)
+    if sandbox_name and status.one_shot:
+        await ctx.kube.delete(SANDBOXES.path(meta["namespace"], sandbox_name))
     if sandbox_name:
         scheduler.release(meta["namespace"], sandbox_name, meta["name"])
 
 
 async def _cancel(
-    rt: Runtime, endpoint: str, token: str, uid: str, execution_id: str | None, logger: kopf.Logger
+    ctx: OperatorContext,
+    endpoint: str,
+    token: str,
+    uid: str,
+    execution_id: str | None,
+    logger: kopf.Logger,
 ) -> None:
     try:
         if not execution_id:
-            found = await rt.agents.find(endpoint, token, uid)
+            found = await ctx.agents.find(endpoint, token, uid)
             execution_id = found["id"] if found else None
         if execution_id:
-            await rt.agents.cancel(
-                endpoint, token, execution_id, rt.settings.execution_cancel_grace_seconds
+            await ctx.agents.cancel(
+                endpoint, token, execution_id, ctx.settings.execution_cancel_grace_seconds
             )
             logger.info("cancelled agent execution %s", execution_id)
     except AgentError as exc:

@@ -1,0 +1,111 @@
+"""Where Kopf keeps its bookkeeping on our objects, and how older objects move there.
+
+Two problems with Kopf's defaults shape this module:
+- Kopf ignores changes to annotations under its own prefix. Its bookkeeping
+  used to live under `sandbox.dev/`, the prefix of the user-facing resume and
+  restore annotations, so those requests waited for the next timer tick. It
+  now lives under `kopf.sandbox.dev/`, which nothing else uses.
+- Kopf's default diff base is a copy of the whole spec in an annotation. With
+  `kubectl apply`'s own copy beside it, a large (valid) spec passes the API
+  server's 256 KiB limit on annotations, after which no patch is accepted, not
+  even the one that removes the finalizer. Our handlers reconcile from the
+  whole object and never read Kopf's diff, so a digest of the essence is all
+  the change detection needs.
+
+Objects written by an older operator carry Kopf's old annotations; they are
+read as a diff base (no creation handler runs again) and removed with the
+first diff base written here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from typing import Any, cast
+
+import kopf
+
+from sandbox_operator.resources import FINALIZER, KOPF_PREFIX, LEGACY_KOPF_PREFIX
+
+DIGEST_KEY = "last-handled-digest"
+# What Kopf wrote under the old prefix: its marker, diff base, touch key and the
+# progress records of the handlers registered in main.py at the time.
+LEGACY_KEYS = frozenset(
+    f"{LEGACY_KOPF_PREFIX}/{name}"
+    for name in (
+        "kopf-managed",
+        "last-handled-configuration",
+        "touch-dummy",
+        "sandbox_changed",
+        "sandbox_deleted",
+        "execution_deleted",
+        "snapshot_changed",
+        "snapshot_deleted",
+    )
+)
+LEGACY_DIFF_BASE = f"{LEGACY_KOPF_PREFIX}/last-handled-configuration"
+
+JSON = dict[str, Any]
+
+
+def digest(essence: Any) -> str:
+    return hashlib.sha256(
+        json.dumps(essence, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
+def _without_bookkeeping(body: Any, prefix: str) -> JSON:
+    """The body without Kopf's annotations, old or new, so they never count as changes."""
+    raw: JSON = dict(body)
+    meta: JSON = dict(raw.get("metadata") or {})
+    annotations = {
+        key: value
+        for key, value in (meta.get("annotations") or {}).items()
+        if key not in LEGACY_KEYS and not key.startswith(f"{prefix}/")
+    }
+    raw["metadata"] = {**meta, "annotations": annotations}
+    return raw
+
+
+class DigestDiffBaseStorage(kopf.DiffBaseStorage):
+    """Kopf's last-handled state as a sha256 of the essence, in one small annotation."""
+
+    def __init__(self, prefix: str = KOPF_PREFIX, key: str = DIGEST_KEY) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.annotation = f"{prefix}/{key}"
+
+    def build(self, *, body: Any, extra_fields: Iterable[Any] | None = None) -> Any:
+        essence = super().build(
+            body=cast(kopf.Body, _without_bookkeeping(body, self.prefix)),
+            extra_fields=extra_fields,
+        )
+        return {"digest": digest(essence)}
+
+    def fetch(self, *, body: Any) -> Any:
+        annotations = body.get("metadata", {}).get("annotations") or {}
+        stored = annotations.get(self.annotation)
+        if stored:
+            return {"digest": stored}
+        legacy = annotations.get(LEGACY_DIFF_BASE)
+        if legacy:
+            # Written by an older operator: a full essence. Its digest stands in,
+            # so the object is resumed (or updated), never created again.
+            try:
+                return {"digest": digest(json.loads(legacy))}
+            except ValueError:
+                return {"digest": ""}
+        return None
+
+    def store(self, *, body: Any, patch: Any, essence: Any) -> None:
+        patch.metadata.annotations[self.annotation] = essence["digest"]
+        for key in (body.get("metadata", {}).get("annotations") or {}).keys() & LEGACY_KEYS:
+            patch.metadata.annotations[key] = None
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """Kopf's persistence: finalizer, progress and diff base (see the module docstring)."""
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
+    settings.persistence.diffbase_storage = DigestDiffBaseStorage()

@@ -1,0 +1,112 @@
+"""A Snapshot's status from what was observed: one function per condition, the
+phase derived from the Ready condition. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sandbox_operator.api.snapshot import (
+    SnapshotCondition,
+    SnapshotPhase,
+    SnapshotReason,
+    SnapshotStatus,
+)
+from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, merge
+from sandbox_operator.clock import iso
+
+JSON = dict[str, Any]
+C = SnapshotCondition
+R = SnapshotReason
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What a Snapshot's status is computed from."""
+
+    # Why the snapshot can never be taken: (reason, message). Terminal.
+    failure: tuple[str, str] | None = None
+    # Why it is not taken yet: (reason, message).
+    waiting: tuple[str, str] | None = None
+    # The VolumeSnapshot was created (its name is in status).
+    created: bool = False
+    volume_snapshot: JSON | None = None
+    # Quiesced, when spec.quiesce asked for it (None: it does not apply).
+    quiesce: Cond | None = None
+
+
+def volume_snapshot_fields(volume_snapshot: JSON | None) -> JSON:
+    """readyToUse, restoreSize, creationTime and the content's name as the CSI side reports."""
+    status = (volume_snapshot or {}).get("status") or {}
+    fields: JSON = {"ready_to_use": bool(status.get("readyToUse"))}
+    if status.get("restoreSize") is not None:
+        fields["restore_size"] = str(status["restoreSize"])
+    if status.get("creationTime"):
+        fields["creation_time"] = status["creationTime"]
+    if status.get("boundVolumeSnapshotContentName"):
+        fields["volume_snapshot_content_name"] = status["boundVolumeSnapshotContentName"]
+    return fields
+
+
+def cut(volume_snapshot: JSON | None) -> bool:
+    """The point-in-time copy exists (or failed): quiesced writers may go on."""
+    status = (volume_snapshot or {}).get("status") or {}
+    return bool(status.get("creationTime") or status.get("readyToUse") or status.get("error"))
+
+
+def ready(o: Observed) -> Cond:
+    if o.failure:
+        reason, message = o.failure
+        return Cond(C.READY, FALSE, reason, message)
+    if o.created and o.volume_snapshot is None:
+        message = "the VolumeSnapshot of this Snapshot was deleted; take a new Snapshot"
+        return Cond(C.READY, FALSE, R.VOLUME_SNAPSHOT_MISSING, message)
+    if o.volume_snapshot is not None:
+        status = o.volume_snapshot.get("status") or {}
+        if status.get("readyToUse"):
+            return Cond(C.READY, TRUE, R.READY, "restorable")
+        error = status.get("error") or {}
+        if error.get("message"):
+            return Cond(C.READY, FALSE, R.SNAPSHOT_FAILED, f"CSI snapshot: {error['message']}")
+        message = (
+            "cut; waiting for the CSI driver to make it ready"
+            if status.get("creationTime")
+            else "waiting for the CSI driver to cut the snapshot"
+        )
+        return Cond(C.READY, FALSE, R.CREATING, message)
+    reason, message = o.waiting or (R.CREATING, "starting")
+    return Cond(C.READY, FALSE, reason, message)
+
+
+def compute(o: Observed) -> dict[str, Cond | None]:
+    return {C.QUIESCED: o.quiesce, C.READY: ready(o)}
+
+
+def phase_of(o: Observed, conds: dict[str, Cond | None]) -> SnapshotPhase:
+    """From the Ready condition; a reason such as SyncFailed is final only when the
+    controller gave up (`failure`), and a passing state while it retries."""
+    cond = conds[C.READY]
+    assert cond is not None
+    if cond.status == TRUE:
+        return SnapshotPhase.READY
+    if o.failure or cond.reason in (R.SNAPSHOT_FAILED, R.VOLUME_SNAPSHOT_MISSING):
+        return SnapshotPhase.FAILED
+    return SnapshotPhase.IN_PROGRESS if o.volume_snapshot is not None else SnapshotPhase.PENDING
+
+
+TERMINAL = (SnapshotPhase.READY, SnapshotPhase.FAILED)
+
+
+def build_status(
+    old: SnapshotStatus, o: Observed, generation: int, now: datetime, **fields: Any
+) -> SnapshotStatus:
+    conds = compute(o)
+    return old.evolve(
+        **{
+            **fields,
+            "phase": phase_of(o, conds),
+            "observed_generation": generation,
+            "conditions": merge(old.conditions, conds, generation, iso(now)),
+        }
+    )

@@ -1,0 +1,86 @@
+"""The operator's process-wide context: settings and clients, made once at startup.
+
+Every controller receives it; it holds no controller's logic, only what they
+share: the API and agent clients, per-Sandbox locks and last-written status,
+and the agent tokens read so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import kopf
+
+from sandbox_operator.agent_client import AgentClient
+from sandbox_operator.builders.sandbox import TOKEN_KEY, names
+from sandbox_operator.config import Settings
+from sandbox_operator.kube import Api
+from sandbox_operator.resources import SECRETS
+
+JSON = dict[str, Any]
+Key = tuple[str, str]
+
+
+@dataclass
+class OperatorContext:
+    settings: Settings
+    kube: Api
+    agents: AgentClient
+    # One reconciliation per Sandbox at a time: create/update handlers, the timer
+    # and pod events all converge the same object and must not interleave.
+    locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
+    # The status this process last wrote per Sandbox. The operator is the only
+    # writer of status, so this is fresher than a body Kopf received earlier.
+    statuses: dict[Key, JSON] = field(default_factory=dict)
+    # Agent tokens by (namespace, sandbox UID): a sandbox's token never changes,
+    # and a namesake created later has another UID.
+    tokens: dict[Key, str] = field(default_factory=dict)
+    # Volume binding mode by StorageClass name: classes are immutable in that field.
+    binding_modes: dict[str, str] = field(default_factory=dict)
+    # The environment digest each sandbox pod's agent holds (by pod UID), once given.
+    environments: dict[str, str] = field(default_factory=dict)
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+    def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
+        self.locks.pop((namespace, name), None)
+        self.statuses.pop((namespace, name), None)
+        if uid is not None:
+            self.tokens.pop((namespace, uid), None)
+
+    async def agent_token(self, sandbox: JSON) -> str | None:
+        """The bearer token of a sandbox's agent, read from its Secret once."""
+        meta = sandbox["metadata"]
+        key = (meta["namespace"], meta["uid"])
+        token = self.tokens.get(key)
+        if token:
+            return token
+        path = SECRETS.path(meta["namespace"], names(meta["name"])["secret"])
+        encoded = ((await self.kube.get(path)) or {}).get("data", {}).get(TOKEN_KEY)
+        if not encoded:
+            return None
+        token = base64.b64decode(encoded).decode()
+        self.tokens[key] = token
+        return token
+
+    def drop_token(self, sandbox: JSON) -> None:
+        """Forget a token the agent refused (read again next time)."""
+        meta = sandbox["metadata"]
+        self.tokens.pop((meta["namespace"], meta["uid"]), None)
+
+
+def event(body: JSON, kind: str, reason: str, message: str) -> None:
+    """A Kubernetes Event on one of our objects, posted in the background.
+
+    kopf.event, not kopf.info: the latter obeys the posting level, which is set
+    to WARNING so that routine handler chatter stays out of Events."""
+    kopf.event(
+        cast(kopf.Body, body),
+        type="Normal" if kind == "info" else "Warning",
+        reason=reason,
+        message=message,
+    )
