@@ -275,6 +275,25 @@ class Node:
         }
         self._patch_status(namespace, name, {"phase": "Pending", "conditions": [condition]})
 
+    def bind_claim(self, namespace: str, claim: str, capacity: str = "10Gi") -> None:
+        """Storage's part: a volume reserved for `claim`, which the control plane's
+        volume binder then binds (this tier has no provisioner)."""
+        self.kube.create(
+            core_path("persistentvolumes"),
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": f"pv-{namespace}-{claim}"},
+                "spec": {
+                    "capacity": {"storage": capacity},
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": "",
+                    "hostPath": {"path": f"/nonexistent/{namespace}/{claim}"},
+                    "claimRef": {"namespace": namespace, "name": claim},
+                },
+            },
+        )
+
     def fail_pod(self, namespace: str, name: str, reason: str = "Evicted") -> None:
         self._patch_status(
             namespace,

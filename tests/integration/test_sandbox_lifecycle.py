@@ -263,8 +263,9 @@ def test_failed_pod_is_recreated_on_the_same_claim(
 def test_pod_left_unscheduled_on_an_unbound_claim_is_replaced(
     sandboxes: Sandboxes, kube: KubeJSON, node: Node
 ) -> None:
-    """The scheduler said the claim was unbound and did not come back: after the
-    patience the operator replaces the pod, which the scheduler then sees afresh."""
+    """The scheduler said the claim was unbound and did not come back after it was
+    bound: after the patience the operator replaces the pod, which the scheduler
+    then sees afresh. While the claim is really unbound, nothing is replaced."""
     ns = sandboxes.namespace
     sandboxes.create("lima")
     wait_for(lambda: _exists(kube, _pod(ns, "lima")), 20, "pod")
@@ -272,7 +273,13 @@ def test_pod_left_unscheduled_on_an_unbound_claim_is_replaced(
     node.unschedulable(
         ns, "lima", "0/1 nodes are available: pod has unbound immediate PersistentVolumeClaims."
     )
+    time.sleep(4)  # several reconciliations (1 s apart here), all past the patience
+    assert kube.read(_pod(ns, "lima"))["metadata"]["uid"] == old_uid, "replaced, claim unbound"
+    workspace = sandboxes.condition("lima", "WorkspaceReady")
+    assert workspace is not None
+    assert (workspace["status"], workspace["reason"]) == ("False", "ClaimPending")
 
+    node.bind_claim(ns, "lima-workspace")
     _wait_replaced(kube, ns, "lima", old_uid)
     # Any other reason to wait for a node is left to the scheduler.
     newer_uid = kube.read(_pod(ns, "lima"))["metadata"]["uid"]
