@@ -90,12 +90,11 @@ class DigestDiffBaseStorage(kopf.DiffBaseStorage):
             return {"digest": stored}
         legacy = annotations.get(LEGACY_DIFF_BASE)
         if legacy:
-            # Written by an older operator: a full essence. Its digest stands in,
-            # so the object is resumed (or updated), never created again.
-            try:
-                return {"digest": digest(json.loads(legacy))}
-            except ValueError:
-                return {"digest": ""}
+            # Written by an older operator: a full essence. Standing in for a diff
+            # base, it makes the object an update, never a creation; the update's
+            # store() then replaces the old annotations (Kopf stores a diff base
+            # only when something changed, hence the marker key).
+            return {"digest": "", "legacy": LEGACY_DIFF_BASE}
         return None
 
     def store(self, *, body: Any, patch: Any, essence: Any) -> None:
