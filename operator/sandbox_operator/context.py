@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -42,6 +43,8 @@ class OperatorContext:
     binding_modes: dict[str, str] = field(default_factory=dict)
     # The environment digest each sandbox pod's agent holds (by pod UID), once given.
     environments: dict[str, str] = field(default_factory=dict)
+    # Where Events go: Kopf's poster in the operator, a list in unit tests.
+    post: Callable[[JSON, str, str, str], None] = field(default_factory=lambda: post_event)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -73,8 +76,13 @@ class OperatorContext:
         self.tokens.pop((meta["namespace"], meta["uid"]), None)
 
 
-def event(body: JSON, kind: str, reason: str, message: str) -> None:
-    """A Kubernetes Event on one of our objects, posted in the background.
+    def event(self, body: JSON, kind: str, reason: str, message: str) -> None:
+        """A Kubernetes Event on one of our objects: `kind` is "info" or "warn"."""
+        self.post(body, kind, reason, message)
+
+
+def post_event(body: JSON, kind: str, reason: str, message: str) -> None:
+    """Post an Event in the background, through Kopf.
 
     kopf.event, not kopf.info: the latter obeys the posting level, which is set
     to WARNING so that routine handler chatter stays out of Events."""

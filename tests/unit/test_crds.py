@@ -58,3 +58,15 @@ def test_every_kind_has_status_subresource_columns_and_category() -> None:
         assert version["additionalPrinterColumns"]
         assert crd["spec"]["names"]["categories"] == ["sandbox-all"]
         assert crd["spec"]["names"]["shortNames"]
+
+
+@pytest.mark.parametrize("name", sorted(all_crds()))
+def test_every_field_is_described(name: str) -> None:
+    """`kubectl explain` shows each field's description; none may be blank."""
+    crd = all_crds()[name]
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    for root in ("spec", "status"):
+        for path, node in _walk(spec[root], root):
+            if path.endswith("[]"):
+                continue  # a list's items are described by the list
+            assert node.get("description"), f"{name}: {path} has no description"

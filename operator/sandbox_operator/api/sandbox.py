@@ -360,6 +360,7 @@ class SandboxStatus(Model):
     image: str | None = Field(default=None, description="The runtime image in use.")
     ready_pod_uid: str | None = Field(
         default=None,
+        alias="readyPodUID",
         description="The last pod seen serving; one that stops serving for longer than the"
         " operator's agent_unready_patience is replaced.",
     )

@@ -41,7 +41,7 @@ from sandbox_operator.api.sandbox import SandboxCondition, SandboxPhase, Sandbox
 from sandbox_operator.builders import execution as build
 from sandbox_operator.builders.conditions import find
 from sandbox_operator.clock import iso, iso_precise, now_utc, parse_time
-from sandbox_operator.context import OperatorContext, event
+from sandbox_operator.context import OperatorContext
 from sandbox_operator.kube import MERGE_PATCH, Refused, status_patch
 from sandbox_operator.resources import EXECUTIONS, RESUME_ANNOTATION, SANDBOXES
 
@@ -216,7 +216,7 @@ class Run:
         if self.created:
             metrics.EXECUTION_SECONDS.observe((now - parse_time(self.created)).total_seconds())
         kind = "info" if outcome.phase is ExecutionPhase.SUCCEEDED else "warn"
-        event(dict(self.body), kind, outcome.reason, outcome.message or outcome.phase.value)
+        self.ctx.event(dict(self.body), kind, outcome.reason, outcome.message or outcome.phase.value)
         self.logger.info("finished: %s %s", outcome.phase.value, outcome.message)
 
     async def fail(self, reason: str, message: str) -> None:
@@ -290,7 +290,7 @@ class Run:
     async def ensure_one_shot(self, template: SandboxSpec) -> None:
         sandbox = build.build_one_shot_sandbox(dict(self.body["metadata"]), template)
         if await self.ctx.kube.create(SANDBOXES.path(self.namespace), sandbox) is not None:
-            event(
+            self.ctx.event(
                 dict(self.body), "info", "SandboxCreated", f"one-shot sandbox {self.sandbox_name()}"
             )
 
@@ -302,7 +302,7 @@ class Run:
         # that same second must still count as later than the pause.
         moment = iso_precise(datetime.now(UTC))
         await self.ctx.kube.patch(path, {"metadata": {"annotations": {RESUME_ANNOTATION: moment}}})
-        event(
+        self.ctx.event(
             dict(self.body),
             "info",
             "SandboxResumed",

@@ -38,7 +38,7 @@ from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, find
 from sandbox_operator.builders.sandbox_status import Observed
 from sandbox_operator.clock import iso, now_utc, parse_time
 from sandbox_operator.config import Settings
-from sandbox_operator.context import OperatorContext, event
+from sandbox_operator.context import OperatorContext
 from sandbox_operator.kube import MERGE_PATCH, Refused, status_patch
 from sandbox_operator.resources import (
     CLAIMS,
@@ -244,7 +244,7 @@ async def roll_back(
     )
     metrics.RESTORES.labels("rollback").inc()
     snapshot = plan.source.snapshot if plan.source else ""
-    event(body, "info", reason="RollingBack", message=f"replacing the claim from {snapshot}")
+    ctx.event(body, "info", reason="RollingBack", message=f"replacing the claim from {snapshot}")
 
 
 @dataclass(frozen=True)
@@ -453,13 +453,13 @@ async def ensure_pod(
     await ctx.kube.delete(f"{path}/{name}", uid=pod["metadata"]["uid"])
     if action is PodAction.DELETE:
         if effective_paused(body, spec):
-            event(body, "info", reason="Paused", message="pod deleted, workspace kept")
+            ctx.event(body, "info", reason="Paused", message="pod deleted, workspace kept")
         else:
-            event(body, "info", reason="Restoring", message="pod stopped for a rollback")
+            ctx.event(body, "info", reason="Restoring", message="pod stopped for a rollback")
         return pod
     logger.info("replacing pod: %s", decision.why)
     message = f"replacing the pod: {decision.why}; running commands were stopped"
-    event(body, "warn", reason="PodReplaced", message=message)
+    ctx.event(body, "warn", reason="PodReplaced", message=message)
     metrics.POD_RECREATIONS.inc()
     return pod
 
@@ -495,7 +495,7 @@ async def sync_environment(
     try:
         env = await envvars.resolve(ctx.kube, body["metadata"]["namespace"], spec.env)
     except envvars.MissingSecret as exc:
-        event(body, "warn", reason="EnvironmentPending", message=str(exc))
+        ctx.event(body, "warn", reason="EnvironmentPending", message=str(exc))
         return
     unset = sorted({var["name"] for var in base} - env.keys())
     digest = environment_hash(env, unset)
@@ -508,7 +508,7 @@ async def sync_environment(
         info = await ctx.agents.info(endpoint, token)
         if info.environment_hash != digest:
             await ctx.agents.set_environment(endpoint, token, env, unset)
-            event(
+            ctx.event(
                 body,
                 "info",
                 reason="EnvironmentUpdated",
@@ -601,7 +601,7 @@ async def lifecycle(
     sandbox_path = SANDBOXES.path(meta["namespace"], meta["name"])
     if decision.action is IdleAction.DELETE:
         logger.info("max lifetime reached; deleting")
-        event(body, "info", reason="MaxLifetimeReached", message=f"expired at {status.expires_at}")
+        ctx.event(body, "info", reason="MaxLifetimeReached", message=f"expired at {status.expires_at}")
         metrics.TEARDOWNS.labels("max_lifetime").inc()
         await ctx.kube.delete(sandbox_path, uid=meta["uid"])
         return fields
@@ -616,7 +616,7 @@ async def lifecycle(
             snapshot_build.build_idle_snapshot(meta["name"], meta["namespace"], name),
         )
         fields.update(idle_snapshot=name, idle_snapshot_started_at=iso(now))
-        event(body, "info", reason="IdleSnapshot", message=f"taking snapshot {name}")
+        ctx.event(body, "info", reason="IdleSnapshot", message=f"taking snapshot {name}")
         if spec.lifecycle.on_idle is OnIdle.PAUSE:
             return fields  # paused once the snapshot is done (or timed out)
     if decision.action is IdleAction.WAIT_SNAPSHOT:
@@ -628,7 +628,7 @@ async def lifecycle(
     last = iso(decision.last_activity)
     logger.info("idle since %s; %s", last, action.value)
     metrics.TEARDOWNS.labels(f"idle_{action.value.lower()}").inc()
-    event(body, "info", reason="IdleTimeout", message=f"idle since {last}: {action.value}")
+    ctx.event(body, "info", reason="IdleTimeout", message=f"idle since {last}: {action.value}")
     if action is OnIdle.DELETE:
         if fields.get("idle_snapshot"):
             # Teardown (the finalizer) waits for the snapshot it finds in status.
@@ -695,7 +695,7 @@ async def idle_snapshot_settled(
         if phase == "Failed"
         else f"it was not ready within {timeout:g}s"
     )
-    event(body, "warn", reason="IdleSnapshotFailed", message=f"snapshot {name}: {why}; going ahead")
+    ctx.event(body, "warn", reason="IdleSnapshotFailed", message=f"snapshot {name}: {why}; going ahead")
     return True
 
 
@@ -762,7 +762,7 @@ def refused(ctx: OperatorContext, body: JSON) -> Any:
             **spec_fields(body, spec, ctx.settings),
         )
         await write_status(ctx, _current(ctx, body), status)
-        event(body, "warn", reason="CreateFailed", message=str(exc))
+        ctx.event(body, "warn", reason="CreateFailed", message=str(exc))
 
     return report
 
@@ -826,7 +826,7 @@ async def _reconcile(
             old, observed, ctx.settings.agent_port, now, **spec_fields(body, None, ctx.settings)
         )
         await write_status(ctx, body, status)
-        event(body, "warn", reason="InvalidSpec", message=invalid)
+        ctx.event(body, "warn", reason="InvalidSpec", message=invalid)
         raise kopf.PermanentError(invalid)
     assert spec is not None
     ref = ref_of(body)
@@ -880,7 +880,7 @@ async def _reconcile(
         status = status.evolve(ready_pod_uid=status.pod_uid)
         await sync_environment(ctx, body, spec, pod, status.agent_endpoint)
     if old.phase == SandboxPhase.PAUSED and not paused:
-        event(body, "info", reason="Resumed", message="starting the pod on the kept workspace")
+        ctx.event(body, "info", reason="Resumed", message="starting the pod on the kept workspace")
     if not observed.deleting:
         changes = await lifecycle(ctx, body, spec, status, now, logger)
         if changes.get("idle_paused_at"):

@@ -32,7 +32,7 @@ from sandbox_operator.builders import snapshot_status
 from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, find
 from sandbox_operator.builders.snapshot_status import Observed
 from sandbox_operator.clock import now_utc, parse_time
-from sandbox_operator.context import OperatorContext, event
+from sandbox_operator.context import OperatorContext
 from sandbox_operator.kube import MERGE_PATCH, Refused, status_patch
 from sandbox_operator.resources import (
     CLAIMS,
@@ -105,10 +105,10 @@ async def _write(ctx: OperatorContext, body: JSON, observed: Observed, **fields:
             metrics.SNAPSHOTS.labels("ready").inc()
             created = parse_time(meta["creationTimestamp"])
             metrics.SNAPSHOT_SECONDS.observe((now_utc() - created).total_seconds())
-            event(body, "info", reason="SnapshotReady", message=f"size {status.restore_size}")
+            ctx.event(body, "info", reason="SnapshotReady", message=f"size {status.restore_size}")
         elif phase == SnapshotPhase.FAILED and ready is not None:
             metrics.SNAPSHOTS.labels("failed").inc()
-            event(body, "warn", reason=ready.reason, message=ready.message)
+            ctx.event(body, "warn", reason=ready.reason, message=ready.message)
     return phase
 
 
@@ -324,7 +324,7 @@ async def _retain_content(ctx: OperatorContext, body: JSON, content: str) -> Non
     if current is None or current.get("spec", {}).get("deletionPolicy") == "Retain":
         return
     await ctx.kube.patch(path, {"spec": {"deletionPolicy": "Retain"}})
-    event(body, "info", reason="Retained", message=f"VolumeSnapshotContent {content} set to Retain")
+    ctx.event(body, "info", reason="Retained", message=f"VolumeSnapshotContent {content} set to Retain")
 
 
 async def _resume(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> None:
@@ -366,6 +366,6 @@ async def release(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> None
             # Once more, in case the content was bound after the last look.
             await _retain_content(ctx, body, status.volume_snapshot_content_name)
         if status.volume_snapshot_name:
-            event(body, "info", reason="Retained", message=f"VolumeSnapshot {name} kept")
+            ctx.event(body, "info", reason="Retained", message=f"VolumeSnapshot {name} kept")
         return
     await ctx.kube.delete(VOLUME_SNAPSHOTS.path(ref.namespace, name))
