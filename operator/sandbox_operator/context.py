@@ -75,7 +75,6 @@ class OperatorContext:
         meta = sandbox["metadata"]
         self.tokens.pop((meta["namespace"], meta["uid"]), None)
 
-
     def event(self, body: JSON, kind: str, reason: str, message: str) -> None:
         """A Kubernetes Event on one of our objects: `kind` is "info" or "warn"."""
         self.post(body, kind, reason, message)

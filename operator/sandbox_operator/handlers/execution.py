@@ -216,7 +216,9 @@ class Run:
         if self.created:
             metrics.EXECUTION_SECONDS.observe((now - parse_time(self.created)).total_seconds())
         kind = "info" if outcome.phase is ExecutionPhase.SUCCEEDED else "warn"
-        self.ctx.event(dict(self.body), kind, outcome.reason, outcome.message or outcome.phase.value)
+        self.ctx.event(
+            dict(self.body), kind, outcome.reason, outcome.message or outcome.phase.value
+        )
         self.logger.info("finished: %s %s", outcome.phase.value, outcome.message)
 
     async def fail(self, reason: str, message: str) -> None:

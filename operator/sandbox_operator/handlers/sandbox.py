@@ -601,7 +601,9 @@ async def lifecycle(
     sandbox_path = SANDBOXES.path(meta["namespace"], meta["name"])
     if decision.action is IdleAction.DELETE:
         logger.info("max lifetime reached; deleting")
-        ctx.event(body, "info", reason="MaxLifetimeReached", message=f"expired at {status.expires_at}")
+        ctx.event(
+            body, "info", reason="MaxLifetimeReached", message=f"expired at {status.expires_at}"
+        )
         metrics.TEARDOWNS.labels("max_lifetime").inc()
         await ctx.kube.delete(sandbox_path, uid=meta["uid"])
         return fields
@@ -695,7 +697,9 @@ async def idle_snapshot_settled(
         if phase == "Failed"
         else f"it was not ready within {timeout:g}s"
     )
-    ctx.event(body, "warn", reason="IdleSnapshotFailed", message=f"snapshot {name}: {why}; going ahead")
+    ctx.event(
+        body, "warn", reason="IdleSnapshotFailed", message=f"snapshot {name}: {why}; going ahead"
+    )
     return True
 
 

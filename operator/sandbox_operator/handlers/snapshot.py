@@ -324,7 +324,9 @@ async def _retain_content(ctx: OperatorContext, body: JSON, content: str) -> Non
     if current is None or current.get("spec", {}).get("deletionPolicy") == "Retain":
         return
     await ctx.kube.patch(path, {"spec": {"deletionPolicy": "Retain"}})
-    ctx.event(body, "info", reason="Retained", message=f"VolumeSnapshotContent {content} set to Retain")
+    ctx.event(
+        body, "info", reason="Retained", message=f"VolumeSnapshotContent {content} set to Retain"
+    )
 
 
 async def _resume(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> None:
