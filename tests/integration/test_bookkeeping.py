@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import kopf
 import pytest
@@ -88,7 +89,7 @@ def test_objects_of_an_older_operator_are_taken_over_without_creating_them_again
     # As the older operator left it: Kopf's essence under the old prefix, its marker
     # and the finalizer (computed by Kopf itself, with the old storage settings).
     old_storage = kopf.AnnotationsDiffBaseStorage(prefix=LEGACY, key="last-handled-configuration")
-    essence = old_storage.build(body=kopf.Body(body))
+    essence = old_storage.build(body=kopf.Body(cast(kopf.RawBody, body)))
     legacy = {
         f"{LEGACY}/kopf-managed": "yes",
         f"{LEGACY}/last-handled-configuration": json.dumps(essence, separators=(",", ":")) + "\n",

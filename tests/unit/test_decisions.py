@@ -56,7 +56,9 @@ def context(kube: MemoryKube) -> OperatorContext:
     return OperatorContext(settings=SETTINGS, kube=kube, agents=AgentClient(timeout=1), post=post)
 
 
-def sandbox_body(spec: JSON | None = None, status: JSON | None = None, **annotations: str) -> JSON:
+def sandbox_body(
+    spec: JSON | None = None, status: JSON | None = None, annotations: dict[str, str] | None = None
+) -> JSON:
     return {
         "metadata": {
             "name": "box",
@@ -64,7 +66,7 @@ def sandbox_body(spec: JSON | None = None, status: JSON | None = None, **annotat
             "uid": "sandbox-uid",
             "generation": 1,
             "creationTimestamp": iso(NOW - timedelta(hours=1)),
-            "annotations": annotations,
+            "annotations": annotations or {},
         },
         "spec": spec or {},
         "status": status or {},
@@ -137,13 +139,13 @@ def test_a_claim_made_for_this_request_is_the_restored_workspace() -> None:
     annotations = {CLAIM_FROM_SNAPSHOT: "snap", CLAIM_RESTORE_REQUEST: "r1"}
     kube.put(CLAIMS.path("ns", "box-workspace"), {"metadata": {"annotations": annotations}})
     spec = SandboxSpec.model_validate({"workspace": {"fromSnapshot": "snap"}})
-    body = sandbox_body(**{"sandbox.dev/restore-requested-at": "r1"})
+    body = sandbox_body(annotations={"sandbox.dev/restore-requested-at": "r1"})
     plan = run(controller.plan_workspace(context(kube), body, spec))
     assert not plan.hold
     assert plan.source is None
     assert plan.fields["workspace_snapshot"] == "snap"
     # A new request for the same snapshot means: roll back once more.
-    again = sandbox_body(**{"sandbox.dev/restore-requested-at": "r2"})
+    again = sandbox_body(annotations={"sandbox.dev/restore-requested-at": "r2"})
     _ready_snapshot(kube, "snap")
     assert run(controller.plan_workspace(context(kube), again, spec)).hold
 
@@ -381,8 +383,8 @@ def execution_path() -> str:
     return EXECUTIONS.path("ns")
 
 
-def _sandbox(status: JSON, spec: JSON | None = None, **annotations: str) -> dict[Any, Any]:
-    body = sandbox_body(spec or {"runtime": "python"}, status, **annotations)
+def _sandbox(status: JSON, spec: JSON | None = None) -> dict[Any, Any]:
+    body = sandbox_body(spec or {"runtime": "python"}, status)
     return {("ns", "box"): [body]}
 
 
@@ -453,6 +455,6 @@ def test_sandbox_paused_reads_the_same_rule_as_the_sandbox_controller(paused: bo
     resumed = sandbox_body(
         {"paused": paused},
         {"idlePausedAt": iso(NOW)},
-        **{RESUME_ANNOTATION: iso(NOW + timedelta(1))},
+        {RESUME_ANNOTATION: iso(NOW + timedelta(1))},
     )
     assert execution.sandbox_paused(resumed, spec) == controller.effective_paused(resumed, spec)
