@@ -8,19 +8,22 @@ the whole set, because certificates signed by a replaced CA would be useless.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
 import ipaddress
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from devcluster import records
 
 # Long enough that a dev cluster never expires under someone's feet, short
 # enough to stay a sane certificate.
@@ -112,16 +115,8 @@ def _certificates(pki: PKI) -> list[Path]:
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
-    """Atomic write, so a crash never leaves a half-written key for the next run."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # Atomic, so a crash never leaves a half-written key for the next run.
+    records.write_atomic(path, data, mode=mode)
 
 
 def _key_pem(key: PrivateKey) -> bytes:
@@ -161,26 +156,29 @@ def _builder(subject: x509.Name, issuer: x509.Name, key: PrivateKey) -> x509.Cer
     )
 
 
+def _key_usage(*, ca: bool) -> x509.KeyUsage:
+    """Signatures for every certificate (ECDSA: no key encipherment); a CA
+    also signs certificates and revocation lists."""
+    return x509.KeyUsage(
+        digital_signature=True,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
 def _make_ca(common_name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = _new_key()
     name = _name(common_name)
     cert = (
         _builder(name, name, key)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(ca=True), critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
@@ -207,20 +205,7 @@ def _make_leaf(
     builder = (
         _builder(_name(common_name, organization), ca_cert.subject, key)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_encipherment=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                content_commitment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(ca=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
@@ -344,15 +329,19 @@ def ensure_leaf(
     client: bool = False,
     dns_names: tuple[str, ...] = (),
     ip_addresses: tuple[str, ...] = (),
+    directory: Path | None = None,
 ) -> CertPair:
     """An extra certificate `<name>.crt`/`.key` signed by the cluster CA (for
-    components beyond the control plane: scheduler, kubelet), reused while it
-    still matches: same CA, subject, SANs, usages and not near expiry.
+    components beyond the control plane: scheduler, kubelet, CSI sidecars),
+    reused while it still matches: same CA, subject, SANs, usages and not
+    near expiry. In the cluster's PKI directory unless `directory` is given
+    (which must exist).
 
     Call after `ensure_pki`: a regenerated CA makes every leaf of the old one
     fail the check here, so they are reissued too.
     """
-    pair = CertPair(pki.directory / f"{name}.crt", pki.directory / f"{name}.key")
+    where = directory or pki.directory
+    pair = CertPair(where / f"{name}.crt", where / f"{name}.key")
     ca_cert = x509.load_pem_x509_certificate(pki.ca.cert.read_bytes())
     subject = _name(common_name, organization)
     wanted_ips = {ipaddress.ip_address(ip) for ip in ip_addresses}
@@ -402,3 +391,32 @@ def ensure_leaf(
     _write(pair.key, _key_pem(key), 0o600)
     _write(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return pair
+
+
+def write_kubeconfig(path: Path, *, server: str, ca: Path, user: CertPair, context: str) -> None:
+    """A kubeconfig for `server` as the client certificate `user`, trusting `ca`.
+    Certificates are embedded, so the file keeps working when copied elsewhere;
+    mode 0600 from the start (it holds a private key)."""
+
+    def b64(file: Path) -> str:
+        return base64.b64encode(file.read_bytes()).decode()
+
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": context, "cluster": {"server": server, "certificate-authority-data": b64(ca)}}
+        ],
+        "users": [
+            {
+                "name": context,
+                "user": {
+                    "client-certificate-data": b64(user.cert),
+                    "client-key-data": b64(user.key),
+                },
+            }
+        ],
+        "contexts": [{"name": context, "context": {"cluster": context, "user": context}}],
+        "current-context": context,
+    }
+    records.write_atomic(path, yaml.safe_dump(config, sort_keys=False), mode=0o600)

@@ -27,7 +27,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TypeVar
 
@@ -35,7 +35,8 @@ import pytest
 
 from devcluster import build, hostdeps, images
 from devcluster.cluster import LocalCluster, node_binaries
-from devcluster.controlplane import ControlPlane, ControlPlaneError, sweep_orphans
+from devcluster.controlplane import ControlPlane, ControlPlaneError
+from devcluster.registry import sweep_orphans
 
 FIXTURE = "control_plane"
 NODE_FIXTURE = "local_cluster"
@@ -72,50 +73,64 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return any(fixture in getattr(item, "fixturenames", ()) for item in session.items)
 
     if used(NODE_FIXTURE):
-        _prepare_node(session)
-    if not used(FIXTURE) and not used(NODE_FIXTURE):
-        return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    began = time.monotonic()
-    if not build.binaries_current() and reporter is not None:
-        reporter.write_line(
-            "devcluster: building etcd and Kubernetes binaries from the Go modules "
-            f"(cache {build.cache_root()}); a cold build takes several minutes"
-        )
-    try:
-        build.etcd_binary()
-        build.kubernetes_binaries()
-    except Exception as error:
-        # Reported by the fixture, so the tests that need it error with the
-        # reason (a failing hook here would be an INTERNALERROR instead).
-        session.config.stash[_build_error] = f"{type(error).__name__}: {error}"
-        return
-    elapsed = time.monotonic() - began
-    if elapsed > 5 and reporter is not None:
-        reporter.write_line(f"devcluster: binaries ready after {elapsed:.0f}s")
-
-
-def _prepare_node(session: pytest.Session) -> None:
-    """Debian packages, node binaries and images for `local_cluster`, before
-    any test runs (minutes when cold: longer than a test's timeout)."""
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    began = time.monotonic()
-    if reporter is not None:
-        reporter.write_line(
+        _prepare(
+            session,
+            _node_build_error,
+            "node tier",
+            _prepare_node,
             "devcluster: preparing the node tier (Debian packages, kubelet/scheduler/crictl, "
-            "images); cold, this takes many minutes"
+            "images); cold, this takes many minutes",
         )
+    if used(FIXTURE) or used(NODE_FIXTURE):
+        _prepare(
+            session,
+            _build_error,
+            "binaries",
+            _prepare_control_plane,
+            None
+            if build.binaries_current()
+            else "devcluster: building etcd and Kubernetes binaries from the Go modules "
+            f"(cache {build.cache_root()}); a cold build takes several minutes",
+        )
+
+
+def _prepare_control_plane() -> None:
+    build.etcd_binary()
+    build.kubernetes_binaries()
+
+
+def _prepare_node() -> None:
+    """Debian packages, node binaries and images for `local_cluster`."""
+    hostdeps.ensure()
+    node_binaries(build_missing=True)
+    # The fixture's cluster imports every image: its seeded store too.
+    images.ensure_seed([images.ensure_built(spec) for spec in images.IMAGES.values()])
+
+
+def _prepare(
+    session: pytest.Session,
+    failure: pytest.StashKey[str],
+    what: str,
+    work: Callable[[], None],
+    announce: str | None,
+) -> None:
+    """Run `work` (builds: minutes when cold, longer than a test's timeout)
+    before any test runs, saying so first when `announce` says what. A failure
+    is stashed under `failure` for the fixture to report, so the tests that
+    need it error with the reason (a failing hook here would be an
+    INTERNALERROR instead)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    began = time.monotonic()
+    if announce is not None and reporter is not None:
+        reporter.write_line(announce)
     try:
-        hostdeps.ensure()
-        node_binaries(build_missing=True)
-        # The fixture's cluster imports every image: its seeded store too.
-        images.ensure_seed([images.ensure_built(spec) for spec in images.IMAGES.values()])
+        work()
     except Exception as error:
-        session.config.stash[_node_build_error] = f"{type(error).__name__}: {error}"
+        session.config.stash[failure] = f"{type(error).__name__}: {error}"
         return
     elapsed = time.monotonic() - began
     if elapsed > 5 and reporter is not None:
-        reporter.write_line(f"devcluster: node tier ready after {elapsed:.0f}s")
+        reporter.write_line(f"devcluster: {what} ready after {elapsed:.0f}s")
 
 
 @contextlib.contextmanager

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from devcluster import pki, processes
-from devcluster.controlplane import Component, ControlPlane, ControlPlaneError, Ports
+from devcluster.controlplane import Component, ControlPlane, ControlPlaneError
+from devcluster.state import Ports
 
 pytestmark = pytest.mark.integration
 

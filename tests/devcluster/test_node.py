@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from devcluster import images, network, processes, versions
-from devcluster.cluster import LocalCluster, _cgroup_hierarchies, _mount_points_under
+from devcluster import images, mounts, network, processes, versions
+from devcluster.cluster import LocalCluster
 from tests.kube import KubeJSON, core_path
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -475,7 +475,7 @@ def _assert_nothing_left(
         assert processes.group_members(pid) == [], f"{name}'s process group survived"
     assert _shims_of(cluster) == []
     assert _processes_using(cluster.state_dir) == []
-    assert _mount_points_under(cluster.state_dir) == []
+    assert mounts.mount_points_under(cluster.state_dir) == []
     net = cluster.pod_network
     assert not network.bridge_exists(net.bridge)
     assert network.rules_of(net) == []
@@ -487,7 +487,7 @@ def _assert_nothing_left(
     # (other sessions' clusters may have some right now).
     if not any(line.startswith("-A CNI-HOSTPORT-DNAT ") for line in after):
         assert not [line for line in added if "CNI-HOSTPORT" in line], added
-    for hierarchy in _cgroup_hierarchies():
+    for hierarchy in mounts.cgroup_hierarchies():
         assert not (hierarchy / cluster.cgroup_root.lstrip("/")).exists()
     assert not cluster.node_dir.exists()
 
@@ -510,7 +510,7 @@ def test_stop_leaves_nothing_and_start_recovers_from_a_crash(
         assert set(cluster.pids().values()).isdisjoint(first.values())
         _populate(cluster)
         assert _shims_of(cluster)
-        assert _mount_points_under(cluster.state_dir)
+        assert mounts.mount_points_under(cluster.state_dir)
         assert network.rules_of(cluster.pod_network)
 
         # A crash: kubelet and containerd die; shims, containers, mounts,

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from devcluster import build, processes, storage
+from devcluster import build, probes, processes, storage
 from devcluster.cluster import LocalCluster
 from devcluster.controlplane import ControlPlaneError
 from devcluster.storage import StorageControlPlane
@@ -352,7 +352,7 @@ def test_without_snapshot_support_and_stop_removes_everything() -> None:
     try:
         names = [component.name for component in cluster.status().components]
         assert names[-3:] == [storage.DRIVER, storage.REGISTRAR, storage.PROVISIONER]
-        assert storage.unix_socket_accepts(registration)
+        assert probes.unix_socket_accepts(registration)
         driver_log = (cluster.logs_dir / f"{storage.DRIVER}.log").read_text()
         assert "snapshots false" in driver_log
         with KubeJSON(cluster.kubeconfig) as kube:
@@ -399,7 +399,7 @@ def test_driver_passes_csi_sanity(tmp_path: Path) -> None:
         die_with_parent=True,
     )
     try:
-        wait_for(lambda: storage.unix_socket_accepts(socket_path), "the driver's socket", 30)
+        wait_for(lambda: probes.unix_socket_accepts(socket_path), "the driver's socket", 30)
         result = subprocess.run(
             [
                 str(sanity),
