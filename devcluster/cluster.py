@@ -50,9 +50,8 @@ from devcluster.controlplane import (
     Component,
     ControlPlane,
     ControlPlaneError,
-    delegating_client_flags,
     free_ports,
-    secure_serving_flags,
+    loopback_controller,
 )
 from devcluster.state import LOOPBACK, NodePorts, Ports, clusters_root
 
@@ -313,16 +312,11 @@ class LocalCluster(ControlPlane):
         node_ports = self.node_ports
         pod_net = self.pod_network
         server = self.server
-        ca = ssl.create_default_context(cafile=str(certs.ca.cert))
-
-        scheduler_client = pki.ensure_leaf(certs, "scheduler", "system:kube-scheduler", client=True)
+        scheduler_client = pki.ensure_leaf(
+            certs, "scheduler", pki.Leaf("system:kube-scheduler", client=True)
+        )
         scheduler_serving = pki.ensure_leaf(
-            certs,
-            "scheduler-serving",
-            "kube-scheduler",
-            server=True,
-            dns_names=("localhost",),
-            ip_addresses=(LOOPBACK,),
+            certs, "scheduler-serving", pki.Leaf.loopback_serving("kube-scheduler")
         )
         scheduler_kubeconfig = self.state_dir / "scheduler.kubeconfig"
         self._write_kubeconfig(scheduler_kubeconfig, server, certs, scheduler_client)
@@ -331,17 +325,17 @@ class LocalCluster(ControlPlane):
         kubelet_client = pki.ensure_leaf(
             certs,
             "kubelet-client",
-            f"system:node:{self.node_name}",
-            organization="system:nodes",
-            client=True,
+            pki.Leaf(f"system:node:{self.node_name}", "system:nodes", client=True),
         )
         kubelet_serving = pki.ensure_leaf(
             certs,
             "kubelet-serving",
-            self.node_name,
-            server=True,
-            dns_names=(self.node_name, "localhost"),
-            ip_addresses=(pod_net.gateway, LOOPBACK),
+            pki.Leaf(
+                self.node_name,
+                server=True,
+                dns_names=(self.node_name, "localhost"),
+                ip_addresses=(pod_net.gateway, LOOPBACK),
+            ),
         )
         kubelet_kubeconfig = self.state_dir / "kubelet.kubeconfig"
         self._write_kubeconfig(kubelet_kubeconfig, server, certs, kubelet_client)
@@ -358,25 +352,15 @@ class LocalCluster(ControlPlane):
         api_host, api_port = self.apiserver_host, ports.apiserver
 
         return [
-            Component(
-                name="kube-scheduler",
-                argv=[
-                    str(binaries["kube-scheduler"]),
-                    *delegating_client_flags(scheduler_kubeconfig),
-                    *secure_serving_flags(
-                        bind=LOOPBACK,
-                        port=node_ports.scheduler,
-                        serving=scheduler_serving,
-                        client_ca=certs.ca.cert,
-                        cert_dir=self.state_dir / "scheduler-certs",
-                    ),
-                    "--leader-elect=false",
-                ],
-                ready=lambda: probes.http_ok(
-                    node_ports.scheduler, "/healthz", tls=ca, body=probes.says_ok
-                ),
-                ports=[node_ports.scheduler],
-                ready_timeout=120.0,
+            loopback_controller(
+                "kube-scheduler",
+                binaries["kube-scheduler"],
+                kubeconfig=scheduler_kubeconfig,
+                port=node_ports.scheduler,
+                serving=scheduler_serving,
+                certs=certs,
+                state_dir=self.state_dir,
+                flags=[],
             ),
             Component(
                 name="containerd",

@@ -134,16 +134,44 @@ def secure_serving_flags(
     ]
 
 
-def delegating_client_flags(kubeconfig: Path) -> list[str]:
-    """One kubeconfig for the API client of kube-controller-manager or
-    kube-scheduler and for the delegated authentication and authorization of
-    its own HTTPS port (healthz is always allowed; metrics need a permitted
-    client)."""
-    return [
-        f"--kubeconfig={kubeconfig}",
-        f"--authentication-kubeconfig={kubeconfig}",
-        f"--authorization-kubeconfig={kubeconfig}",
-    ]
+def loopback_controller(
+    name: str,
+    binary: Path,
+    *,
+    kubeconfig: Path,
+    port: int,
+    serving: pki.CertPair,
+    certs: pki.PKI,
+    state_dir: Path,
+    flags: Sequence[str],
+) -> Component:
+    """kube-controller-manager or kube-scheduler: a client of the API server
+    (`kubeconfig`) that serves HTTPS on 127.0.0.1:`port`, ready once its
+    /healthz says ok. The same kubeconfig serves the delegated authentication
+    and authorization of that port (healthz is always allowed; metrics need a
+    permitted client); leader election is off (one replica)."""
+    ca = ssl.create_default_context(cafile=str(certs.ca.cert))
+    return Component(
+        name=name,
+        argv=[
+            str(binary),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            *secure_serving_flags(
+                bind=LOOPBACK,
+                port=port,
+                serving=serving,
+                client_ca=certs.ca.cert,
+                cert_dir=state_dir / f"{name}-certs",
+            ),
+            "--leader-elect=false",
+            *flags,
+        ],
+        ready=lambda: probes.http_ok(port, "/healthz", tls=ca, body=probes.says_ok),
+        ports=[port],
+        ready_timeout=120.0,
+    )
 
 
 def _log_tail(path: Path, lines: int = 40) -> str:
@@ -290,8 +318,6 @@ class ControlPlane:
         host = self.apiserver_host
         loopback = ipaddress.ip_address(host).is_loopback
         admin_tls = self._client_context(certs)
-        ca_tls = ssl.create_default_context(cafile=str(certs.ca.cert))
-        kcm_kubeconfig = self.state_dir / "controller-manager.kubeconfig"
         peer = f"http://127.0.0.1:{ports.etcd_peer}"
         client = f"http://127.0.0.1:{ports.etcd_client}"
         return [
@@ -367,24 +393,20 @@ class ControlPlane:
                 ports=[ports.apiserver],
                 ready_timeout=180.0,
             ),
-            Component(
-                name="kube-controller-manager",
-                argv=[
-                    str(binaries["kube-controller-manager"]),
-                    *delegating_client_flags(kcm_kubeconfig),
-                    *secure_serving_flags(
-                        bind=LOOPBACK,
-                        port=ports.controller_manager,
-                        serving=certs.controller_manager_serving,
-                        client_ca=certs.ca.cert,
-                        cert_dir=self.state_dir / "controller-manager-certs",
-                    ),
+            loopback_controller(
+                "kube-controller-manager",
+                binaries["kube-controller-manager"],
+                kubeconfig=self.state_dir / "controller-manager.kubeconfig",
+                port=ports.controller_manager,
+                serving=certs.controller_manager_serving,
+                certs=certs,
+                state_dir=self.state_dir,
+                flags=[
                     f"--requestheader-client-ca-file={certs.front_proxy_ca.cert}",
                     # Every default controller: garbage collector, namespace,
                     # serviceaccount, serviceaccount-token, workloads, ...
                     "--controllers=*",
                     "--use-service-account-credentials=true",
-                    "--leader-elect=false",
                     f"--cluster-name={self.name}",
                     f"--service-cluster-ip-range={self.service_cidr}",
                     f"--root-ca-file={certs.ca.cert}",
@@ -392,11 +414,6 @@ class ControlPlane:
                     f"--cluster-signing-cert-file={certs.ca.cert}",
                     f"--cluster-signing-key-file={certs.ca.key}",
                 ],
-                ready=lambda: probes.http_ok(
-                    ports.controller_manager, "/healthz", tls=ca_tls, body=probes.says_ok
-                ),
-                ports=[ports.controller_manager],
-                ready_timeout=120.0,
             ),
         ]
 

@@ -163,21 +163,8 @@ def control_plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
     Use `control_plane.kubeconfig` (admin) with the Kubernetes client, and
     `control_plane.kubectl` by path. Fails, never skips, when it cannot start.
     """
-    error = request.config.stash.get(_build_error, None)
-    if error is not None:
-        pytest.fail(f"devcluster: building the binaries failed: {error}", pytrace=False)
-    name: str | None = request.config.getoption("devcluster_name")
-    if name:
-        cluster = ControlPlane(name)
-        if not cluster.is_healthy():
-            _start(cluster)
-        yield cluster
-        return
-
-    # die_with_parent: even a SIGKILLed pytest takes its cluster along.
-    cluster = ControlPlane(f"pytest-{os.getpid()}", die_with_parent=True)
-    with private_cluster(request, cluster):
-        yield cluster
+    _fail_if_unprepared(request, "building the binaries", _build_error)
+    yield from _session_cluster(request, "devcluster_name", ControlPlane, f"pytest-{os.getpid()}")
 
 
 @pytest.fixture(scope="session")
@@ -186,25 +173,52 @@ def local_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     images (use `imagePullPolicy: IfNotPresent` or `Never`). Pod IPs are
     reachable from the test process. Fails, never skips, when it cannot start.
     """
-    for key in (_build_error, _node_build_error):
-        error = request.config.stash.get(key, None)
-        if error is not None:
-            pytest.fail(f"devcluster: preparing the node tier failed: {error}", pytrace=False)
-    name: str | None = request.config.getoption("devcluster_node")
-    if name:
-        cluster = LocalCluster(name)
-        if not cluster.is_healthy():
-            _start(cluster)
-        else:
-            cluster.load_images(cluster.image_names)
-        yield cluster
-        return
-    node = LocalCluster(f"pytest-{os.getpid()}-node", die_with_parent=True)
-    with private_cluster(request, node):
-        yield node
+    _fail_if_unprepared(request, "preparing the node tier", _build_error, _node_build_error)
+    yield from _session_cluster(
+        request, "devcluster_node", LocalCluster, f"pytest-{os.getpid()}-node"
+    )
 
 
 ClusterT = TypeVar("ClusterT", bound=ControlPlane)
+
+
+def _session_cluster(
+    request: pytest.FixtureRequest,
+    option: str,
+    kind: Callable[..., ClusterT],
+    private_name: str,
+) -> Iterator[ClusterT]:
+    """The body of a session fixture: the cluster named by `--<option>` if
+    given (see `_reused`), else this session's own `private_name`, stopped at
+    the end."""
+    name: str | None = request.config.getoption(option)
+    if name:
+        yield _reused(kind(name))
+        return
+    # die_with_parent: even a SIGKILLed pytest takes its cluster along.
+    with private_cluster(request, kind(private_name, die_with_parent=True)) as cluster:
+        yield cluster
+
+
+def _fail_if_unprepared(
+    request: pytest.FixtureRequest, what: str, *failures: pytest.StashKey[str]
+) -> None:
+    for key in failures:
+        error = request.config.stash.get(key, None)
+        if error is not None:
+            pytest.fail(f"devcluster: {what} failed: {error}", pytrace=False)
+
+
+def _reused(cluster: ClusterT) -> ClusterT:
+    """A named cluster (the developer's, for a fast edit-test loop): started
+    unless it is healthy, and left running after the session."""
+    if not cluster.is_healthy():
+        _start(cluster)
+    elif isinstance(cluster, LocalCluster):
+        # Images rebuilt since it started (an edit to sandbox-agent/) go in
+        # without a restart.
+        cluster.load_images(cluster.image_names)
+    return cluster
 
 
 @contextlib.contextmanager

@@ -375,7 +375,9 @@ def storage_components(
     layout.credentials_dir.mkdir(mode=0o700, exist_ok=True)
     for component in users:
         user = _user_name(component)
-        pair = pki.ensure_leaf(certs, user, user, client=True, directory=layout.credentials_dir)
+        pair = pki.ensure_leaf(
+            certs, user, pki.Leaf(user, client=True), directory=layout.credentials_dir
+        )
         kubeconfigs[component] = layout.kubeconfig(component)
         pki.write_kubeconfig(
             kubeconfigs[component], server=server, ca=certs.ca.cert, user=pair, context=user
