@@ -58,6 +58,18 @@ from devcluster.state import LOOPBACK, NodePorts, Ports, clusters_root
 log = logging.getLogger("devcluster.cluster")
 
 DEFAULT_NODE_CLUSTER = "local"
+# The kubelet's podPidsLimit: the most processes and threads (tasks) all
+# containers of one pod may have together, enforced by pids.max on the pod's
+# cgroup. Sandboxes run code nobody reviewed, and without a limit one fork
+# bomb takes every PID of the machine (kernel.pid_max is 32768 on these VMs,
+# shared by every cluster and test run on it) and with them every other pod
+# and the node itself. 2048 is well above what a sandbox's builds, test
+# runners and language servers use at once (every thread counts), and a
+# sixteenth of that pid_max, so one bomb leaves the node and the other pods
+# their share. The agent sidecar shares the pod's budget: a bomb in the
+# sandbox container leaves it none to start processes with until the bomb
+# is killed.
+POD_PIDS_LIMIT = 2048
 # sockaddr_un.sun_path holds 108 bytes including the NUL.
 _MAX_SOCKET_PATH = 107
 # Set by the kubelet on start (setupKernelTunables) unless
@@ -256,6 +268,13 @@ class LocalCluster(ControlPlane):
         images: minutes when cold, outside the timed part), then start."""
         if os.geteuid() != 0:
             raise ControlPlaneError("a node cluster needs root (containerd, mounts, bridge)")
+        if mounts.cgroup_hierarchy("pids") is None:
+            # Better no node than one whose pods all fail to start (runc:
+            # "cannot set pids limit") or whose PID limit is not there.
+            raise ControlPlaneError(
+                "the pids cgroup controller is not mounted on this host: the node's "
+                f"per-pod PID limit ({POD_PIDS_LIMIT}) cannot be enforced"
+            )
         hostdeps.ensure()
         built = [imagelib.ensure_built(imagelib.IMAGES[name]) for name in self.image_names]
         # A fresh image store starts as a clone of a seeded one (a second,
@@ -529,6 +548,7 @@ disabled_plugins = [
             "serializeImagePulls": False,
             "registerNode": True,
             "maxPods": 110,
+            "podPidsLimit": POD_PIDS_LIMIT,
         }
 
     # ---- containerd -------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import ipaddress
+import json
 import os
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 
 from devcluster import images, mounts, network, processes, versions
-from devcluster.cluster import LocalCluster
+from devcluster.cluster import POD_PIDS_LIMIT, LocalCluster
 from tests.devcluster.support import (
     devcluster_cli,
     kubectl,
@@ -362,6 +363,90 @@ def test_pause_reaps_orphans_of_a_shared_process_namespace(pods: Pods) -> None:
     finished = pods.run(body)
     assert finished["status"]["phase"] == "Succeeded", finished["status"]
     assert pods.logs("reaper").split() == ["/pause", "0"]
+
+
+# Run in the pod: start processes (posix_spawn of sleep: cheap, no copy of the
+# interpreter) until the kernel refuses one, try one plain fork() at that
+# point, then kill them all and report. The cap stops a node without a limit
+# from being flooded: reaching it means no limit applied.
+_FORK_BOMB = """
+import errno, json, os, signal, sys, time
+cap = int(sys.argv[1])
+children, spawn_error, fork_error = [], None, None
+while len(children) < cap:
+    try:
+        children.append(os.posix_spawn("/bin/sleep", ["sleep", "600"], {}))
+    except OSError as error:
+        spawn_error = errno.errorcode.get(error.errno, str(error.errno))
+        break
+if spawn_error is not None:
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+    except OSError as error:
+        fork_error = errno.errorcode.get(error.errno, str(error.errno))
+for pid in children:
+    os.kill(pid, signal.SIGKILL)
+for pid in children:
+    os.waitpid(pid, 0)
+print(json.dumps({"started": len(children), "spawn": spawn_error, "fork": fork_error}), flush=True)
+time.sleep(600)
+"""
+
+
+def _pod_cgroup(cluster: LocalCluster, controller: str, uid: str) -> Path:
+    """The pod's cgroup in one v1 hierarchy (the kubelet's cgroupfs layout:
+    <cgroupRoot>/kubepods[/<qos class>]/pod<uid>)."""
+    hierarchy = mounts.cgroup_hierarchy(controller)
+    assert hierarchy is not None, f"no {controller} cgroup hierarchy on this host"
+    found = list((hierarchy / cluster.cgroup_root.lstrip("/")).glob(f"kubepods/**/pod{uid}"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_pod_pid_limit_is_in_its_cgroup_and_stops_a_fork_bomb(
+    local_cluster: LocalCluster, pods: Pods
+) -> None:
+    body = pod(
+        "forks",
+        "sandbox-runtime-python:dev",
+        ["python3", "-c", _FORK_BOMB, str(POD_PIDS_LIMIT + 64)],
+        restartPolicy="Always",
+        container={"securityContext": restricted(1000)},
+    )
+    running = pods.run(body)
+    cgroup = _pod_cgroup(local_cluster, "pids", running["metadata"]["uid"])
+    assert (cgroup / "pids.max").read_text().strip() == str(POD_PIDS_LIMIT)
+
+    report: dict[str, Any] = {}
+
+    def reported() -> bool:
+        nonlocal report
+        lines = pods.logs("forks").splitlines()
+        report = json.loads(lines[-1]) if lines else {}
+        return bool(report)
+
+    wait_for(reported, "the fork bomb's report")
+    # Refused by the kernel with EAGAIN, a few short of the limit: the pause
+    # process and the python parent count too.
+    assert report["spawn"] == "EAGAIN", report
+    assert report["fork"] == "EAGAIN", report
+    assert POD_PIDS_LIMIT - 16 <= report["started"] < POD_PIDS_LIMIT, report
+    # ...and refused by the pids cgroup limit, not by some other one (an
+    # RLIMIT_NPROC of the user, the machine's pid_max): the refusals are
+    # counted in pids.events (by this kernel in the cgroup the fork came from,
+    # the container's; by others in the one whose limit was hit), and no cgroup
+    # of the pod has a lower limit than the pod's own.
+    tree = [cgroup, *(path for path in cgroup.rglob("*") if (path / "pids.max").is_file())]
+    refused = 0
+    for member in tree:
+        events = dict(line.split() for line in (member / "pids.events").read_text().splitlines())
+        refused += int(events["max"])
+        limit = (member / "pids.max").read_text().strip()
+        assert limit == "max" or int(limit) >= POD_PIDS_LIMIT, (member, limit)
+    assert refused >= 2, tree
 
 
 def test_pause_exits_zero_on_sigterm_and_sigint(tmp_path: Path) -> None:
