@@ -429,6 +429,7 @@ def test_pod_pid_limit_is_in_its_cgroup_and_stops_a_fork_bomb(
         return bool(report)
 
     wait_for(reported, "the fork bomb's report")
+    print(f"\nfork bomb against podPidsLimit {POD_PIDS_LIMIT}: {report}")
     # Refused by the kernel with EAGAIN, a few short of the limit: the pause
     # process and the python parent count too.
     assert report["spawn"] == "EAGAIN", report
