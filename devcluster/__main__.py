@@ -19,7 +19,8 @@ import sys
 
 from devcluster import build, hostdeps, images
 from devcluster.cluster import DEFAULT_NODE_CLUSTER, LocalCluster
-from devcluster.controlplane import DEFAULT_NAME, ControlPlane, ControlPlaneError, open_cluster
+from devcluster.controlplane import DEFAULT_NAME, ControlPlane, ControlPlaneError
+from devcluster.registry import open_cluster
 
 
 def _up(cluster: ControlPlane) -> int:

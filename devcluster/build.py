@@ -10,7 +10,6 @@ prints those and the cache sizes.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -21,10 +20,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from devcluster import versions
+from devcluster import records, versions
 
 log = logging.getLogger("devcluster.build")
 
@@ -57,20 +56,9 @@ def go_env() -> dict[str, str]:
     return env
 
 
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock across processes (parallel test runs, CLI and tests)."""
-    with path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _build_lock(name: str) -> contextlib.AbstractContextManager[None]:
     """Serialise builds of the same thing across processes."""
-    return file_lock(cache_root() / f".{name}.lock")
+    return records.file_lock(cache_root() / f".{name}.lock")
 
 
 def _go(args: list[str], cwd: Path) -> str:
@@ -169,19 +157,39 @@ def etcd_path() -> Path:
     return cache_root() / "bin" / f"etcd-{versions.ETCD}" / "etcd"
 
 
+def _all_current(wanted: Mapping[str, Path]) -> bool:
+    return all(_is_current(path) for path in wanted.values())
+
+
+def _cached(name: str, wanted: dict[str, Path], make: Callable[[float], None]) -> dict[str, Path]:
+    """`wanted`, built by `make(started)` unless every one is current: under
+    the build lock of `name`, and checked again once that is held (another
+    process may have built them while this one waited for the lock)."""
+    if not _all_current(wanted):
+        with _build_lock(name):
+            if not _all_current(wanted):
+                make(time.monotonic())
+    return wanted
+
+
+def _fresh_dir(path: Path) -> Path:
+    """An empty work dir: a crashed build's go.mod must not leak into this one."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
 def kubernetes_binaries(
-    commands: tuple[str, ...] = versions.KUBERNETES_COMMANDS,
+    commands: tuple[str, ...] = versions.KUBERNETES_COMMANDS, *, build_missing: bool = True
 ) -> dict[str, Path]:
-    """Paths of the requested Kubernetes commands, building the missing ones."""
+    """Paths of the requested Kubernetes commands, building the missing ones
+    (`build_missing=False`: only where they are or will be)."""
     wanted = kubernetes_paths(commands)
-    bin_dir = next(iter(wanted.values())).parent
-    if all(_is_current(path) for path in wanted.values()):
+    if not build_missing:
         return wanted
-    with _build_lock("kubernetes"):
+
+    def make(started: float) -> None:
         missing = [name for name, path in wanted.items() if not _is_current(path)]
-        if not missing:
-            return wanted
-        started = time.monotonic()
         workdir = cache_root() / "build" / f"kubernetes-{versions.KUBERNETES}"
         workdir.mkdir(parents=True, exist_ok=True)
         staging, released = _kubernetes_module(versions.KUBERNETES, workdir)
@@ -192,20 +200,11 @@ def kubernetes_binaries(
             f"module sandbox-operator.local/kubernetes-build\n\ngo 1.24.0\n\n{replaces}\n"
         )
         _go(["get", f"k8s.io/kubernetes@{versions.KUBERNETES}"], workdir)
-        with tempfile.TemporaryDirectory(dir=workdir) as out:
-            _go(
-                [
-                    "build",
-                    "-trimpath",
-                    f"-ldflags={_kubernetes_ldflags(released)}",
-                    "-o",
-                    out + "/",
-                    *[f"k8s.io/kubernetes/cmd/{name}" for name in missing],
-                ],
-                workdir,
-            )
-            _install(Path(out), bin_dir, started, versions.KUBERNETES)
-    return wanted
+        packages = [f"k8s.io/kubernetes/cmd/{name}" for name in missing]
+        ldflags = _kubernetes_ldflags(released)
+        _build_into(workdir, packages, ldflags, wanted, started, versions.KUBERNETES)
+
+    return _cached("kubernetes", wanted, make)
 
 
 _ETCD_MAIN = """package main
@@ -221,25 +220,19 @@ func main() { etcdmain.Main(os.Args) }
 
 
 def etcd_binary() -> Path:
-    binary = etcd_path()
-    bin_dir = binary.parent
-    if _is_current(binary):
-        return binary
-    with _build_lock("etcd"):
-        if _is_current(binary):
-            return binary
-        started = time.monotonic()
-        workdir = cache_root() / "build" / f"etcd-{versions.ETCD}"
-        if workdir.exists():
-            shutil.rmtree(workdir)
-        workdir.mkdir(parents=True)
+    wanted = {"etcd": etcd_path()}
+
+    def make(started: float) -> None:
+        workdir = _fresh_dir(cache_root() / "build" / f"etcd-{versions.ETCD}")
         (workdir / "go.mod").write_text("module sandbox-operator.local/etcd-build\n\ngo 1.24.0\n")
-        (workdir / "main.go").write_text(_ETCD_MAIN)
+        # In a directory named like the command: `go build -o dir/` names the
+        # binary after its package directory.
+        (workdir / "etcd").mkdir()
+        (workdir / "etcd" / "main.go").write_text(_ETCD_MAIN)
         _go(["get", f"go.etcd.io/etcd/server/v3@{versions.ETCD}"], workdir)
-        with tempfile.TemporaryDirectory(dir=workdir) as out:
-            _go(["build", "-trimpath", "-ldflags=-s -w", "-o", out + "/etcd", "."], workdir)
-            _install(Path(out), bin_dir, started, versions.ETCD)
-    return binary
+        _build_into(workdir, ["./etcd"], "-s -w", wanted, started, versions.ETCD)
+
+    return _cached("etcd", wanted, make)["etcd"]
 
 
 # ---- generic Go module builds (CSI driver and sidecars, ...) ------------------
@@ -318,6 +311,7 @@ def go_module_binaries(
     *,
     local_replaces: Mapping[str, str] | None = None,
     ldflags: str = "-s -w",
+    build_missing: bool = True,
 ) -> dict[str, Path]:
     """Build commands of a Go module that `go install module/cmd/x@version`
     cannot build: one whose go.mod has `replace` directives (the go command
@@ -329,19 +323,15 @@ def go_module_binaries(
     in the module zip) is replaced by the module version `local_replaces`
     names for it. `packages` are full import paths of main packages.
     Cached like the Kubernetes binaries: same cache root, lock and recipe stamp;
-    `name` and `version` key the bin directory.
+    `name` and `version` key the bin directory. `build_missing=False` only
+    says where the commands are (or will be).
     """
     wanted = go_module_paths(name, version, packages)
-    if all(_is_current(path) for path in wanted.values()):
+    if not build_missing:
         return wanted
-    with _build_lock(name):
-        if all(_is_current(path) for path in wanted.values()):
-            return wanted
-        started = time.monotonic()
-        workdir = cache_root() / "build" / f"{name}-{version}"
-        if workdir.exists():
-            shutil.rmtree(workdir)
-        workdir.mkdir(parents=True)
+
+    def make(started: float) -> None:
+        workdir = _fresh_dir(cache_root() / "build" / f"{name}-{version}")
         (workdir / "go.mod").write_text(
             f"module sandbox-operator.local/{name}-build\n\ngo 1.24.0\n"
         )
@@ -367,7 +357,8 @@ def go_module_binaries(
         )
         _go(["get", f"{module}@{version}"], workdir)
         _build_into(workdir, list(packages), ldflags, wanted, started, version)
-    return wanted
+
+    return _cached(name, wanted, make)
 
 
 def _source_version(source: Path, requires: Mapping[str, str]) -> str:
@@ -381,11 +372,16 @@ def _source_version(source: Path, requires: Mapping[str, str]) -> str:
     return "src-" + digest.hexdigest()[:12]
 
 
-def go_source_paths(
-    name: str, source: Path, requires: Mapping[str, str], packages: Sequence[str]
-) -> dict[str, Path]:
-    """Where `go_source_binaries` installs (or will install) the commands; builds nothing."""
-    return go_module_paths(name, _source_version(source, requires), packages)
+# Source versions of in-repo Go commands kept in the cache: sessions on other
+# branches of this repository may run another version right now (and would
+# rebuild it, or fail to start it, if it were removed under them).
+_SOURCE_VERSIONS_KEPT = 4
+
+
+def go_source_module(name: str) -> str:
+    """The module path in-repo Go sources of `name` are built as: what their
+    packages import each other by (e.g. devcluster/csi's shared package)."""
+    return f"sandbox-operator.local/{name}"
 
 
 def go_source_binaries(
@@ -395,29 +391,28 @@ def go_source_binaries(
     packages: Sequence[str],
     *,
     ldflags: str = "-s -w",
+    build_missing: bool = True,
 ) -> dict[str, Path]:
     """Build main packages from Go source kept in this repository (`source`, a
     directory tree of .go files without go.mod) against pinned `requires`
-    (module -> version). The go.mod is generated here so that every version
-    is a pin in versions.py; `packages` are paths relative to `source`.
-    The bin directory is keyed on a hash of the sources and requirements;
-    binaries of earlier source versions are removed once a new one is built.
+    (module -> version). The go.mod (module `go_source_module(name)`) is
+    generated here so that every version is a pin in versions.py; `packages`
+    are paths relative to `source`. The bin directory is keyed on a hash of
+    the sources and requirements; only the few most recently built source
+    versions are kept. `build_missing=False` only says where they are.
     """
     version = _source_version(source, requires)
     wanted = go_module_paths(name, version, packages)
-    if all(_is_current(path) for path in wanted.values()):
+    if not build_missing:
         return wanted
-    with _build_lock(name):
-        if all(_is_current(path) for path in wanted.values()):
-            return wanted
-        started = time.monotonic()
+
+    def make(started: float) -> None:
         workdir = cache_root() / "build" / name
-        if workdir.exists():
-            shutil.rmtree(workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
         shutil.copytree(source, workdir, ignore=shutil.ignore_patterns("*.md"))
         requirements = "\n".join(f"\t{module} {ver}" for module, ver in sorted(requires.items()))
         (workdir / "go.mod").write_text(
-            f"module sandbox-operator.local/{name}\n\ngo 1.24.0\n\nrequire (\n{requirements}\n)\n"
+            f"module {go_source_module(name)}\n\ngo 1.24.0\n\nrequire (\n{requirements}\n)\n"
         )
         # Resolves the indirect requirements from the pinned ones (MVS); asks
         # the proxy for no "latest" of anything.
@@ -426,10 +421,16 @@ def go_source_binaries(
             workdir, [f"./{package}" for package in packages], ldflags, wanted, started, version
         )
         current = next(iter(wanted.values())).parent
-        for old in current.parent.glob(f"{name}-src-*"):
+        built = sorted(
+            current.parent.glob(f"{name}-src-*"),
+            key=lambda directory: directory.stat().st_mtime,
+            reverse=True,
+        )
+        for old in built[_SOURCE_VERSIONS_KEPT:]:
             if old != current:
                 shutil.rmtree(old, ignore_errors=True)
-    return wanted
+
+    return _cached(name, wanted, make)
 
 
 def _build_into(
@@ -447,8 +448,7 @@ def _build_into(
 
 def binaries_current(commands: tuple[str, ...] = versions.KUBERNETES_COMMANDS) -> bool:
     """True when etcd and `commands` are built by the current recipe (no build needed)."""
-    paths = [etcd_path(), *kubernetes_paths(commands).values()]
-    return all(_is_current(path) for path in paths)
+    return _all_current({"etcd": etcd_path(), **kubernetes_paths(commands)})
 
 
 def _du(path: Path) -> int:

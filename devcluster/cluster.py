@@ -28,7 +28,6 @@ settings (restored), and the node's state dirs.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import http.client
 import json
 import logging
@@ -40,28 +39,37 @@ import ssl
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import yaml
 
-from devcluster import build, hostdeps, network, pki, processes, versions
+from devcluster import build, hostdeps, mounts, network, pki, probes, processes, records, versions
 from devcluster import images as imagelib
 from devcluster.controlplane import (
     Component,
     ControlPlane,
     ControlPlaneError,
-    Ports,
-    _probe,
-    clusters_root,
     free_ports,
-    probe_https,
+    loopback_controller,
 )
+from devcluster.state import LOOPBACK, NodePorts, Ports, clusters_root
 
 log = logging.getLogger("devcluster.cluster")
 
 DEFAULT_NODE_CLUSTER = "local"
+# The kubelet's podPidsLimit: the most processes and threads (tasks) all
+# containers of one pod may have together, enforced by pids.max on the pod's
+# cgroup. Sandboxes run code nobody reviewed, and without a limit one fork
+# bomb takes every PID of the machine (kernel.pid_max is 32768 on these VMs,
+# shared by every cluster and test run on it) and with them every other pod
+# and the node itself. 2048 is well above what a sandbox's builds, test
+# runners and language servers use at once (every thread counts), and a
+# sixteenth of that pid_max, so one bomb leaves the node and the other pods
+# their share. The agent sidecar shares the pod's budget: a bomb in the
+# sandbox container leaves it none to start processes with until the bomb
+# is killed.
+POD_PIDS_LIMIT = 2048
 # sockaddr_un.sun_path holds 108 bytes including the NUL.
 _MAX_SOCKET_PATH = 107
 # Set by the kubelet on start (setupKernelTunables) unless
@@ -75,7 +83,6 @@ KUBELET_SYSCTLS = (
     "kernel/keys/root_maxkeys",
     "kernel/keys/root_maxbytes",
 )
-_MNT_DETACH = 2
 
 
 class NodeAddon(Protocol):
@@ -93,34 +100,19 @@ class NodeAddon(Protocol):
     ) -> list[Component]: ...
 
 
-@dataclass(frozen=True)
-class NodePorts:
-    scheduler: int
-    kubelet: int
-    kubelet_healthz: int
-
-
 def node_binaries(*, build_missing: bool) -> dict[str, Path]:
     """kube-scheduler and kubelet (the Kubernetes module wrapper of build.py)
     and crictl (its own Go module)."""
-    crictl_package = "sigs.k8s.io/cri-tools/cmd/crictl"
-    if build_missing:
-        kube = build.kubernetes_binaries(versions.KUBERNETES_NODE_COMMANDS)
-        crictl = build.go_module_binaries(
-            "cri-tools",
-            "sigs.k8s.io/cri-tools",
-            versions.CRI_TOOLS,
-            [crictl_package],
-            ldflags=f"-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version={versions.CRI_TOOLS}",
-        )
-    else:
-        kube = build.kubernetes_paths(versions.KUBERNETES_NODE_COMMANDS)
-        crictl = build.go_module_paths("cri-tools", versions.CRI_TOOLS, [crictl_package])
+    kube = build.kubernetes_binaries(versions.KUBERNETES_NODE_COMMANDS, build_missing=build_missing)
+    crictl = build.go_module_binaries(
+        "cri-tools",
+        "sigs.k8s.io/cri-tools",
+        versions.CRI_TOOLS,
+        ["sigs.k8s.io/cri-tools/cmd/crictl"],
+        ldflags=f"-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version={versions.CRI_TOOLS}",
+        build_missing=build_missing,
+    )
     return {**kube, **crictl}
-
-
-def node_binaries_current() -> bool:
-    return all(build._is_current(path) for path in node_binaries(build_missing=False).values())
 
 
 def _node_name(cluster: str) -> str:
@@ -234,17 +226,13 @@ class LocalCluster(ControlPlane):
     @property
     def pod_network(self) -> network.PodNetwork:
         try:
-            data = json.loads(self._network_record.read_text())
-            return network.PodNetwork.from_json(data)
-        except (FileNotFoundError, ValueError, KeyError) as error:
+            return records.load(network.PodNetwork, self._network_record)
+        except (FileNotFoundError, ValueError) as error:
             raise ControlPlaneError(f"cluster {self.name!r} has no pod network yet") from error
 
     @property
     def node_ports(self) -> NodePorts:
-        data = self._read_cluster_file().get("node_ports")
-        if not isinstance(data, dict):
-            raise ControlPlaneError(f"cluster {self.name!r} has not been started")
-        return NodePorts(**{key: int(value) for key, value in data.items()})
+        return self._started(self.record.node_ports)
 
     def crictl_command(self, *args: str) -> list[str]:
         crictl = node_binaries(build_missing=False)["crictl"]
@@ -280,6 +268,13 @@ class LocalCluster(ControlPlane):
         images: minutes when cold, outside the timed part), then start."""
         if os.geteuid() != 0:
             raise ControlPlaneError("a node cluster needs root (containerd, mounts, bridge)")
+        if mounts.cgroup_hierarchy("pids") is None:
+            # Better no node than one whose pods all fail to start (runc:
+            # "cannot set pids limit") or whose PID limit is not there.
+            raise ControlPlaneError(
+                "the pids cgroup controller is not mounted on this host: the node's "
+                f"per-pod PID limit ({POD_PIDS_LIMIT}) cannot be enforced"
+            )
         hostdeps.ensure()
         built = [imagelib.ensure_built(imagelib.IMAGES[name]) for name in self.image_names]
         # A fresh image store starts as a clone of a seeded one (a second,
@@ -308,9 +303,8 @@ class LocalCluster(ControlPlane):
                 log.warning("image store not cloned, importing instead: %s", error)
         pod_net = network.allocate(self.name, self._network_record, clusters_root())
         network.create_bridge(pod_net)
-        scheduler, kubelet, healthz = free_ports(3)
-        self._write_cluster_file(
-            node_ports={"scheduler": scheduler, "kubelet": kubelet, "kubelet_healthz": healthz},
+        self._update_record(
+            node_ports=NodePorts(*free_ports(3)),
             node_name=self.node_name,
             cgroup_root=self.cgroup_root,
         )
@@ -337,16 +331,11 @@ class LocalCluster(ControlPlane):
         node_ports = self.node_ports
         pod_net = self.pod_network
         server = self.server
-        ca = ssl.create_default_context(cafile=str(certs.ca.cert))
-
-        scheduler_client = pki.ensure_leaf(certs, "scheduler", "system:kube-scheduler", client=True)
+        scheduler_client = pki.ensure_leaf(
+            certs, "scheduler", pki.Leaf("system:kube-scheduler", client=True)
+        )
         scheduler_serving = pki.ensure_leaf(
-            certs,
-            "scheduler-serving",
-            "kube-scheduler",
-            server=True,
-            dns_names=("localhost",),
-            ip_addresses=("127.0.0.1",),
+            certs, "scheduler-serving", pki.Leaf.loopback_serving("kube-scheduler")
         )
         scheduler_kubeconfig = self.state_dir / "scheduler.kubeconfig"
         self._write_kubeconfig(scheduler_kubeconfig, server, certs, scheduler_client)
@@ -355,17 +344,17 @@ class LocalCluster(ControlPlane):
         kubelet_client = pki.ensure_leaf(
             certs,
             "kubelet-client",
-            f"system:node:{self.node_name}",
-            organization="system:nodes",
-            client=True,
+            pki.Leaf(f"system:node:{self.node_name}", "system:nodes", client=True),
         )
         kubelet_serving = pki.ensure_leaf(
             certs,
             "kubelet-serving",
-            self.node_name,
-            server=True,
-            dns_names=(self.node_name, "localhost"),
-            ip_addresses=(pod_net.gateway, "127.0.0.1"),
+            pki.Leaf(
+                self.node_name,
+                server=True,
+                dns_names=(self.node_name, "localhost"),
+                ip_addresses=(pod_net.gateway, LOOPBACK),
+            ),
         )
         kubelet_kubeconfig = self.state_dir / "kubelet.kubeconfig"
         self._write_kubeconfig(kubelet_kubeconfig, server, certs, kubelet_client)
@@ -382,23 +371,15 @@ class LocalCluster(ControlPlane):
         api_host, api_port = self.apiserver_host, ports.apiserver
 
         return [
-            Component(
-                name="kube-scheduler",
-                argv=[
-                    str(binaries["kube-scheduler"]),
-                    f"--kubeconfig={scheduler_kubeconfig}",
-                    f"--authentication-kubeconfig={scheduler_kubeconfig}",
-                    f"--authorization-kubeconfig={scheduler_kubeconfig}",
-                    "--bind-address=127.0.0.1",
-                    f"--secure-port={node_ports.scheduler}",
-                    f"--tls-cert-file={scheduler_serving.cert}",
-                    f"--tls-private-key-file={scheduler_serving.key}",
-                    f"--client-ca-file={certs.ca.cert}",
-                    "--leader-elect=false",
-                ],
-                ready=lambda: probe_https(node_ports.scheduler, "/healthz", ca),
-                ports=[node_ports.scheduler],
-                ready_timeout=120.0,
+            loopback_controller(
+                "kube-scheduler",
+                binaries["kube-scheduler"],
+                kubeconfig=scheduler_kubeconfig,
+                port=node_ports.scheduler,
+                serving=scheduler_serving,
+                certs=certs,
+                state_dir=self.state_dir,
+                flags=[],
             ),
             Component(
                 name="containerd",
@@ -419,7 +400,7 @@ class LocalCluster(ControlPlane):
                     "--v=1",
                 ],
                 ready=lambda: (
-                    _http_ok(node_ports.kubelet_healthz, "/healthz")
+                    probes.http_ok(node_ports.kubelet_healthz, "/healthz", body=probes.says_ok)
                     and _node_ready(api_host, api_port, admin, self.node_name)
                 ),
                 ports=[node_ports.kubelet, node_ports.kubelet_healthz],
@@ -567,6 +548,7 @@ disabled_plugins = [
             "serializeImagePulls": False,
             "registerNode": True,
             "maxPods": 110,
+            "podPidsLimit": POD_PIDS_LIMIT,
         }
 
     # ---- containerd -------------------------------------------------------------
@@ -615,7 +597,7 @@ disabled_plugins = [
         portmap rules, netns mounts go. Best effort: the sweep after it
         handles what a broken containerd leaves."""
         containerd = self.run_dir / "containerd.json"
-        with contextlib.suppress(OSError, ValueError, KeyError):
+        with contextlib.suppress(OSError, ValueError):
             if not processes.ProcessRecord.load(containerd).is_running():
                 return
         with contextlib.suppress(subprocess.TimeoutExpired, OSError, KeyError):
@@ -650,13 +632,13 @@ disabled_plugins = [
         # netns mounts of containerd, tmpfs volumes and CSI bind mounts of the
         # kubelet, whatever an addon mounted. Deepest first.
         def below() -> list[Path]:
-            found = _mount_points_under(self.state_dir)
+            found = mounts.mount_points_under(self.state_dir, include_root=False)
             if self.containerd_socket.parent != self.containerd_dir:
-                found += _mount_points_under(self.containerd_socket.parent)
-            return [point for point in found if point != self.state_dir]
+                found += mounts.mount_points_under(self.containerd_socket.parent)
+            return found
 
         for point in below():
-            _umount(point)
+            mounts.unmount(point)
         left = below()
         if left:
             problems.append(f"mounts left: {left}")
@@ -705,7 +687,7 @@ disabled_plugins = [
                 cmdline = (entry / "cmdline").read_bytes()
                 if b"containerd-shim" in cmdline and socket in cmdline:
                     victims.add(int(entry.name))
-        for hierarchy in _cgroup_hierarchies():
+        for hierarchy in mounts.cgroup_hierarchies():
             base = hierarchy / self.cgroup_root.lstrip("/")
             if not base.is_dir():
                 continue
@@ -742,7 +724,7 @@ disabled_plugins = [
 
     def _create_cgroup_root(self) -> None:
         """The kubelet requires its cgroupRoot to exist in every hierarchy."""
-        for hierarchy in _cgroup_hierarchies():
+        for hierarchy in mounts.cgroup_hierarchies():
             path = hierarchy / self.cgroup_root.lstrip("/")
             path.mkdir(exist_ok=True)
             if hierarchy.name == "cpuset":
@@ -754,10 +736,6 @@ disabled_plugins = [
 
 
 # ---- helpers (module level: also used on clusters found on disk) ----------------------
-
-
-def _http_ok(port: int, path: str) -> bool:
-    return _probe(http.client.HTTPConnection("127.0.0.1", port, timeout=2.0), path)
 
 
 def _api(
@@ -829,22 +807,11 @@ def _set_pod_cidr(host: str, port: int, context: ssl.SSLContext, node: str, cidr
         raise ControlPlaneError(f"could not set podCIDR of node {node}: {status} {body}")
 
 
-def _cgroup_hierarchies() -> list[Path]:
-    """Mounted cgroup v1 hierarchies (cpu, memory, ..., name=systemd)."""
-    found = []
-    with contextlib.suppress(FileNotFoundError):
-        for line in Path("/proc/self/mounts").read_text().splitlines():
-            fields = line.split()
-            if len(fields) > 2 and fields[2] == "cgroup":
-                found.append(Path(fields[1]))
-    return found
-
-
 def _remove_cgroup_root(cgroup_root: str) -> list[str]:
     """rmdir the cluster's cgroup tree, deepest first (cgroups are removed
     with rmdir, only once empty of processes)."""
     problems = []
-    for hierarchy in _cgroup_hierarchies():
+    for hierarchy in mounts.cgroup_hierarchies():
         base = hierarchy / cgroup_root.lstrip("/")
         if not base.is_dir():
             continue
@@ -862,32 +829,6 @@ def _remove_cgroup_root(cgroup_root: str) -> list[str]:
                         problems.append(f"cgroup {directory} not removable")
                     time.sleep(0.05)
     return problems
-
-
-def _mount_points_under(root: Path) -> list[Path]:
-    """Mount points at or below `root`, deepest first (from /proc/self/mountinfo)."""
-    prefix = str(root)
-    found = []
-    with contextlib.suppress(FileNotFoundError):
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            fields = line.split()
-            if len(fields) > 4:
-                # Octal escapes (\040 for a space) in mount points.
-                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-                if point == prefix or point.startswith(prefix + "/"):
-                    found.append(Path(point))
-    return sorted(set(found), key=lambda p: len(p.parts), reverse=True)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _umount(point: Path) -> None:
-    """Lazy unmount (MNT_DETACH): a mount still busy is detached now and
-    released once its last user is gone; either way it is off our tree."""
-    for _ in range(5):  # stacked mounts on one point come off one at a time
-        if _libc.umount2(str(point).encode(), _MNT_DETACH) != 0:
-            return
 
 
 def _remove_cni_cache(pod_net: network.PodNetwork, sandbox_ids: Sequence[str]) -> None:
@@ -937,7 +878,7 @@ def _other_kubelets_running(exclude: Path) -> bool:
     for record in root.glob("*/run/kubelet.json"):
         if record.parent.parent == exclude:
             continue
-        with contextlib.suppress(OSError, ValueError, KeyError):
+        with contextlib.suppress(OSError, ValueError):
             if processes.ProcessRecord.load(record).is_running():
                 return True
     return False

@@ -10,17 +10,16 @@ Components are a list of `Component`s started in order, each waited on until
 its health probe passes, and stopped in reverse order. A node tier (kubelet,
 containerd, scheduler, CSI sidecars) is meant to extend `ControlPlane.components`
 in a subclass rather than rewrite this module.
+
+This module knows no subclass: which class to open a cluster found on disk
+with is `devcluster.registry`'s business, above both this module and
+`devcluster.cluster`.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import dataclasses
-import fcntl
-import http.client
 import ipaddress
-import json
 import logging
 import os
 import random
@@ -30,14 +29,13 @@ import socket
 import ssl
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
+from typing import TypeVar
 
-import yaml
-
-from devcluster import build, pki, processes
+from devcluster import build, pki, probes, processes, records, state
+from devcluster.state import LOOPBACK, ClusterRecord, Ports
 
 log = logging.getLogger("devcluster")
 
@@ -51,41 +49,7 @@ _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 # which the start retries handle).
 _PORT_RANGE_START = 20000
 _ADDRESS_IN_USE = "address already in use"
-
-
-def clusters_root() -> Path:
-    return build.cache_root() / "clusters"
-
-
-def probe_https(port: int, path: str, context: ssl.SSLContext, *, host: str = "127.0.0.1") -> bool:
-    """True when GET https://host:port/path answers 200 with body "ok"."""
-    return _probe(http.client.HTTPSConnection(host, port, timeout=2.0, context=context), path)
-
-
-def probe_http_json(port: int, path: str, check: Callable[[object], bool]) -> bool:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
-    try:
-        connection.request("GET", path)
-        response = connection.getresponse()
-        body = response.read()
-        return response.status == 200 and check(json.loads(body))
-    except (OSError, http.client.HTTPException, ValueError):
-        return False
-    finally:
-        connection.close()
-
-
-def _probe(connection: http.client.HTTPConnection, path: str) -> bool:
-    # http.client rather than urllib: urllib would route loopback through an
-    # HTTPS_PROXY from the environment.
-    try:
-        connection.request("GET", path)
-        response = connection.getresponse()
-        return response.status == 200 and response.read().strip() == b"ok"
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        connection.close()
+T = TypeVar("T")
 
 
 @dataclass
@@ -106,17 +70,6 @@ class Component:
     post_start: Callable[[], None] | None = None
     """Run once the component is ready, before the next one starts (e.g. import
     images into a container runtime); an exception fails the start."""
-
-
-@dataclass(frozen=True)
-class Ports:
-    etcd_client: int
-    etcd_peer: int
-    apiserver: int
-    controller_manager: int
-
-    def all(self) -> list[int]:
-        return [self.etcd_client, self.etcd_peer, self.apiserver, self.controller_manager]
 
 
 @dataclass(frozen=True)
@@ -163,6 +116,64 @@ def free_ports(count: int) -> list[int]:
     return chosen
 
 
+def secure_serving_flags(
+    *, bind: str, port: int, serving: pki.CertPair, client_ca: Path, cert_dir: Path
+) -> list[str]:
+    """The HTTPS serving flags that kube-apiserver, kube-controller-manager and
+    kube-scheduler share (k8s.io/apiserver's SecureServingOptions, plus the CA
+    that client certificates are verified against)."""
+    return [
+        f"--bind-address={bind}",
+        f"--secure-port={port}",
+        # Only used when no certificate is given; keeps it away from the
+        # default /var/run/kubernetes all the same.
+        f"--cert-dir={cert_dir}",
+        f"--tls-cert-file={serving.cert}",
+        f"--tls-private-key-file={serving.key}",
+        f"--client-ca-file={client_ca}",
+    ]
+
+
+def loopback_controller(
+    name: str,
+    binary: Path,
+    *,
+    kubeconfig: Path,
+    port: int,
+    serving: pki.CertPair,
+    certs: pki.PKI,
+    state_dir: Path,
+    flags: Sequence[str],
+) -> Component:
+    """kube-controller-manager or kube-scheduler: a client of the API server
+    (`kubeconfig`) that serves HTTPS on 127.0.0.1:`port`, ready once its
+    /healthz says ok. The same kubeconfig serves the delegated authentication
+    and authorization of that port (healthz is always allowed; metrics need a
+    permitted client); leader election is off (one replica)."""
+    ca = ssl.create_default_context(cafile=str(certs.ca.cert))
+    return Component(
+        name=name,
+        argv=[
+            str(binary),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            *secure_serving_flags(
+                bind=LOOPBACK,
+                port=port,
+                serving=serving,
+                client_ca=certs.ca.cert,
+                cert_dir=state_dir / f"{name}-certs",
+            ),
+            "--leader-elect=false",
+            *flags,
+        ],
+        ready=lambda: probes.http_ok(port, "/healthz", tls=ca, body=probes.says_ok),
+        ports=[port],
+        ready_timeout=120.0,
+    )
+
+
 def _log_tail(path: Path, lines: int = 40) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -182,8 +193,9 @@ class ControlPlane:
     """
 
     kind = "control-plane"
-    """Recorded in cluster.json, so `open_cluster` (CLI `down`, the test
-    sessions' orphan sweep) stops a cluster with the class that started it."""
+    """Recorded in cluster.json, so `devcluster.registry.open_cluster` (CLI
+    `down`, the test sessions' orphan sweep) stops a cluster with the class
+    that started it."""
 
     def __init__(
         self,
@@ -203,7 +215,7 @@ class ControlPlane:
         if not _NAME_RE.match(name):
             raise ValueError(f"cluster name {name!r} must match {_NAME_RE.pattern}")
         self.name = name
-        self.state_dir = state_dir or clusters_root() / name
+        self.state_dir = state_dir or state.clusters_root() / name
         self.service_cidr = service_cidr
         self.die_with_parent = die_with_parent
         self.stop_grace = stop_grace
@@ -237,10 +249,6 @@ class ControlPlane:
         return self.state_dir / "admin.kubeconfig"
 
     @property
-    def _cluster_file(self) -> Path:
-        return self.state_dir / "cluster.json"
-
-    @property
     def _lock_file(self) -> Path:
         # Beside the state dir, not in it: `down` removes the state dir while
         # holding the lock.
@@ -255,26 +263,29 @@ class ControlPlane:
     def kubectl(self) -> Path:
         return build.kubernetes_binaries()["kubectl"]
 
-    def _read_cluster_file(self) -> dict[str, object]:
-        try:
-            data = json.loads(self._cluster_file.read_text())
-        except (FileNotFoundError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
+    @property
+    def record(self) -> ClusterRecord:
+        """What the last start recorded in cluster.json (empty before any)."""
+        return ClusterRecord.read(self.state_dir)
+
+    def _update_record(self, **changes: object) -> None:
+        state.update_record(self.state_dir, **changes)
+
+    def _started(self, value: T | None) -> T:
+        # One message for every "recorded by a start" value that is missing.
+        if value is None:
+            raise ControlPlaneError(f"cluster {self.name!r} has not been started")
+        return value
 
     @property
     def ports(self) -> Ports:
-        data = self._read_cluster_file().get("ports")
-        if not isinstance(data, dict):
-            raise ControlPlaneError(f"cluster {self.name!r} has not been started")
-        return Ports(**{key: int(value) for key, value in data.items()})
+        return self._started(self.record.ports)
 
     @property
     def apiserver_host(self) -> str:
         """The address kube-apiserver binds and advertises (127.0.0.1 unless a
         subclass's `_prepare_start` chose another, e.g. a pod bridge's gateway)."""
-        host = self._read_cluster_file().get("apiserver_host")
-        return host if isinstance(host, str) else "127.0.0.1"
+        return self.record.apiserver_host
 
     @property
     def server(self) -> str:
@@ -296,9 +307,8 @@ class ControlPlane:
         stop() and status() pass build_missing=False: they must never start a
         build that takes minutes just to look at a cluster.
         """
-        if build_missing:
-            return {"etcd": build.etcd_binary(), **build.kubernetes_binaries()}
-        return {"etcd": build.etcd_path(), **build.kubernetes_paths()}
+        etcd = build.etcd_binary() if build_missing else build.etcd_path()
+        return {"etcd": etcd, **build.kubernetes_binaries(build_missing=build_missing)}
 
     def components(
         self, ports: Ports, certs: pki.PKI, binaries: Mapping[str, Path]
@@ -308,8 +318,6 @@ class ControlPlane:
         host = self.apiserver_host
         loopback = ipaddress.ip_address(host).is_loopback
         admin_tls = self._client_context(certs)
-        kcm_tls = ssl.create_default_context(cafile=str(certs.ca.cert))
-        kcm_kubeconfig = self.state_dir / "controller-manager.kubeconfig"
         peer = f"http://127.0.0.1:{ports.etcd_peer}"
         client = f"http://127.0.0.1:{ports.etcd_client}"
         return [
@@ -331,10 +339,12 @@ class ControlPlane:
                     # worth an fsync per write on a shared CI disk.
                     "--unsafe-no-fsync",
                 ],
-                ready=lambda: probe_http_json(
+                ready=lambda: probes.http_ok(
                     ports.etcd_client,
                     "/health",
-                    lambda body: isinstance(body, dict) and body.get("health") == "true",
+                    body=probes.json_body(
+                        lambda body: isinstance(body, dict) and body.get("health") == "true"
+                    ),
                 ),
                 ports=[ports.etcd_client, ports.etcd_peer],
                 ready_timeout=60.0,
@@ -344,15 +354,14 @@ class ControlPlane:
                 argv=[
                     str(binaries["kube-apiserver"]),
                     f"--etcd-servers={client}",
-                    f"--bind-address={host}",
                     f"--advertise-address={host}",
-                    f"--secure-port={ports.apiserver}",
-                    # Only used when no certificate is given; keeps it away
-                    # from the default /var/run/kubernetes all the same.
-                    f"--cert-dir={self.state_dir / 'apiserver-certs'}",
-                    f"--tls-cert-file={certs.apiserver.cert}",
-                    f"--tls-private-key-file={certs.apiserver.key}",
-                    f"--client-ca-file={certs.ca.cert}",
+                    *secure_serving_flags(
+                        bind=host,
+                        port=ports.apiserver,
+                        serving=certs.apiserver,
+                        client_ca=certs.ca.cert,
+                        cert_dir=self.state_dir / "apiserver-certs",
+                    ),
                     "--authorization-mode=Node,RBAC",
                     "--enable-admission-plugins=NodeRestriction",
                     "--allow-privileged=true",
@@ -378,31 +387,26 @@ class ControlPlane:
                     f"--endpoint-reconciler-type={'none' if loopback else 'lease'}",
                     *self.apiserver_args,
                 ],
-                ready=lambda: probe_https(ports.apiserver, "/readyz", admin_tls, host=host),
+                ready=lambda: probes.http_ok(
+                    ports.apiserver, "/readyz", host=host, tls=admin_tls, body=probes.says_ok
+                ),
                 ports=[ports.apiserver],
                 ready_timeout=180.0,
             ),
-            Component(
-                name="kube-controller-manager",
-                argv=[
-                    str(binaries["kube-controller-manager"]),
-                    f"--kubeconfig={kcm_kubeconfig}",
-                    # Delegated authn/authz of its own HTTPS port (healthz is
-                    # always allowed; metrics need a permitted client).
-                    f"--authentication-kubeconfig={kcm_kubeconfig}",
-                    f"--authorization-kubeconfig={kcm_kubeconfig}",
-                    "--bind-address=127.0.0.1",
-                    f"--secure-port={ports.controller_manager}",
-                    f"--cert-dir={self.state_dir / 'controller-manager-certs'}",
-                    f"--tls-cert-file={certs.controller_manager_serving.cert}",
-                    f"--tls-private-key-file={certs.controller_manager_serving.key}",
-                    f"--client-ca-file={certs.ca.cert}",
+            loopback_controller(
+                "kube-controller-manager",
+                binaries["kube-controller-manager"],
+                kubeconfig=self.state_dir / "controller-manager.kubeconfig",
+                port=ports.controller_manager,
+                serving=certs.controller_manager_serving,
+                certs=certs,
+                state_dir=self.state_dir,
+                flags=[
                     f"--requestheader-client-ca-file={certs.front_proxy_ca.cert}",
                     # Every default controller: garbage collector, namespace,
                     # serviceaccount, serviceaccount-token, workloads, ...
                     "--controllers=*",
                     "--use-service-account-credentials=true",
-                    "--leader-elect=false",
                     f"--cluster-name={self.name}",
                     f"--service-cluster-ip-range={self.service_cidr}",
                     f"--root-ca-file={certs.ca.cert}",
@@ -410,9 +414,6 @@ class ControlPlane:
                     f"--cluster-signing-cert-file={certs.ca.cert}",
                     f"--cluster-signing-key-file={certs.ca.key}",
                 ],
-                ready=lambda: probe_https(ports.controller_manager, "/healthz", kcm_tls),
-                ports=[ports.controller_manager],
-                ready_timeout=120.0,
             ),
         ]
 
@@ -436,66 +437,23 @@ class ControlPlane:
     def _write_kubeconfig(
         self, path: Path, server: str, certs: pki.PKI, user: pki.CertPair
     ) -> None:
-        def b64(file: Path) -> str:
-            return base64.b64encode(file.read_bytes()).decode()
-
-        context = f"devcluster-{self.name}"
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": context,
-                    "cluster": {"server": server, "certificate-authority-data": b64(certs.ca.cert)},
-                }
-            ],
-            "users": [
-                {
-                    "name": context,
-                    # Embedded, so the file keeps working when copied elsewhere.
-                    "user": {
-                        "client-certificate-data": b64(user.cert),
-                        "client-key-data": b64(user.key),
-                    },
-                }
-            ],
-            "contexts": [{"name": context, "context": {"cluster": context, "user": context}}],
-            "current-context": context,
-        }
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(yaml.safe_dump(config, sort_keys=False))
-        tmp.chmod(0o600)
-        os.replace(tmp, path)
+        pki.write_kubeconfig(
+            path, server=server, ca=certs.ca.cert, user=user, context=f"devcluster-{self.name}"
+        )
 
     # ---- lifecycle -------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
         """One start/stop of a given cluster at a time, across processes."""
-        self._lock_file.parent.mkdir(parents=True, exist_ok=True)
-        with self._lock_file.open("w") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        return records.file_lock(self._lock_file)
 
     def _records(self) -> list[processes.ProcessRecord]:
         """PID records on disk, in start order."""
-        order = self._read_cluster_file().get("started", [])
-        records = []
-        for name in order if isinstance(order, list) else []:
-            path = self.run_dir / f"{name}.json"
-            with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
-                records.append(processes.ProcessRecord.load(path))
-        return records
-
-    def _write_cluster_file(self, **updates: object) -> None:
-        data = self._read_cluster_file()
-        data.update(updates)
-        tmp = self._cluster_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, self._cluster_file)
+        found = []
+        for name in self.record.started:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                found.append(processes.ProcessRecord.load(self.run_dir / f"{name}.json"))
+        return found
 
     def start(self) -> None:
         """Start the cluster and wait until every component is ready.
@@ -525,7 +483,7 @@ class ControlPlane:
                     raise
                 break
             self.start_duration = time.monotonic() - began
-            self._write_cluster_file(start_seconds=round(self.start_duration, 2))
+            self._update_record(start_seconds=round(self.start_duration, 2))
 
     def _prepare_start(self) -> str:
         """Set up what the components need before any starts; returns the
@@ -540,20 +498,20 @@ class ControlPlane:
         self.state_dir.chmod(0o700)
         ports = Ports(*free_ports(4))
         owner = os.getpid()
-        self._write_cluster_file(
+        # A new record, not an update: nothing of an earlier start (node
+        # ports, say) may look as if this start had chosen it.
+        ClusterRecord(
             name=self.name,
             kind=self.kind,
-            ports=dataclasses.asdict(ports),
-            started=[],
+            ports=ports,
             owner_pid=owner,
             owner_start_ticks=processes.process_start_ticks(owner),
             created=time.time(),
-            apiserver_host="127.0.0.1",
-        )
+        ).write(self.state_dir)
         host = self._prepare_start()
-        self._write_cluster_file(apiserver_host=host)
+        self._update_record(apiserver_host=host)
         first_service_ip = str(next(ipaddress.ip_network(self.service_cidr).hosts()))
-        apiserver_ips = tuple(dict.fromkeys(("127.0.0.1", first_service_ip, host)))
+        apiserver_ips = tuple(dict.fromkeys((LOOPBACK, first_service_ip, host)))
         certs = pki.ensure_pki(self.pki_dir, apiserver_ips=apiserver_ips)
         server = f"https://{host}:{ports.apiserver}"
         self._write_kubeconfig(self.kubeconfig, server, certs, certs.admin)
@@ -569,7 +527,7 @@ class ControlPlane:
             started.append(component.name)
             # Recorded before waiting, so a crash during the wait still leaves
             # a record that the next start()/stop() can clean up.
-            self._write_cluster_file(started=started)
+            self._update_record(started=started)
             self._wait_ready(component)
             if component.post_start is not None:
                 component.post_start()
@@ -627,9 +585,9 @@ class ControlPlane:
 
     def _stop_locked(self) -> None:
         errors = []
-        records = {record.name: record for record in self._records()}
+        recorded = {record.name: record for record in self._records()}
         cleanups: dict[str, Callable[[], None]] = {}
-        if records and self.pki_dir.exists():
+        if recorded and self.pki_dir.exists():
             # Rebuild the component list only for its cleanup hooks, with the
             # recorded ports; no process is started by this.
             with contextlib.suppress(Exception):
@@ -638,10 +596,10 @@ class ControlPlane:
                 for component in self.components(self.ports, certs, binaries):
                     if component.cleanup is not None:
                         cleanups[component.name] = component.cleanup
-        for name in reversed(list(records)):
+        for name in reversed(list(recorded)):
             try:
                 processes.terminate(
-                    records[name], grace=self.stop_grace, popen=self._popens.pop(name, None)
+                    recorded[name], grace=self.stop_grace, popen=self._popens.pop(name, None)
                 )
                 if name in cleanups:
                     cleanups[name]()
@@ -649,23 +607,23 @@ class ControlPlane:
                 errors.append(f"{name}: {error}")
         if errors:
             raise ControlPlaneError("could not stop cluster cleanly: " + "; ".join(errors))
-        leftovers = [r for r in records.values() if processes.group_members(r.pid)]
+        leftovers = [r for r in recorded.values() if processes.group_members(r.pid)]
         if leftovers:
             raise ControlPlaneError(f"processes left behind: {leftovers}")
         # Records are removed only once their processes are verified gone.
         shutil.rmtree(self.run_dir, ignore_errors=True)
         shutil.rmtree(self.etcd_dir, ignore_errors=True)
-        if self._cluster_file.exists():
-            self._write_cluster_file(started=[])
+        if ClusterRecord.path(self.state_dir).exists():
+            self._update_record(started=[])
 
     def pids(self) -> dict[str, int]:
         """PID (= process group id) of each recorded component that is running."""
         return {r.name: r.pid for r in self._records() if r.is_running()}
 
     def status(self) -> Status:
-        records = self._records()
+        recorded = self._records()
         ready: dict[str, bool] = {}
-        if records and self.pki_dir.exists():
+        if recorded and self.pki_dir.exists():
             with contextlib.suppress(ControlPlaneError, OSError, ValueError):
                 certs = pki.paths(self.pki_dir)
                 binaries = self.binaries(build_missing=False)
@@ -673,9 +631,9 @@ class ControlPlane:
                     ready[component.name] = component.ready()
         components = [
             ComponentStatus(r.name, r.pid, r.is_running(), ready.get(r.name, False))
-            for r in records
+            for r in recorded
         ]
-        server = self.server if records else None
+        server = self.server if recorded else None
         return Status(self.name, self.state_dir, server, components)
 
     def is_healthy(self) -> bool:
@@ -683,73 +641,21 @@ class ControlPlane:
 
     def owner_alive(self) -> bool:
         """Whether the process that last started this cluster still runs."""
-        data = self._read_cluster_file()
-        pid, ticks = data.get("owner_pid"), data.get("owner_start_ticks")
-        if not isinstance(pid, int):
+        record = self.record
+        if record.owner_pid is None or record.owner_start_ticks is None:
             return False
-        return processes.process_start_ticks(pid) == ticks
+        return processes.process_start_ticks(record.owner_pid) == record.owner_start_ticks
 
     def __enter__(self) -> ControlPlane:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def __repr__(self) -> str:
         return f"ControlPlane(name={self.name!r}, state_dir={str(self.state_dir)!r})"
 
 
-def open_cluster(name: str, *, state_dir: Path | None = None) -> ControlPlane:
-    """The cluster of that name as the class that started it (from the `kind`
-    in its cluster.json): stopping a node cluster must also unmount, delete
-    its bridge and so on, which only its own class knows how to do."""
-    state = state_dir or clusters_root() / name
-    kind = None
-    with contextlib.suppress(FileNotFoundError, ValueError, AttributeError):
-        kind = json.loads((state / "cluster.json").read_text()).get("kind")
-    if kind == "node":
-        # Imported here: devcluster.cluster builds on this module.
-        from devcluster.cluster import LocalCluster
-
-        return LocalCluster(name, state_dir=state)
-    return ControlPlane(name, state_dir=state)
-
-
 class _PortCollisionError(ControlPlaneError):
     """A component lost the race for a port chosen as free; start again with others."""
-
-
-def sweep_orphans(prefix: str) -> list[str]:
-    """Stop and remove clusters named `prefix*` whose starting process is gone.
-
-    For test runs: a pytest killed with SIGKILL leaves its state dir behind
-    (its processes die with it). Clusters of live processes are left alone.
-    """
-    root = clusters_root()
-    removed: list[str] = []
-    if not root.is_dir():
-        return removed
-    for state_dir in sorted(root.iterdir()):
-        if not state_dir.is_dir() or not state_dir.name.startswith(prefix):
-            continue
-        cluster = open_cluster(state_dir.name, state_dir=state_dir)
-        if cluster.owner_alive():
-            continue
-        try:
-            cluster.stop(remove_state=True)
-        except ControlPlaneError as error:
-            # Not this session's problem to fail on; but say so.
-            log.warning("could not remove orphaned cluster %s: %s", state_dir.name, error)
-            continue
-        removed.append(state_dir.name)
-    # Lock files of clusters that are gone (names with a dead PID are never reused).
-    for lock in root.glob(f".{prefix}*.lock"):
-        if not (root / lock.name[1:].removesuffix(".lock")).exists():
-            lock.unlink(missing_ok=True)
-    return removed

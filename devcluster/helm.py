@@ -8,8 +8,6 @@ chart the same way: `helm upgrade --install` of charts/sandbox-operator.
 from __future__ import annotations
 
 import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 from devcluster import build, versions
@@ -18,38 +16,16 @@ HELM_VERSION = versions.HELM
 HELM_MODULE = versions.HELM_MODULE
 
 
-def helm_path() -> Path:
-    return build.cache_root() / "bin" / f"helm-{HELM_VERSION}" / "helm"
-
-
-def helm_binary() -> Path:
+def helm_binary(*, build_missing: bool = True) -> Path:
     """The pinned helm, building it on first use (a minute or two on 2 cores)."""
-    binary = helm_path()
-    if build._is_current(binary):
-        return binary
-    with build._build_lock("helm"):
-        if build._is_current(binary):
-            return binary
-        started = time.monotonic()
-        workdir = build.cache_root() / "build" / f"helm-{HELM_VERSION}"
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "go.mod").write_text("module sandbox-operator.local/helm-build\n\ngo 1.24.0\n")
-        build._go(["get", f"{HELM_MODULE}@{HELM_VERSION}"], workdir)
-        ldflags = f"-s -w -X helm.sh/helm/v3/internal/version.version={HELM_VERSION}"
-        with tempfile.TemporaryDirectory(dir=workdir) as out:
-            build._go(
-                [
-                    "build",
-                    "-trimpath",
-                    f"-ldflags={ldflags}",
-                    "-o",
-                    out + "/helm",
-                    f"{HELM_MODULE}/cmd/helm",
-                ],
-                workdir,
-            )
-            build._install(Path(out), binary.parent, started, HELM_VERSION)
-    return binary
+    return build.go_module_binaries(
+        "helm",
+        HELM_MODULE,
+        HELM_VERSION,
+        [f"{HELM_MODULE}/cmd/helm"],
+        ldflags=f"-s -w -X helm.sh/helm/v3/internal/version.version={HELM_VERSION}",
+        build_missing=build_missing,
+    )["helm"]
 
 
 def install_chart(

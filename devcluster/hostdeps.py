@@ -12,7 +12,6 @@ Only Debian's own packages are used: no other registry serves these.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
 import os
 import shutil
@@ -20,6 +19,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from devcluster import records
 
 log = logging.getLogger("devcluster.hostdeps")
 
@@ -85,10 +86,7 @@ def ensure(packages: dict[str, str] | None = None) -> list[str]:
         raise HostDepsError(f"missing Debian packages {missing(packages)} and no apt-get here")
     if os.geteuid() != 0:
         raise HostDepsError(f"missing Debian packages {missing(packages)}; installing needs root")
-    lock = Path("/run/lock/devcluster-hostdeps.lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with lock.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with records.file_lock(Path("/run/lock/devcluster-hostdeps.lock")):
         todo = missing(packages)
         if not todo:
             return []

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from devcluster import build, versions
+from devcluster import build, records, versions
 
 log = logging.getLogger("devcluster.images")
 
@@ -135,6 +135,21 @@ _AGENT = PipProject(
     ("pyproject.toml", "src"),
     (("sandbox-agent", "sandbox_agent.server:main"),),
 )
+
+
+def _runtime(name: str, packages: tuple[str, ...], cmd: str, *, variant: str = "apt") -> ImageSpec:
+    """A sandbox runtime image: what the `sandbox` container of a pod runs,
+    as the sandbox user (operator/sandbox_operator/config.py) in its home."""
+    return ImageSpec(
+        f"sandbox-runtime-{name}:dev",
+        packages=packages,
+        variant=variant,
+        cmd=(cmd,),
+        user="1000:1000",
+        workdir="/home/sandbox",
+    )
+
+
 _OPERATOR = PipProject(
     "sandbox-operator",
     ".",
@@ -160,28 +175,10 @@ IMAGES: dict[str, ImageSpec] = {
             entrypoint=("/usr/local/bin/sandbox-agent",),
             user="65532:65532",
         ),
-        ImageSpec(
-            "sandbox-runtime-python:dev",
-            packages=("python3", "git", "curl", "ca-certificates"),
-            cmd=("python3",),
-            user="1000:1000",
-            workdir="/home/sandbox",
-        ),
-        ImageSpec(
-            "sandbox-runtime-node:dev",
-            packages=("nodejs", "npm", "python3", "ca-certificates"),
-            cmd=("node",),
-            user="1000:1000",
-            workdir="/home/sandbox",
-        ),
+        _runtime("python", ("python3", "git", "curl", "ca-certificates"), "python3"),
+        _runtime("node", ("nodejs", "npm", "python3", "ca-certificates"), "node"),
         # For the negative test: a runtime the sandbox runner cannot run in.
-        ImageSpec(
-            "sandbox-runtime-nopython:dev",
-            variant="minbase",
-            cmd=("/bin/sh",),
-            user="1000:1000",
-            workdir="/home/sandbox",
-        ),
+        _runtime("nopython", (), "/bin/sh", variant="minbase"),
         ImageSpec(
             "sandbox-operator:dev",
             packages=("python3", "ca-certificates"),
@@ -283,19 +280,6 @@ class BuiltImage:
     """Uncompressed size (the layer tar)."""
     build_seconds: float
 
-    @classmethod
-    def load(cls, path: Path) -> BuiltImage:
-        data = json.loads(path.read_text())
-        return cls(
-            name=str(data["name"]),
-            reference=str(data["reference"]),
-            archive=Path(data["archive"]),
-            manifest_digest=str(data["manifest_digest"]),
-            layer_bytes=int(data["layer_bytes"]),
-            rootfs_bytes=int(data["rootfs_bytes"]),
-            build_seconds=float(data["build_seconds"]),
-        )
-
 
 def _paths(spec: ImageSpec) -> tuple[Path, Path]:
     stem = f"{_slug(spec.name)}-{cache_key(spec)}"
@@ -307,13 +291,13 @@ def cached(spec: ImageSpec) -> BuiltImage | None:
     if not archive.exists():
         return None
     try:
-        return BuiltImage.load(meta)
-    except (FileNotFoundError, ValueError, KeyError):
+        return records.load(BuiltImage, meta)
+    except (FileNotFoundError, ValueError):
         return None
 
 
 def _lock(name: str) -> contextlib.AbstractContextManager[None]:
-    return build.file_lock(images_dir() / f".{_slug(name)}.lock")
+    return records.file_lock(images_dir() / f".{_slug(name)}.lock")
 
 
 def ensure_built(spec: ImageSpec) -> BuiltImage:
@@ -347,8 +331,7 @@ def ensure_built(spec: ImageSpec) -> BuiltImage:
             rootfs_bytes=rootfs_bytes,
             build_seconds=round(time.monotonic() - began, 1),
         )
-        data = {**asdict(image), "archive": str(archive)}
-        meta.write_text(json.dumps(data, indent=2) + "\n")
+        records.save(image, meta)
         # Older archives of the same image are only disk space now, unless another
         # session on this machine built one of them moments ago and is importing it.
         for old in images_dir().glob(f"{_slug(spec.name)}-*"):

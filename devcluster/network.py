@@ -23,7 +23,6 @@ after CNI DEL did its part (or could not, after a crash).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import ipaddress
 import json
@@ -33,6 +32,8 @@ import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from devcluster import records
 
 log = logging.getLogger("devcluster.network")
 
@@ -67,13 +68,6 @@ class PodNetwork:
     @property
     def gateway(self) -> str:
         return str(next(self.subnet.hosts()))
-
-    def to_json(self) -> dict[str, str]:
-        return {"cluster": self.cluster, "subnet": str(self.subnet)}
-
-    @classmethod
-    def from_json(cls, data: dict[str, str]) -> PodNetwork:
-        return cls(cluster=data["cluster"], subnet=ipaddress.IPv4Network(data["subnet"]))
 
     def cni_config(self, ipam_dir: Path) -> dict[str, object]:
         """The conflist containerd's CRI plugin loads (cni.conf_dir)."""
@@ -145,19 +139,17 @@ def allocate(cluster: str, record: Path, lock_dir: Path) -> PodNetwork:
     is still free, else a free /24 of POD_SUPERNET (recorded). A lock across
     processes keeps two clusters starting at once from taking the same one;
     the subnets recorded by other clusters' state dirs are avoided too."""
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    with (lock_dir / ".pod-network.lock").open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with records.file_lock(lock_dir / ".pod-network.lock"):
         bridge = PodNetwork(cluster, POD_SUPERNET).bridge
         used = _networks_in_use(except_bridge=bridge)
         reserved = []
         for other in lock_dir.glob("*/network.json"):
             if other == record:
                 continue
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                reserved.append(PodNetwork.from_json(json.loads(other.read_text())).subnet)
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            previous = PodNetwork.from_json(json.loads(record.read_text()))
+            with contextlib.suppress(OSError, ValueError):
+                reserved.append(records.load(PodNetwork, other).subnet)
+        with contextlib.suppress(OSError, ValueError):
+            previous = records.load(PodNetwork, record)
             if not any(previous.subnet.overlaps(net) for net in used + reserved):
                 return previous
         subnets = list(POD_SUPERNET.subnets(new_prefix=SUBNET_PREFIX))
@@ -169,7 +161,7 @@ def allocate(cluster: str, record: Path, lock_dir: Path) -> PodNetwork:
                 subnet = subnets[(start + offset) % len(subnets)]
                 if not any(subnet.overlaps(net) for net in blocked):
                     network = PodNetwork(cluster, subnet)
-                    record.write_text(json.dumps(network.to_json(), indent=2) + "\n")
+                    records.save(network, record)
                     return network
         raise NetworkError(f"no free /{SUBNET_PREFIX} left in {POD_SUPERNET}")
 

@@ -8,19 +8,22 @@ the whole set, because certificates signed by a replaced CA would be useless.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
 import ipaddress
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from devcluster import records
 
 # Long enough that a dev cluster never expires under someone's feet, short
 # enough to stay a sane certificate.
@@ -45,6 +48,44 @@ PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 class CertPair:
     cert: Path
     key: Path
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """What a leaf certificate says: subject (O= becomes a client's groups),
+    extended key usages and SANs."""
+
+    common_name: str
+    organization: str | None = None
+    server: bool = False
+    client: bool = False
+    dns_names: tuple[str, ...] = ()
+    ip_addresses: tuple[str, ...] = ()
+
+    @classmethod
+    def loopback_serving(cls, common_name: str) -> Leaf:
+        """The serving certificate of a component that listens on 127.0.0.1 only."""
+        return cls(common_name, server=True, dns_names=("localhost",), ip_addresses=("127.0.0.1",))
+
+    @property
+    def subject(self) -> x509.Name:
+        return _name(self.common_name, self.organization)
+
+    @property
+    def usages(self) -> list[x509.ObjectIdentifier]:
+        return [
+            usage
+            for usage, on in (
+                (ExtendedKeyUsageOID.SERVER_AUTH, self.server),
+                (ExtendedKeyUsageOID.CLIENT_AUTH, self.client),
+            )
+            if on
+        ]
+
+    @property
+    def alt_names(self) -> list[x509.GeneralName]:
+        names: list[x509.GeneralName] = [x509.DNSName(name) for name in self.dns_names]
+        return names + [x509.IPAddress(ipaddress.ip_address(ip)) for ip in self.ip_addresses]
 
 
 @dataclass(frozen=True)
@@ -112,16 +153,8 @@ def _certificates(pki: PKI) -> list[Path]:
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
-    """Atomic write, so a crash never leaves a half-written key for the next run."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # Atomic, so a crash never leaves a half-written key for the next run.
+    records.write_atomic(path, data, mode=mode)
 
 
 def _key_pem(key: PrivateKey) -> bytes:
@@ -161,26 +194,29 @@ def _builder(subject: x509.Name, issuer: x509.Name, key: PrivateKey) -> x509.Cer
     )
 
 
+def _key_usage(*, ca: bool) -> x509.KeyUsage:
+    """Signatures for every certificate (ECDSA: no key encipherment); a CA
+    also signs certificates and revocation lists."""
+    return x509.KeyUsage(
+        digital_signature=True,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
 def _make_ca(common_name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = _new_key()
     name = _name(common_name)
     cert = (
         _builder(name, name, key)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(ca=True), critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
@@ -188,48 +224,20 @@ def _make_ca(common_name: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivat
 
 
 def _make_leaf(
-    ca_cert: x509.Certificate,
-    ca_key: ec.EllipticCurvePrivateKey,
-    common_name: str,
-    *,
-    organization: str | None = None,
-    server: bool = False,
-    client: bool = False,
-    dns_names: tuple[str, ...] = (),
-    ip_addresses: tuple[str, ...] = (),
+    ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, leaf: Leaf
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = _new_key()
-    usages = []
-    if server:
-        usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
-    if client:
-        usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
     builder = (
-        _builder(_name(common_name, organization), ca_cert.subject, key)
+        _builder(leaf.subject, ca_cert.subject, key)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_encipherment=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                content_commitment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        .add_extension(_key_usage(ca=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(leaf.usages), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
         )
     )
-    if dns_names or ip_addresses:
-        alt_names: list[x509.GeneralName] = [x509.DNSName(name) for name in dns_names]
-        alt_names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses]
-        builder = builder.add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+    if leaf.alt_names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(leaf.alt_names), critical=False)
     return builder.sign(ca_key, hashes.SHA256()), key
 
 
@@ -279,35 +287,28 @@ def ensure_pki(directory: Path, *, apiserver_ips: tuple[str, ...] = ("127.0.0.1"
         pki.apiserver: _make_leaf(
             ca_cert,
             ca_key,
-            "kube-apiserver",
-            server=True,
-            dns_names=APISERVER_DNS_NAMES,
-            ip_addresses=apiserver_ips,
+            Leaf(
+                "kube-apiserver",
+                server=True,
+                dns_names=APISERVER_DNS_NAMES,
+                ip_addresses=apiserver_ips,
+            ),
         ),
         pki.admin: _make_leaf(
-            ca_cert, ca_key, "devcluster-admin", organization="system:masters", client=True
+            ca_cert, ca_key, Leaf("devcluster-admin", "system:masters", client=True)
         ),
         pki.controller_manager: _make_leaf(
-            ca_cert, ca_key, "system:kube-controller-manager", client=True
+            ca_cert, ca_key, Leaf("system:kube-controller-manager", client=True)
         ),
         pki.controller_manager_serving: _make_leaf(
-            ca_cert,
-            ca_key,
-            "kube-controller-manager",
-            server=True,
-            dns_names=("localhost",),
-            ip_addresses=("127.0.0.1",),
+            ca_cert, ca_key, Leaf.loopback_serving("kube-controller-manager")
         ),
         pki.apiserver_kubelet_client: _make_leaf(
-            ca_cert,
-            ca_key,
-            "kube-apiserver-kubelet-client",
-            organization="system:masters",
-            client=True,
+            ca_cert, ca_key, Leaf("kube-apiserver-kubelet-client", "system:masters", client=True)
         ),
         # The aggregation layer only trusts this CN (--requestheader-allowed-names).
         pki.front_proxy_client: _make_leaf(
-            front_ca_cert, front_ca_key, "front-proxy-client", client=True
+            front_ca_cert, front_ca_key, Leaf("front-proxy-client", client=True)
         ),
     }
     # RSA for the token signer: RS256 is what every token consumer supports.
@@ -334,36 +335,19 @@ def ensure_pki(directory: Path, *, apiserver_ips: tuple[str, ...] = ("127.0.0.1"
     return pki
 
 
-def ensure_leaf(
-    pki: PKI,
-    name: str,
-    common_name: str,
-    *,
-    organization: str | None = None,
-    server: bool = False,
-    client: bool = False,
-    dns_names: tuple[str, ...] = (),
-    ip_addresses: tuple[str, ...] = (),
-) -> CertPair:
+def ensure_leaf(pki: PKI, name: str, leaf: Leaf, *, directory: Path | None = None) -> CertPair:
     """An extra certificate `<name>.crt`/`.key` signed by the cluster CA (for
-    components beyond the control plane: scheduler, kubelet), reused while it
-    still matches: same CA, subject, SANs, usages and not near expiry.
+    components beyond the control plane: scheduler, kubelet, CSI sidecars),
+    reused while it still matches: same CA, subject, SANs, usages and not
+    near expiry. In the cluster's PKI directory unless `directory` is given
+    (which must exist).
 
     Call after `ensure_pki`: a regenerated CA makes every leaf of the old one
     fail the check here, so they are reissued too.
     """
-    pair = CertPair(pki.directory / f"{name}.crt", pki.directory / f"{name}.key")
+    where = directory or pki.directory
+    pair = CertPair(where / f"{name}.crt", where / f"{name}.key")
     ca_cert = x509.load_pem_x509_certificate(pki.ca.cert.read_bytes())
-    subject = _name(common_name, organization)
-    wanted_ips = {ipaddress.ip_address(ip) for ip in ip_addresses}
-    wanted_usages = {
-        usage
-        for usage, on in (
-            (ExtendedKeyUsageOID.SERVER_AUTH, server),
-            (ExtendedKeyUsageOID.CLIENT_AUTH, client),
-        )
-        if on
-    }
     try:
         cert = x509.load_pem_x509_certificate(pair.cert.read_bytes())
         serialization.load_pem_private_key(pair.key.read_bytes(), password=None)
@@ -378,9 +362,9 @@ def ensure_leaf(
         usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
         deadline = datetime.datetime.now(datetime.UTC) + RENEW_BEFORE
         if (
-            cert.subject == subject
-            and sans == {*dns_names, *wanted_ips}
-            and usages == wanted_usages
+            cert.subject == leaf.subject
+            and sans == {name.value for name in leaf.alt_names}
+            and usages == set(leaf.usages)
             and cert.not_valid_after_utc > deadline
         ):
             return pair
@@ -389,16 +373,36 @@ def ensure_leaf(
     ca_key = serialization.load_pem_private_key(pki.ca.key.read_bytes(), password=None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise ValueError(f"{pki.ca.key}: expected an EC key")
-    cert, key = _make_leaf(
-        ca_cert,
-        ca_key,
-        common_name,
-        organization=organization,
-        server=server,
-        client=client,
-        dns_names=dns_names,
-        ip_addresses=ip_addresses,
-    )
+    cert, key = _make_leaf(ca_cert, ca_key, leaf)
     _write(pair.key, _key_pem(key), 0o600)
     _write(pair.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return pair
+
+
+def write_kubeconfig(path: Path, *, server: str, ca: Path, user: CertPair, context: str) -> None:
+    """A kubeconfig for `server` as the client certificate `user`, trusting `ca`.
+    Certificates are embedded, so the file keeps working when copied elsewhere;
+    mode 0600 from the start (it holds a private key)."""
+
+    def b64(file: Path) -> str:
+        return base64.b64encode(file.read_bytes()).decode()
+
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": context, "cluster": {"server": server, "certificate-authority-data": b64(ca)}}
+        ],
+        "users": [
+            {
+                "name": context,
+                "user": {
+                    "client-certificate-data": b64(user.cert),
+                    "client-key-data": b64(user.key),
+                },
+            }
+        ],
+        "contexts": [{"name": context, "context": {"cluster": context, "user": context}}],
+        "current-context": context,
+    }
+    records.write_atomic(path, yaml.safe_dump(config, sort_keys=False), mode=0o600)

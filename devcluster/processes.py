@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+
+from devcluster import records
 
 _PR_SET_PDEATHSIG = 1
 
@@ -34,20 +35,12 @@ class ProcessRecord:
     ports: list[int]
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        os.replace(tmp, path)
+        records.save(self, path)
 
     @classmethod
     def load(cls, path: Path) -> ProcessRecord:
-        data = json.loads(path.read_text())
-        return cls(
-            name=str(data["name"]),
-            pid=int(data["pid"]),
-            start_ticks=int(data["start_ticks"]),
-            argv=[str(arg) for arg in data["argv"]],
-            ports=[int(port) for port in data["ports"]],
-        )
+        """FileNotFoundError, or a ValueError for a record that is not one."""
+        return records.load(cls, path)
 
     def is_running(self) -> bool:
         """True while the very process we started (not a PID reuse) is alive."""

@@ -27,7 +27,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TypeVar
 
@@ -35,7 +35,8 @@ import pytest
 
 from devcluster import build, hostdeps, images
 from devcluster.cluster import LocalCluster, node_binaries
-from devcluster.controlplane import ControlPlane, ControlPlaneError, sweep_orphans
+from devcluster.controlplane import ControlPlane, ControlPlaneError
+from devcluster.registry import sweep_orphans
 
 FIXTURE = "control_plane"
 NODE_FIXTURE = "local_cluster"
@@ -72,50 +73,64 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return any(fixture in getattr(item, "fixturenames", ()) for item in session.items)
 
     if used(NODE_FIXTURE):
-        _prepare_node(session)
-    if not used(FIXTURE) and not used(NODE_FIXTURE):
-        return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    began = time.monotonic()
-    if not build.binaries_current() and reporter is not None:
-        reporter.write_line(
-            "devcluster: building etcd and Kubernetes binaries from the Go modules "
-            f"(cache {build.cache_root()}); a cold build takes several minutes"
-        )
-    try:
-        build.etcd_binary()
-        build.kubernetes_binaries()
-    except Exception as error:
-        # Reported by the fixture, so the tests that need it error with the
-        # reason (a failing hook here would be an INTERNALERROR instead).
-        session.config.stash[_build_error] = f"{type(error).__name__}: {error}"
-        return
-    elapsed = time.monotonic() - began
-    if elapsed > 5 and reporter is not None:
-        reporter.write_line(f"devcluster: binaries ready after {elapsed:.0f}s")
-
-
-def _prepare_node(session: pytest.Session) -> None:
-    """Debian packages, node binaries and images for `local_cluster`, before
-    any test runs (minutes when cold: longer than a test's timeout)."""
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    began = time.monotonic()
-    if reporter is not None:
-        reporter.write_line(
+        _prepare(
+            session,
+            _node_build_error,
+            "node tier",
+            _prepare_node,
             "devcluster: preparing the node tier (Debian packages, kubelet/scheduler/crictl, "
-            "images); cold, this takes many minutes"
+            "images); cold, this takes many minutes",
         )
+    if used(FIXTURE) or used(NODE_FIXTURE):
+        _prepare(
+            session,
+            _build_error,
+            "binaries",
+            _prepare_control_plane,
+            None
+            if build.binaries_current()
+            else "devcluster: building etcd and Kubernetes binaries from the Go modules "
+            f"(cache {build.cache_root()}); a cold build takes several minutes",
+        )
+
+
+def _prepare_control_plane() -> None:
+    build.etcd_binary()
+    build.kubernetes_binaries()
+
+
+def _prepare_node() -> None:
+    """Debian packages, node binaries and images for `local_cluster`."""
+    hostdeps.ensure()
+    node_binaries(build_missing=True)
+    # The fixture's cluster imports every image: its seeded store too.
+    images.ensure_seed([images.ensure_built(spec) for spec in images.IMAGES.values()])
+
+
+def _prepare(
+    session: pytest.Session,
+    failure: pytest.StashKey[str],
+    what: str,
+    work: Callable[[], None],
+    announce: str | None,
+) -> None:
+    """Run `work` (builds: minutes when cold, longer than a test's timeout)
+    before any test runs, saying so first when `announce` says what. A failure
+    is stashed under `failure` for the fixture to report, so the tests that
+    need it error with the reason (a failing hook here would be an
+    INTERNALERROR instead)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    began = time.monotonic()
+    if announce is not None and reporter is not None:
+        reporter.write_line(announce)
     try:
-        hostdeps.ensure()
-        node_binaries(build_missing=True)
-        # The fixture's cluster imports every image: its seeded store too.
-        images.ensure_seed([images.ensure_built(spec) for spec in images.IMAGES.values()])
+        work()
     except Exception as error:
-        session.config.stash[_node_build_error] = f"{type(error).__name__}: {error}"
+        session.config.stash[failure] = f"{type(error).__name__}: {error}"
         return
     elapsed = time.monotonic() - began
     if elapsed > 5 and reporter is not None:
-        reporter.write_line(f"devcluster: node tier ready after {elapsed:.0f}s")
+        reporter.write_line(f"devcluster: {what} ready after {elapsed:.0f}s")
 
 
 @contextlib.contextmanager
@@ -148,21 +163,8 @@ def control_plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
     Use `control_plane.kubeconfig` (admin) with the Kubernetes client, and
     `control_plane.kubectl` by path. Fails, never skips, when it cannot start.
     """
-    error = request.config.stash.get(_build_error, None)
-    if error is not None:
-        pytest.fail(f"devcluster: building the binaries failed: {error}", pytrace=False)
-    name: str | None = request.config.getoption("devcluster_name")
-    if name:
-        cluster = ControlPlane(name)
-        if not cluster.is_healthy():
-            _start(cluster)
-        yield cluster
-        return
-
-    # die_with_parent: even a SIGKILLed pytest takes its cluster along.
-    cluster = ControlPlane(f"pytest-{os.getpid()}", die_with_parent=True)
-    with private_cluster(request, cluster):
-        yield cluster
+    _fail_if_unprepared(request, "building the binaries", _build_error)
+    yield from _session_cluster(request, "devcluster_name", ControlPlane, f"pytest-{os.getpid()}")
 
 
 @pytest.fixture(scope="session")
@@ -171,25 +173,52 @@ def local_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     images (use `imagePullPolicy: IfNotPresent` or `Never`). Pod IPs are
     reachable from the test process. Fails, never skips, when it cannot start.
     """
-    for key in (_build_error, _node_build_error):
-        error = request.config.stash.get(key, None)
-        if error is not None:
-            pytest.fail(f"devcluster: preparing the node tier failed: {error}", pytrace=False)
-    name: str | None = request.config.getoption("devcluster_node")
-    if name:
-        cluster = LocalCluster(name)
-        if not cluster.is_healthy():
-            _start(cluster)
-        else:
-            cluster.load_images(cluster.image_names)
-        yield cluster
-        return
-    node = LocalCluster(f"pytest-{os.getpid()}-node", die_with_parent=True)
-    with private_cluster(request, node):
-        yield node
+    _fail_if_unprepared(request, "preparing the node tier", _build_error, _node_build_error)
+    yield from _session_cluster(
+        request, "devcluster_node", LocalCluster, f"pytest-{os.getpid()}-node"
+    )
 
 
 ClusterT = TypeVar("ClusterT", bound=ControlPlane)
+
+
+def _session_cluster(
+    request: pytest.FixtureRequest,
+    option: str,
+    kind: Callable[..., ClusterT],
+    private_name: str,
+) -> Iterator[ClusterT]:
+    """The body of a session fixture: the cluster named by `--<option>` if
+    given (see `_reused`), else this session's own `private_name`, stopped at
+    the end."""
+    name: str | None = request.config.getoption(option)
+    if name:
+        yield _reused(kind(name))
+        return
+    # die_with_parent: even a SIGKILLed pytest takes its cluster along.
+    with private_cluster(request, kind(private_name, die_with_parent=True)) as cluster:
+        yield cluster
+
+
+def _fail_if_unprepared(
+    request: pytest.FixtureRequest, what: str, *failures: pytest.StashKey[str]
+) -> None:
+    for key in failures:
+        error = request.config.stash.get(key, None)
+        if error is not None:
+            pytest.fail(f"devcluster: {what} failed: {error}", pytrace=False)
+
+
+def _reused(cluster: ClusterT) -> ClusterT:
+    """A named cluster (the developer's, for a fast edit-test loop): started
+    unless it is healthy, and left running after the session."""
+    if not cluster.is_healthy():
+        _start(cluster)
+    elif isinstance(cluster, LocalCluster):
+        # Images rebuilt since it started (an edit to sandbox-agent/) go in
+        # without a restart.
+        cluster.load_images(cluster.image_names)
+    return cluster
 
 
 @contextlib.contextmanager

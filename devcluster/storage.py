@@ -34,34 +34,20 @@ storage process is gone.
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
-import datetime
-import http.client
-import json
 import os
 import shutil
-import socket
 import subprocess
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from devcluster import build, pki, versions
-from devcluster.controlplane import (
-    Component,
-    ControlPlane,
-    ControlPlaneError,
-    Ports,
-    free_ports,
-)
+from devcluster import build, mounts, pki, probes, records, versions
+from devcluster.controlplane import Component, ControlPlane, ControlPlaneError, free_ports
+from devcluster.state import Ports
 
 DRIVER_NAME = "hostpath.csi.k8s.io"
 """The upstream hostpath driver's name, so manifests written for it work here."""
@@ -84,7 +70,6 @@ _CSI_TIMEOUT = "300s"
 _RETRY_MAX = "30s"
 # A unix socket path must fit sockaddr_un.sun_path (108 bytes incl. NUL).
 _MAX_SOCKET_PATH = 107
-_CERT_VALIDITY = datetime.timedelta(days=365)
 
 _CSI_SOURCE = Path(__file__).resolve().parent / "csi"
 _SIDECAR_ROLES = {
@@ -117,13 +102,42 @@ def _driver_requires() -> dict[str, str]:
     }
 
 
-def _snapshotter_packages() -> list[str]:
-    module = versions.CSI_SNAPSHOTTER_MODULE
-    return [f"{module}/cmd/snapshot-controller", f"{module}/cmd/csi-snapshotter"]
+@dataclass(frozen=True)
+class _UpstreamBuild:
+    """Commands of one upstream sidecar module, named like their components."""
+
+    name: str
+    module: str
+    version: str
+    commands: tuple[str, ...]
+    local_replaces: Mapping[str, str] = field(default_factory=dict)
+
+    def binaries(self, *, build_missing: bool) -> dict[str, Path]:
+        return build.go_module_binaries(
+            self.name,
+            self.module,
+            self.version,
+            [f"{self.module}/cmd/{command}" for command in self.commands],
+            local_replaces=self.local_replaces,
+            ldflags=f"-s -w -X main.version={self.version}",
+            build_missing=build_missing,
+        )
 
 
-def _provisioner_packages() -> list[str]:
-    return [f"{versions.CSI_PROVISIONER_MODULE}/cmd/csi-provisioner"]
+_UPSTREAM = (
+    _UpstreamBuild(
+        "csi-snapshotter",
+        versions.CSI_SNAPSHOTTER_MODULE,
+        versions.CSI_SNAPSHOTTER,
+        (SNAPSHOT_CONTROLLER, SNAPSHOTTER),
+        # Its go.mod points the client module at ./client, a nested module
+        # that is not part of the module zip: use the client's own tag.
+        {versions.CSI_SNAPSHOTTER_CLIENT_MODULE: versions.CSI_SNAPSHOTTER_CLIENT},
+    ),
+    _UpstreamBuild(
+        "csi-provisioner", versions.CSI_PROVISIONER_MODULE, versions.CSI_PROVISIONER, (PROVISIONER,)
+    ),
+)
 
 
 def manifests_dir() -> Path:
@@ -135,63 +149,24 @@ def manifests_dir() -> Path:
     )
 
 
-def storage_paths() -> dict[str, Path]:
-    """Where the storage binaries are (or will be); builds nothing."""
-    own = build.go_source_paths(
-        "csi-devcluster", _CSI_SOURCE, _driver_requires(), ["hostpathplugin", "registrar"]
-    )
-    snap = build.go_module_paths(
-        "csi-snapshotter", versions.CSI_SNAPSHOTTER, _snapshotter_packages()
-    )
-    prov = build.go_module_paths(
-        "csi-provisioner", versions.CSI_PROVISIONER, _provisioner_packages()
-    )
-    return {
-        DRIVER: own["hostpathplugin"],
-        REGISTRAR: own["registrar"],
-        PROVISIONER: prov["csi-provisioner"],
-        SNAPSHOT_CONTROLLER: snap["snapshot-controller"],
-        SNAPSHOTTER: snap["csi-snapshotter"],
-    }
-
-
 def storage_binaries(*, build_missing: bool = True) -> dict[str, Path]:
     """The storage binaries by component name, building the missing ones
-    (cold: a few minutes on 2 cores) and copying the manifests."""
-    if not build_missing:
-        return storage_paths()
+    (cold: a few minutes on 2 cores) and copying the manifests;
+    `build_missing=False` only says where they are (or will be)."""
     own = build.go_source_binaries(
         "csi-devcluster",
         _CSI_SOURCE,
         _driver_requires(),
         ["hostpathplugin", "registrar"],
         ldflags=f"-s -w -X main.version=devcluster-{versions.KUBERNETES}",
+        build_missing=build_missing,
     )
-    snap = build.go_module_binaries(
-        "csi-snapshotter",
-        versions.CSI_SNAPSHOTTER_MODULE,
-        versions.CSI_SNAPSHOTTER,
-        _snapshotter_packages(),
-        # Its go.mod points the client module at ./client, a nested module
-        # that is not part of the module zip: use the client's own tag.
-        local_replaces={versions.CSI_SNAPSHOTTER_CLIENT_MODULE: versions.CSI_SNAPSHOTTER_CLIENT},
-        ldflags=f"-s -w -X main.version={versions.CSI_SNAPSHOTTER}",
-    )
-    prov = build.go_module_binaries(
-        "csi-provisioner",
-        versions.CSI_PROVISIONER_MODULE,
-        versions.CSI_PROVISIONER,
-        _provisioner_packages(),
-        ldflags=f"-s -w -X main.version={versions.CSI_PROVISIONER}",
-    )
-    _ensure_manifests()
-    return {
-        DRIVER: own["hostpathplugin"],
-        REGISTRAR: own["registrar"],
-        PROVISIONER: prov["csi-provisioner"],
-        SNAPSHOT_CONTROLLER: snap["snapshot-controller"],
-        SNAPSHOTTER: snap["csi-snapshotter"],
-    }
+    found = {DRIVER: own["hostpathplugin"], REGISTRAR: own["registrar"]}
+    for upstream in _UPSTREAM:
+        found.update(upstream.binaries(build_missing=build_missing))
+    if build_missing:
+        _ensure_manifests()
+    return found
 
 
 def csi_sanity_binary() -> Path:
@@ -201,13 +176,6 @@ def csi_sanity_binary() -> Path:
     return build.go_module_binaries(
         "csi-sanity", module, versions.CSI_TEST, [f"{module}/cmd/csi-sanity"]
     )["csi-sanity"]
-
-
-def storage_binaries_current() -> bool:
-    paths = [*storage_paths().values(), *(manifests_dir() / name for name in _CRD_FILES)]
-    return all(path.exists() for path in paths) and all(
-        build._is_current(path) for path in storage_paths().values()
-    )
 
 
 def _module_dir(module: str, version: str) -> Path:
@@ -310,6 +278,15 @@ class StoragePorts:
     snapshotter: int
 
 
+@dataclass(frozen=True)
+class _PortsRecord:
+    """`ports.json`: the sidecars' ports and the API server port of the start
+    that chose them."""
+
+    apiserver: int
+    sidecars: StoragePorts
+
+
 def _storage_ports(layout: StorageLayout, ports: Ports) -> StoragePorts:
     """The sidecars' ports for this start of the cluster.
 
@@ -317,136 +294,21 @@ def _storage_ports(layout: StorageLayout, ports: Ports) -> StoragePorts:
     again by stop() and status() and must then describe the same processes;
     a new start (new API server port, also after a port collision) chooses anew.
     """
-    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
-        data = json.loads(layout.ports_file.read_text())
-        if data["apiserver"] == ports.apiserver:
-            return StoragePorts(**data["sidecars"])
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        recorded = records.load(_PortsRecord, layout.ports_file)
+        if recorded.apiserver == ports.apiserver:
+            return recorded.sidecars
     chosen = StoragePorts(*free_ports(3))
     layout.root.mkdir(parents=True, exist_ok=True)
-    tmp = layout.ports_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"apiserver": ports.apiserver, "sidecars": asdict(chosen)}))
-    os.replace(tmp, layout.ports_file)
+    records.save(_PortsRecord(ports.apiserver, chosen), layout.ports_file)
     return chosen
-
-
-def _issue_client_cert(certs: pki.PKI, user: str, directory: Path) -> tuple[Path, Path]:
-    """A client certificate CN=<user> signed by the cluster CA (reused while valid).
-
-    Each sidecar authenticates as its own user, bound by install_storage_objects
-    to the upstream ClusterRole of that sidecar: least privilege, as upstream
-    deploys them (minus the leader-election Role: leader election is off).
-    """
-    cert_path, key_path = directory / f"{user}.crt", directory / f"{user}.key"
-    ca_cert = x509.load_pem_x509_certificate(certs.ca.cert.read_bytes())
-    # Any failure to load or verify the old one just means a new one.
-    with contextlib.suppress(Exception):
-        existing = x509.load_pem_x509_certificate(cert_path.read_bytes())
-        existing.verify_directly_issued_by(ca_cert)
-        fresh = existing.not_valid_after_utc > datetime.datetime.now(
-            datetime.UTC
-        ) + datetime.timedelta(days=1)
-        if fresh and key_path.exists():
-            return cert_path, key_path
-    ca_key = serialization.load_pem_private_key(certs.ca.key.read_bytes(), password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise StorageError(f"unexpected CA key type in {certs.ca.key}")
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, user)]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + _CERT_VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    directory.chmod(0o700)
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    key_path.chmod(0o600)
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return cert_path, key_path
 
 
 def _user_name(component: str) -> str:
     return f"devcluster:{component}"
 
 
-def _write_kubeconfig(path: Path, server: str, ca: Path, cert: Path, key: Path) -> None:
-    def b64(file: Path) -> str:
-        return base64.b64encode(file.read_bytes()).decode()
-
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {"name": "local", "cluster": {"server": server, "certificate-authority-data": b64(ca)}}
-        ],
-        "users": [
-            {
-                "name": "sidecar",
-                "user": {"client-certificate-data": b64(cert), "client-key-data": b64(key)},
-            }
-        ],
-        "contexts": [{"name": "sidecar", "context": {"cluster": "local", "user": "sidecar"}}],
-        "current-context": "sidecar",
-    }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(config, sort_keys=False))
-    tmp.chmod(0o600)
-    os.replace(tmp, path)
-
-
 # ---- readiness and cleanup -----------------------------------------------------------
-
-
-def unix_socket_accepts(path: Path) -> bool:
-    """True when something accepts connections on the unix socket `path`
-    (a gRPC server that listens there serves it)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(2.0)
-        try:
-            sock.connect(str(path))
-        except OSError:
-            return False
-    return True
-
-
-def http_ok(port: int, path: str = "/metrics") -> bool:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
-    try:
-        connection.request("GET", path)
-        response = connection.getresponse()
-        response.read()
-        return response.status == 200
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        connection.close()
-
-
-def _mount_points_under(root: Path) -> list[Path]:
-    """Mount points at or below `root`, deepest first (from /proc/self/mountinfo)."""
-    found = []
-    prefix = str(root.resolve()) if root.exists() else str(root)
-    with contextlib.suppress(FileNotFoundError):
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            fields = line.split()
-            if len(fields) > 4:
-                point = fields[4].encode().decode("unicode_escape")
-                if point == prefix or point.startswith(prefix + "/"):
-                    found.append(Path(point))
-    return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
 def remove_storage_state(layout: StorageLayout) -> None:
@@ -455,9 +317,9 @@ def remove_storage_state(layout: StorageLayout) -> None:
     Anything still mounted below the storage dir is unmounted first, so that
     the removal never reaches into another filesystem through a mount point.
     """
-    for point in _mount_points_under(layout.root):
-        subprocess.run(["umount", "--lazy", str(point)], capture_output=True, check=False)
-    if _mount_points_under(layout.root):
+    for point in mounts.mount_points_under(layout.root):
+        mounts.unmount(point)
+    if mounts.mount_points_under(layout.root):
         raise StorageError(f"could not unmount everything below {layout.root}")
     shutil.rmtree(layout.root, ignore_errors=True)
     if layout.root.exists():
@@ -507,10 +369,19 @@ def storage_components(
     server = cluster.server
     kubeconfigs: dict[str, Path] = {}
     users = [PROVISIONER, *((SNAPSHOT_CONTROLLER, SNAPSHOTTER) if snapshots else ())]
+    # Each sidecar authenticates as its own user, bound by install_storage_objects
+    # to the upstream ClusterRole of that sidecar: least privilege, as upstream
+    # deploys them (minus the leader-election Role: leader election is off).
+    layout.credentials_dir.mkdir(mode=0o700, exist_ok=True)
     for component in users:
-        cert, key = _issue_client_cert(certs, _user_name(component), layout.credentials_dir)
+        user = _user_name(component)
+        pair = pki.ensure_leaf(
+            certs, user, pki.Leaf(user, client=True), directory=layout.credentials_dir
+        )
         kubeconfigs[component] = layout.kubeconfig(component)
-        _write_kubeconfig(kubeconfigs[component], server, certs.ca.cert, cert, key)
+        pki.write_kubeconfig(
+            kubeconfigs[component], server=server, ca=certs.ca.cert, user=pair, context=user
+        )
     csi_address = str(layout.socket)
 
     components = [
@@ -524,7 +395,7 @@ def storage_components(
                 f"--datadir={layout.data_dir}",
                 f"--snapshots={'true' if snapshots else 'false'}",
             ],
-            ready=lambda: unix_socket_accepts(layout.socket),
+            ready=lambda: probes.unix_socket_accepts(layout.socket),
             ready_timeout=30.0,
             post_start=(
                 (lambda: install_storage_objects(cluster.kubeconfig, snapshots=snapshots))
@@ -560,7 +431,7 @@ def storage_components(
                 ],
                 # Serving the registration socket; the kubelet's confirmation
                 # (registrar.status, CSINode) follows when the kubelet runs.
-                ready=lambda: unix_socket_accepts(registration),
+                ready=lambda: probes.unix_socket_accepts(registration),
                 ready_timeout=60.0,
                 cleanup=remove_registration,
             )
@@ -583,7 +454,7 @@ def storage_components(
             argv=provisioner_argv,
             # The metrics endpoint opens once the provisioner has connected to
             # the driver and learnt its name.
-            ready=lambda: http_ok(sidecar_ports.provisioner),
+            ready=lambda: probes.http_ok(sidecar_ports.provisioner, "/metrics"),
             ready_timeout=120.0,
         )
     )
@@ -600,7 +471,7 @@ def storage_components(
                     "--v=2",
                 ],
                 # Serves only after it found the VolumeSnapshot CRDs.
-                ready=lambda: http_ok(sidecar_ports.snapshot_controller),
+                ready=lambda: probes.http_ok(sidecar_ports.snapshot_controller, "/metrics"),
                 ready_timeout=90.0,
             ),
             Component(
@@ -616,7 +487,7 @@ def storage_components(
                     "--extra-create-metadata",
                     "--v=2",
                 ],
-                ready=lambda: http_ok(sidecar_ports.snapshotter),
+                ready=lambda: probes.http_ok(sidecar_ports.snapshotter, "/metrics"),
                 ready_timeout=90.0,
             ),
         ]

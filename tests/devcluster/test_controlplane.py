@@ -9,8 +9,6 @@ the operator's integration tests.
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -20,22 +18,13 @@ from kubernetes.client import ApiException
 
 from devcluster import versions
 from devcluster.controlplane import ControlPlane
+from tests.devcluster.support import kubectl, wait_for
 
 pytestmark = pytest.mark.integration
 
 # Controllers react within seconds here; the bound only keeps a broken
 # controller from hanging the suite.
 WAIT = 60.0
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = WAIT) -> float:
-    """Poll until `condition()` is true; return the seconds it took."""
-    began = time.monotonic()
-    while not condition():
-        if time.monotonic() - began > timeout:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.2)
-    return time.monotonic() - began
 
 
 def is_gone(read: Callable[[], object]) -> bool:
@@ -69,23 +58,10 @@ def namespace(api: client.ApiClient) -> Iterator[str]:
 
 
 def test_kubectl_by_path_reports_pinned_server_version(control_plane: ControlPlane) -> None:
-    result = subprocess.run(
-        control_plane.kubectl_command("version", "--output=json"),
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    reported = json.loads(result.stdout)
+    reported = json.loads(kubectl(control_plane, "version", "--output=json", check=True).stdout)
     assert reported["serverVersion"]["gitVersion"] == versions.KUBERNETES
     assert reported["clientVersion"]["gitVersion"] == versions.KUBERNETES
-    readyz = subprocess.run(
-        control_plane.kubectl_command("get", "--raw=/readyz"),
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
+    readyz = kubectl(control_plane, "get", "--raw=/readyz", check=True)
     assert readyz.stdout.strip() == "ok"
 
 
@@ -154,23 +130,18 @@ def test_service_account_without_bindings_is_forbidden(
                 raise
             return True
 
-        wait_for(can_list, "the RoleBinding to take effect")
+        wait_for(can_list, "the RoleBinding to take effect", WAIT)
 
 
 def test_kubectl_auth_can_i_as_service_account(control_plane: ControlPlane, namespace: str) -> None:
-    result = subprocess.run(
-        control_plane.kubectl_command(
-            "auth",
-            "can-i",
-            "list",
-            "pods",
-            f"--namespace={namespace}",
-            f"--as=system:serviceaccount:{namespace}:nobody",
-        ),
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
+    result = kubectl(
+        control_plane,
+        "auth",
+        "can-i",
+        "list",
+        "pods",
+        f"--namespace={namespace}",
+        f"--as=system:serviceaccount:{namespace}:nobody",
     )
     # can-i exits 1 and says "no" when denied.
     assert (result.returncode, result.stdout.strip()) == (1, "no"), result.stderr
@@ -203,6 +174,7 @@ def test_garbage_collector_deletes_dependents(api: client.ApiClient, namespace: 
     wait_for(
         lambda: is_gone(lambda: core.read_namespaced_config_map("dependent", namespace)),
         "the garbage collector to delete the dependent ConfigMap",
+        WAIT,
     )
     # Only dependents of the deleted owner go.
     assert core.read_namespaced_config_map("bystander", namespace).data == {"k": "bystander"}
@@ -214,6 +186,7 @@ def test_garbage_collector_deletes_dependents(api: client.ApiClient, namespace: 
     wait_for(
         lambda: is_gone(lambda: core.read_namespaced_config_map("other-owner", namespace)),
         "foreground deletion of the owner",
+        WAIT,
     )
     assert is_gone(lambda: core.read_namespaced_config_map("bystander", namespace))
 
@@ -233,7 +206,9 @@ def test_namespace_deletion_completes(api: client.ApiClient) -> None:
     core.delete_namespace(name)
     # The namespace controller has to empty it and remove the `kubernetes`
     # finalizer; without a working controller it would stay Terminating forever.
-    wait_for(lambda: is_gone(lambda: core.read_namespace(name)), f"namespace {name} to go away")
+    wait_for(
+        lambda: is_gone(lambda: core.read_namespace(name)), f"namespace {name} to go away", WAIT
+    )
 
 
 def test_service_account_controllers_populate_new_namespace(
@@ -244,11 +219,13 @@ def test_service_account_controllers_populate_new_namespace(
     wait_for(
         lambda: not is_gone(lambda: core.read_namespaced_service_account("default", namespace)),
         "the default ServiceAccount",
+        WAIT,
     )
     # root-ca-cert-publisher: the CA bundle pods use to trust the API server.
     wait_for(
         lambda: not is_gone(lambda: core.read_namespaced_config_map("kube-root-ca.crt", namespace)),
         "the kube-root-ca.crt ConfigMap",
+        WAIT,
     )
     # serviceaccount-token controller: fills a legacy token Secret on request.
     core.create_namespaced_secret(
@@ -266,4 +243,4 @@ def test_service_account_controllers_populate_new_namespace(
         data = core.read_namespaced_secret("default-token", namespace).data or {}
         return {"token", "ca.crt", "namespace"} <= set(data)
 
-    wait_for(token_filled, "the token controller to fill the Secret")
+    wait_for(token_filled, "the token controller to fill the Secret", WAIT)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -19,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from devcluster import pki, processes
-from devcluster.controlplane import Component, ControlPlane, ControlPlaneError, Ports
+from devcluster.controlplane import Component, ControlPlane, ControlPlaneError
+from devcluster.state import Ports
+from tests.devcluster.support import devcluster_cli, processes_using
 
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def assert_nothing_left(
@@ -42,21 +40,6 @@ def assert_nothing_left(
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", port))
             sock.listen()
-
-
-def processes_using(state_dir: Path) -> list[int]:
-    """PIDs of live processes with the state dir on their command line."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or processes.is_zombie(int(entry.name)):
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if str(state_dir).encode() in cmdline:
-            found.append(int(entry.name))
-    return found
 
 
 def snapshot(cluster: ControlPlane) -> tuple[dict[str, int], dict[str, int | None], list[int]]:
@@ -111,48 +94,37 @@ def test_start_cleans_up_a_stale_cluster(
     assert set(fresh.pids().values()).isdisjoint(pids.values())
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "devcluster", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-
-
 def test_cli_up_is_idempotent_and_down_removes_everything(control_plane: ControlPlane) -> None:
     name = f"pytest-{os.getpid()}-cli"
     cluster = ControlPlane(name)
     try:
-        up = run_cli("up", "--name", name)
+        up = devcluster_cli("up", "--name", name)
         assert up.returncode == 0, up.stderr
         assert Path(up.stdout.strip()) == cluster.kubeconfig
         # The CLI has exited; its cluster keeps running.
-        assert run_cli("status", "--name", name).returncode == 0
+        assert devcluster_cli("status", "--name", name).returncode == 0
         pids, ticks, ports = snapshot(cluster)
 
-        again = run_cli("up", "--name", name)
+        again = devcluster_cli("up", "--name", name)
         assert again.returncode == 0, again.stderr
         assert "already running" in again.stderr
         assert cluster.pids() == pids, "a second `up` of a healthy cluster restarted it"
 
         os.killpg(pids["kube-controller-manager"], signal.SIGKILL)
         time.sleep(0.5)
-        assert run_cli("status", "--name", name).returncode == 1
-        restarted = run_cli("up", "--name", name)
+        assert devcluster_cli("status", "--name", name).returncode == 1
+        restarted = devcluster_cli("up", "--name", name)
         assert restarted.returncode == 0, restarted.stderr
         assert cluster.is_healthy()
         assert_nothing_left(pids, ticks, [])
 
         pids, ticks, ports = snapshot(cluster)
-        down = run_cli("down", "--name", name)
+        down = devcluster_cli("down", "--name", name)
         assert down.returncode == 0, down.stderr
         assert_nothing_left(pids, ticks, ports)
         assert processes_using(cluster.state_dir) == []
         assert not cluster.state_dir.exists()
-        assert run_cli("down", "--name", name).returncode == 0, "down twice must work"
+        assert devcluster_cli("down", "--name", name).returncode == 0, "down twice must work"
     finally:
         cluster.stop(remove_state=True)
 

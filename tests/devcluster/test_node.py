@@ -14,36 +14,68 @@ from __future__ import annotations
 import contextlib
 import http.client
 import ipaddress
+import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from devcluster import images, network, processes, versions
-from devcluster.cluster import LocalCluster, _cgroup_hierarchies, _mount_points_under
+from devcluster import images, mounts, network, processes, versions
+from devcluster.cluster import POD_PIDS_LIMIT, LocalCluster
+from tests.devcluster.support import (
+    devcluster_cli,
+    kubectl,
+    processes_using,
+    wait_for,
+)
 from tests.kube import KubeJSON, core_path
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-WAIT = 120.0
 JSON = dict[str, Any]
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = WAIT) -> float:
-    """Poll until `condition()`; returns the seconds it took."""
-    began = time.monotonic()
-    while not condition():
-        if time.monotonic() - began > timeout:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.2)
-    return time.monotonic() - began
+@dataclass(frozen=True)
+class Pods:
+    """Pods in one namespace of a node cluster: run them, read their logs."""
+
+    cluster: LocalCluster
+    kube: KubeJSON
+    namespace: str
+
+    def run(self, body: JSON) -> JSON:
+        """Create the pod and return it once it finished (Succeeded/Failed) or,
+        with restartPolicy Always, once all its containers are ready."""
+        name = body["metadata"]["name"]
+        serves = body["spec"].get("restartPolicy") == "Always"
+        self.kube.create(core_path("pods", self.namespace), body)
+        path = core_path("pods", self.namespace, name)
+        latest: JSON = {}
+
+        def settled() -> bool:
+            nonlocal latest
+            latest = self.kube.read(path)
+            status = latest.get("status", {})
+            if status.get("phase") in ("Succeeded", "Failed"):
+                return True
+            ready = [c.get("ready") for c in status.get("containerStatuses", [])]
+            return serves and bool(ready) and all(ready)
+
+        wait_for(settled, f"pod {self.namespace}/{name} to run or finish")
+        return latest
+
+    def logs(self, name: str) -> str:
+        """The container log: kubectl -> API server -> the kubelet's TLS port."""
+        proc = kubectl(self.cluster, "logs", "-n", self.namespace, name)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
 
 
 @pytest.fixture
@@ -53,11 +85,8 @@ def kube(local_cluster: LocalCluster) -> Iterator[KubeJSON]:
 
 
 @pytest.fixture
-def namespace(kube: KubeJSON) -> Iterator[str]:
-    name = f"node-{uuid.uuid4().hex[:8]}"
-    kube.create(core_path("namespaces"), {"metadata": {"name": name}})
-    yield name
-    kube.delete(core_path("namespaces", name=name))
+def pods(local_cluster: LocalCluster, kube: KubeJSON, namespace: str) -> Pods:
+    return Pods(local_cluster, kube, namespace)
 
 
 def restricted(uid: int, *, read_only: bool = True) -> JSON:
@@ -93,41 +122,6 @@ def pod(name: str, image: str, command: list[str] | None, **spec: Any) -> JSON:
     }
 
 
-def run(kube: KubeJSON, namespace: str, body: JSON) -> JSON:
-    """Create the pod and return it once it finished (Succeeded/Failed) or,
-    with restartPolicy Always, once all its containers are ready."""
-    name = body["metadata"]["name"]
-    serves = body["spec"].get("restartPolicy") == "Always"
-    kube.create(core_path("pods", namespace), body)
-    path = core_path("pods", namespace, name)
-    latest: JSON = {}
-
-    def settled() -> bool:
-        nonlocal latest
-        latest = kube.read(path)
-        status = latest.get("status", {})
-        if status.get("phase") in ("Succeeded", "Failed"):
-            return True
-        ready = [c.get("ready") for c in status.get("containerStatuses", [])]
-        return serves and bool(ready) and all(ready)
-
-    wait_for(settled, f"pod {namespace}/{name} to run or finish")
-    return latest
-
-
-def logs(cluster: LocalCluster, namespace: str, name: str) -> str:
-    """The container log: kubectl -> API server -> the kubelet's TLS port."""
-    proc = subprocess.run(
-        cluster.kubectl_command("logs", "-n", namespace, name),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
 def http_get(host: str, port: int, path: str) -> tuple[int, str]:
     connection = http.client.HTTPConnection(host, port, timeout=5.0)
     try:
@@ -160,9 +154,7 @@ def test_node_registers_ready_with_its_pod_subnet(
         assert spec.reference in present, f"{spec.reference} not imported"
 
 
-def test_python_runtime_pod_runs_and_its_log_is_readable(
-    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
-) -> None:
+def test_python_runtime_pod_runs_and_its_log_is_readable(pods: Pods) -> None:
     body = pod(
         "hello",
         "sandbox-runtime-python:dev",
@@ -170,13 +162,13 @@ def test_python_runtime_pod_runs_and_its_log_is_readable(
         securityContext={"fsGroup": 1000},
         container={"securityContext": restricted(1000)},
     )
-    finished = run(kube, namespace, body)
+    finished = pods.run(body)
     assert finished["status"]["phase"] == "Succeeded", finished["status"]
-    assert logs(local_cluster, namespace, "hello").strip() == "hello (3, 11) 1000"
+    assert pods.logs("hello").strip() == "hello (3, 11) 1000"
 
 
 def test_this_host_reaches_a_pod_ip_and_emptydir_is_shared(
-    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
+    local_cluster: LocalCluster, pods: Pods
 ) -> None:
     marker = uuid.uuid4().hex
     body = pod(
@@ -201,16 +193,14 @@ def test_this_host_reaches_a_pod_ip_and_emptydir_is_shared(
             "readinessProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 1},
         },
     )
-    running = run(kube, namespace, body)
+    running = pods.run(body)
     ip = running["status"]["podIP"]
     assert ipaddress.ip_address(ip) in local_cluster.pod_network.subnet
     status, text = http_get(ip, 8000, "/index.html")
     assert (status, text.strip()) == (200, marker)
 
 
-def test_hostport_reaches_the_pod_through_portmap(
-    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
-) -> None:
+def test_hostport_reaches_the_pod_through_portmap(local_cluster: LocalCluster, pods: Pods) -> None:
     # Below the range the clusters' own ports come from (20000 and up): a
     # hostPort DNATs every local connection to that port.
     host_port = 18100 + int(uuid.uuid4().hex[:4], 16) % 800
@@ -225,7 +215,7 @@ def test_hostport_reaches_the_pod_through_portmap(
             "readinessProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 1},
         },
     )
-    run(kube, namespace, body)
+    pods.run(body)
     net = local_cluster.pod_network
     assert network.rules_of(net), "portmap added no rules carrying the network's name"
     status, text = http_get(net.gateway, host_port, "/hostname")
@@ -233,33 +223,23 @@ def test_hostport_reaches_the_pod_through_portmap(
     assert text.strip() == "mapped"
 
 
-def test_image_without_python_fails_clearly_and_runs_a_shell(
-    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
-) -> None:
-    failed = run(
-        kube,
-        namespace,
+def test_image_without_python_fails_clearly_and_runs_a_shell(pods: Pods) -> None:
+    failed = pods.run(
         pod("python", "sandbox-runtime-nopython:dev", ["python3", "-c", "print(1)"]),
     )
     assert failed["status"]["phase"] == "Failed"
     terminated = failed["status"]["containerStatuses"][0]["state"]["terminated"]
     assert terminated["reason"] == "StartError"
     assert "python3" in terminated["message"]
-    shell = run(
-        kube,
-        namespace,
+    shell = pods.run(
         pod("shell", "sandbox-runtime-nopython:dev", ["sh", "-c", "echo shell-ok"]),
     )
     assert shell["status"]["phase"] == "Succeeded"
-    assert logs(local_cluster, namespace, "shell").strip() == "shell-ok"
+    assert pods.logs("shell").strip() == "shell-ok"
 
 
-def test_node_and_operator_images_run_read_only_and_non_root(
-    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
-) -> None:
-    node = run(
-        kube,
-        namespace,
+def test_node_and_operator_images_run_read_only_and_non_root(pods: Pods) -> None:
+    node = pods.run(
         pod(
             "node",
             "sandbox-runtime-node:dev",
@@ -268,10 +248,8 @@ def test_node_and_operator_images_run_read_only_and_non_root(
         ),
     )
     assert node["status"]["phase"] == "Succeeded", node["status"]
-    assert logs(local_cluster, namespace, "node").split()[:2] == ["42", "Python"]
-    operator = run(
-        kube,
-        namespace,
+    assert pods.logs("node").split()[:2] == ["42", "Python"]
+    operator = pods.run(
         pod(
             "operator",
             "sandbox-operator:dev",
@@ -280,11 +258,11 @@ def test_node_and_operator_images_run_read_only_and_non_root(
         ),
     )
     assert operator["status"]["phase"] == "Succeeded", operator["status"]
-    assert "kopf" in logs(local_cluster, namespace, "operator").lower()
+    assert "kopf" in pods.logs("operator").lower()
 
 
 def test_agent_image_serves_as_uid_65532_on_a_read_only_root(
-    kube: KubeJSON, namespace: str
+    kube: KubeJSON, namespace: str, pods: Pods
 ) -> None:
     kube.create(
         core_path("secrets", namespace),
@@ -314,14 +292,14 @@ def test_agent_image_serves_as_uid_65532_on_a_read_only_root(
             "readinessProbe": {"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 1},
         },
     )
-    running = run(kube, namespace, body)
+    running = pods.run(body)
     assert running["status"]["phase"] == "Running", running["status"]
     status, _ = http_get(running["status"]["podIP"], 8080, "/healthz")
     assert status == 200
 
 
 def test_a_pod_reaches_the_api_server_with_the_in_cluster_env(
-    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
+    kube: KubeJSON, namespace: str, local_cluster: LocalCluster, pods: Pods
 ) -> None:
     # kube-root-ca.crt is published into every namespace by the controller
     # manager; verifying against it checks the serving certificate's IP SANs.
@@ -349,17 +327,15 @@ def test_a_pod_reaches_the_api_server_with_the_in_cluster_env(
             "securityContext": restricted(1000),
         },
     )
-    finished = run(kube, namespace, body)
-    assert finished["status"]["phase"] == "Succeeded", logs(local_cluster, namespace, "api")
-    assert logs(local_cluster, namespace, "api").strip() == versions.KUBERNETES
+    finished = pods.run(body)
+    assert finished["status"]["phase"] == "Succeeded", pods.logs("api")
+    assert pods.logs("api").strip() == versions.KUBERNETES
     # The `kubernetes` Service points at the same address (lease reconciler).
     endpoints = kube.read(core_path("endpoints", "default", "kubernetes"))
     assert endpoints["subsets"][0]["addresses"][0]["ip"] == local_cluster.apiserver_host
 
 
-def test_pause_reaps_orphans_of_a_shared_process_namespace(
-    kube: KubeJSON, namespace: str, local_cluster: LocalCluster
-) -> None:
+def test_pause_reaps_orphans_of_a_shared_process_namespace(pods: Pods) -> None:
     # With a shared PID namespace the pause process is PID 1 of the pod: an
     # orphan that exits becomes its zombie until it reaps it.
     script = (
@@ -384,9 +360,94 @@ def test_pause_reaps_orphans_of_a_shared_process_namespace(
         shareProcessNamespace=True,
         container={"securityContext": restricted(1000)},
     )
-    finished = run(kube, namespace, body)
+    finished = pods.run(body)
     assert finished["status"]["phase"] == "Succeeded", finished["status"]
-    assert logs(local_cluster, namespace, "reaper").split() == ["/pause", "0"]
+    assert pods.logs("reaper").split() == ["/pause", "0"]
+
+
+# Run in the pod: start processes (posix_spawn of sleep: cheap, no copy of the
+# interpreter) until the kernel refuses one, try one plain fork() at that
+# point, then kill them all and report. The cap stops a node without a limit
+# from being flooded: reaching it means no limit applied.
+_FORK_BOMB = """
+import errno, json, os, signal, sys, time
+cap = int(sys.argv[1])
+children, spawn_error, fork_error = [], None, None
+while len(children) < cap:
+    try:
+        children.append(os.posix_spawn("/bin/sleep", ["sleep", "600"], {}))
+    except OSError as error:
+        spawn_error = errno.errorcode.get(error.errno, str(error.errno))
+        break
+if spawn_error is not None:
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+    except OSError as error:
+        fork_error = errno.errorcode.get(error.errno, str(error.errno))
+for pid in children:
+    os.kill(pid, signal.SIGKILL)
+for pid in children:
+    os.waitpid(pid, 0)
+print(json.dumps({"started": len(children), "spawn": spawn_error, "fork": fork_error}), flush=True)
+time.sleep(600)
+"""
+
+
+def _pod_cgroup(cluster: LocalCluster, controller: str, uid: str) -> Path:
+    """The pod's cgroup in one v1 hierarchy (the kubelet's cgroupfs layout:
+    <cgroupRoot>/kubepods[/<qos class>]/pod<uid>)."""
+    hierarchy = mounts.cgroup_hierarchy(controller)
+    assert hierarchy is not None, f"no {controller} cgroup hierarchy on this host"
+    found = list((hierarchy / cluster.cgroup_root.lstrip("/")).glob(f"kubepods/**/pod{uid}"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_pod_pid_limit_is_in_its_cgroup_and_stops_a_fork_bomb(
+    local_cluster: LocalCluster, pods: Pods
+) -> None:
+    body = pod(
+        "forks",
+        "sandbox-runtime-python:dev",
+        ["python3", "-c", _FORK_BOMB, str(POD_PIDS_LIMIT + 64)],
+        restartPolicy="Always",
+        container={"securityContext": restricted(1000)},
+    )
+    running = pods.run(body)
+    cgroup = _pod_cgroup(local_cluster, "pids", running["metadata"]["uid"])
+    assert (cgroup / "pids.max").read_text().strip() == str(POD_PIDS_LIMIT)
+
+    report: dict[str, Any] = {}
+
+    def reported() -> bool:
+        nonlocal report
+        lines = pods.logs("forks").splitlines()
+        report = json.loads(lines[-1]) if lines else {}
+        return bool(report)
+
+    wait_for(reported, "the fork bomb's report")
+    print(f"\nfork bomb against podPidsLimit {POD_PIDS_LIMIT}: {report}")
+    # Refused by the kernel with EAGAIN, a few short of the limit: the pause
+    # process and the python parent count too.
+    assert report["spawn"] == "EAGAIN", report
+    assert report["fork"] == "EAGAIN", report
+    assert POD_PIDS_LIMIT - 16 <= report["started"] < POD_PIDS_LIMIT, report
+    # ...and refused by the pids cgroup limit, not by some other one (an
+    # RLIMIT_NPROC of the user, the machine's pid_max): the refusals are
+    # counted in pids.events (by this kernel in the cgroup the fork came from,
+    # the container's; by others in the one whose limit was hit), and no cgroup
+    # of the pod has a lower limit than the pod's own.
+    tree = [cgroup, *(path for path in cgroup.rglob("*") if (path / "pids.max").is_file())]
+    refused = 0
+    for member in tree:
+        events = dict(line.split() for line in (member / "pids.events").read_text().splitlines())
+        refused += int(events["max"])
+        limit = (member / "pids.max").read_text().strip()
+        assert limit == "max" or int(limit) >= POD_PIDS_LIMIT, (member, limit)
+    assert refused >= 2, tree
 
 
 def test_pause_exits_zero_on_sigterm_and_sigint(tmp_path: Path) -> None:
@@ -427,17 +488,6 @@ def _shims_of(cluster: LocalCluster) -> list[int]:
     return found
 
 
-def _processes_using(state_dir: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or processes.is_zombie(int(entry.name)):
-            continue
-        with contextlib.suppress(OSError):
-            if str(state_dir).encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-    return found
-
-
 def _populate(cluster: LocalCluster) -> None:
     """Pods that leave every kind of trace: a hostPort (iptables), a Secret
     volume (tmpfs mount under the kubelet dir), an emptyDir, containers
@@ -465,7 +515,7 @@ def _populate(cluster: LocalCluster) -> None:
                 "readinessProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 1},
             },
         )
-        run(kube, "default", body)
+        Pods(cluster, kube, "default").run(body)
 
 
 def _assert_nothing_left(
@@ -474,8 +524,8 @@ def _assert_nothing_left(
     for name, pid in pids.items():
         assert processes.group_members(pid) == [], f"{name}'s process group survived"
     assert _shims_of(cluster) == []
-    assert _processes_using(cluster.state_dir) == []
-    assert _mount_points_under(cluster.state_dir) == []
+    assert processes_using(cluster.state_dir) == []
+    assert mounts.mount_points_under(cluster.state_dir) == []
     net = cluster.pod_network
     assert not network.bridge_exists(net.bridge)
     assert network.rules_of(net) == []
@@ -487,7 +537,7 @@ def _assert_nothing_left(
     # (other sessions' clusters may have some right now).
     if not any(line.startswith("-A CNI-HOSTPORT-DNAT ") for line in after):
         assert not [line for line in added if "CNI-HOSTPORT" in line], added
-    for hierarchy in _cgroup_hierarchies():
+    for hierarchy in mounts.cgroup_hierarchies():
         assert not (hierarchy / cluster.cgroup_root.lstrip("/")).exists()
     assert not cluster.node_dir.exists()
 
@@ -510,7 +560,7 @@ def test_stop_leaves_nothing_and_start_recovers_from_a_crash(
         assert set(cluster.pids().values()).isdisjoint(first.values())
         _populate(cluster)
         assert _shims_of(cluster)
-        assert _mount_points_under(cluster.state_dir)
+        assert mounts.mount_points_under(cluster.state_dir)
         assert network.rules_of(cluster.pod_network)
 
         # A crash: kubelet and containerd die; shims, containers, mounts,
@@ -543,20 +593,8 @@ def test_stop_leaves_nothing_and_start_recovers_from_a_crash(
 
 def test_cli_up_node_and_down(local_cluster: LocalCluster) -> None:
     name = f"pytest-{os.getpid()}-node-cli"
-    repo = Path(__file__).resolve().parents[2]
     cluster = LocalCluster(name)
-
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "devcluster", *args],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-            env={**os.environ, "PYTHONPATH": str(repo)},
-        )
-
+    cli = devcluster_cli
     try:
         up = cli("up", "--node", "--name", name, "--images", "sandbox-runtime-python:dev")
         assert up.returncode == 0, up.stderr

@@ -18,34 +18,23 @@ import shutil
 import subprocess
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from devcluster import build, processes, storage
+from devcluster import build, probes, processes, storage
 from devcluster.cluster import LocalCluster
 from devcluster.controlplane import ControlPlaneError
 from devcluster.storage import StorageControlPlane
+from tests.devcluster.support import WAIT, kubectl, wait_for
 from tests.kube import ApiError, KubeJSON, api_path, core_path
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
-WAIT = 120.0
 SNAPSHOTS = "snapshot.storage.k8s.io/v1"
 MIB = 2**20
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = WAIT) -> float:
-    """Poll until `condition()` is true; return the seconds it took."""
-    began = time.monotonic()
-    while not condition():
-        if time.monotonic() - began > timeout:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.1)
-    return time.monotonic() - began
 
 
 def start_cluster(name: str, **kwargs: Any) -> StorageControlPlane:
@@ -75,17 +64,6 @@ def cluster() -> Iterator[StorageControlPlane]:
 def kube(cluster: StorageControlPlane) -> Iterator[KubeJSON]:
     with KubeJSON(cluster.kubeconfig) as client:
         yield client
-
-
-@pytest.fixture
-def namespace(kube: KubeJSON) -> Iterator[str]:
-    name = f"t-{uuid.uuid4().hex[:10]}"
-    kube.create(
-        core_path("namespaces"),
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
-    )
-    yield name
-    kube.delete(core_path("namespaces", None, name))
 
 
 def pvc_body(name: str, size: str, data_source: dict[str, str] | None = None) -> dict[str, Any]:
@@ -235,9 +213,7 @@ def test_sidecars_run_with_least_privilege(
     args = ["auth", "can-i", verb, resource, f"--as=devcluster:{user}"]
     if subresource:
         args.append(f"--subresource={subresource}")
-    result = subprocess.run(
-        cluster.kubectl_command(*args), capture_output=True, text=True, timeout=60, check=False
-    )
+    result = kubectl(cluster, *args)
     assert result.stdout.strip() == ("yes" if allowed else "no"), result
 
 
@@ -352,7 +328,7 @@ def test_without_snapshot_support_and_stop_removes_everything() -> None:
     try:
         names = [component.name for component in cluster.status().components]
         assert names[-3:] == [storage.DRIVER, storage.REGISTRAR, storage.PROVISIONER]
-        assert storage.unix_socket_accepts(registration)
+        assert probes.unix_socket_accepts(registration)
         driver_log = (cluster.logs_dir / f"{storage.DRIVER}.log").read_text()
         assert "snapshots false" in driver_log
         with KubeJSON(cluster.kubeconfig) as kube:
@@ -399,7 +375,7 @@ def test_driver_passes_csi_sanity(tmp_path: Path) -> None:
         die_with_parent=True,
     )
     try:
-        wait_for(lambda: storage.unix_socket_accepts(socket_path), "the driver's socket", 30)
+        wait_for(lambda: probes.unix_socket_accepts(socket_path), "the driver's socket", 30)
         result = subprocess.run(
             [
                 str(sanity),
@@ -523,13 +499,7 @@ def test_pod_mounts_volume_and_snapshot_restores_into_pod() -> None:
                 pod_body("reader", "restored", "cat /data/hello.txt", read_only=True),
             )
             assert run_to_completion(kube, "default", "reader") == "Succeeded"
-            logs = subprocess.run(
-                cluster.kubectl_command("logs", "reader"),
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=True,
-            )
+            logs = kubectl(cluster, "logs", "reader", check=True)
             assert logs.stdout == "written-in-pod\n"
 
             for pod in ("writer", "reader"):

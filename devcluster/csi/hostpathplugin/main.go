@@ -13,18 +13,15 @@ import (
 	"flag"
 	"fmt"
 	"log"
-	"net"
-	"os"
-	"os/signal"
-	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"sandbox-operator.local/csi-devcluster/internal/unixgrpc"
 )
 
 var version = "devcluster"
@@ -49,41 +46,15 @@ func main() {
 		log.Fatalf("cannot open data dir: %v", err)
 	}
 	socket := strings.TrimPrefix(*endpoint, "unix://")
-	if err := os.MkdirAll(filepath.Dir(socket), 0o750); err != nil {
-		log.Fatal(err)
-	}
-	// A socket left by a killed predecessor would make Listen fail.
-	if err := os.Remove(socket); err != nil && !os.IsNotExist(err) {
-		log.Fatal(err)
-	}
-	listener, err := net.Listen("unix", socket)
-	if err != nil {
-		log.Fatal(err)
-	}
 	server := grpc.NewServer(grpc.UnaryInterceptor(logCalls))
 	csi.RegisterIdentityServer(server, driver)
 	csi.RegisterControllerServer(server, driver)
 	csi.RegisterNodeServer(server, driver)
-
-	stop := make(chan os.Signal, 1)
-	signal.Notify(stop, syscall.SIGTERM, syscall.SIGINT)
-	go func() {
-		<-stop
-		log.Print("stopping")
-		done := make(chan struct{})
-		go func() { server.GracefulStop(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(5 * time.Second):
-			server.Stop()
-		}
-	}()
 	log.Printf("%s %s serving on %s (node %s, data %s, snapshots %v)",
 		*driverName, version, socket, *nodeID, *dataDir, *snapshots)
-	if err := server.Serve(listener); err != nil {
+	if err := unixgrpc.Serve(socket, server, nil); err != nil {
 		log.Fatal(err)
 	}
-	_ = os.Remove(socket)
 }
 
 // logCalls logs every call and its outcome: the only trace of what the

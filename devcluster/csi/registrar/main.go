@@ -13,18 +13,17 @@ import (
 	"flag"
 	"fmt"
 	"log"
-	"net"
 	"os"
-	"os/signal"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+
+	"sandbox-operator.local/csi-devcluster/internal/unixgrpc"
 )
 
 var version = "devcluster"
@@ -110,37 +109,18 @@ func main() {
 	if *statusFile != "" {
 		_ = os.Remove(*statusFile)
 	}
-	// The kubelet creates this directory too; whichever starts first wins.
-	if err := os.MkdirAll(*registrationDir, 0o750); err != nil {
-		log.Fatal(err)
-	}
 	if *socketName == "" {
 		*socketName = name + "-reg.sock"
 	}
 	socket := filepath.Join(*registrationDir, *socketName)
-	if err := os.Remove(socket); err != nil && !os.IsNotExist(err) {
-		log.Fatal(err)
-	}
-	listener, err := net.Listen("unix", socket)
-	if err != nil {
-		log.Fatal(err)
-	}
 	server := grpc.NewServer()
 	registerapi.RegisterRegistrationServer(server, &registrar{
 		driverName: name, endpoint: *kubeletPath, statusFile: *statusFile,
 	})
-	stop := make(chan os.Signal, 1)
-	signal.Notify(stop, syscall.SIGTERM, syscall.SIGINT)
-	go func() {
-		<-stop
-		// Removing the socket is what tells the kubelet's plugin watcher
-		// that the driver is gone (it deregisters it).
-		_ = os.Remove(socket)
-		server.Stop()
-	}()
 	log.Printf("registrar %s for %s (endpoint %s) serving on %s", version, name, *kubeletPath, socket)
-	if err := server.Serve(listener); err != nil {
+	// Removing the socket first is what tells the kubelet's plugin watcher
+	// that the driver is gone (it deregisters it).
+	if err := unixgrpc.Serve(socket, server, func() { _ = os.Remove(socket) }); err != nil {
 		log.Fatal(err)
 	}
-	_ = os.Remove(socket)
 }
