@@ -78,7 +78,8 @@ def sns(skube: KubeJSON, soperator: OperatorProcess) -> Iterator[str]:
     name = f"s-{os.urandom(4).hex()}"
     skube.create(core_path("namespaces"), {"apiVersion": "v1", "metadata": {"name": name}})
     yield name
-    skube.delete(core_path("namespaces", name=name))
+    if skube.get(core_path("namespaces", name=name)) is not None:  # a test may delete it
+        skube.delete(core_path("namespaces", name=name))
 
 
 def workspace_dir(cluster: StorageControlPlane, kube: KubeJSON, ns: str, sandbox: str) -> Path:
@@ -167,6 +168,41 @@ def test_snapshot_rollback_fork_lineage_and_retention_on_real_volumes(
         "one's VolumeSnapshot deleted",
     )
     skube.delete(api_path(VOLUME_SNAPSHOTS, "volumesnapshots", sns, two["volumeSnapshotName"]))
+
+
+def test_a_retained_snapshot_keeps_its_data_when_its_namespace_goes(
+    cluster: StorageControlPlane, skube: KubeJSON, sns: str
+) -> None:
+    """Retain means the VolumeSnapshotContent (and the data behind it) survive the
+    Snapshot, its VolumeSnapshot and the whole namespace. Named as long as a
+    name may be: the VolumeSnapshot's labels must still fit."""
+    sandboxes, snapshots = Sandboxes(skube, sns), Snapshots(skube, sns)
+    sandboxes.create("keeper", {"paused": True, "workspace": {"size": "16Mi"}})
+    (workspace_dir(cluster, skube, sns, "keeper") / "kept.txt").write_text("precious\n")
+    kept, dropped = "k" * 253, "dropped"
+    snapshots.create(kept, "keeper", retainPolicy="Retain")
+    snapshots.create(dropped, "keeper")
+    contents = {}
+    for name in (kept, dropped):
+        status = snapshots.wait_phase(name, "Ready")["status"]
+        contents[name] = status["volumeSnapshotContentName"]
+    kept_content = api_path(VOLUME_SNAPSHOTS, "volumesnapshotcontents", name=contents[kept])
+    wait_for(
+        lambda: skube.read(kept_content)["spec"]["deletionPolicy"] == "Retain",
+        30,
+        "the retained content's policy",
+    )
+    handle = skube.read(kept_content)["status"]["snapshotHandle"]
+    data = cluster.storage.data_dir / "snapshots" / f"{handle}.tar"
+    assert data.is_file(), data
+
+    skube.delete(core_path("namespaces", name=sns))
+    wait_for(lambda: skube.get(core_path("namespaces", name=sns)) is None, 120, "namespace gone")
+    dropped_content = api_path(VOLUME_SNAPSHOTS, "volumesnapshotcontents", name=contents[dropped])
+    wait_for(lambda: skube.get(dropped_content) is None, 60, "the deleted snapshot's content gone")
+    assert skube.get(kept_content) is not None, "the retained content went with its namespace"
+    assert data.is_file(), "the retained data went with its namespace"
+    skube.delete(kept_content)
 
 
 def test_rollback_interrupted_by_an_operator_crash_converges(
