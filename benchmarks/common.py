@@ -49,12 +49,13 @@ def wait_until(probe: Callable[[], Any], timeout: float = 300) -> None:
 
 
 @contextmanager
-def operator_cluster(name: str) -> Iterator[LocalCluster]:
-    """A new node cluster with the operator installed from the chart; removed at the end."""
+def operator_cluster(name: str, values: list[str] | None = None) -> Iterator[LocalCluster]:
+    """A new node cluster with the operator installed from the chart (with `values`,
+    `key=value` as for `helm --set`); removed at the end."""
     cluster = deploy.node_cluster(name)
     cluster.start()
     try:
-        deploy.install_operator(cluster)
+        deploy.install_operator(cluster, extra_values=values)
         deploy.wait_for_crds(cluster)
         yield cluster
     finally:

@@ -1,0 +1,191 @@
+"""Resuming an idle-paused sandbox on the real local node, against a pod start.
+
+    python benchmarks/resume_bench.py [--count 8]
+
+Per chat turn, an AI backend resumes a sandbox its idle policy paused: by the
+resume annotation, or just by creating an Execution for it. Both should cost a
+pod start and little more. Three timings, interleaved, `--count` each:
+
+1. resume -> Ready: `sandbox.dev/resume-requested-at` written on an idle-paused
+   Sandbox, until its Ready condition is True again;
+2. auto-resume -> Execution done: an Execution (`echo hi`) created for an
+   idle-paused Sandbox, until it has Succeeded;
+3. baseline, a pod start: the pod the operator would build, created directly on
+   an existing bound claim, until the pod is Ready.
+
+Timed from just before the request to the first watch event showing the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import (  # noqa: E402
+    Watcher,
+    create_namespace,
+    latency_row,
+    operator_cluster,
+    wait_until,
+    write_results,
+)
+from sandbox_operator.api.sandbox import SandboxSpec  # noqa: E402
+from sandbox_operator.builders import sandbox as build  # noqa: E402
+from sandbox_operator.config import Settings  # noqa: E402
+from sandbox_operator.resources import EXECUTIONS, PODS, RESUME_ANNOTATION, SANDBOXES  # noqa: E402
+from tests.kube import JSON, KubeJSON, core_path  # noqa: E402
+
+NS = "bench-resume"
+# Idle-pausing is the setup, not what is timed: short idle, frequent ticks.
+IDLE = {"idleTimeout": "2s", "onIdle": "Pause"}
+OPERATOR_VALUES = ["settings.reconcile_interval_seconds=2"]
+
+
+def _ready(obj: JSON) -> bool:
+    conds = (obj.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+def sandbox_state(obj: JSON) -> str | None:
+    status = obj.get("status") or {}
+    if status.get("idlePausedAt") and status.get("phase") == "Paused":
+        return "paused"
+    resumed = RESUME_ANNOTATION in (obj["metadata"].get("annotations") or {})
+    if _ready(obj):
+        return "resumed" if resumed else "ready"
+    return None
+
+
+def execution_state(obj: JSON) -> str | None:
+    phase = (obj.get("status") or {}).get("phase")
+    return phase if phase in ("Succeeded", "Failed", "TimedOut", "Cancelled") else None
+
+
+def pod_state(obj: JSON) -> str | None:
+    return "ready" if _ready(obj) else None
+
+
+def idle_paused(kube: KubeJSON, sandboxes: Watcher, name: str) -> None:
+    """A new Sandbox, Ready once, then paused by its idle policy (pod gone)."""
+    kube.create(
+        SANDBOXES.path(NS),
+        {
+            "apiVersion": SANDBOXES.api_version,
+            "kind": "Sandbox",
+            "metadata": {"name": name},
+            "spec": {"lifecycle": IDLE},
+        },
+    )
+    sandboxes.wait(name, {"ready"})
+    sandboxes.wait(name, {"paused"})
+    wait_until(lambda: kube.get(PODS.path(NS, name)) is None)
+
+
+def resume(kube: KubeJSON, sandboxes: Watcher, name: str) -> float:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 1))
+    started = time.monotonic()
+    kube.patch(SANDBOXES.path(NS, name), {"metadata": {"annotations": {RESUME_ANNOTATION: stamp}}})
+    _, seen = sandboxes.wait(name, {"resumed"})
+    return seen - started
+
+
+def auto_resume(kube: KubeJSON, executions: Watcher, sandbox: str) -> float:
+    name = f"{sandbox}-run"
+    started = time.monotonic()
+    kube.create(
+        EXECUTIONS.path(NS),
+        {
+            "apiVersion": EXECUTIONS.api_version,
+            "kind": "Execution",
+            "metadata": {"name": name},
+            "spec": {"sandboxRef": {"name": sandbox}, "command": ["echo", "hi"]},
+        },
+    )
+    state, seen = executions.wait(name, {"Succeeded", "Failed", "TimedOut", "Cancelled"})
+    if state != "Succeeded":
+        raise SystemExit(f"{name} ended {state}")
+    return seen - started
+
+
+def bare_claim(kube: KubeJSON, settings: Settings) -> build.SandboxRef:
+    """A Secret and a bound claim, as the operator would make them, unowned."""
+    ref = build.SandboxRef(name="bare", namespace=NS, uid="00000000-0000-0000-0000-000000000000")
+    secret = build.build_secret(ref, base64.b64encode(os.urandom(24)).decode())
+    claim = build.build_claim(ref, SandboxSpec(), settings)
+    assert claim is not None
+    for obj, plural in ((secret, "secrets"), (claim, "persistentvolumeclaims")):
+        obj["metadata"].pop("ownerReferences")
+        obj["metadata"]["labels"] = {"bench": "bare"}
+        kube.create(core_path(plural, NS), obj)
+    wait_until(
+        lambda: (
+            (
+                kube.read(core_path("persistentvolumeclaims", NS, "bare-workspace"))
+                .get("status", {})
+                .get("phase")
+            )
+            == "Bound"
+        )
+    )
+    return ref
+
+
+def pod_start(kube: KubeJSON, pods: Watcher, ref: build.SandboxRef, i: int) -> float:
+    """The operator's pod for `ref`, on its bound claim, created directly."""
+    pod = build.build_pod(ref, SandboxSpec(), Settings())
+    pod["metadata"].pop("ownerReferences")
+    pod["metadata"]["name"] = name = f"bare-{i}"
+    pod["metadata"]["labels"] = {"bench": "bare"}
+    started = time.monotonic()
+    kube.create(core_path("pods", NS), pod)
+    _, seen = pods.wait(name, {"ready"})
+    kube.delete(core_path("pods", NS, name))
+    wait_until(lambda: kube.get(core_path("pods", NS, name)) is None)
+    return seen - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--count", type=int, default=8)
+    args = parser.parse_args()
+    with operator_cluster(f"bench-resume-{os.getpid()}", OPERATOR_VALUES) as cluster:
+        kube = KubeJSON(cluster.kubeconfig)
+        create_namespace(kube, NS)
+        ref = bare_claim(kube, Settings())
+        results: dict[str, list[float]] = {"resume": [], "auto_resume": [], "pod_start": []}
+        with (
+            Watcher(cluster.kubeconfig, SANDBOXES.path(NS), sandbox_state) as sandboxes,
+            Watcher(cluster.kubeconfig, EXECUTIONS.path(NS), execution_state) as executions,
+            Watcher(cluster.kubeconfig, core_path("pods", NS), pod_state) as pods,
+        ):
+            for i in range(args.count):
+                idle_paused(kube, sandboxes, f"r{i}")
+                results["resume"].append(resume(kube, sandboxes, f"r{i}"))
+                idle_paused(kube, sandboxes, f"e{i}")
+                results["auto_resume"].append(auto_resume(kube, executions, f"e{i}"))
+                results["pod_start"].append(pod_start(kube, pods, ref, i))
+                for name in (f"r{i}", f"e{i}"):
+                    kube.delete(SANDBOXES.path(NS, name))
+        print(f"\nIdle-paused sandbox back at work, {args.count} each, interleaved:")
+        print(latency_row("resume annotation -> Ready", results["resume"]))
+        print(latency_row("Execution -> Succeeded (auto-resume)", results["auto_resume"]))
+        print(latency_row("baseline: pod on a bound claim -> Ready", results["pod_start"]))
+        base = statistics.median(results["pod_start"])
+        for key in ("resume", "auto_resume"):
+            extra = (statistics.median(results[key]) - base) * 1000
+            print(f"  {key}: p50 {extra:+.0f} ms over a pod start")
+        write_results("resume_bench", results)
+
+
+if __name__ == "__main__":
+    main()
