@@ -47,6 +47,13 @@ class Agent:
         result: JSON = response.json()
         return result
 
+    def execution(self, execution_id: str) -> JSON:
+        """The agent's record of one execution."""
+        response = self._http.get(f"/v1/executions/{execution_id}")
+        assert response.status_code == 200, response.text
+        result: JSON = response.json()
+        return result
+
     def write(self, path: str, content: str) -> None:
         response = self._http.post(
             "/v1/files/write", json={"path": path, "content": content, "parents": True}

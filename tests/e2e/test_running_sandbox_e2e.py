@@ -1,0 +1,182 @@
+"""A running sandbox on a real node: what reaches it without a restart, what makes
+the node's machinery restart part of it, and how that is reported."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.e2e.agent import Agent
+from tests.e2e.conftest import E2E
+from tests.executions import Executions
+from tests.integration.harness import wait_for
+from tests.kube import JSON, KubeJSON, core_path
+from tests.sandboxes import Sandboxes
+
+pytestmark = pytest.mark.timeout(1800)
+
+
+def _pod_uid(kube: KubeJSON, ns: str, name: str) -> str | None:
+    pod = kube.get(core_path("pods", ns, name))
+    return None if pod is None else str(pod["metadata"]["uid"])
+
+
+def _events(kube: KubeJSON, ns: str, kind: str, name: str) -> list[JSON]:
+    selector = f"involvedObject.kind={kind},involvedObject.name={name}"
+    listed = kube.get(core_path("events", ns) + f"?fieldSelector={selector}") or {}
+    items: list[JSON] = listed.get("items") or []
+    return items
+
+
+def _runtime_restarts(kube: KubeJSON, ns: str, name: str) -> int:
+    pod = kube.read(core_path("pods", ns, name))
+    for status in pod["status"].get("containerStatuses") or []:
+        if status["name"] == "sandbox":
+            return int(status.get("restartCount", 0))
+    return 0
+
+
+def test_a_cold_start_logs_no_warning(e2e: E2E) -> None:
+    """The pod waits for its bound claim and the agent's readiness waits for its
+    runner: a normal start leaves no FailedScheduling or Unhealthy Event."""
+    ns = e2e.namespace()
+    sandboxes = Sandboxes(e2e.kube, ns)
+    sandboxes.create("calm")
+    sandboxes.wait_ready("calm")
+    time.sleep(3)  # Events are posted asynchronously
+    warnings = [
+        f"{e['reason']}: {e['message']}"
+        for e in _events(e2e.kube, ns, "Pod", "calm")
+        if e["type"] == "Warning" and e["reason"] != "MissingClusterDNS"
+    ]
+    assert warnings == []
+
+
+def test_env_and_ports_reach_a_running_sandbox_without_a_restart(e2e: E2E) -> None:
+    ns = e2e.namespace()
+    sandboxes = Sandboxes(e2e.kube, ns)
+    sandboxes.create(
+        "live", {"env": [{"name": "COLOUR", "value": "red"}, {"name": "GONE", "value": "x"}]}
+    )
+    sandboxes.wait_ready("live")
+    agent = Agent.of(e2e.kube, ns, "live")
+    uid = _pod_uid(e2e.kube, ns, "live")
+    background = agent.start("sleep 600")
+    assert agent.run(shell='echo "$COLOUR/${GONE:-}"')["stdout"] == "red/x\n"
+
+    sandboxes.patch(
+        "live",
+        {
+            "spec": {
+                "env": [{"name": "COLOUR", "value": "blue"}, {"name": "SHAPE", "value": "round"}],
+                "network": {"exposedPorts": [{"name": "web", "port": 8000}]},
+                "lifecycle": {"idleTimeout": "45m"},
+            }
+        },
+    )
+
+    def new_env() -> str | None:
+        out = str(agent.run(shell='echo "$COLOUR/${GONE:-}/$SHAPE"')["stdout"])
+        return out if out == "blue//round\n" else None
+
+    wait_for(new_env, 60, "new commands to see the new env")
+    wait_for(lambda: e2e.kube.get(core_path("services", ns, "live")), 30, "the Service")
+    assert _pod_uid(e2e.kube, ns, "live") == uid, "the pod was replaced"
+    record = agent.execution(background["id"])
+    assert record["status"] == "running", record
+    reasons = {e["reason"] for e in _events(e2e.kube, ns, "Sandbox", "live")}
+    assert "EnvironmentUpdated" in reasons
+    assert "PodReplaced" not in reasons
+
+    # What only a new pod can apply says so, and that running commands stopped.
+    sandboxes.patch("live", {"spec": {"resources": {"memory": "768Mi"}}})
+    wait_for(
+        lambda: (new := _pod_uid(e2e.kube, ns, "live")) is not None and new != uid,
+        90,
+        "a new pod for the new memory limit",
+    )
+
+    def replaced_event() -> str | None:
+        for event in _events(e2e.kube, ns, "Sandbox", "live"):
+            if event["reason"] == "PodReplaced":
+                return str(event["message"])
+        return None
+
+    message = wait_for(replaced_event, 30, "the PodReplaced Event")
+    assert "spec.resources" in message, message
+    assert "running commands were stopped" in message, message
+    sandboxes.wait_ready("live")
+    # The new pod starts with the spec's env, the overlay is not needed any more.
+    fresh = Agent.of(e2e.kube, ns, "live")
+    assert fresh.run(shell='echo "$COLOUR/${GONE:-}/$SHAPE"')["stdout"] == "blue//round\n"
+
+
+def test_a_fork_bomb_is_stopped_and_the_sandbox_heals(e2e: E2E) -> None:
+    """The pod's PID limit holds the bomb; the kill of the timed-out command does
+    not need the runner: the agent asks the kubelet (liveness) to restart the
+    runtime container, which takes every process in it. The neighbour sandbox
+    serves throughout; the workspace is kept."""
+    ns = e2e.namespace()
+    sandboxes = Sandboxes(e2e.kube, ns)
+    sandboxes.create("bomb")
+    sandboxes.create("neighbour")
+    sandboxes.wait_ready("bomb")
+    sandboxes.wait_ready("neighbour")
+    bomb, neighbour = Agent.of(e2e.kube, ns, "bomb"), Agent.of(e2e.kube, ns, "neighbour")
+    bomb.write("kept.txt", "still here\n")
+    runs = Executions(e2e.kube, ns)
+    runs.create(
+        "detonate",
+        {
+            "sandboxRef": {"name": "bomb"},
+            # Every child forks on; each may fail with EAGAIN at the PID limit and retry.
+            "script": "b() { b & b & wait; }; b",
+            "timeout": "10s",
+        },
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert neighbour.run(["true"])["exitCode"] == 0
+        status = runs.status("detonate")
+        if status.get("phase") in ("TimedOut", "Failed", "Succeeded", "Cancelled"):
+            break
+        time.sleep(1)
+    status = runs.wait_done("detonate", timeout=120)
+    assert status["phase"] in ("TimedOut", "Failed"), status
+
+    wait_for(lambda: _runtime_restarts(e2e.kube, ns, "bomb") >= 1, 120, "the runtime restarted")
+    sandboxes.wait_ready("bomb", timeout=180)
+    healed = Agent.of(e2e.kube, ns, "bomb")
+    healed.wait_ready(60)
+    assert healed.run(["cat", "kept.txt"])["stdout"] == "still here\n"
+    count = healed.run(shell="ls /proc | grep -c '^[0-9]'")
+    assert int(count["stdout"]) < 50, count
+    assert neighbour.run(["true"])["exitCode"] == 0
+
+
+def test_an_eviction_is_reported_as_one(e2e: E2E) -> None:
+    """Past its ephemeral-storage limit the kubelet evicts the pod; the Sandbox's
+    Event says evicted and why, and the new pod has the workspace."""
+    ns = e2e.namespace()
+    sandboxes = Sandboxes(e2e.kube, ns)
+    sandboxes.create("hoarder", {"resources": {"ephemeralStorage": "64Mi"}})
+    sandboxes.wait_ready("hoarder")
+    agent = Agent.of(e2e.kube, ns, "hoarder")
+    agent.write("kept.txt", "kept\n")
+    uid = _pod_uid(e2e.kube, ns, "hoarder")
+    # Outside the workspace: the container's writable layer counts as ephemeral storage.
+    agent.start("dd if=/dev/zero of=/tmp/filler bs=1M count=200; sleep 600")
+
+    def replaced() -> str | None:
+        for event in _events(e2e.kube, ns, "Sandbox", "hoarder"):
+            if event["reason"] == "PodReplaced":
+                return str(event["message"])
+        return None
+
+    message = wait_for(replaced, 240, "the eviction to be reported")
+    assert "evicted" in message, message
+    assert "ephemeral" in message.lower(), message
+    wait_for(lambda: _pod_uid(e2e.kube, ns, "hoarder") not in (None, uid), 120, "a new pod")
+    sandboxes.wait_ready("hoarder")
+    assert Agent.of(e2e.kube, ns, "hoarder").read("kept.txt") == "kept\n"
