@@ -28,7 +28,7 @@ import msgspec
 
 from . import metrics, models
 from .config import Settings
-from .errors import ApiError, conflict, not_found
+from .errors import Busy, Conflict, Gone, Invalid, NotFound, TooLarge, Unavailable
 from .journal import Journal
 from .runner_client import RunnerClient
 
@@ -58,12 +58,6 @@ def _text(data: bytearray | memoryview | bytes, cap: int) -> str:
     """Lossy UTF-8 text of the last ``cap`` bytes, decoded without a copy."""
     view = memoryview(data)
     return str(view[-cap:] if len(view) > cap else view, "utf-8", "replace")
-
-
-def rfc3339(ts: float) -> str:
-    """RFC 3339 UTC with milliseconds (hot path: avoids datetime objects)."""
-    ms = int(ts * 1000) % 1000
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{ms:03d}Z"
 
 
 def signal_name(sig: int) -> str | None:
@@ -280,9 +274,9 @@ class Execution:
     def read_log(self, cursor: int, max_bytes: int) -> list[Chunk]:
         """Records from ``cursor``; at least one if any, then up to max_bytes."""
         if cursor < 0 or cursor > self.log_size:
-            raise ApiError(400, "invalid_cursor", "cursor is outside the output log")
+            raise Invalid("invalid_cursor", "cursor is outside the output log")
         if self.log_pruned:
-            raise ApiError(410, "log_pruned", "the output log was pruned to stay under the cap")
+            raise Gone("log_pruned", "the output log was pruned to stay under the cap")
         if cursor == self.log_size:
             return []
         out: list[Chunk] = []
@@ -295,7 +289,7 @@ class Execution:
                     break
                 magic, stream, length = REC.unpack(head)
                 if magic != REC_MAGIC or stream not in _STREAM_NAME:
-                    raise ApiError(400, "invalid_cursor", "cursor is not at a record boundary")
+                    raise Invalid("invalid_cursor", "cursor is not at a record boundary")
                 data = self._read_at(fd, cursor + REC.size, length)
                 cursor += REC.size + len(data)
                 total += len(data)
@@ -329,7 +323,7 @@ class Execution:
 
     def send_signal(self, sig: int, *, by_user: bool = True) -> None:
         if self.finished is not None:
-            raise conflict("not_running", f"execution {self.id} is not running")
+            raise Conflict("not_running", f"execution {self.id} is not running")
         if by_user and sig == _signal.SIGKILL:
             self.user_killed = True
         self.mgr.runner.signal(self.channel, sig)
@@ -361,7 +355,7 @@ class Execution:
 
     def cancel(self, grace: float) -> None:
         if self.finished is not None:
-            raise conflict("not_running", f"execution {self.id} is not running")
+            raise Conflict("not_running", f"execution {self.id} is not running")
         self.cancelled = True
         if grace > 0:
             self.mgr.runner.signal(self.channel, _signal.SIGTERM)
@@ -371,7 +365,7 @@ class Execution:
 
     def write_stdin(self, data: bytes, close: bool) -> None:
         if self.finished is not None or not self.stdin_open:
-            raise conflict("stdin_closed", "stdin of this execution is not open")
+            raise Conflict("stdin_closed", "stdin of this execution is not open")
         if data:
             self.mgr.runner.stdin(self.channel, data)
         if close:
@@ -522,9 +516,9 @@ class Execution:
             cancelled=self.cancelled,
             oom_killed=self.oom_killed,
             error=self.error,
-            created_at=rfc3339(self.created),
-            started_at=rfc3339(start) if start else None,
-            finished_at=rfc3339(end) if end else None,
+            created_at=models.rfc3339(self.created),
+            started_at=models.rfc3339(start) if start else None,
+            finished_at=models.rfc3339(end) if end else None,
             duration_seconds=round(end - (start or self.created), 6) if end else None,
             stdout=_text(tails[STREAM_OUT], cap) if tails else None,
             stderr=_text(tails[STREAM_ERR], cap) if tails else None,
@@ -608,8 +602,7 @@ class ExecutionManager:
         """Start (or, for a known idempotency key, find) an execution."""
         timeout = req.timeout_seconds or self.settings.default_timeout
         if timeout > self.settings.max_timeout:
-            raise ApiError(
-                400,
+            raise Invalid(
                 "timeout_too_large",
                 f"timeoutSeconds may be at most {self.settings.max_timeout:g}",
             )
@@ -618,29 +611,28 @@ class ExecutionManager:
             existing = self.by_key.get(req.idempotency_key)
             if existing is not None:
                 if existing.fingerprint != fp:
-                    raise conflict(
+                    raise Conflict(
                         "idempotency_key_reused",
                         "this idempotency key was used for a different command",
                         id=existing.id,
                     )
                 return existing, True
         if self.active >= self.settings.max_concurrent_executions:
-            raise ApiError(
-                429,
+            raise Busy(
                 "too_many_executions",
                 f"at most {self.settings.max_concurrent_executions} executions may run at once",
             )
         if not self.runner.connected:
-            raise ApiError(503, "runner_unavailable", self.runner.last_error or "no runner")
+            raise Unavailable("runner_unavailable", self.runner.last_error or "no runner")
         ex = Execution(self, req, argv, timeout, fp)
         ex.cwd = cwd_rel
         want_stdin = stdin is not None or req.stdin_open
         try:
             ex.channel = self.runner.spawn(ex, argv, req.env, cwd_rel, want_stdin)
         except ConnectionError as exc:
-            raise ApiError(503, "runner_unavailable", str(exc)) from None
+            raise Unavailable("runner_unavailable", str(exc)) from None
         except ValueError as exc:
-            raise ApiError(413, "command_too_large", str(exc)) from None
+            raise TooLarge("command_too_large", str(exc)) from None
         self.records[ex.id] = ex
         if ex.key is not None:
             self.by_key[ex.key] = ex
@@ -657,10 +649,13 @@ class ExecutionManager:
         ex._later(timeout, ex.on_timeout)
         return ex, False
 
+    def running(self) -> list[Execution]:
+        return [ex for ex in self.records.values() if ex.finished is None]
+
     def get(self, ex_id: str) -> Execution:
         ex = self.records.get(ex_id)
         if ex is None:
-            raise not_found(f"execution {ex_id!r}")
+            raise NotFound("not_found", f"execution {ex_id!r} not found")
         return ex
 
     def finished(self, ex: Execution) -> None:
@@ -679,7 +674,7 @@ class ExecutionManager:
 
     def remove(self, ex: Execution) -> None:
         if ex.finished is None:
-            raise conflict("still_running", "cancel the execution before deleting it")
+            raise Conflict("still_running", "cancel the execution before deleting it")
         self._drop(ex)
 
     def _drop(self, ex: Execution) -> None:

@@ -7,6 +7,7 @@ the code. JSON field names are camelCase like the Kubernetes side.
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -23,6 +24,14 @@ Path = Annotated[
 OctalMode = Annotated[
     str, Meta(pattern="^0?[0-7]{3,4}$", description="Permission bits in octal, e.g. '0644'")
 ]
+
+
+def rfc3339(ts: float) -> str:
+    """RFC 3339 UTC with milliseconds (hot path: avoids datetime objects)."""
+    ms = int(ts * 1000) % 1000
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{ms:03d}Z"
+
+
 ExecutionStatus = Literal["running", "completed", "timed_out", "cancelled", "failed", "lost"]
 
 
