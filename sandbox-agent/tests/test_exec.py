@@ -337,13 +337,13 @@ def test_unknown_execution_is_404(sandbox: Sandbox) -> None:
         assert sandbox.error(r, 404) == "not_found"
 
 
+def _keyed(command: str, cwd: str, key: str, **more: Any) -> dict[str, Any]:
+    """An exec body with an idempotency key unique to the test (its directory)."""
+    return {"command": command, "cwd": cwd, "idempotencyKey": f"{key}-{cwd}", **more}
+
+
 def test_idempotency_key_runs_once(sandbox: Sandbox, wsdir: str) -> None:
-    body = {
-        "command": "echo run >> count; sleep 0.5; wc -l < count",
-        "cwd": wsdir,
-        "idempotencyKey": f"uid-{wsdir}",
-        "background": True,
-    }
+    body = _keyed("echo run >> count; sleep 0.5; wc -l < count", wsdir, "uid", background=True)
     first = sandbox.client.post("/v1/executions", json=body)
     assert first.status_code == 202
     second = sandbox.client.post("/v1/executions", json=body)  # while running
@@ -362,7 +362,7 @@ def test_idempotency_key_runs_once(sandbox: Sandbox, wsdir: str) -> None:
 
 def test_idempotent_replay_after_cwd_removed(sandbox: Sandbox, wsdir: str) -> None:
     (sandbox.workspace / wsdir / "tmpdir").mkdir()
-    body = {"command": "echo hi", "cwd": f"{wsdir}/tmpdir", "idempotencyKey": f"cwd-{wsdir}"}
+    body = _keyed("echo hi", f"{wsdir}/tmpdir", "cwd")
     first = sandbox.client.post("/v1/executions", json=body).json()
     (sandbox.workspace / wsdir / "tmpdir").rmdir()
     again = sandbox.client.post("/v1/executions", json=body)
@@ -381,11 +381,7 @@ def test_idempotency_key_header(sandbox: Sandbox, wsdir: str) -> None:
 
 
 def test_concurrent_idempotent_submissions_start_one_process(sandbox: Sandbox, wsdir: str) -> None:
-    body = {
-        "command": "echo x >> runs; sleep 0.3",
-        "cwd": wsdir,
-        "idempotencyKey": f"race-{wsdir}",
-    }
+    body = _keyed("echo x >> runs; sleep 0.3", wsdir, "race")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         ids = set(
             pool.map(

@@ -67,6 +67,33 @@ def signal_name(sig: int) -> str | None:
         return None
 
 
+# Journal key -> Execution attribute, written when a record is created (new)
+# and when it ends (end), read back by Execution.restore.
+_JOURNAL_NEW = {
+    "key": "key",
+    "fp": "fingerprint",
+    "command": "command",
+    "argv": "argv",
+    "cwd": "cwd",
+    "timeout": "timeout",
+    "background": "background",
+    "created": "created",
+}
+_JOURNAL_END = {
+    "status": "status",
+    "pid": "pid",
+    "exitCode": "exit_code",
+    "signal": "signal",
+    "timedOut": "timed_out",
+    "cancelled": "cancelled",
+    "userKilled": "user_killed",
+    "started": "started",
+    "finished": "finished",
+    "usage": "usage",
+    "logTruncated": "log_truncated",
+}
+
+
 @dataclass
 class Chunk:
     stream: int
@@ -393,51 +420,31 @@ class Execution:
 
     # -- journal -------------------------------------------------------------
 
+    def _journal(self, fields: dict[str, str]) -> dict[str, Any]:
+        return {"id": self.id, **{key: getattr(self, attr) for key, attr in fields.items()}}
+
     def journal_new(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "key": self.key,
-            "fp": self.fingerprint,
-            "command": self.command,
-            "argv": self.argv,
-            "cwd": self.cwd,
-            "timeout": self.timeout,
-            "background": self.background,
-            "created": self.created,
-        }
+        return self._journal(_JOURNAL_NEW)
 
     def journal_end(self) -> dict[str, Any]:
         return {
-            "id": self.id,
-            "status": self.status,
-            "pid": self.pid,
-            "exitCode": self.exit_code,
-            "signal": self.signal,
-            "timedOut": self.timed_out,
-            "cancelled": self.cancelled,
-            "userKilled": self.user_killed,
+            **self._journal(_JOURNAL_END),
             "error": msgspec.to_builtins(self.error) if self.error else None,
-            "started": self.started,
-            "finished": self.finished,
             "totals": [self.totals[STREAM_OUT], self.totals[STREAM_ERR]],
-            "usage": self.usage,
             "logSize": self.log_size if self.mem_log is None and not self.log_pruned else 0,
-            "logTruncated": self.log_truncated,
         }
 
     @classmethod
     def restore(cls, mgr: ExecutionManager, d: dict[str, Any]) -> Execution:
         """A record from before an agent restart (output only if it was on disk)."""
-        req = models.ExecRequest(
-            command=d.get("command"), cwd=d.get("cwd") or ".", background=bool(d.get("background"))
-        )
-        req.idempotency_key = d.get("key")
-        ex = cls(mgr, req, list(d.get("argv") or []), float(d.get("timeout") or 0), d.get("fp", ""))
+        ex = cls(mgr, models.ExecRequest(), [], 0.0, "")
         ex.id = d["id"]
         ex.log_path = os.path.join(mgr.settings.log_dir, ex.id + ".log")
-        ex.created = float(d.get("created") or 0)
         ex.mem_log = None
         ex.capture = {STREAM_OUT: bytearray(), STREAM_ERR: bytearray()}
+        for key, attr in (_JOURNAL_NEW | _JOURNAL_END).items():
+            if d.get(key) is not None:  # keys of older agents may be missing
+                setattr(ex, attr, d[key])
         if "status" not in d:
             # It was running when the agent went away; the runner killed it then.
             ex.status = "lost"
@@ -448,24 +455,14 @@ class Execution:
             )
             ex.log_pruned = True
         else:
-            ex.status = d["status"]
-            ex.pid = d.get("pid")
-            ex.exit_code = d.get("exitCode")
-            ex.signal = d.get("signal")
-            ex.timed_out = bool(d.get("timedOut"))
-            ex.cancelled = bool(d.get("cancelled"))
-            ex.user_killed = bool(d.get("userKilled"))
             err = d.get("error")
             if isinstance(err, dict):
                 ex.error = models.RunError(
                     code=str(err.get("code")), message=str(err.get("message"))
                 )
-            ex.started = d.get("started")
-            ex.finished = d.get("finished") or ex.created
+            ex.finished = ex.finished or ex.created
             totals = d.get("totals") or [0, 0]
             ex.totals = {STREAM_OUT: int(totals[0]), STREAM_ERR: int(totals[1])}
-            ex.usage = d.get("usage") or {}
-            ex.log_truncated = bool(d.get("logTruncated"))
             size = int(d.get("logSize") or 0)
             try:
                 on_disk = os.path.getsize(ex.log_path) if size else -1

@@ -248,13 +248,9 @@ class SyncResult(_Out, kw_only=True):
 
 
 class QuiesceRequest(_Base, kw_only=True):
+    # The bound holds whatever happens to the caller (a crashed operator).
     seconds: Annotated[
-        float,
-        Meta(
-            gt=0,
-            le=600,
-            description="Resume by itself after this long, whatever happens to the caller",
-        ),
+        float, Meta(gt=0, le=600, description="Resume by itself after this long")
     ] = 60.0
 
 
@@ -305,20 +301,20 @@ class MkdirRequest(_Base, kw_only=True):
 
 class RemoveRequest(_Base, kw_only=True):
     path: Path
-    recursive: bool = False
-    missing_ok: bool = False
+    recursive: Annotated[bool, Meta(description="Remove a directory with its contents")] = False
+    missing_ok: Annotated[bool, Meta(description="A missing path is not an error")] = False
 
 
 class Removed(_Out, kw_only=True):
     path: str
-    removed: bool
+    removed: Annotated[bool, Meta(description="False: it was already missing (missingOk)")]
 
 
 class MoveRequest(_Base, kw_only=True):
     source: Path
     destination: Path
-    overwrite: bool = False
-    parents: bool = True
+    overwrite: Annotated[bool, Meta(description="Replace an existing destination")] = False
+    parents: Annotated[bool, Meta(description="Create missing parents of the destination")] = True
 
 
 class SearchRequest(_Base, kw_only=True):
@@ -402,10 +398,10 @@ class ReplaceRequest(_Base, kw_only=True):
 
 class ReplaceResult(_Out, kw_only=True):
     path: str
-    replacements: int
+    replacements: Annotated[int, Meta(description="Matches replaced")]
 
 
 class ArchiveResult(_Out, kw_only=True):
     path: str
-    entries: int
-    bytes: int
+    entries: Annotated[int, Meta(description="Archive members extracted")]
+    bytes: Annotated[int, Meta(description="File content bytes written")]
