@@ -60,7 +60,16 @@ async def _submit(request: Request) -> tuple[models.ExecRequest, Execution, bool
 
 
 async def exec_create(request: Request, args: Args) -> Response:
-    """Run a command; waits for the exit unless background (202)"""
+    """Run a command; waits for the exit unless background (202)
+
+    Output order: within one stream, bytes come exactly in the order the
+    command wrote them. Between stdout and stderr (two pipes) the order, and
+    so the cursor, is the order in which the runner read them: writes a few
+    milliseconds apart or closer may appear in either order. With
+    `combinedOutput: true` stderr is the same pipe as stdout: one stream
+    (reported as stdout, stderr stays empty) in exactly the order the writes
+    reached it.
+    """
     req, ex, replayed = await _submit(request)
     headers = {"Location": f"/v1/executions/{ex.id}"}
     if replayed:
@@ -73,7 +82,12 @@ async def exec_create(request: Request, args: Args) -> Response:
 
 
 async def exec_stream(request: Request, args: Args) -> Response:
-    """Run a command and stream events (ndjson, or SSE with Accept: text/event-stream)"""
+    """Run a command and stream events (ndjson, or SSE with Accept: text/event-stream)
+
+    Output events follow the order described for POST /v1/executions: exact
+    within a stream, approximate between stdout and stderr, exact for
+    everything with `combinedOutput: true`.
+    """
     _req, ex, _replayed = await _submit(request)
     b64_out = args.get("encoding", str) == "base64"
     headers = {"Location": f"/v1/executions/{ex.id}", "X-Execution-Id": ex.id}

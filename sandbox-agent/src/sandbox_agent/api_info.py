@@ -31,6 +31,11 @@ async def info(request: Request, args: Args) -> Response:
             started_at=models.rfc3339(st.started),
             uptime_seconds=round(now - st.started, 3),
             workspace=st.workspace.root,
+            runtime_restart_requested=st.restart.requested,
+            runtime_restart=st.restart.request,
+            environment_hash=st.environment.hash,
+            default_timeout_seconds=st.settings.default_timeout,
+            max_timeout_seconds=st.settings.max_timeout,
         )
     )
 

@@ -7,6 +7,7 @@ parameters are parsed as declared, domain errors become HTTP statuses
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -95,7 +96,9 @@ def build_app(settings: Settings, token: bytes, ops: tuple[Op, ...] = OPS) -> AS
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.executions.restore()
         state.runner.start()
+        watch = asyncio.get_running_loop().create_task(state.executions.watch_runner())
         yield
+        watch.cancel()
         state.executions.fail_all_running()
         await state.runner.stop()
         state.executions.journal.close()

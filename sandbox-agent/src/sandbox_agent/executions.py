@@ -28,9 +28,11 @@ import msgspec
 
 from . import metrics, models
 from .config import Settings
+from .environment import Environment
 from .errors import Busy, Conflict, Gone, Invalid, NotFound, TooLarge, Unavailable
 from .journal import Journal
-from .runner_client import RunnerClient
+from .runner_client import SCRIPT_FD, RunnerClient, Spawn
+from .runtime import RuntimeRestart
 
 log = logging.getLogger("sandbox_agent.executions")
 
@@ -77,6 +79,7 @@ _JOURNAL_NEW = {
     "cwd": "cwd",
     "timeout": "timeout",
     "background": "background",
+    "combined": "combined",
     "created": "created",
 }
 _JOURNAL_END = {
@@ -122,6 +125,7 @@ class Execution:
         self.env = req.env
         self.timeout = timeout
         self.background = req.background
+        self.combined = req.combined_output
         self.status: models.ExecutionStatus = "running"
         self.created = time.time()
         self.started: float | None = None
@@ -353,27 +357,34 @@ class Execution:
             raise Conflict("not_running", f"execution {self.id} is not running")
         if by_user and sig == _signal.SIGKILL:
             self.user_killed = True
+            self._expect_death("signal KILL")
         self.mgr.runner.signal(self.channel, sig)
 
     def kill(self, reason: str) -> None:
         """SIGKILL the process group; if the runner never confirms, give up on it."""
         if self.finished is not None:
             return
+        self._expect_death(reason)
         self.mgr.runner.signal(self.channel, _signal.SIGKILL)
-        self._later(
-            self.mgr.settings.kill_grace,
-            self._unconfirmed_kill,
-            reason,
-        )
+
+    def _expect_death(self, reason: str) -> None:
+        self._later(self.mgr.settings.kill_grace, self._unconfirmed_kill, reason)
 
     def _unconfirmed_kill(self, reason: str) -> None:
-        if self.finished is None:
-            self.mgr.runner.forget(self.channel)
-            self.on_lost(
-                "runner_unresponsive",
-                f"the runner did not confirm the kill ({reason}) within "
-                f"{self.mgr.settings.kill_grace:g}s",
-            )
+        """The runner did not confirm a kill in time: it cannot act (a fork bomb
+        starves it, or it is stopped). Only a restart of the whole runtime ends
+        the command now; ask for one, and end the record as what it was."""
+        if self.finished is not None:
+            return
+        message = (
+            f"the runner did not confirm the kill ({reason}) within "
+            f"{self.mgr.settings.kill_grace:g}s; the sandbox container is being restarted "
+            "to end the command"
+        )
+        self.mgr.runner.forget(self.channel)  # a late word from the runner is dropped
+        self.mgr.demand_restart("kill_not_confirmed", message, [self])
+        self.error = models.RunError(code="runner_unresponsive", message=message)
+        self._finish("timed_out" if self.timed_out else "cancelled" if self.cancelled else "lost")
 
     def on_timeout(self) -> None:
         if self.finished is None:
@@ -424,7 +435,10 @@ class Execution:
         return {"id": self.id, **{key: getattr(self, attr) for key, attr in fields.items()}}
 
     def journal_new(self) -> dict[str, Any]:
-        return self._journal(_JOURNAL_NEW)
+        new = self._journal(_JOURNAL_NEW)
+        if self.command is not None:
+            new["argv"] = None  # [shell, -c, command]: no second copy of a long script
+        return new
 
     def journal_end(self) -> dict[str, Any]:
         return {
@@ -445,6 +459,8 @@ class Execution:
         for key, attr in (_JOURNAL_NEW | _JOURNAL_END).items():
             if d.get(key) is not None:  # keys of older agents may be missing
                 setattr(ex, attr, d[key])
+        if not ex.argv and ex.command is not None:
+            ex.argv = [mgr.settings.shell, "-c", ex.command]
         if "status" not in d:
             # It was running when the agent went away; the runner killed it then.
             ex.status = "lost"
@@ -505,6 +521,7 @@ class Execution:
             cwd=self.cwd,
             timeout_seconds=self.timeout,
             background=self.background,
+            combined_output=self.combined,
             pid=self.pid,
             exit_code=self.exit_code,
             signal=self.signal,
@@ -542,10 +559,21 @@ class Execution:
 
 
 class ExecutionManager:
-    def __init__(self, settings: Settings, runner: RunnerClient, on_activity: Any) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        runner: RunnerClient,
+        on_activity: Any,
+        restart: RuntimeRestart,
+        environment: Environment,
+    ) -> None:
         self.settings = settings
         self.runner = runner
         self.on_activity = on_activity
+        self.restart = restart
+        self.environment = environment
+        runner.on_change.append(self._runner_changed)
+        self._closing_reason()
         self.records: dict[str, Execution] = {}
         self.by_key: dict[str, Execution] = {}
         self.active = 0
@@ -588,10 +616,28 @@ class ExecutionManager:
         self.journal.rewrite(entries)
 
     def fingerprint(self, req: models.ExecRequest, argv: list[str], timeout: float) -> str:
-        blob = msgspec.json.encode(
-            [argv, req.cwd, sorted(req.env.items()), req.stdin, req.stdin_base64, timeout]
-        )
-        return hashlib.sha256(blob).hexdigest()
+        what: list[Any] = [argv, req.cwd, sorted(req.env.items()), req.stdin, req.stdin_base64]
+        what.append(timeout)
+        if req.combined_output:
+            what.append("combined")  # (absent otherwise: fingerprints of old records hold)
+        return hashlib.sha256(msgspec.json.encode(what)).hexdigest()
+
+    def _spawn_request(
+        self, req: models.ExecRequest, argv: list[str], cwd: str, want_stdin: bool
+    ) -> Spawn:
+        env = {**self.environment.env, **req.env}
+        spawn = Spawn(argv, env, self.environment.unset, cwd, want_stdin, req.combined_output)
+        if req.command is not None:
+            # The script goes to the shell on a descriptor, not in argv (where
+            # Linux refuses one argument over 128 KiB). `sh -c '. file' sh`
+            # keeps $0 and the positional parameters as `sh -c command` has them.
+            shell = argv[0]
+            spawn.argv = [shell, "-c", f". /dev/fd/{SCRIPT_FD}", shell]
+            try:
+                spawn.script = req.command.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                raise Invalid("invalid_request", "command is not valid Unicode") from None
+        return spawn
 
     def submit(
         self, req: models.ExecRequest, argv: list[str], cwd_rel: str, stdin: bytes | None
@@ -601,7 +647,9 @@ class ExecutionManager:
         if timeout > self.settings.max_timeout:
             raise Invalid(
                 "timeout_too_large",
-                f"timeoutSeconds may be at most {self.settings.max_timeout:g}",
+                f"timeoutSeconds may be at most {self.settings.max_timeout:g} "
+                "(SANDBOX_AGENT_MAX_TIMEOUT)",
+                maximum=self.settings.max_timeout,
             )
         fp = self.fingerprint(req, argv, timeout)
         if req.idempotency_key is not None:
@@ -619,13 +667,20 @@ class ExecutionManager:
                 "too_many_executions",
                 f"at most {self.settings.max_concurrent_executions} executions may run at once",
             )
+        if self.restart.request is not None:
+            raise Unavailable(
+                "runtime_restarting",
+                "the sandbox container is to be restarted (see GET /livez/runtime): "
+                "a command started now would be killed with it",
+            )
         if not self.runner.connected:
             raise Unavailable("runner_unavailable", self.runner.last_error or "no runner")
+        want_stdin = stdin is not None or req.stdin_open
+        spawn = self._spawn_request(req, argv, cwd_rel, want_stdin)
         ex = Execution(self, req, argv, timeout, fp)
         ex.cwd = cwd_rel
-        want_stdin = stdin is not None or req.stdin_open
         try:
-            ex.channel = self.runner.spawn(ex, argv, req.env, cwd_rel, want_stdin)
+            ex.channel = self.runner.spawn(ex, spawn)
         except ConnectionError as exc:
             raise Unavailable("runner_unavailable", str(exc)) from None
         except ValueError as exc:
@@ -648,6 +703,54 @@ class ExecutionManager:
 
     def running(self) -> list[Execution]:
         return [ex for ex in self.records.values() if ex.finished is None]
+
+    # -- a runtime the runner cannot control any more -------------------------
+
+    def demand_restart(self, reason: str, message: str, executions: list[Execution]) -> None:
+        self.restart.demand(reason, message, [ex.id for ex in executions], self.runner.instance)
+        self._closing_reason()
+
+    def _runner_changed(self) -> None:
+        if self.runner.connected:
+            self.restart.runner_connected(self.runner.instance)
+        else:
+            self.restart.runner_gone(self.runner.instance)
+        self._closing_reason()
+
+    def _closing_reason(self) -> None:
+        # What the executions of a connection that closes while a restart is
+        # requested are told (the runtime went down, and they with it).
+        self.runner.closing_reason = (
+            (
+                "runtime_restarted",
+                "the runtime was restarted to kill a command that would not die "
+                f"({self.restart.request.message}); this command ended with it",
+            )
+            if self.restart.request is not None
+            else None
+        )
+
+    async def watch_runner(self) -> None:
+        """Ask for a runtime restart when the runner answers no ping for
+        runner_stall_seconds while commands run: nothing could stop them."""
+        stall = self.settings.runner_stall_seconds
+        if stall <= 0:
+            return
+        while True:
+            await asyncio.sleep(min(1.0, stall))
+            if not self.active or not self.runner.connected or self.restart.requested:
+                continue
+            instance = self.runner.instance
+            if await self.runner.ping(wait=stall):
+                continue
+            running = self.running()
+            if running and self.runner.connected and self.runner.instance == instance:
+                self.demand_restart(
+                    "runner_unresponsive",
+                    f"the runner answered no ping for {stall:g}s while {len(running)} "
+                    "command(s) ran",
+                    running,
+                )
 
     def get(self, ex_id: str) -> Execution:
         ex = self.records.get(ex_id)

@@ -9,7 +9,7 @@ module and an entry here; nothing else lists routes.
 
 from __future__ import annotations
 
-from . import api_exec, api_files, api_health, api_info, api_workspace, models
+from . import api_environment, api_exec, api_files, api_health, api_info, api_workspace, models
 from .routing import Op, Param
 
 # -- parameters (the bounds declared here are the ones enforced) --------------
@@ -22,6 +22,14 @@ STATUS = Param(
     "string",
     "Only this status",
     enum=("running", "completed", "timed_out", "cancelled", "failed", "lost"),
+)
+WAIT_READY = Param(
+    "waitSeconds",
+    "number",
+    "Hold the answer until the runner connects, up to this long",
+    default=0.0,
+    minimum=0,
+    maximum=5,
 )
 OUTPUT = Param("output", "boolean", "Include stdout/stderr", default=True)
 WAIT_EXIT = Param(
@@ -63,7 +71,9 @@ OPS: tuple[Op, ...] = (
     # health and info: the probes need no token; none of this is user activity
     Op("GET", "/healthz", api_health.healthz, models.Health, access="public"),
     Op("GET", "/readyz", api_health.readyz, models.Readiness,
-       more={503: models.Readiness}, access="public"),
+       more={503: models.Readiness}, params=(WAIT_READY,), access="public"),
+    Op("GET", "/livez/runtime", api_health.runtime_liveness, models.RuntimeLiveness,
+       more={503: models.RuntimeLiveness}, access="public"),
     Op("GET", "/metrics", api_info.metrics_text, "prometheus", access="metrics"),
     Op("GET", "/openapi.json", api_info.openapi_json, "object"),
     Op("GET", "/v1/info", api_info.info, models.Info),
@@ -72,6 +82,9 @@ OPS: tuple[Op, ...] = (
     Op("POST", "/v1/workspace/quiesce", api_workspace.workspace_quiesce, models.QuiesceResult,
        errors=(503,), body=models.QuiesceRequest, body_required=False),
     Op("POST", "/v1/workspace/resume", api_workspace.workspace_resume, models.QuiesceResult),
+    Op("GET", "/v1/environment", api_environment.environment_get, models.EnvironmentView),
+    Op("PUT", "/v1/environment", api_environment.environment_put, models.EnvironmentView,
+       errors=(413, 507), body=models.EnvironmentRequest),
     # executions
     Op("POST", "/v1/executions", api_exec.exec_create, models.Execution,
        more={202: models.Execution}, errors=EXEC, body=models.ExecRequest, writes=True),

@@ -8,10 +8,12 @@ from starlette.requests import Request
 
 from . import metrics
 from .config import Settings
+from .environment import Environment
 from .executions import ExecutionManager
 from .paths import Workspace
 from .quiesce import Quiesce
 from .runner_client import RunnerClient
+from .runtime import RuntimeRestart
 
 
 class AgentState:
@@ -21,7 +23,11 @@ class AgentState:
         self.runner = RunnerClient(settings.socket_path)
         self.started = time.time()
         self.last_activity = self.started
-        self.executions = ExecutionManager(settings, self.runner, self.touch)
+        self.restart = RuntimeRestart(settings.log_dir)
+        self.environment = Environment(settings.log_dir)
+        self.executions = ExecutionManager(
+            settings, self.runner, self.touch, self.restart, self.environment
+        )
         self.quiesce = Quiesce(self.executions)
         self.openapi = b"{}"  # the served document, rendered by build_app from the table
         self.runner.on_change.append(self._runner_changed)
