@@ -512,15 +512,22 @@ class Execution:
         tails: dict[int, bytearray] | dict[int, memoryview | bytes] | None = None
         if output:
             tails = self.capture if self.capture is not None else self._tails_from_log()
+        # (field order on the wire is the model's, not this call's)
         return models.Execution(
             id=self.id,
             idempotency_key=self.key,
             status=self.status,
+            created_at=models.rfc3339(self.created),
+            started_at=models.rfc3339(start) if start else None,
+            finished_at=models.rfc3339(end) if end else None,
+            duration_seconds=round(end - (start or self.created), 6) if end else None,
             command=self.command,
             argv=self.argv,
             cwd=self.cwd,
             timeout_seconds=self.timeout,
             background=self.background,
+            stdout=_text(tails[STREAM_OUT], cap) if tails else None,
+            stderr=_text(tails[STREAM_ERR], cap) if tails else None,
             combined_output=self.combined,
             pid=self.pid,
             exit_code=self.exit_code,
@@ -530,12 +537,6 @@ class Execution:
             cancelled=self.cancelled,
             oom_killed=self.oom_killed,
             error=self.error,
-            created_at=models.rfc3339(self.created),
-            started_at=models.rfc3339(start) if start else None,
-            finished_at=models.rfc3339(end) if end else None,
-            duration_seconds=round(end - (start or self.created), 6) if end else None,
-            stdout=_text(tails[STREAM_OUT], cap) if tails else None,
-            stderr=_text(tails[STREAM_ERR], cap) if tails else None,
             stdout_truncated=self.truncated[STREAM_OUT] or self.totals[STREAM_OUT] > cap,
             stderr_truncated=self.truncated[STREAM_ERR] or self.totals[STREAM_ERR] > cap,
             stdout_bytes=self.totals[STREAM_OUT],
@@ -706,7 +707,9 @@ class ExecutionManager:
 
     # -- a runtime the runner cannot control any more -------------------------
 
-    def demand_restart(self, reason: str, message: str, executions: list[Execution]) -> None:
+    def demand_restart(
+        self, reason: models.RestartReason, message: str, executions: list[Execution]
+    ) -> None:
         self.restart.demand(reason, message, [ex.id for ex in executions], self.runner.instance)
         self._closing_reason()
 

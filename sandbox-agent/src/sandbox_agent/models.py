@@ -47,6 +47,7 @@ COMBINED = (
 # Environment variable names as Kubernetes accepts them.
 EnvName = Annotated[str, Meta(pattern="^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=1024)]
 EnvValue = Annotated[str, Meta(pattern="^[^\\x00]*$", max_length=128 << 10)]
+RestartReason = Literal["kill_not_confirmed", "runner_unresponsive"]
 ExecutionStatus = Literal["running", "completed", "timed_out", "cancelled", "failed", "lost"]
 
 
@@ -262,16 +263,14 @@ class CancelRequest(_Base, kw_only=True):
 
 
 class RuntimeRestart(_Out, kw_only=True):
-    """Why the agent asks for the sandbox container to be restarted."""
+    """Why the agent asks for the sandbox container to be restarted.
 
-    reason: Annotated[
-        str,
-        Meta(
-            description="kill_not_confirmed: the runner did not confirm a kill within "
-            "SANDBOX_AGENT_KILL_GRACE; runner_unresponsive: it answered no ping for "
-            "SANDBOX_AGENT_RUNNER_STALL_SECONDS while commands ran"
-        ),
-    ]
+    kill_not_confirmed: the runner did not confirm a kill within
+    SANDBOX_AGENT_KILL_GRACE. runner_unresponsive: it answered no ping for
+    SANDBOX_AGENT_RUNNER_STALL_SECONDS while commands ran.
+    """
+
+    reason: RestartReason
     message: str
     since: Annotated[str, Meta(description="RFC 3339 UTC")]
     executions: Annotated[list[str], Meta(description="Executions the runner could not end")]
@@ -279,7 +278,7 @@ class RuntimeRestart(_Out, kw_only=True):
 
 class RuntimeLiveness(_Out, kw_only=True, omit_defaults=True):
     status: Literal["ok", "restart_requested"]
-    reason: str | None = None
+    reason: RestartReason | None = None
     message: str | None = None
     since: str | None = None
     executions: list[str] | None = None

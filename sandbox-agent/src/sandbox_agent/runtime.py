@@ -25,6 +25,8 @@ import os
 import time
 from typing import Any
 
+import msgspec
+
 from . import metrics, models
 
 log = logging.getLogger("sandbox_agent.runtime")
@@ -44,7 +46,9 @@ class RuntimeRestart:
     def requested(self) -> bool:
         return self.request is not None
 
-    def demand(self, reason: str, message: str, execution_ids: list[str], instance: str) -> None:
+    def demand(
+        self, reason: models.RestartReason, message: str, execution_ids: list[str], instance: str
+    ) -> None:
         """Request a restart of the runtime running ``instance`` (kept if one stands)."""
         if self.request is None:
             log.warning("requesting a restart of the runtime: %s", message)
@@ -89,12 +93,7 @@ class RuntimeRestart:
         metrics.RUNTIME_RESTART_REQUESTED.set(1 if self.request is not None else 0)
         data: dict[str, Any] = {"instance": self.instance, "suspect": self.suspect}
         if self.request is not None:
-            data["request"] = {
-                "reason": self.request.reason,
-                "message": self.request.message,
-                "since": self.request.since,
-                "executions": self.request.executions,
-            }
+            data["request"] = msgspec.to_builtins(self.request)
         tmp = self.path + ".tmp"
         try:
             with open(tmp, "w") as f:
@@ -111,16 +110,11 @@ class RuntimeRestart:
                 data = json.load(f)
             req = data.get("request")
             if req is not None:
-                self.request = models.RuntimeRestart(
-                    reason=str(req["reason"]),
-                    message=str(req["message"]),
-                    since=str(req["since"]),
-                    executions=[str(i) for i in req["executions"]],
-                )
+                self.request = msgspec.convert(req, models.RuntimeRestart)
             self.instance = str(data.get("instance") or "")
             self.suspect = str(data.get("suspect") or "")
         except FileNotFoundError:
             pass
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (OSError, ValueError, TypeError, AttributeError, msgspec.ValidationError) as exc:
             log.warning("ignoring unreadable %s: %s", self.path, exc)
         metrics.RUNTIME_RESTART_REQUESTED.set(1 if self.request is not None else 0)
