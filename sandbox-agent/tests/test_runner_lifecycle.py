@@ -180,7 +180,7 @@ def _send(conn: socket.socket, ftype: int, chan: int, payload: bytes) -> None:
 
 def _hello(conn: socket.socket) -> None:
     _read_frame(conn)
-    ack = {"protocol": 1, "version": "evil", "pid": 1, "uid": 0, "python": "3"}
+    ack = {"protocol": wire.PROTOCOL, "version": "evil", "pid": 1, "uid": 0, "python": "3"}
     _send(conn, wire.T_HELLO_ACK, 0, json.dumps(ack).encode())
 
 
@@ -283,7 +283,7 @@ def test_runner_runs_as_plain_file_with_explicit_socket(tmp_path: Path) -> None:
         wait_until(sock_path.exists, 10)
         c = socket.socket(socket.AF_UNIX)
         c.connect(str(sock_path))
-        _send(c, wire.T_HELLO, 0, b'{"protocol":1}')
+        _send(c, wire.T_HELLO, 0, json.dumps({"protocol": wire.PROTOCOL}).encode())
         ftype, _, payload = _read_frame(c)
         assert ftype == wire.T_HELLO_ACK and json.loads(payload)["version"] == __version__
         _send(c, wire.T_SPAWN, 7, json.dumps({"argv": ["sh", "-c", "echo hi; exit 3"]}).encode())

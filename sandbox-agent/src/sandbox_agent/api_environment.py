@@ -28,5 +28,6 @@ async def environment_put(request: Request, args: Args) -> Response:
     """
     st = state_of(request)
     req = await body_as(request, models.EnvironmentRequest)
-    await asyncio.to_thread(st.environment.replace, req.env, req.unset)
-    return ok(st.environment.view())
+    async with st.environment.writing:
+        await asyncio.to_thread(st.environment.replace, req.env, req.unset)
+        return ok(st.environment.view())

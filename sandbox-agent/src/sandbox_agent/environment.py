@@ -11,6 +11,7 @@ from its own spec to know whether the agent has the current one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import hashlib
@@ -60,6 +61,9 @@ class Environment:
         self.env: dict[str, str] = {}
         self.unset: list[str] = []
         self.hash = overlay_hash({}, [])
+        # PUTs write in a worker thread: one at a time, so that the file and the
+        # overlay in memory are always the same one.
+        self.writing = asyncio.Lock()
         self._load()
 
     def replace(self, env: dict[str, str], unset: list[str]) -> None:

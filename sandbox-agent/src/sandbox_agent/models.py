@@ -78,7 +78,13 @@ class Health(_Out, kw_only=True):
 
 class Readiness(_Out, kw_only=True):
     status: Literal["ready", "not_ready"]
-    reason: str | None = None
+    reason: (
+        Annotated[
+            str,
+            Meta(description="runner_not_connected, runner_not_answering, runtime_restart_pending"),
+        ]
+        | None
+    ) = None
     message: str | None = None
     runner_version: str | None = None
 

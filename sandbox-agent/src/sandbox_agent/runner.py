@@ -42,7 +42,8 @@ import time
 from typing import Any
 
 __version__ = "0.1.0"
-PROTOCOL = 1
+# 2: T_SCRIPT frames, scriptFd/combined/unset in T_SPAWN, instance in the hello.
+PROTOCOL = 2
 
 HEADER = struct.Struct(">IBI")
 # Largest payload either side may send. The agent enforces it on what it
