@@ -24,6 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
+from sandbox_agent.config import env_names
+
 PY = sys.executable
 SYSTEM_PY = shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3"
 
@@ -248,8 +250,15 @@ def fresh(tmp_path: Path) -> Iterator[Any]:
     made: list[Sandbox] = []
 
     def factory(
-        env: dict[str, str] | None = None, runner: bool = True, root: Path | None = None
+        env: dict[str, str] | None = None,
+        runner: bool = True,
+        root: Path | None = None,
+        **settings: object,
     ) -> Sandbox:
+        """``settings``: agent settings by name (max_log_bytes=1000), set through
+        their environment variables as the pod spec would."""
+        names = env_names()
+        env = {**(env or {}), **{names[k]: str(v) for k, v in settings.items()}}
         sb = make_sandbox((root or tmp_path) / f"sb{len(made)}", env, runner)
         made.append(sb)
         return sb

@@ -139,19 +139,14 @@ def test_concurrency_limit(fresh: Callable[..., Sandbox]) -> None:
 
 
 def test_timeout_limit(fresh: Callable[..., Sandbox]) -> None:
-    sb = fresh(env={"SANDBOX_AGENT_MAX_TIMEOUT": "10", "SANDBOX_AGENT_DEFAULT_TIMEOUT": "5"})
+    sb = fresh(max_timeout=10, default_timeout=5)
     assert sb.sh("true")["timeoutSeconds"] == 5
     r = sb.client.post("/v1/executions", json={"command": "true", "timeoutSeconds": 11})
     assert sb.error(r, 400) == "timeout_too_large"
 
 
 def test_capture_and_log_caps(fresh: Callable[..., Sandbox]) -> None:
-    sb = fresh(
-        env={
-            "SANDBOX_AGENT_MAX_CAPTURE_BYTES": "1000",
-            "SANDBOX_AGENT_MAX_LOG_BYTES": "100000",
-        }
-    )
+    sb = fresh(max_capture_bytes=1000, max_log_bytes=100_000)
     ex = sb.sh("head -c 500000 /dev/zero | tr '\\0' a; echo; echo tail-line")
     assert ex["stdoutTruncated"] is True and len(ex["stdout"]) == 1000
     assert ex["stdout"].endswith("tail-line\n")
@@ -241,12 +236,7 @@ def test_metrics(sandbox: Sandbox) -> None:
 
 
 def test_logs_spill_from_memory_to_disk(fresh: Callable[..., Sandbox]) -> None:
-    sb = fresh(
-        env={
-            "SANDBOX_AGENT_LOG_MEMORY_BYTES": "10000",
-            "SANDBOX_AGENT_LOG_MEMORY_TOTAL_BYTES": "15000",
-        }
-    )
+    sb = fresh(log_memory_bytes=10_000, log_memory_total_bytes=15_000)
     small = sb.sh("echo small")
     assert list(sb.logs.glob("*.log")) == []  # small logs never touch the disk
     big = sb.sh("head -c 50000 /dev/zero | tr '\\0' b")

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from conftest import PY, Sandbox
 
-from sandbox_agent import app as agent_app
+from sandbox_agent import auth as agent_auth
 
 PROTECTED = [
     ("GET", "/v1/info"),
@@ -89,13 +89,13 @@ def test_token_check_uses_compare_digest(monkeypatch: pytest.MonkeyPatch) -> Non
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr("sandbox_agent.app.hmac.compare_digest", spy)
+    monkeypatch.setattr("sandbox_agent.auth.hmac.compare_digest", spy)
     token = b"s3cr3t-token-value-0123456789"
-    assert agent_app.token_matches(b"Bearer " + token, token)
-    assert not agent_app.token_matches(b"Bearer " + token[:-1] + b"X", token)  # same length
-    assert not agent_app.token_matches(b"Bearer short", token)  # different length
-    assert not agent_app.token_matches(None, token)
-    assert not agent_app.token_matches(b"Basic " + token, token)
+    assert agent_auth.token_matches(b"Bearer " + token, token)
+    assert not agent_auth.token_matches(b"Bearer " + token[:-1] + b"X", token)  # same length
+    assert not agent_auth.token_matches(b"Bearer short", token)  # different length
+    assert not agent_auth.token_matches(None, token)
+    assert not agent_auth.token_matches(b"Basic " + token, token)
     assert calls == [(token, token), (token[:-1] + b"X", token), (b"short", token)]
 
 

@@ -337,13 +337,13 @@ def test_unknown_execution_is_404(sandbox: Sandbox) -> None:
         assert sandbox.error(r, 404) == "not_found"
 
 
+def _keyed(command: str, cwd: str, key: str, **more: Any) -> dict[str, Any]:
+    """An exec body with an idempotency key unique to the test (its directory)."""
+    return {"command": command, "cwd": cwd, "idempotencyKey": f"{key}-{cwd}", **more}
+
+
 def test_idempotency_key_runs_once(sandbox: Sandbox, wsdir: str) -> None:
-    body = {
-        "command": "echo run >> count; sleep 0.5; wc -l < count",
-        "cwd": wsdir,
-        "idempotencyKey": f"uid-{wsdir}",
-        "background": True,
-    }
+    body = _keyed("echo run >> count; sleep 0.5; wc -l < count", wsdir, "uid", background=True)
     first = sandbox.client.post("/v1/executions", json=body)
     assert first.status_code == 202
     second = sandbox.client.post("/v1/executions", json=body)  # while running
@@ -362,7 +362,7 @@ def test_idempotency_key_runs_once(sandbox: Sandbox, wsdir: str) -> None:
 
 def test_idempotent_replay_after_cwd_removed(sandbox: Sandbox, wsdir: str) -> None:
     (sandbox.workspace / wsdir / "tmpdir").mkdir()
-    body = {"command": "echo hi", "cwd": f"{wsdir}/tmpdir", "idempotencyKey": f"cwd-{wsdir}"}
+    body = _keyed("echo hi", f"{wsdir}/tmpdir", "cwd")
     first = sandbox.client.post("/v1/executions", json=body).json()
     (sandbox.workspace / wsdir / "tmpdir").rmdir()
     again = sandbox.client.post("/v1/executions", json=body)
@@ -381,11 +381,7 @@ def test_idempotency_key_header(sandbox: Sandbox, wsdir: str) -> None:
 
 
 def test_concurrent_idempotent_submissions_start_one_process(sandbox: Sandbox, wsdir: str) -> None:
-    body = {
-        "command": "echo x >> runs; sleep 0.3",
-        "cwd": wsdir,
-        "idempotencyKey": f"race-{wsdir}",
-    }
+    body = _keyed("echo x >> runs; sleep 0.3", wsdir, "race")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         ids = set(
             pool.map(
@@ -454,3 +450,71 @@ def test_stdin_closed_by_the_command_is_reported(sandbox: Sandbox) -> None:
     r = sandbox.client.post(f"/v1/executions/{ex['id']}/stdin", json={"data": "more"})
     assert sandbox.error(r, 409) == "stdin_closed"
     sandbox.client.post(f"/v1/executions/{ex['id']}/cancel")
+
+
+# Two streams written in turn, one line at a time (shell builtins: one write each).
+ALTERNATING = 'i=0; while [ $i -lt 300 ]; do echo "o$i"; echo "e$i" >&2; i=$((i+1)); done'
+IN_TURN = "".join(f"o{i}\ne{i}\n" for i in range(300))
+
+
+def test_combined_output_keeps_the_true_order(sandbox: Sandbox) -> None:
+    ex = sandbox.sh(ALTERNATING, combinedOutput=True)
+    assert ex["stdout"] == IN_TURN
+    assert ex["stderr"] == "" and ex["stderrBytes"] == 0  # all of it is in stdout
+    assert ex["combinedOutput"] is True
+    # the same through the event stream
+    with sandbox.client.stream(
+        "POST", "/v1/executions/stream", json={"command": ALTERNATING, "combinedOutput": True}
+    ) as r:
+        events = _events(list(r.iter_lines()))
+    outs = [e for e in events if e["type"] == "output"]
+    assert {e["stream"] for e in outs} == {"stdout"}
+    assert "".join(e["data"] for e in outs) == IN_TURN
+    assert events[-1]["execution"]["combinedOutput"] is True
+    # and in the background, read back by cursor
+    bg = sandbox.run(expect=202, command=ALTERNATING, combinedOutput=True, background=True)
+    sandbox.wait_finished(bg["id"])
+    page = sandbox.client.get(f"/v1/executions/{bg['id']}/output").json()
+    assert "".join(c["data"] for c in page["chunks"]) == IN_TURN
+    assert {c["stream"] for c in page["chunks"]} == {"stdout"}
+
+
+def test_separate_streams_stay_the_default(sandbox: Sandbox) -> None:
+    ex = sandbox.sh(ALTERNATING)
+    assert ex["combinedOutput"] is False
+    assert ex["stdout"] == "".join(f"o{i}\n" for i in range(300))
+    assert ex["stderr"] == "".join(f"e{i}\n" for i in range(300))
+
+
+def test_script_of_one_mebibyte_does_not_go_through_argv(sandbox: Sandbox) -> None:
+    # Linux refuses a single argument over 128 KiB ("Argument list too long").
+    line = "n=$((n+1)) # " + "x" * 50 + "\n"  # 64 bytes
+    script = 'n=0\nprintf "%s|%s|" "$0" "$#"\n' + line * 16384 + 'echo "$n"\n'
+    assert len(script) > 1 << 20
+    ex = sandbox.sh(script, timeoutSeconds=120)
+    assert ex["status"] == "completed", ex["error"]
+    assert ex["stdout"] == "/bin/sh|0|16384\n"  # $0 and the positional parameters as with -c
+    assert ex["exitCode"] == 0
+    assert ex["argv"] == ["/bin/sh", "-c", script]
+    # the idempotency fingerprint still tells scripts apart
+    key = {"idempotencyKey": f"big-{time.monotonic_ns()}"}
+    assert sandbox.sh(script[:-10] + "echo x\n", **key)["status"] == "completed"
+    r = sandbox.client.post("/v1/executions", json={"command": script, **key})
+    assert sandbox.error(r, 409) == "idempotency_key_reused"
+
+
+def test_script_reads_stdin_and_exits_like_sh_c(sandbox: Sandbox) -> None:
+    ex = sandbox.sh('read a; echo "got $a"; exit 5', stdin="hello\n")
+    assert ex["stdout"] == "got hello\n" and ex["exitCode"] == 5
+    ex = sandbox.sh("if then", timeoutSeconds=10)  # a syntax error fails the command
+    assert ex["status"] == "completed" and ex["exitCode"] != 0 and ex["stderr"]
+
+
+def test_timeout_above_the_maximum_names_it(sandbox: Sandbox) -> None:
+    info = sandbox.client.get("/v1/info").json()
+    assert info["maxTimeoutSeconds"] == 3600 and info["defaultTimeoutSeconds"] == 180
+    r = sandbox.client.post("/v1/executions", json={"command": "true", "timeoutSeconds": 3601})
+    assert sandbox.error(r, 400) == "timeout_too_large"
+    assert "3600" in r.json()["error"]["message"]
+    assert r.json()["error"]["details"] == {"maximum": 3600}
+    assert sandbox.sh("true", timeoutSeconds=3600)["status"] == "completed"

@@ -22,6 +22,13 @@ def _start_writer(sandbox: Sandbox, path: str) -> dict[str, Any]:
     return ex
 
 
+def _quiesce(sandbox: Sandbox, seconds: float) -> dict[str, Any]:
+    r = sandbox.client.post("/v1/workspace/quiesce", json={"seconds": seconds})
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
 def _still(sandbox: Sandbox, path: str, seconds: float = 0.6) -> bool:
     before = _size(sandbox, path)
     time.sleep(seconds)
@@ -32,9 +39,7 @@ def test_quiesce_stops_writers_until_resume(sandbox: Sandbox, wsdir: str) -> Non
     path = f"{wsdir}/log.txt"
     ex = _start_writer(sandbox, path)
     try:
-        r = sandbox.client.post("/v1/workspace/quiesce", json={"seconds": 60})
-        assert r.status_code == 200, r.text
-        body = r.json()
+        body = _quiesce(sandbox, 60)
         assert body["quiesced"] == [ex["id"]]
         assert body["synced"] is True and body["resumeAt"].endswith("Z")
         # A stopped process group may finish the write it was in: give it a moment.
@@ -54,8 +59,7 @@ def test_quiesce_resumes_by_itself_after_its_bound(sandbox: Sandbox, wsdir: str)
     path = f"{wsdir}/log.txt"
     ex = _start_writer(sandbox, path)
     try:
-        r = sandbox.client.post("/v1/workspace/quiesce", json={"seconds": 1})
-        assert r.status_code == 200, r.text
+        _quiesce(sandbox, 1)
         time.sleep(0.2)
         assert _still(sandbox, path, 0.4)
         # Nobody calls resume (a crashed operator): the agent continues the writer.
@@ -95,8 +99,7 @@ def test_quiesce_refuses_when_the_runner_is_gone(fresh: Callable[..., Sandbox]) 
 
 def test_writes_wait_while_quiesced_and_reads_do_not(sandbox: Sandbox, wsdir: str) -> None:
     path = f"{wsdir}/late.txt"
-    r = sandbox.client.post("/v1/workspace/quiesce", json={"seconds": 1.5})
-    assert r.status_code == 200, r.text
+    _quiesce(sandbox, 1.5)
     began = time.monotonic()
     # A read goes through at once.
     assert sandbox.client.get("/v1/info").status_code == 200

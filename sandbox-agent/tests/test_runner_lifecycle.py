@@ -180,7 +180,7 @@ def _send(conn: socket.socket, ftype: int, chan: int, payload: bytes) -> None:
 
 def _hello(conn: socket.socket) -> None:
     _read_frame(conn)
-    ack = {"protocol": 1, "version": "evil", "pid": 1, "uid": 0, "python": "3"}
+    ack = {"protocol": wire.PROTOCOL, "version": "evil", "pid": 1, "uid": 0, "python": "3"}
     _send(conn, wire.T_HELLO_ACK, 0, json.dumps(ack).encode())
 
 
@@ -243,11 +243,20 @@ def test_runner_that_ignores_kill_is_given_up(fresh: Callable[..., Sandbox]) -> 
     def after_spawn(conn: socket.socket, chan: int) -> None:
         _send(conn, wire.T_STARTED, chan, b'{"pid": 4242}')  # then never exits
 
-    _sb, ex, elapsed = _run_against_fake(fresh, after_spawn)
-    # timeout 2 s + kill grace (5 s default): bounded, never a hang
-    assert ex["status"] == "lost" and ex["error"]["code"] == "runner_unresponsive"
+    sb, ex, elapsed = _run_against_fake(fresh, after_spawn)
+    # timeout 2 s + kill grace (5 s default): bounded, never a hang. The record
+    # ends as what it was (timed out); the runtime is to be restarted to end
+    # the process, which only that can do now.
+    assert ex["status"] == "timed_out" and ex["error"]["code"] == "runner_unresponsive"
     assert ex["timedOut"] is True
+    assert "restarted" in ex["error"]["message"]
     assert elapsed < 10
+    live = sb.anon.get("/livez/runtime")
+    assert live.status_code == 503, live.text
+    assert live.json()["reason"] == "kill_not_confirmed" and live.json()["executions"] == [ex["id"]]
+    assert sb.anon.get("/readyz").json()["reason"] == "runtime_restart_pending"
+    r = sb.client.post("/v1/executions", json={"command": "true"})
+    assert sb.error(r, 503) == "runtime_restarting"  # it would die with the runtime
 
 
 def test_silent_runner_is_not_ready(fresh: Callable[..., Sandbox]) -> None:
@@ -274,7 +283,7 @@ def test_runner_runs_as_plain_file_with_explicit_socket(tmp_path: Path) -> None:
         wait_until(sock_path.exists, 10)
         c = socket.socket(socket.AF_UNIX)
         c.connect(str(sock_path))
-        _send(c, wire.T_HELLO, 0, b'{"protocol":1}')
+        _send(c, wire.T_HELLO, 0, json.dumps({"protocol": wire.PROTOCOL}).encode())
         ftype, _, payload = _read_frame(c)
         assert ftype == wire.T_HELLO_ACK and json.loads(payload)["version"] == __version__
         _send(c, wire.T_SPAWN, 7, json.dumps({"argv": ["sh", "-c", "echo hi; exit 3"]}).encode())
@@ -321,3 +330,33 @@ def test_runner_bounds_unread_stdin(fresh: Callable[..., Sandbox]) -> None:
     assert sb.error(r, 409) == "stdin_closed"
     assert sb.client.get(f"/v1/executions/{ex['id']}").json()["status"] == "running"
     sb.client.post(f"/v1/executions/{ex['id']}/cancel")
+
+
+def test_readiness_can_wait_for_the_runner(fresh: Callable[..., Sandbox]) -> None:
+    """The kubelet probes /readyz right after the agent starts, before the sandbox
+    container's runner connects: with waitSeconds the probe waits instead of failing."""
+    sb = fresh(runner=False)
+    answer: dict[str, Any] = {}
+
+    def probe() -> None:
+        began = time.monotonic()
+        r = sb.anon.get("/readyz", params={"waitSeconds": 5})
+        answer.update(r.json(), status=r.status_code, waited=time.monotonic() - began)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    time.sleep(0.3)  # the probe is waiting by now (or about to)
+    sb.start_runner(wait_ready=False)
+    t.join(30)
+    assert answer["status"] == 200, answer
+    assert answer["status"] == 200 and answer["runnerVersion"] == __version__
+
+    # no runner at all: the answer is held for the wait, then 503 as before
+    sb.kill_runner()
+    wait_until(lambda: sb.anon.get("/readyz").status_code == 503)
+    began = time.monotonic()
+    r = sb.anon.get("/readyz", params={"waitSeconds": 1})
+    assert time.monotonic() - began >= 0.9
+    assert r.status_code == 503 and r.json()["reason"] == "runner_not_connected"
+    for bad in ("6", "-1", "x", "nan"):
+        assert sb.error(sb.anon.get("/readyz", params={"waitSeconds": bad}), 400)

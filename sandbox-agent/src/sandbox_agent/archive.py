@@ -18,16 +18,16 @@ from typing import IO, Any
 
 from . import models
 from .config import Settings
-from .errors import ApiError, bad_request
+from .errors import Invalid, TooLarge
 from .files import os_errors
 from .paths import Workspace
 
 CHUNK = 1 << 20
 
 
-def _refuse(name: str, why: str) -> ApiError:
-    return ApiError(
-        400, "archive_entry_refused", f"archive entry {name[:200]!r}: {why}", {"entry": name[:300]}
+def _refuse(name: str, why: str) -> Invalid:
+    return Invalid(
+        "archive_entry_refused", f"archive entry {name[:200]!r}: {why}", entry=name[:300]
     )
 
 
@@ -76,22 +76,19 @@ def scan(tar: tarfile.TarFile, s: Settings) -> list[tarfile.TarInfo]:
         try:
             m = tar.next()
         except tarfile.TarError as exc:
-            raise bad_request("invalid_archive", f"not a valid tar archive: {exc}") from None
+            raise Invalid("invalid_archive", f"not a valid tar archive: {exc}") from None
         except (EOFError, OSError, ValueError) as exc:
-            raise bad_request(
-                "invalid_archive", f"archive is truncated or corrupt: {exc}"
-            ) from None
+            raise Invalid("invalid_archive", f"archive is truncated or corrupt: {exc}") from None
         if m is None:
             break
         if len(members) >= s.max_archive_entries:
-            raise ApiError(
-                413, "archive_too_large", f"archive has more than {s.max_archive_entries} entries"
+            raise TooLarge(
+                "archive_too_large", f"archive has more than {s.max_archive_entries} entries"
             )
         _check_member(m, names)
         total += max(m.size, 0)
         if total > s.max_extract_bytes:
-            raise ApiError(
-                413,
+            raise TooLarge(
                 "archive_too_large",
                 f"archive unpacks to more than {s.max_extract_bytes} bytes",
             )
@@ -120,7 +117,7 @@ def extract(ws: Workspace, rel: str, spool: IO[bytes], s: Settings) -> models.Ar
     try:
         tar = tarfile.open(fileobj=spool, mode="r:*")  # noqa: SIM115 - closed by the with below
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise bad_request("invalid_archive", f"not a valid tar archive: {exc}") from None
+        raise Invalid("invalid_archive", f"not a valid tar archive: {exc}") from None
     with tar:
         members = scan(tar, s)
         total = 0
@@ -139,9 +136,7 @@ def extract(ws: Workspace, rel: str, spool: IO[bytes], s: Settings) -> models.Ar
                 try:
                     tar.extract(m, dest, filter=_filter)
                 except (tarfile.TarError, EOFError) as exc:
-                    raise bad_request(
-                        "invalid_archive", f"cannot extract {m.name!r}: {exc}"
-                    ) from None
+                    raise Invalid("invalid_archive", f"cannot extract {m.name!r}: {exc}") from None
             total += max(m.size, 0)
     return models.ArchiveResult(path=ws.relative(dest), entries=len(members), bytes=total)
 
@@ -216,7 +211,7 @@ class TarStream:
         if not os.path.isdir(root):
             with os_errors(rel):
                 os.stat(root)
-            raise bad_request("not_a_directory", f"not a directory: {rel}")
+            raise Invalid("not_a_directory", f"not a directory: {rel}")
         self.q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=8)
         self.stop = threading.Event()
         writer = _QueueWriter(self.q, self.stop)

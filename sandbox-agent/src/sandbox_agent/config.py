@@ -35,7 +35,8 @@ class Settings:
     log_memory_total_bytes: int = 64 * MiB  # all in-memory logs; oldest spill to disk
     capture_memory_total_bytes: int = 256 * MiB  # tails kept by finished records
     max_records: int = 1000  # finished executions remembered (idempotency window)
-    kill_grace: float = 5.0  # wait for the runner to confirm a kill before "lost"
+    kill_grace: float = 5.0  # wait for the runner to confirm a kill, then restart the runtime
+    runner_stall_seconds: float = 30.0  # no pong this long while commands run: restart (0: never)
     # request limits
     max_body_bytes: int = 8 * MiB  # JSON bodies and stdin
     max_upload_bytes: int = 4096 * MiB  # file and archive uploads
@@ -75,6 +76,7 @@ _ENV = {
     "capture_memory_total_bytes": "SANDBOX_AGENT_CAPTURE_MEMORY_TOTAL_BYTES",
     "max_records": "SANDBOX_AGENT_MAX_RECORDS",
     "kill_grace": "SANDBOX_AGENT_KILL_GRACE",
+    "runner_stall_seconds": "SANDBOX_AGENT_RUNNER_STALL_SECONDS",
     "max_body_bytes": "SANDBOX_AGENT_MAX_BODY_BYTES",
     "max_upload_bytes": "SANDBOX_AGENT_MAX_UPLOAD_BYTES",
     "max_extract_bytes": "SANDBOX_AGENT_MAX_EXTRACT_BYTES",

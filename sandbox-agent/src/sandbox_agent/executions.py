@@ -28,9 +28,11 @@ import msgspec
 
 from . import metrics, models
 from .config import Settings
-from .errors import ApiError, conflict, not_found
+from .environment import Environment
+from .errors import Busy, Conflict, Gone, Invalid, NotFound, TooLarge, Unavailable
 from .journal import Journal
-from .runner_client import RunnerClient
+from .runner_client import SCRIPT_FD, RunnerClient, Spawn
+from .runtime import RuntimeRestart
 
 log = logging.getLogger("sandbox_agent.executions")
 
@@ -60,17 +62,39 @@ def _text(data: bytearray | memoryview | bytes, cap: int) -> str:
     return str(view[-cap:] if len(view) > cap else view, "utf-8", "replace")
 
 
-def rfc3339(ts: float) -> str:
-    """RFC 3339 UTC with milliseconds (hot path: avoids datetime objects)."""
-    ms = int(ts * 1000) % 1000
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{ms:03d}Z"
-
-
 def signal_name(sig: int) -> str | None:
     try:
         return _signal.Signals(sig).name
     except ValueError:
         return None
+
+
+# Journal key -> Execution attribute, written when a record is created (new)
+# and when it ends (end), read back by Execution.restore.
+_JOURNAL_NEW = {
+    "key": "key",
+    "fp": "fingerprint",
+    "command": "command",
+    "argv": "argv",
+    "cwd": "cwd",
+    "timeout": "timeout",
+    "background": "background",
+    "combined": "combined",
+    "created": "created",
+}
+_JOURNAL_END = {
+    "status": "status",
+    "pid": "pid",
+    "exitCode": "exit_code",
+    "signal": "signal",
+    "timedOut": "timed_out",
+    "cancelled": "cancelled",
+    "userKilled": "user_killed",
+    "started": "started",
+    "finished": "finished",
+    "usage": "usage",
+    "logTruncated": "log_truncated",
+}
 
 
 @dataclass
@@ -101,6 +125,7 @@ class Execution:
         self.env = req.env
         self.timeout = timeout
         self.background = req.background
+        self.combined = req.combined_output
         self.status: models.ExecutionStatus = "running"
         self.created = time.time()
         self.started: float | None = None
@@ -280,9 +305,9 @@ class Execution:
     def read_log(self, cursor: int, max_bytes: int) -> list[Chunk]:
         """Records from ``cursor``; at least one if any, then up to max_bytes."""
         if cursor < 0 or cursor > self.log_size:
-            raise ApiError(400, "invalid_cursor", "cursor is outside the output log")
+            raise Invalid("invalid_cursor", "cursor is outside the output log")
         if self.log_pruned:
-            raise ApiError(410, "log_pruned", "the output log was pruned to stay under the cap")
+            raise Gone("log_pruned", "the output log was pruned to stay under the cap")
         if cursor == self.log_size:
             return []
         out: list[Chunk] = []
@@ -295,7 +320,7 @@ class Execution:
                     break
                 magic, stream, length = REC.unpack(head)
                 if magic != REC_MAGIC or stream not in _STREAM_NAME:
-                    raise ApiError(400, "invalid_cursor", "cursor is not at a record boundary")
+                    raise Invalid("invalid_cursor", "cursor is not at a record boundary")
                 data = self._read_at(fd, cursor + REC.size, length)
                 cursor += REC.size + len(data)
                 total += len(data)
@@ -329,30 +354,37 @@ class Execution:
 
     def send_signal(self, sig: int, *, by_user: bool = True) -> None:
         if self.finished is not None:
-            raise conflict("not_running", f"execution {self.id} is not running")
+            raise Conflict("not_running", f"execution {self.id} is not running")
         if by_user and sig == _signal.SIGKILL:
             self.user_killed = True
+            self._expect_death("signal KILL")
         self.mgr.runner.signal(self.channel, sig)
 
     def kill(self, reason: str) -> None:
         """SIGKILL the process group; if the runner never confirms, give up on it."""
         if self.finished is not None:
             return
+        self._expect_death(reason)
         self.mgr.runner.signal(self.channel, _signal.SIGKILL)
-        self._later(
-            self.mgr.settings.kill_grace,
-            self._unconfirmed_kill,
-            reason,
-        )
+
+    def _expect_death(self, reason: str) -> None:
+        self._later(self.mgr.settings.kill_grace, self._unconfirmed_kill, reason)
 
     def _unconfirmed_kill(self, reason: str) -> None:
-        if self.finished is None:
-            self.mgr.runner.forget(self.channel)
-            self.on_lost(
-                "runner_unresponsive",
-                f"the runner did not confirm the kill ({reason}) within "
-                f"{self.mgr.settings.kill_grace:g}s",
-            )
+        """The runner did not confirm a kill in time: it cannot act (a fork bomb
+        starves it, or it is stopped). Only a restart of the whole runtime ends
+        the command now; ask for one, and end the record as what it was."""
+        if self.finished is not None:
+            return
+        message = (
+            f"the runner did not confirm the kill ({reason}) within "
+            f"{self.mgr.settings.kill_grace:g}s; the sandbox container is being restarted "
+            "to end the command"
+        )
+        self.mgr.runner.forget(self.channel)  # a late word from the runner is dropped
+        self.mgr.demand_restart("kill_not_confirmed", message, [self])
+        self.error = models.RunError(code="runner_unresponsive", message=message)
+        self._finish("timed_out" if self.timed_out else "cancelled" if self.cancelled else "lost")
 
     def on_timeout(self) -> None:
         if self.finished is None:
@@ -361,7 +393,7 @@ class Execution:
 
     def cancel(self, grace: float) -> None:
         if self.finished is not None:
-            raise conflict("not_running", f"execution {self.id} is not running")
+            raise Conflict("not_running", f"execution {self.id} is not running")
         self.cancelled = True
         if grace > 0:
             self.mgr.runner.signal(self.channel, _signal.SIGTERM)
@@ -371,7 +403,7 @@ class Execution:
 
     def write_stdin(self, data: bytes, close: bool) -> None:
         if self.finished is not None or not self.stdin_open:
-            raise conflict("stdin_closed", "stdin of this execution is not open")
+            raise Conflict("stdin_closed", "stdin of this execution is not open")
         if data:
             self.mgr.runner.stdin(self.channel, data)
         if close:
@@ -399,51 +431,36 @@ class Execution:
 
     # -- journal -------------------------------------------------------------
 
+    def _journal(self, fields: dict[str, str]) -> dict[str, Any]:
+        return {"id": self.id, **{key: getattr(self, attr) for key, attr in fields.items()}}
+
     def journal_new(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "key": self.key,
-            "fp": self.fingerprint,
-            "command": self.command,
-            "argv": self.argv,
-            "cwd": self.cwd,
-            "timeout": self.timeout,
-            "background": self.background,
-            "created": self.created,
-        }
+        new = self._journal(_JOURNAL_NEW)
+        if self.command is not None:
+            new["argv"] = None  # [shell, -c, command]: no second copy of a long script
+        return new
 
     def journal_end(self) -> dict[str, Any]:
         return {
-            "id": self.id,
-            "status": self.status,
-            "pid": self.pid,
-            "exitCode": self.exit_code,
-            "signal": self.signal,
-            "timedOut": self.timed_out,
-            "cancelled": self.cancelled,
-            "userKilled": self.user_killed,
+            **self._journal(_JOURNAL_END),
             "error": msgspec.to_builtins(self.error) if self.error else None,
-            "started": self.started,
-            "finished": self.finished,
             "totals": [self.totals[STREAM_OUT], self.totals[STREAM_ERR]],
-            "usage": self.usage,
             "logSize": self.log_size if self.mem_log is None and not self.log_pruned else 0,
-            "logTruncated": self.log_truncated,
         }
 
     @classmethod
     def restore(cls, mgr: ExecutionManager, d: dict[str, Any]) -> Execution:
         """A record from before an agent restart (output only if it was on disk)."""
-        req = models.ExecRequest(
-            command=d.get("command"), cwd=d.get("cwd") or ".", background=bool(d.get("background"))
-        )
-        req.idempotency_key = d.get("key")
-        ex = cls(mgr, req, list(d.get("argv") or []), float(d.get("timeout") or 0), d.get("fp", ""))
+        ex = cls(mgr, models.ExecRequest(), [], 0.0, "")
         ex.id = d["id"]
         ex.log_path = os.path.join(mgr.settings.log_dir, ex.id + ".log")
-        ex.created = float(d.get("created") or 0)
         ex.mem_log = None
         ex.capture = {STREAM_OUT: bytearray(), STREAM_ERR: bytearray()}
+        for key, attr in (_JOURNAL_NEW | _JOURNAL_END).items():
+            if d.get(key) is not None:  # keys of older agents may be missing
+                setattr(ex, attr, d[key])
+        if not ex.argv and ex.command is not None:
+            ex.argv = [mgr.settings.shell, "-c", ex.command]
         if "status" not in d:
             # It was running when the agent went away; the runner killed it then.
             ex.status = "lost"
@@ -454,24 +471,14 @@ class Execution:
             )
             ex.log_pruned = True
         else:
-            ex.status = d["status"]
-            ex.pid = d.get("pid")
-            ex.exit_code = d.get("exitCode")
-            ex.signal = d.get("signal")
-            ex.timed_out = bool(d.get("timedOut"))
-            ex.cancelled = bool(d.get("cancelled"))
-            ex.user_killed = bool(d.get("userKilled"))
             err = d.get("error")
             if isinstance(err, dict):
                 ex.error = models.RunError(
                     code=str(err.get("code")), message=str(err.get("message"))
                 )
-            ex.started = d.get("started")
-            ex.finished = d.get("finished") or ex.created
+            ex.finished = ex.finished or ex.created
             totals = d.get("totals") or [0, 0]
             ex.totals = {STREAM_OUT: int(totals[0]), STREAM_ERR: int(totals[1])}
-            ex.usage = d.get("usage") or {}
-            ex.log_truncated = bool(d.get("logTruncated"))
             size = int(d.get("logSize") or 0)
             try:
                 on_disk = os.path.getsize(ex.log_path) if size else -1
@@ -505,15 +512,23 @@ class Execution:
         tails: dict[int, bytearray] | dict[int, memoryview | bytes] | None = None
         if output:
             tails = self.capture if self.capture is not None else self._tails_from_log()
+        # (field order on the wire is the model's, not this call's)
         return models.Execution(
             id=self.id,
             idempotency_key=self.key,
             status=self.status,
+            created_at=models.rfc3339(self.created),
+            started_at=models.rfc3339(start) if start else None,
+            finished_at=models.rfc3339(end) if end else None,
+            duration_seconds=round(end - (start or self.created), 6) if end else None,
             command=self.command,
             argv=self.argv,
             cwd=self.cwd,
             timeout_seconds=self.timeout,
             background=self.background,
+            stdout=_text(tails[STREAM_OUT], cap) if tails else None,
+            stderr=_text(tails[STREAM_ERR], cap) if tails else None,
+            combined_output=self.combined,
             pid=self.pid,
             exit_code=self.exit_code,
             signal=self.signal,
@@ -522,12 +537,6 @@ class Execution:
             cancelled=self.cancelled,
             oom_killed=self.oom_killed,
             error=self.error,
-            created_at=rfc3339(self.created),
-            started_at=rfc3339(start) if start else None,
-            finished_at=rfc3339(end) if end else None,
-            duration_seconds=round(end - (start or self.created), 6) if end else None,
-            stdout=_text(tails[STREAM_OUT], cap) if tails else None,
-            stderr=_text(tails[STREAM_ERR], cap) if tails else None,
             stdout_truncated=self.truncated[STREAM_OUT] or self.totals[STREAM_OUT] > cap,
             stderr_truncated=self.truncated[STREAM_ERR] or self.totals[STREAM_ERR] > cap,
             stdout_bytes=self.totals[STREAM_OUT],
@@ -551,10 +560,21 @@ class Execution:
 
 
 class ExecutionManager:
-    def __init__(self, settings: Settings, runner: RunnerClient, on_activity: Any) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        runner: RunnerClient,
+        on_activity: Any,
+        restart: RuntimeRestart,
+        environment: Environment,
+    ) -> None:
         self.settings = settings
         self.runner = runner
         self.on_activity = on_activity
+        self.restart = restart
+        self.environment = environment
+        runner.on_change.append(self._runner_changed)
+        self._closing_reason()
         self.records: dict[str, Execution] = {}
         self.by_key: dict[str, Execution] = {}
         self.active = 0
@@ -597,10 +617,28 @@ class ExecutionManager:
         self.journal.rewrite(entries)
 
     def fingerprint(self, req: models.ExecRequest, argv: list[str], timeout: float) -> str:
-        blob = msgspec.json.encode(
-            [argv, req.cwd, sorted(req.env.items()), req.stdin, req.stdin_base64, timeout]
-        )
-        return hashlib.sha256(blob).hexdigest()
+        what: list[Any] = [argv, req.cwd, sorted(req.env.items()), req.stdin, req.stdin_base64]
+        what.append(timeout)
+        if req.combined_output:
+            what.append("combined")  # (absent otherwise: fingerprints of old records hold)
+        return hashlib.sha256(msgspec.json.encode(what)).hexdigest()
+
+    def _spawn_request(
+        self, req: models.ExecRequest, argv: list[str], cwd: str, want_stdin: bool
+    ) -> Spawn:
+        env = {**self.environment.env, **req.env}
+        spawn = Spawn(argv, env, self.environment.unset, cwd, want_stdin, req.combined_output)
+        if req.command is not None:
+            # The script goes to the shell on a descriptor, not in argv (where
+            # Linux refuses one argument over 128 KiB). `sh -c '. file' sh`
+            # keeps $0 and the positional parameters as `sh -c command` has them.
+            shell = argv[0]
+            spawn.argv = [shell, "-c", f". /dev/fd/{SCRIPT_FD}", shell]
+            try:
+                spawn.script = req.command.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:
+                raise Invalid("invalid_request", "command is not valid Unicode") from None
+        return spawn
 
     def submit(
         self, req: models.ExecRequest, argv: list[str], cwd_rel: str, stdin: bytes | None
@@ -608,39 +646,46 @@ class ExecutionManager:
         """Start (or, for a known idempotency key, find) an execution."""
         timeout = req.timeout_seconds or self.settings.default_timeout
         if timeout > self.settings.max_timeout:
-            raise ApiError(
-                400,
+            raise Invalid(
                 "timeout_too_large",
-                f"timeoutSeconds may be at most {self.settings.max_timeout:g}",
+                f"timeoutSeconds may be at most {self.settings.max_timeout:g} "
+                "(SANDBOX_AGENT_MAX_TIMEOUT)",
+                maximum=self.settings.max_timeout,
             )
         fp = self.fingerprint(req, argv, timeout)
         if req.idempotency_key is not None:
             existing = self.by_key.get(req.idempotency_key)
             if existing is not None:
                 if existing.fingerprint != fp:
-                    raise conflict(
+                    raise Conflict(
                         "idempotency_key_reused",
                         "this idempotency key was used for a different command",
                         id=existing.id,
                     )
                 return existing, True
         if self.active >= self.settings.max_concurrent_executions:
-            raise ApiError(
-                429,
+            raise Busy(
                 "too_many_executions",
                 f"at most {self.settings.max_concurrent_executions} executions may run at once",
             )
+        if self.restart.request is not None:
+            raise Unavailable(
+                "runtime_restarting",
+                "the sandbox container is to be restarted (see GET /livez/runtime): "
+                "a command started now would be killed with it",
+            )
         if not self.runner.connected:
-            raise ApiError(503, "runner_unavailable", self.runner.last_error or "no runner")
+            raise Unavailable("runner_unavailable", self.runner.last_error or "no runner")
+        want_stdin = stdin is not None or req.stdin_open
+        spawn = self._spawn_request(req, argv, cwd_rel, want_stdin)
         ex = Execution(self, req, argv, timeout, fp)
         ex.cwd = cwd_rel
-        want_stdin = stdin is not None or req.stdin_open
         try:
-            ex.channel = self.runner.spawn(ex, argv, req.env, cwd_rel, want_stdin)
+            ex.channel = self.runner.spawn(ex, spawn)
         except ConnectionError as exc:
-            raise ApiError(503, "runner_unavailable", str(exc)) from None
+            raise Unavailable("runner_unavailable", str(exc)) from None
         except ValueError as exc:
-            raise ApiError(413, "command_too_large", str(exc)) from None
+            raise TooLarge("command_too_large", str(exc)) from None
         self.records[ex.id] = ex
         if ex.key is not None:
             self.by_key[ex.key] = ex
@@ -657,10 +702,63 @@ class ExecutionManager:
         ex._later(timeout, ex.on_timeout)
         return ex, False
 
+    def running(self) -> list[Execution]:
+        return [ex for ex in self.records.values() if ex.finished is None]
+
+    # -- a runtime the runner cannot control any more -------------------------
+
+    def demand_restart(
+        self, reason: models.RestartReason, message: str, executions: list[Execution]
+    ) -> None:
+        self.restart.demand(reason, message, [ex.id for ex in executions], self.runner.instance)
+        self._closing_reason()
+
+    def _runner_changed(self) -> None:
+        if self.runner.connected:
+            self.restart.runner_connected(self.runner.instance)
+        else:
+            self.restart.runner_gone(self.runner.instance)
+        self._closing_reason()
+
+    def _closing_reason(self) -> None:
+        # What the executions of a connection that closes while a restart is
+        # requested are told (the runtime went down, and they with it).
+        self.runner.closing_reason = (
+            (
+                "runtime_restarted",
+                "the runtime was restarted to kill a command that would not die "
+                f"({self.restart.request.message}); this command ended with it",
+            )
+            if self.restart.request is not None
+            else None
+        )
+
+    async def watch_runner(self) -> None:
+        """Ask for a runtime restart when the runner answers no ping for
+        runner_stall_seconds while commands run: nothing could stop them."""
+        stall = self.settings.runner_stall_seconds
+        if stall <= 0:
+            return
+        while True:
+            await asyncio.sleep(min(1.0, stall))
+            if not self.active or not self.runner.connected or self.restart.requested:
+                continue
+            instance = self.runner.instance
+            if await self.runner.ping(wait=stall):
+                continue
+            running = self.running()
+            if running and self.runner.connected and self.runner.instance == instance:
+                self.demand_restart(
+                    "runner_unresponsive",
+                    f"the runner answered no ping for {stall:g}s while {len(running)} "
+                    "command(s) ran",
+                    running,
+                )
+
     def get(self, ex_id: str) -> Execution:
         ex = self.records.get(ex_id)
         if ex is None:
-            raise not_found(f"execution {ex_id!r}")
+            raise NotFound("not_found", f"execution {ex_id!r} not found")
         return ex
 
     def finished(self, ex: Execution) -> None:
@@ -679,7 +777,7 @@ class ExecutionManager:
 
     def remove(self, ex: Execution) -> None:
         if ex.finished is None:
-            raise conflict("still_running", "cancel the execution before deleting it")
+            raise Conflict("still_running", "cancel the execution before deleting it")
         self._drop(ex)
 
     def _drop(self, ex: Execution) -> None:

@@ -19,28 +19,36 @@ from collections.abc import Iterator
 
 from . import models
 from .config import Settings
-from .errors import ApiError, bad_request, conflict
-from .executions import rfc3339
+from .errors import (
+    AgentError,
+    Conflict,
+    Forbidden,
+    Invalid,
+    IOFailure,
+    NoSpace,
+    NotFound,
+    TooLarge,
+)
 from .paths import Workspace
 
-_ERRNO: dict[int, tuple[int, str]] = {
-    errno.ENOENT: (404, "not_found"),
-    errno.EEXIST: (409, "already_exists"),
-    errno.ENOTEMPTY: (409, "directory_not_empty"),
-    errno.ENOTDIR: (400, "not_a_directory"),
-    errno.EISDIR: (400, "is_a_directory"),
-    errno.EACCES: (403, "permission_denied"),
-    errno.EPERM: (403, "permission_denied"),
-    errno.EROFS: (403, "read_only"),
-    errno.ELOOP: (403, "path_escape"),
-    errno.EINVAL: (400, "invalid_operation"),
-    errno.EBUSY: (409, "busy"),
-    errno.EXDEV: (400, "cross_device"),
-    errno.ENAMETOOLONG: (400, "invalid_path"),
-    errno.ENOSPC: (507, "no_space"),
-    errno.EDQUOT: (507, "quota_exceeded"),
-    errno.EFBIG: (413, "file_too_large"),
-    errno.ETXTBSY: (409, "busy"),
+_ERRNO: dict[int, tuple[type[AgentError], str]] = {
+    errno.ENOENT: (NotFound, "not_found"),
+    errno.EEXIST: (Conflict, "already_exists"),
+    errno.ENOTEMPTY: (Conflict, "directory_not_empty"),
+    errno.ENOTDIR: (Invalid, "not_a_directory"),
+    errno.EISDIR: (Invalid, "is_a_directory"),
+    errno.EACCES: (Forbidden, "permission_denied"),
+    errno.EPERM: (Forbidden, "permission_denied"),
+    errno.EROFS: (Forbidden, "read_only"),
+    errno.ELOOP: (Forbidden, "path_escape"),
+    errno.EINVAL: (Invalid, "invalid_operation"),
+    errno.EBUSY: (Conflict, "busy"),
+    errno.EXDEV: (Invalid, "cross_device"),
+    errno.ENAMETOOLONG: (Invalid, "invalid_path"),
+    errno.ENOSPC: (NoSpace, "no_space"),
+    errno.EDQUOT: (NoSpace, "quota_exceeded"),
+    errno.EFBIG: (TooLarge, "file_too_large"),
+    errno.ETXTBSY: (Conflict, "busy"),
 }
 
 
@@ -50,8 +58,8 @@ def os_errors(rel: str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        status, code = _ERRNO.get(exc.errno or 0, (500, "io_error"))
-        raise ApiError(status, code, f"{exc.strerror or exc}: {rel}", {"path": rel}) from None
+        kind, code = _ERRNO.get(exc.errno or 0, (IOFailure, "io_error"))
+        raise kind(code, f"{exc.strerror or exc}: {rel}", path=rel) from None
 
 
 def parse_mode(mode: str | None) -> int | None:
@@ -80,7 +88,7 @@ def info(ws: Workspace, real: str, s: os.stat_result | None = None) -> models.Fi
         type=kind,  # type: ignore[arg-type]
         size=s.st_size,
         mode=f"{st.S_IMODE(s.st_mode):04o}",
-        modified_at=rfc3339(s.st_mtime),
+        modified_at=models.rfc3339(s.st_mtime),
         uid=s.st_uid,
         gid=s.st_gid,
         symlink_target=target,
@@ -99,7 +107,7 @@ def list_dir(ws: Workspace, rel: str, depth: int, hidden: bool, limit: int) -> m
     truncated = False
     with os_errors(rel):
         if not os.path.isdir(real):
-            raise bad_request("not_a_directory", f"not a directory: {rel}")
+            raise Invalid("not_a_directory", f"not a directory: {rel}")
         stack = [(real, 1)]
         while stack and not truncated:
             d, level = stack.pop()
@@ -130,9 +138,9 @@ def open_for_read(ws: Workspace, rel: str) -> tuple[int, int]:
         ws.check_fd(fd, rel)
         s = os.fstat(fd)
         if st.S_ISDIR(s.st_mode):
-            raise bad_request("is_a_directory", f"is a directory: {rel}")
+            raise Invalid("is_a_directory", f"is a directory: {rel}")
         if not st.S_ISREG(s.st_mode):
-            raise bad_request("not_a_file", f"not a regular file: {rel}")
+            raise Invalid("not_a_file", f"not a regular file: {rel}")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -151,7 +159,7 @@ def read_lines(fd: int, start: int, count: int | None, max_bytes: int) -> bytes:
                 break
             out += line
             if len(out) > max_bytes:
-                raise ApiError(413, "read_too_large", "selected lines exceed the read limit")
+                raise TooLarge("read_too_large", "selected lines exceed the read limit")
     return bytes(out)
 
 
@@ -163,7 +171,7 @@ class AtomicWriter:
         self.rel = rel
         norm = ws.clean(rel)
         if norm == ".":
-            raise bad_request("invalid_path", "cannot write to the workspace root")
+            raise Invalid("invalid_path", "cannot write to the workspace root")
         target = ws.resolve(rel, follow=False)
         parent = os.path.dirname(target)
         self.name = os.path.basename(target)
@@ -178,14 +186,14 @@ class AtomicWriter:
                 existing: os.stat_result | None = os.stat(
                     self.name, dir_fd=self.dir_fd, follow_symlinks=False
                 )
-        except ApiError as exc:
-            if exc.code != "not_found":
-                os.close(self.dir_fd)
-                raise
+        except NotFound:
             existing = None
+        except AgentError:
+            os.close(self.dir_fd)
+            raise
         if existing is not None and st.S_ISDIR(existing.st_mode):
             os.close(self.dir_fd)
-            raise bad_request("is_a_directory", f"is a directory: {rel}")
+            raise Invalid("is_a_directory", f"is a directory: {rel}")
         # Keep the mode of a file we replace unless told otherwise.
         self.mode = (
             mode
@@ -267,7 +275,7 @@ def read_all(ws: Workspace, rel: str, limit: int) -> bytes:
     fd, size = open_for_read(ws, rel)
     try:
         if size > limit:
-            raise ApiError(413, "file_too_large", f"{rel} is larger than {limit} bytes")
+            raise TooLarge("file_too_large", f"{rel} is larger than {limit} bytes")
         with os.fdopen(os.dup(fd), "rb") as f:
             return f.read(limit + 1)[:limit]
     finally:
@@ -281,7 +289,7 @@ def mkdir(ws: Workspace, req: models.MkdirRequest) -> models.FileInfo:
         created = False
         if os.path.isdir(real):
             if not req.exist_ok:
-                raise conflict("already_exists", f"already exists: {req.path}")
+                raise Conflict("already_exists", f"already exists: {req.path}")
         elif req.parents:
             os.makedirs(real)
             created = True
@@ -298,7 +306,7 @@ def mkdir(ws: Workspace, req: models.MkdirRequest) -> models.FileInfo:
 
 def remove(ws: Workspace, req: models.RemoveRequest) -> models.Removed:
     if ws.clean(req.path) == ".":
-        raise bad_request("invalid_path", "refusing to remove the workspace root")
+        raise Invalid("invalid_path", "refusing to remove the workspace root")
     real = ws.resolve(req.path, follow=False)
     with os_errors(req.path):
         try:
@@ -319,7 +327,7 @@ def remove(ws: Workspace, req: models.RemoveRequest) -> models.Removed:
 
 def move(ws: Workspace, req: models.MoveRequest) -> models.FileInfo:
     if ws.clean(req.source) == "." or ws.clean(req.destination) == ".":
-        raise bad_request("invalid_path", "cannot move the workspace root")
+        raise Invalid("invalid_path", "cannot move the workspace root")
     src = ws.resolve(req.source, follow=False)
     dst = ws.resolve(req.destination, follow=False)
     with os_errors(req.source):
@@ -330,13 +338,13 @@ def move(ws: Workspace, req: models.MoveRequest) -> models.FileInfo:
             ws.confine(os.path.realpath(os.path.dirname(dst)), req.destination)
         if os.path.lexists(dst):
             if not req.overwrite:
-                raise conflict("already_exists", f"destination exists: {req.destination}")
+                raise Conflict("already_exists", f"destination exists: {req.destination}")
             if os.path.isdir(dst) and not os.path.islink(dst) and src != dst:
                 if not os.path.isdir(src) or os.path.islink(src):
-                    raise bad_request("is_a_directory", "cannot replace a directory with a file")
+                    raise Invalid("is_a_directory", "cannot replace a directory with a file")
                 shutil.rmtree(dst)
         if src == dst or dst.startswith(src + os.sep):
-            raise bad_request("invalid_operation", "cannot move a path into itself")
+            raise Invalid("invalid_operation", "cannot move a path into itself")
         os.rename(src, dst)
         return info(ws, dst)
 
@@ -372,7 +380,7 @@ def search(ws: Workspace, req: models.SearchRequest, s: Settings) -> models.Sear
     try:
         rx = re.compile(pattern.encode("utf-8", "surrogateescape"), flags)
     except (re.error, OverflowError, RecursionError) as exc:
-        raise bad_request("invalid_regex", f"invalid regular expression: {exc}") from None
+        raise Invalid("invalid_regex", f"invalid regular expression: {exc}") from None
     limit = min(req.max_results or s.search_max_results, s.search_max_results)
     matches: list[models.SearchMatch] = []
     scanned = skipped = 0
@@ -391,7 +399,7 @@ def search(ws: Workspace, req: models.SearchRequest, s: Settings) -> models.Sear
             )
         )
     else:
-        raise ApiError(404, "not_found", f"not found: {req.path}")
+        raise NotFound("not_found", f"not found: {req.path}")
     for rel, path in targets:
         if scanned + skipped >= s.search_max_files:
             truncated = True
@@ -436,7 +444,7 @@ def find(ws: Workspace, req: models.FindRequest, s: Settings) -> models.FindResu
     if not os.path.isdir(root):
         with os_errors(req.path):
             os.stat(root)
-        raise bad_request("not_a_directory", f"not a directory: {req.path}")
+        raise Invalid("not_a_directory", f"not a directory: {req.path}")
     limit = min(req.max_results or s.search_max_results, s.search_max_results)
     by_path = "/" in req.pattern
     out: list[str] = []
@@ -467,25 +475,25 @@ def replace(ws: Workspace, req: models.ReplaceRequest, s: Settings) -> models.Re
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise bad_request("not_text", f"{req.path} is not UTF-8 text") from None
+        raise Invalid("not_text", f"{req.path} is not UTF-8 text") from None
     if req.regex:
         try:
             rx = re.compile(req.find, re.MULTILINE)
         except (re.error, OverflowError, RecursionError) as exc:
-            raise bad_request("invalid_regex", f"invalid regular expression: {exc}") from None
+            raise Invalid("invalid_regex", f"invalid regular expression: {exc}") from None
         count = len(rx.findall(text))
     else:
         count = text.count(req.find)
     if req.expected_count is not None and count != req.expected_count:
-        raise conflict(
+        raise Conflict(
             "match_count_mismatch",
             f"expected {req.expected_count} matches, found {count}",
             found=count,
         )
     if count == 0:
-        raise conflict("no_match", "the search text was not found", found=0)
+        raise Conflict("no_match", "the search text was not found", found=0)
     if count > 1 and not req.all and req.expected_count is None:
-        raise conflict(
+        raise Conflict(
             "ambiguous_match",
             f"the search text occurs {count} times; pass all=true or expectedCount",
             found=count,
@@ -494,7 +502,7 @@ def replace(ws: Workspace, req: models.ReplaceRequest, s: Settings) -> models.Re
         try:
             new = rx.sub(req.replace, text)
         except (re.error, IndexError) as exc:
-            raise bad_request("invalid_replacement", f"invalid replacement: {exc}") from None
+            raise Invalid("invalid_replacement", f"invalid replacement: {exc}") from None
     else:
         new = text.replace(req.find, req.replace)
     write_bytes(ws, req.path, new.encode("utf-8"), parents=False)

@@ -42,3 +42,14 @@ FILE_BYTES = Counter(
 RUNNER_CONNECTED = Gauge(
     "sandbox_agent_runner_connected", "1 while the runner socket is connected", registry=REGISTRY
 )
+RUNTIME_RESTART_REQUESTED = Gauge(
+    "sandbox_agent_runtime_restart_requested",
+    "1 while the agent asks for the sandbox container to be restarted (GET /livez/runtime: 503)",
+    registry=REGISTRY,
+)
+RUNTIME_RESTARTS = Counter(
+    "sandbox_agent_runtime_restart_requests",
+    "Restarts of the sandbox container requested, by reason",
+    ["reason"],
+    registry=REGISTRY,
+)

@@ -7,6 +7,7 @@ the code. JSON field names are camelCase like the Kubernetes side.
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -23,6 +24,30 @@ Path = Annotated[
 OctalMode = Annotated[
     str, Meta(pattern="^0?[0-7]{3,4}$", description="Permission bits in octal, e.g. '0644'")
 ]
+
+
+def rfc3339(ts: float) -> str:
+    """RFC 3339 UTC with milliseconds (hot path: avoids datetime objects)."""
+    ms = int(ts * 1000) % 1000
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{ms:03d}Z"
+
+
+ORDER = (
+    "Order: within one stream, bytes come exactly in the order the command wrote them. "
+    "Between stdout and stderr, the order (and so the cursor) is the order in which the "
+    "runner read the two pipes: writes a few milliseconds apart or closer may appear in "
+    "either order. With combinedOutput, both go to one pipe, reported as stdout, in exactly "
+    "the order the writes reached it."
+)
+COMBINED = (
+    "stderr goes into the same pipe as stdout: one stream in true order (reported as "
+    "stdout; stderr stays empty). Note that programs often buffer stdout but not stderr "
+    "when it is not a terminal; this orders their writes, not their print calls."
+)
+# Environment variable names as Kubernetes accepts them.
+EnvName = Annotated[str, Meta(pattern="^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=1024)]
+EnvValue = Annotated[str, Meta(pattern="^[^\\x00]*$", max_length=128 << 10)]
+RestartReason = Literal["kill_not_confirmed", "runner_unresponsive"]
 ExecutionStatus = Literal["running", "completed", "timed_out", "cancelled", "failed", "lost"]
 
 
@@ -53,7 +78,13 @@ class Health(_Out, kw_only=True):
 
 class Readiness(_Out, kw_only=True):
     status: Literal["ready", "not_ready"]
-    reason: str | None = None
+    reason: (
+        Annotated[
+            str,
+            Meta(description="runner_not_connected, runner_not_answering, runtime_restart_pending"),
+        ]
+        | None
+    ) = None
     message: str | None = None
     runner_version: str | None = None
 
@@ -67,8 +98,11 @@ class ExecRequest(_Base, kw_only=True):
             str,
             Meta(
                 min_length=1,
-                max_length=1 << 20,
-                description="Shell command, run as [SANDBOX_AGENT_SHELL, '-c', command]",
+                description="Shell script, up to the request body limit "
+                "(SANDBOX_AGENT_MAX_BODY_BYTES, 8 MiB). It does not travel in argv: the shell "
+                "reads it from descriptor 3 (SANDBOX_AGENT_SHELL -c '. /dev/fd/3' "
+                "SANDBOX_AGENT_SHELL), so $0 is the shell and there are no positional "
+                "parameters, as with `sh -c command`.",
             ),
         ]
         | None
@@ -81,13 +115,21 @@ class ExecRequest(_Base, kw_only=True):
         | None
     ) = None
     env: Annotated[
-        dict[str, str], Meta(description="Added to the sandbox container's environment")
+        dict[str, str],
+        Meta(
+            description="Added to the runner's environment and the overlay of PUT "
+            "/v1/environment; wins over both"
+        ),
     ] = msgspec.field(default_factory=dict)
     cwd: Path = "."
     timeout_seconds: (
         Annotated[
             float,
-            Meta(gt=0, description="Kill the process group after this long (default 180)"),
+            Meta(
+                gt=0,
+                description="Kill the process group after this long (default 180; at most "
+                "SANDBOX_AGENT_MAX_TIMEOUT, 3600 by default: more is 400 timeout_too_large)",
+            ),
         ]
         | None
     ) = None
@@ -99,6 +141,7 @@ class ExecRequest(_Base, kw_only=True):
     background: Annotated[
         bool, Meta(description="Return 202 at once instead of waiting for the exit")
     ] = False
+    combined_output: Annotated[bool, Meta(description=COMBINED)] = False
     idempotency_key: (
         Annotated[
             str,
@@ -115,7 +158,11 @@ class ExecRequest(_Base, kw_only=True):
 
 class RunError(_Out, kw_only=True):
     code: Annotated[
-        str, Meta(description="spawn_failed, runner_lost, runner_unresponsive, agent_restarted")
+        str,
+        Meta(
+            description="spawn_failed, runner_lost, runner_unresponsive, runtime_restarted, "
+            "runner_protocol_error, agent_restarted, agent_stopping, agent_error"
+        ),
     ]
     message: str
 
@@ -129,6 +176,7 @@ class Execution(_Out, kw_only=True):
     cwd: str
     timeout_seconds: float
     background: bool
+    combined_output: Annotated[bool, Meta(description=COMBINED)] = False
     pid: int | None = None
     exit_code: int | None = None
     signal: Annotated[int, Meta(description="Terminating signal number")] | None = None
@@ -170,7 +218,7 @@ class ExecutionList(_Out, kw_only=True):
 
 
 class OutputChunk(_Out, kw_only=True):
-    stream: Literal["stdout", "stderr"]
+    stream: Annotated[Literal["stdout", "stderr"], Meta(description=ORDER)]
     data: str | None = None
     data_base64: str | None = None
     cursor: Annotated[int, Meta(description="Cursor just after this chunk")]
@@ -220,6 +268,51 @@ class CancelRequest(_Base, kw_only=True):
 # -- info -----------------------------------------------------------------
 
 
+class RuntimeRestart(_Out, kw_only=True):
+    """Why the agent asks for the sandbox container to be restarted.
+
+    kill_not_confirmed: the runner did not confirm a kill within
+    SANDBOX_AGENT_KILL_GRACE. runner_unresponsive: it answered no ping for
+    SANDBOX_AGENT_RUNNER_STALL_SECONDS while commands ran.
+    """
+
+    reason: RestartReason
+    message: str
+    since: Annotated[str, Meta(description="RFC 3339 UTC")]
+    executions: Annotated[list[str], Meta(description="Executions the runner could not end")]
+
+
+class RuntimeLiveness(_Out, kw_only=True, omit_defaults=True):
+    status: Literal["ok", "restart_requested"]
+    reason: RestartReason | None = None
+    message: str | None = None
+    since: str | None = None
+    executions: list[str] | None = None
+
+
+class EnvironmentRequest(_Base, kw_only=True):
+    env: Annotated[
+        dict[EnvName, EnvValue],
+        Meta(max_length=1000, description="Set for new commands (after `unset`)"),
+    ] = msgspec.field(default_factory=dict)
+    unset: Annotated[
+        list[EnvName],
+        Meta(max_length=1000, description="Removed from the runner's environment (no repeats)"),
+    ] = msgspec.field(default_factory=list)
+
+
+class EnvironmentView(_Out, kw_only=True):
+    env: dict[str, str]
+    unset: Annotated[list[str], Meta(description="Sorted")]
+    hash: Annotated[
+        str,
+        Meta(
+            description='sha256 (lowercase hex) of json.dumps({"env": env, "unset": '
+            'sorted(unset)}, sort_keys=True, separators=(",", ":")) (ASCII escapes)'
+        ),
+    ]
+
+
 class Info(_Out, kw_only=True):
     version: str
     runner_version: str | None
@@ -231,6 +324,13 @@ class Info(_Out, kw_only=True):
     started_at: str
     uptime_seconds: float
     workspace: str
+    runtime_restart_requested: Annotated[
+        bool, Meta(description="GET /livez/runtime answers 503: the sandbox container must restart")
+    ] = False
+    runtime_restart: RuntimeRestart | None = None
+    environment_hash: Annotated[str, Meta(description="hash of the PUT /v1/environment overlay")]
+    default_timeout_seconds: float
+    max_timeout_seconds: Annotated[float, Meta(description="Largest timeoutSeconds accepted")]
 
 
 class SyncResult(_Out, kw_only=True):
@@ -239,13 +339,9 @@ class SyncResult(_Out, kw_only=True):
 
 
 class QuiesceRequest(_Base, kw_only=True):
+    # The bound holds whatever happens to the caller (a crashed operator).
     seconds: Annotated[
-        float,
-        Meta(
-            gt=0,
-            le=600,
-            description="Resume by itself after this long, whatever happens to the caller",
-        ),
+        float, Meta(gt=0, le=600, description="Resume by itself after this long")
     ] = 60.0
 
 
@@ -296,20 +392,20 @@ class MkdirRequest(_Base, kw_only=True):
 
 class RemoveRequest(_Base, kw_only=True):
     path: Path
-    recursive: bool = False
-    missing_ok: bool = False
+    recursive: Annotated[bool, Meta(description="Remove a directory with its contents")] = False
+    missing_ok: Annotated[bool, Meta(description="A missing path is not an error")] = False
 
 
 class Removed(_Out, kw_only=True):
     path: str
-    removed: bool
+    removed: Annotated[bool, Meta(description="False: it was already missing (missingOk)")]
 
 
 class MoveRequest(_Base, kw_only=True):
     source: Path
     destination: Path
-    overwrite: bool = False
-    parents: bool = True
+    overwrite: Annotated[bool, Meta(description="Replace an existing destination")] = False
+    parents: Annotated[bool, Meta(description="Create missing parents of the destination")] = True
 
 
 class SearchRequest(_Base, kw_only=True):
@@ -393,10 +489,10 @@ class ReplaceRequest(_Base, kw_only=True):
 
 class ReplaceResult(_Out, kw_only=True):
     path: str
-    replacements: int
+    replacements: Annotated[int, Meta(description="Matches replaced")]
 
 
 class ArchiveResult(_Out, kw_only=True):
     path: str
-    entries: int
-    bytes: int
+    entries: Annotated[int, Meta(description="Archive members extracted")]
+    bytes: Annotated[int, Meta(description="File content bytes written")]

@@ -1,12 +1,13 @@
-"""The OpenAPI 3.1 document, built from app.OPS and the msgspec models.
+"""The OpenAPI 3.1 document of a route table (``document(ops)``).
 
-``python -m sandbox_agent.openapi > openapi.json`` refreshes the checked-in
-copy; a test fails when it is stale.
+Like Starlette's schema generator, it takes the table as an argument and
+imports neither the app nor the handlers, so routes and docs cannot disagree
+and never import each other. ``python -m sandbox_agent.openapi > openapi.json``
+refreshes the checked-in copy from ``routes.OPS``; a test fails when it is stale.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from typing import Any
@@ -14,27 +15,36 @@ from typing import Any
 import msgspec
 
 from . import __version__, models
+from .routing import Op, Param, public_paths
 
 _REF = "#/components/schemas/{name}"
-
-_RAW_MEDIA = {
-    "binary": ("application/octet-stream", {"type": "string", "format": "binary"}),
-    "tar": ("application/x-tar", {"type": "string", "format": "binary"}),
-    "prometheus": ("text/plain", {"type": "string"}),
-    "object": ("application/json", {"type": "object"}),
+_BINARY = {"type": "string", "format": "binary"}
+# Raw (non-JSON-schema) bodies: kind -> {media type: schema}
+_RAW: dict[str, dict[str, Any]] = {
+    "binary": {"application/octet-stream": _BINARY},
+    "tar": {"application/x-tar": _BINARY},
+    "prometheus": {"text/plain": {"type": "string"}},
+    "object": {"application/json": {"type": "object"}},
+}
+_RAW_RESPONSES: dict[str, tuple[str, dict[str, Any]]] = {
+    "tar": (
+        "tar (gzip=false) or tar.gz (gzip=true)",
+        {"application/x-tar": _BINARY, "application/gzip": _BINARY},
+    ),
 }
 
 
-def _param(p: Any) -> dict[str, Any]:
+def _param(p: Param) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": p.type}
-    if p.enum:
-        schema["enum"] = list(p.enum)
-    if p.minimum is not None:
-        schema["minimum"] = p.minimum
-    if p.maximum is not None:
-        schema["maximum"] = p.maximum
-    if p.name == "mode":
-        schema["pattern"] = "^0?[0-7]{3,4}$"
+    for key, value in (
+        ("enum", list(p.enum) if p.enum else None),
+        ("minimum", p.minimum),
+        ("maximum", p.maximum),
+        ("pattern", p.pattern),
+        ("default", p.default),
+    ):
+        if value is not None:
+            schema[key] = value
     return {
         "name": p.name,
         "in": p.location,
@@ -44,91 +54,92 @@ def _param(p: Any) -> dict[str, Any]:
     }
 
 
-@functools.cache
-def document() -> dict[str, Any]:
-    from .app import OPS  # late: app imports this module's users
+def _content(typ: Any, ref_of: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+    if isinstance(typ, str):
+        return {media: {"schema": schema} for media, schema in _RAW[typ].items()}
+    return {"application/json": {"schema": ref_of[typ]}}
 
+
+def _response(status: int, typ: Any, ref_of: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+    if typ is None:
+        return {"description": "No content"}
+    if typ == "error":
+        return {"description": "Error", **_error(ref_of)}
+    if typ == "events":
+        return {
+            "description": "One StreamEvent per line (ndjson) or per SSE event",
+            "content": {
+                "application/x-ndjson": {"schema": ref_of[models.StreamEvent]},
+                "text/event-stream": {"schema": {"type": "string"}},
+            },
+        }
+    if isinstance(typ, str) and typ in _RAW_RESPONSES:
+        desc, media = _RAW_RESPONSES[typ]
+        return {"description": desc, "content": {m: {"schema": s} for m, s in media.items()}}
+    return {"description": "OK" if status < 300 else "Error", "content": _content(typ, ref_of)}
+
+
+def _error(ref_of: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": ref_of[models.ErrorBody]}}}
+
+
+def _operation(op: Op, ref_of: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "operationId": op.handler.__name__,
+        "summary": op.summary,
+        "tags": [op.tag],
+    }
+    if op.description:
+        entry["description"] = op.description
+    if op.params:
+        entry["parameters"] = [_param(p) for p in op.params]
+    if op.body is not None:
+        entry["requestBody"] = {
+            "required": op.body_required,
+            "content": _content(op.body, ref_of),
+        }
+    responses = {str(s): _response(s, t, ref_of) for s, t in sorted(op.responses().items())}
+    public = op.access == "public"
+    if not public:
+        responses.setdefault(
+            "401", {"description": "Missing or wrong bearer token", **_error(ref_of)}
+        )
+    if op.body is not None or op.params:
+        responses.setdefault("400", {"description": "Invalid request", **_error(ref_of)})
+    if not public:
+        # Any other client error (404, 409, 413, ...) has the same error body.
+        responses.setdefault(
+            "4XX", {"description": "Client error (see error.code)", **_error(ref_of)}
+        )
+    entry["responses"] = responses
+    if public:
+        entry["security"] = []
+    return entry
+
+
+def document(ops: tuple[Op, ...]) -> dict[str, Any]:
+    """The OpenAPI document of ``ops`` (pure: same table, same document)."""
     types: list[Any] = [models.ErrorBody, models.StreamEvent]
-    for op in OPS:
+    for op in ops:
         if isinstance(op.body, type):
             types.append(op.body)
-        types.extend(t for t in op.responses.values() if isinstance(t, type))
+        types.extend(t for t in op.responses().values() if isinstance(t, type))
     uniq = list(dict.fromkeys(types))
     refs, components = msgspec.json.schema_components(uniq, ref_template=_REF)
     ref_of = dict(zip(uniq, refs, strict=True))
 
     paths: dict[str, dict[str, Any]] = {}
-    for op in OPS:
-        entry: dict[str, Any] = {
-            "operationId": op.handler.__name__,
-            "summary": op.summary,
-            "tags": [op.tag],
-        }
-        if op.params:
-            entry["parameters"] = [_param(p) for p in op.params]
-        if op.body is not None:
-            if isinstance(op.body, str):
-                media, schema = _RAW_MEDIA[op.body]
-                entry["requestBody"] = {"required": True, "content": {media: {"schema": schema}}}
-            else:
-                entry["requestBody"] = {
-                    "required": op.body is not models.CancelRequest,
-                    "content": {"application/json": {"schema": ref_of[op.body]}},
-                }
-        responses: dict[str, Any] = {}
-        for status, typ in sorted(op.responses.items()):
-            desc = "OK" if status < 300 else "Error"
-            if typ is None:
-                responses[str(status)] = {"description": "No content"}
-            elif typ == "events":
-                ev = ref_of[models.StreamEvent]
-                responses[str(status)] = {
-                    "description": "One StreamEvent per line (ndjson) or per SSE event",
-                    "content": {
-                        "application/x-ndjson": {"schema": ev},
-                        "text/event-stream": {"schema": {"type": "string"}},
-                    },
-                }
-            elif typ == "tar":
-                binary = {"type": "string", "format": "binary"}
-                responses[str(status)] = {
-                    "description": "tar (gzip=false) or tar.gz (gzip=true)",
-                    "content": {
-                        "application/x-tar": {"schema": binary},
-                        "application/gzip": {"schema": binary},
-                    },
-                }
-            elif isinstance(typ, str):
-                media, schema = _RAW_MEDIA[typ]
-                responses[str(status)] = {
-                    "description": desc,
-                    "content": {media: {"schema": schema}},
-                }
-            else:
-                responses[str(status)] = {
-                    "description": desc,
-                    "content": {"application/json": {"schema": ref_of[typ]}},
-                }
-        err = {"content": {"application/json": {"schema": ref_of[models.ErrorBody]}}}
-        if not op.public:
-            responses.setdefault("401", {"description": "Missing or wrong bearer token", **err})
-        if op.body is not None or op.params:
-            responses.setdefault("400", {"description": "Invalid request", **err})
-        if not op.public:
-            # Any other client error (404, 409, 413, ...) has the same error body.
-            responses.setdefault("4XX", {"description": "Client error (see error.code)", **err})
-        entry["responses"] = responses
-        if op.public:
-            entry["security"] = []
-        paths.setdefault(op.path, {})[op.method.lower()] = entry
-
+    for op in ops:
+        paths.setdefault(op.path, {})[op.method.lower()] = _operation(op, ref_of)
+    *others, last = sorted(public_paths(ops, metrics_auth=True))
+    public = f"{', '.join(others)} and {last}" if others else last
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "sandbox-agent",
             "version": __version__,
             "description": "In-pod sidecar API of the sandbox operator: exec, files, activity. "
-            "All paths except /healthz and /readyz need 'Authorization: Bearer <token>'. "
+            f"All paths except {public} need 'Authorization: Bearer <token>'. "
             'Errors are {"error": {"code", "message", "details"?}}.',
         },
         "paths": paths,
@@ -140,12 +151,15 @@ def document() -> dict[str, Any]:
     }
 
 
-def render() -> str:
-    return json.dumps(document(), indent=2, sort_keys=True) + "\n"
+def render(ops: tuple[Op, ...]) -> str:
+    return json.dumps(document(ops), indent=2, sort_keys=True) + "\n"
 
 
 def main() -> int:
-    sys.stdout.write(render())
+    # The command-line edge is the one place here that knows the table.
+    from .routes import OPS
+
+    sys.stdout.write(render(OPS))
     return 0
 
 

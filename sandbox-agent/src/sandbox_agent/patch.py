@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass, field
 
 from . import files, models
-from .errors import ApiError, bad_request, conflict
+from .config import Settings
+from .errors import Conflict, Invalid
 from .paths import Workspace
 
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
@@ -59,7 +60,7 @@ def parse(text: str) -> list[FilePatch]:
         m = _HUNK.match(line)
         if m:
             if not out:
-                raise bad_request("invalid_patch", f"hunk before any file header (line {i + 1})")
+                raise Invalid("invalid_patch", f"hunk before any file header (line {i + 1})")
             old_len = int(m.group(2)) if m.group(2) is not None else 1
             new_len = int(m.group(4)) if m.group(4) is not None else 1
             hunk = Hunk(int(m.group(1)))
@@ -87,11 +88,11 @@ def parse(text: str) -> list[FilePatch]:
                     i += 1
                     continue
                 else:
-                    raise bad_request("invalid_patch", f"unexpected line {i + 1} in hunk: {body!r}")
+                    raise Invalid("invalid_patch", f"unexpected line {i + 1} in hunk: {body!r}")
                 last = tag
                 i += 1
             if seen_old != old_len or seen_new != new_len:
-                raise bad_request("invalid_patch", "hunk is shorter than its header says")
+                raise Invalid("invalid_patch", "hunk is shorter than its header says")
             # "\ No newline at end of file" refers to the line just above it.
             while i < len(lines) and lines[i].startswith("\\"):
                 if last in (" ", "-"):
@@ -103,14 +104,14 @@ def parse(text: str) -> list[FilePatch]:
             continue
         i += 1  # "diff --git", "index", mode lines and prose are ignored
     if not out:
-        raise bad_request("invalid_patch", "no file headers (--- / +++) found in the patch")
+        raise Invalid("invalid_patch", "no file headers (--- / +++) found in the patch")
     return out
 
 
 def _strip(path: str, n: int) -> str:
     parts = path.split("/")
     if n >= len(parts):
-        raise bad_request("invalid_patch", f"cannot strip {n} components from {path!r}")
+        raise Invalid("invalid_patch", f"cannot strip {n} components from {path!r}")
     return "/".join(parts[n:])
 
 
@@ -127,7 +128,10 @@ def _find(lines: list[str], old: list[str], expected: int, lo: int) -> int:
     return best
 
 
-def apply(ws: Workspace, req: models.PatchRequest, max_bytes: int) -> models.PatchResult:
+def apply(ws: Workspace, req: models.PatchRequest, s: Settings) -> models.PatchResult:
+    # A patched file is held in memory whole: allow more than a searched file,
+    # still bounded.
+    max_bytes = s.search_max_file_bytes * 8
     patches = parse(req.patch)
     results: list[models.PatchedFile] = []
     writes: list[tuple[str, bytes | None, int | None]] = []
@@ -149,7 +153,7 @@ def apply(ws: Workspace, req: models.PatchRequest, max_bytes: int) -> models.Pat
         if creating:
             real = ws.resolve(rel, follow=False)
             if os.path.lexists(real):
-                raise conflict("patch_conflict", f"{rel} already exists", path=rel)
+                raise Conflict("patch_conflict", f"{rel} already exists", path=rel)
             lines: list[str] = []
             eol = True
             mode = None
@@ -158,7 +162,7 @@ def apply(ws: Workspace, req: models.PatchRequest, max_bytes: int) -> models.Pat
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
-                raise bad_request("not_text", f"{rel} is not UTF-8 text") from None
+                raise Invalid("not_text", f"{rel} is not UTF-8 text") from None
             eol = text.endswith("\n") or text == ""
             lines = text.split("\n")
             if eol:
@@ -170,7 +174,7 @@ def apply(ws: Workspace, req: models.PatchRequest, max_bytes: int) -> models.Pat
             expected = max(h.old_start - 1, 0) + offset if h.old else h.old_start + offset
             at = _find(lines, h.old, expected, floor)
             if at < 0:
-                raise conflict(
+                raise Conflict(
                     "patch_conflict",
                     f"hunk {n} of {rel} does not apply: its context was not found",
                     path=rel,
@@ -180,7 +184,7 @@ def apply(ws: Workspace, req: models.PatchRequest, max_bytes: int) -> models.Pat
                 )
             touches_end = at + len(h.old) == len(lines)
             if touches_end and h.old and h.old_noeol == eol:
-                raise conflict(
+                raise Conflict(
                     "patch_conflict",
                     f"hunk {n} of {rel} disagrees about the newline at end of file",
                     path=rel,
@@ -193,7 +197,7 @@ def apply(ws: Workspace, req: models.PatchRequest, max_bytes: int) -> models.Pat
             floor = at + len(h.new)
         if deleting:
             if lines:
-                raise conflict(
+                raise Conflict(
                     "patch_conflict", f"{rel} is not empty after removing its lines", path=rel
                 )
             writes.append((rel, None, None))
@@ -212,7 +216,7 @@ def apply(ws: Workspace, req: models.PatchRequest, max_bytes: int) -> models.Pat
                 try:
                     os.unlink(ws.resolve(rel, follow=False))
                 except OSError as exc:
-                    raise ApiError(409, "patch_conflict", f"cannot delete {rel}: {exc}") from None
+                    raise Conflict("patch_conflict", f"cannot delete {rel}: {exc}") from None
             else:
                 files.write_bytes(ws, rel, data, mode, parents=True)
     return models.PatchResult(files=results, dry_run=req.dry_run)

@@ -15,13 +15,14 @@ import os
 import posixpath
 from urllib.parse import unquote
 
-from .errors import ApiError
+from .errors import AgentError, Forbidden, Invalid
 
 MAX_PATH = 4096
 
 
-def _refuse(code: str, message: str, path: str) -> ApiError:
-    return ApiError(403 if code == "path_escape" else 400, code, message, {"path": path[:300]})
+def _refuse(code: str, message: str, path: str) -> AgentError:
+    kind = Forbidden if code == "path_escape" else Invalid
+    return kind(code, message, path=path[:300])
 
 
 class Workspace:

@@ -16,8 +16,13 @@ Constraints that shape this file:
 
 Wire format (both directions): a 9-byte header ``>IBI`` = payload length,
 frame type, channel (the agent's execution number on this connection),
-followed by the payload. Control payloads are JSON objects; output and stdin
-payloads are raw bytes.
+followed by the payload. Control payloads are JSON objects; output, stdin and
+script payloads are raw bytes.
+
+A shell script does not travel in argv (Linux caps one argument at 128 KiB):
+the agent sends it in T_SCRIPT frames before the T_SPAWN that asks for it
+(``"scriptFd": 3``), and the command gets it as an in-memory file on that
+descriptor (``sh -c '. /dev/fd/3' sh``).
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ import signal
 import socket
 import struct
 import sys
+import tempfile
 import time
 from typing import Any
 
 __version__ = "0.1.0"
-PROTOCOL = 1
+# 2: T_SCRIPT frames, scriptFd/combined/unset in T_SPAWN, instance in the hello.
+PROTOCOL = 2
 
 HEADER = struct.Struct(">IBI")
 # Largest payload either side may send. The agent enforces it on what it
@@ -54,6 +61,9 @@ LINGER = float(os.environ.get("SANDBOX_RUNNER_LINGER_MS", "1")) / 1000.0
 # stdin a command does not read is buffered up to this; past it, its stdin
 # is closed (and the agent told) rather than letting the buffer grow.
 STDIN_BUFFER = int(os.environ.get("SANDBOX_RUNNER_STDIN_BUFFER_BYTES", str(64 << 20)))
+# A script is held whole until its command starts; the agent's body limit is
+# far below this, which only stops a broken client from exhausting memory.
+MAX_SCRIPT = 64 << 20
 
 # agent -> runner
 T_HELLO = 1
@@ -62,6 +72,7 @@ T_STDIN = 3
 T_STDIN_CLOSE = 4
 T_SIGNAL = 5
 T_PING = 6
+T_SCRIPT = 7  # a piece of the script of the next T_SPAWN on this channel
 # runner -> agent
 T_HELLO_ACK = 65
 T_STARTED = 66
@@ -154,13 +165,14 @@ class Child:
 class Conn:
     """One agent connection; several may coexist (e.g. across agent restarts)."""
 
-    __slots__ = ("children", "closed", "rbuf", "sock", "wbuf")
+    __slots__ = ("children", "closed", "rbuf", "scripts", "sock", "wbuf")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.rbuf = bytearray()
         self.wbuf = bytearray()
         self.children: dict[int, Child] = {}
+        self.scripts: dict[int, bytearray] = {}  # channel -> script received so far
         self.closed = False
 
 
@@ -174,6 +186,9 @@ class Runner:
         self.lingering: dict[int, float] = {}  # pipe fd -> when to read it again
         self.conns: dict[int, Conn] = {}
         self.stopping = 0.0
+        # Tells this runner from the one a restarted container starts (the pid
+        # is 1 in both): the agent keys "restart the runtime" to an instance.
+        self.instance = os.urandom(8).hex()
         self.base_env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_RUNNER_")}
 
         self.wake_r, self.wake_w = os.pipe()
@@ -393,14 +408,20 @@ class Runner:
                     "uid": os.getuid(),
                     "gid": os.getgid(),
                     "python": ".".join(str(v) for v in sys.version_info[:3]),
+                    "instance": self.instance,
                 },
             )
         elif ftype == T_PING:
             self._send(conn, T_PONG, channel, payload)
+        elif ftype == T_SCRIPT:
+            script = conn.scripts.setdefault(channel, bytearray())
+            if len(script) + len(payload) > MAX_SCRIPT:
+                raise ValueError(f"script for channel {channel} exceeds {MAX_SCRIPT} bytes")
+            script += payload
         elif ftype == T_SPAWN:
             if channel in conn.children:
                 raise ValueError(f"channel {channel} already in use")
-            self._spawn(conn, channel, json.loads(payload))
+            self._spawn(conn, channel, json.loads(payload), conn.scripts.pop(channel, None))
         elif ftype == T_STDIN:
             child = conn.children.get(channel)
             if child is not None and child.in_fd >= 0 and not child.stdin_close:
@@ -423,32 +444,48 @@ class Runner:
         else:
             raise ValueError(f"unknown frame type {ftype}")
 
-    def _spawn(self, conn: Conn, channel: int, req: dict[str, Any]) -> None:
+    def _spawn(
+        self, conn: Conn, channel: int, req: dict[str, Any], script: bytearray | None
+    ) -> None:
         argv = [str(a) for a in req["argv"]]
         if not argv or any("\0" in a for a in argv):
             raise ValueError("bad argv")
         env = dict(self.base_env)
+        for k in req.get("unset") or ():
+            env.pop(str(k), None)
         for k, v in dict(req.get("env") or {}).items():
             env[str(k)] = str(v)
         cwd = os.path.join(self.workspace, str(req.get("cwd") or "."))
         want_stdin = bool(req.get("stdin"))
+        # One pipe for both streams keeps their true relative order.
+        combined = bool(req.get("combined"))
+        script_fd = req.get("scriptFd")
+        if script_fd is not None and (type(script_fd) is not int or not 3 <= script_fd <= 9):
+            raise ValueError("scriptFd must be 3..9")
 
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        if STDOUT_PIPE_SIZE > 65536:
-            with contextlib.suppress(OSError):  # else keep the default size
-                fcntl.fcntl(out_r, F_SETPIPE_SZ, STDOUT_PIPE_SIZE)
-        in_r = in_w = -1
-        actions: list[tuple[Any, ...]] = [
-            (os.POSIX_SPAWN_DUP2, out_w, 1),
-            (os.POSIX_SPAWN_DUP2, err_w, 2),
-        ]
-        if want_stdin:
-            in_r, in_w = os.pipe()
-            actions.insert(0, (os.POSIX_SPAWN_DUP2, in_r, 0))
-        else:
-            actions.insert(0, (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0))
+        fds: list[int] = []  # ours to close once the child has its copies
         try:
+            out_r, out_w = os.pipe()
+            fds += [out_r, out_w]
+            err_r, err_w = (-1, out_w) if combined else os.pipe()
+            if not combined:
+                fds += [err_r, err_w]
+            if STDOUT_PIPE_SIZE > 65536:
+                with contextlib.suppress(OSError):  # else keep the default size
+                    fcntl.fcntl(out_r, F_SETPIPE_SZ, STDOUT_PIPE_SIZE)
+            in_r = in_w = -1
+            if want_stdin:
+                in_r, in_w = os.pipe()
+                fds += [in_r, in_w]
+                actions: list[tuple[Any, ...]] = [(os.POSIX_SPAWN_DUP2, in_r, 0)]
+            else:
+                actions = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)]
+            actions += [(os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
+            if script_fd is not None:
+                sfd = _script_file(bytes(script or b""))
+                fds.append(sfd)
+                # Last, so that no pipe dup above can overwrite it.
+                actions.append((os.POSIX_SPAWN_DUP2, sfd, script_fd))
             # Single-threaded, so changing our own cwd around the spawn is the
             # portable way to give the child a cwd (posix_spawn has no chdir).
             os.chdir(cwd)
@@ -465,9 +502,8 @@ class Runner:
             finally:
                 os.chdir(self.workspace)
         except (OSError, ValueError, TypeError) as exc:  # ValueError: NUL in argv/env
-            for fd in (out_r, out_w, err_r, err_w, in_r, in_w):
-                if fd >= 0:
-                    os.close(fd)
+            for fd in fds:
+                os.close(fd)
             self._send_json(
                 conn,
                 T_SPAWN_FAILED,
@@ -475,17 +511,17 @@ class Runner:
                 {"errno": getattr(exc, "errno", 0) or 0, "message": f"{_reason(exc)}: {argv[0]}"},
             )
             return
-        os.close(out_w)
-        os.close(err_w)
-        if in_r >= 0:
-            os.close(in_r)
+        for fd in fds:
+            if fd not in (out_r, err_r, in_w):
+                os.close(fd)  # the child's ends (and the script: the child holds it now)
         child = Child(conn, channel, pid)
         child.out_fd = out_r
         child.err_fd = err_r
         for fd, ftype in ((out_r, T_STDOUT), (err_r, T_STDERR)):
-            _set_nonblocking(fd)
-            self.by_fd[fd] = (child, ftype)
-            self.sel.register(fd, selectors.EVENT_READ, "pipe")
+            if fd >= 0:
+                _set_nonblocking(fd)
+                self.by_fd[fd] = (child, ftype)
+                self.sel.register(fd, selectors.EVENT_READ, "pipe")
         if in_w >= 0:
             _set_nonblocking(in_w)
             child.in_fd = in_w
@@ -677,6 +713,29 @@ class Runner:
         else:
             msg["exitCode"] = os.WEXITSTATUS(status)
         self._send_json(conn, T_EXIT, child.channel, msg)
+
+
+def _script_file(script: bytes) -> int:
+    """An unnamed file holding ``script``, read from the start, close-on-exec.
+
+    A memfd lives in memory and vanishes with its last descriptor; where there
+    is none (old kernels, other systems) an unlinked temporary file serves.
+    The shell opens it again as /dev/fd/N, which starts at offset 0 either way.
+    """
+    try:
+        fd = os.memfd_create("sandbox-script", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        fd, path = tempfile.mkstemp(prefix="sandbox-script-")  # not inheritable
+        os.unlink(path)
+    try:
+        view = memoryview(script)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _tune_malloc() -> None:

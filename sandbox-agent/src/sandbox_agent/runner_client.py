@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import logging
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
@@ -22,6 +24,7 @@ from . import runner as wire
 log = logging.getLogger("sandbox_agent.runner")
 
 HELLO_TIMEOUT = 3.0
+SCRIPT_FD = 3  # where a command's shell script is (`sh -c '. /dev/fd/3' sh`)
 RECONNECT_DELAY = 0.1
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -29,6 +32,19 @@ _encode = msgspec.json.Encoder().encode
 
 class ProtocolViolation(Exception):
     pass
+
+
+@dataclass
+class Spawn:
+    """What to start: ``script`` (if any) reaches the command on SCRIPT_FD."""
+
+    argv: list[str]
+    env: dict[str, str]
+    unset: list[str]
+    cwd: str
+    stdin: bool
+    combined: bool = False
+    script: bytes | None = None
 
 
 class Channel(Protocol):
@@ -87,6 +103,9 @@ class _Wire(asyncio.Protocol):
         self.closed = asyncio.get_running_loop().create_future()
         self.hello: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.channels: dict[int, Channel] = {}
+        # Channels given up on (a kill the runner never confirmed): their late
+        # frames are dropped, not taken for a protocol violation.
+        self.forgotten: set[int] = set()
         self.pings: dict[bytes, asyncio.Future[None]] = {}
         self.next_channel = 1
 
@@ -103,10 +122,14 @@ class _Wire(asyncio.Protocol):
             if not fut.done():
                 fut.set_exception(ConnectionError("runner connection lost"))
         channels, self.channels = self.channels, {}
-        reason = self.client.lost_reason or (
-            "runner_lost",
-            "the runner connection closed while the command was running "
-            "(runner exited, crashed or was replaced)",
+        reason = (
+            self.client.lost_reason
+            or self.client.closing_reason
+            or (
+                "runner_lost",
+                "the runner connection closed while the command was running "
+                "(runner exited, crashed or was replaced)",
+            )
         )
         for ch in channels.values():
             ch.on_lost(*reason)
@@ -169,24 +192,30 @@ class _Wire(asyncio.Protocol):
             self.parts_len = len(rest)
             self.need = need
 
+    def _channel(self, chan: int, what: str, final: bool = False) -> Channel | None:
+        """The channel a frame is for; None for a forgotten one (drop the frame)."""
+        ch = self.channels.get(chan)
+        if ch is None:
+            if chan not in self.forgotten:
+                raise ProtocolViolation(f"{what} for unknown channel {chan}")
+            if final:
+                self.forgotten.discard(chan)
+        return ch
+
     def _dispatch(self, ftype: int, chan: int, payload: memoryview) -> None:
         if ftype == wire.T_STDOUT or ftype == wire.T_STDERR:
-            ch = self.channels.get(chan)
-            if ch is None:
-                raise ProtocolViolation(f"output for unknown channel {chan}")
-            ch.on_output(ftype == wire.T_STDERR, payload)
+            ch = self._channel(chan, "output")
+            if ch is not None:
+                ch.on_output(ftype == wire.T_STDERR, payload)
         elif ftype == wire.T_STARTED:
-            ch = self.channels.get(chan)
-            if ch is None:
-                raise ProtocolViolation(f"start for unknown channel {chan}")
+            ch = self._channel(chan, "start")
             pid = _int(_obj(payload), "pid", 1, 1 << 31)
             if pid is None:
                 raise ProtocolViolation("start without pid")
-            ch.on_started(pid)
+            if ch is not None:
+                ch.on_started(pid)
         elif ftype == wire.T_EXIT:
-            ch = self.channels.get(chan)
-            if ch is None:
-                raise ProtocolViolation(f"exit for unknown channel {chan}")
+            ch = self._channel(chan, "exit", final=True)
             obj = _obj(payload)
             code = _int(obj, "exitCode", 0, 255)
             sig = _int(obj, "signal", 1, 128)
@@ -197,20 +226,19 @@ class _Wire(asyncio.Protocol):
                 "system": _num(obj, "systemSeconds"),
                 "maxrss": _int(obj, "maxRssKiB", 0, 1 << 50),
             }
-            del self.channels[chan]  # only once the frame proved valid
-            ch.on_exit(code, sig, usage)
+            if ch is not None:
+                del self.channels[chan]  # only once the frame proved valid
+                ch.on_exit(code, sig, usage)
         elif ftype == wire.T_SPAWN_FAILED:
-            ch = self.channels.get(chan)
-            if ch is None:
-                raise ProtocolViolation(f"spawn failure for unknown channel {chan}")
+            ch = self._channel(chan, "spawn failure", final=True)
             message = _str(_obj(payload), "message", 1000)
-            del self.channels[chan]
-            ch.on_spawn_failed(message)
+            if ch is not None:
+                del self.channels[chan]
+                ch.on_spawn_failed(message)
         elif ftype == wire.T_STDIN_CLOSED:
-            ch = self.channels.get(chan)
-            if ch is None:
-                raise ProtocolViolation(f"stdin state for unknown channel {chan}")
-            ch.on_stdin_closed()
+            ch = self._channel(chan, "stdin state")
+            if ch is not None:
+                ch.on_stdin_closed()
         elif ftype == wire.T_PONG:
             fut = self.pings.pop(bytes(payload), None)
             if fut is not None and not fut.done():
@@ -226,6 +254,7 @@ class _Wire(asyncio.Protocol):
                 "pid": _int(obj, "pid", 1, 1 << 31),
                 "uid": _int(obj, "uid", 0, 1 << 32),
                 "python": _str(obj, "python", 32),
+                "instance": _str(obj, "instance", 64),
             }
             self.hello.set_result(info)
         else:
@@ -241,9 +270,14 @@ class RunnerClient:
         self.info: dict[str, Any] | None = None
         self.last_error = "not connected yet"
         self.lost_reason: tuple[str, str] | None = None
+        # The runner instance of the current (or else the last) connection.
+        self.instance = ""
+        # What to tell the executions of a connection that closes: set while
+        # the agent has asked for the runtime to be restarted.
+        self.closing_reason: tuple[str, str] | None = None
         self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
-        self.on_change: list[Any] = []
+        self._connected = asyncio.Event()
+        self.on_change: list[Callable[[], None]] = []
 
     @property
     def connected(self) -> bool:
@@ -253,6 +287,9 @@ class RunnerClient:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        # The agent is leaving: a connection it closes itself says nothing about
+        # the runner, so nobody is told (a pending runtime restart stands).
+        self.on_change.clear()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -279,7 +316,9 @@ class RunnerClient:
             self.lost_reason = None
             self.wire = proto
             self.info = info
+            self.instance = str(info.get("instance") or "")
             self.last_error = ""
+            self._connected.set()
             log.info("runner connected: %s", info)
             self._notify()
             await proto.closed
@@ -300,6 +339,7 @@ class RunnerClient:
         if self.wire is proto:
             self.wire = None
             self.info = None
+            self._connected.clear()
             self.last_error = (self.lost_reason or ("", "runner connection lost"))[1]
             log.warning("runner disconnected: %s", self.last_error)
             self._notify()
@@ -308,26 +348,46 @@ class RunnerClient:
         for cb in self.on_change:
             cb()
 
+    async def wait_connected(self, wait: float) -> bool:
+        """True once a runner is connected (at once if one is), False after ``wait`` s."""
+        if not self.connected and wait > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._connected.wait(), wait)
+        return self.connected
+
     # -- operations used by executions ------------------------------------
 
-    def spawn(
-        self, ch: Channel, argv: list[str], env: dict[str, str], cwd: str, stdin: bool
-    ) -> int:
+    def spawn(self, ch: Channel, req: Spawn) -> int:
         w = self.wire
         if w is None:
             raise ConnectionError(self.last_error)
+        spec: dict[str, Any] = {
+            "argv": req.argv,
+            "env": req.env,
+            "unset": req.unset,
+            "cwd": req.cwd,
+            "stdin": req.stdin,
+            "combined": req.combined,
+        }
+        if req.script is not None:
+            spec["scriptFd"] = SCRIPT_FD
+        payload = _encode(spec)
+        if len(payload) > wire.MAX_PAYLOAD:
+            raise ValueError("arguments and environment exceed 1 MiB")
         chan = w.next_channel
         w.next_channel = (chan + 1) & 0xFFFFFFFF or 1
-        payload = _encode({"argv": argv, "env": env, "cwd": cwd, "stdin": stdin})
-        if len(payload) > wire.MAX_PAYLOAD:
-            raise ValueError("command, arguments and environment exceed 1 MiB")
         w.channels[chan] = ch
+        if req.script is not None:
+            view = memoryview(req.script)
+            for i in range(0, len(view), wire.MAX_PAYLOAD):
+                w.send(wire.T_SCRIPT, chan, bytes(view[i : i + wire.MAX_PAYLOAD]))
         w.send(wire.T_SPAWN, chan, payload)
         return chan
 
     def forget(self, chan: int) -> None:
-        if self.wire is not None:
-            self.wire.channels.pop(chan, None)
+        """Stop expecting anything on ``chan``; whatever still comes for it is dropped."""
+        if self.wire is not None and self.wire.channels.pop(chan, None) is not None:
+            self.wire.forgotten.add(chan)
 
     def stdin(self, chan: int, data: bytes) -> None:
         w = self.wire

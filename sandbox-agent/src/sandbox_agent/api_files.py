@@ -1,0 +1,233 @@
+"""The files API over HTTP: parameters in, files.* / patch / archive, bytes or JSON out."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from . import archive, files, metrics, models, patch
+from .errors import Invalid, TooLarge
+from .routing import Args, Handler
+from .state import AgentState, state_of
+from .web import OCTET, TAR, body_as, ok, one_of, spool_upload
+
+
+def file_op(op: str) -> None:
+    metrics.FILE_OPS.labels(op, "ok").inc()
+
+
+def _bytes_out(data: bytes) -> bytes:
+    metrics.FILE_BYTES.labels("out").inc(len(data))
+    return data
+
+
+async def file_read(request: Request, args: Args) -> Response:
+    """Read a file (whole, byte range or line range)"""
+    st = state_of(request)
+    s = st.settings
+    rel = args.need("path", str)
+    offset = args.get("offset", int)
+    length = args.get("length", int)
+    start_line = args.get("startLine", int)
+    line_count = args.get("lineCount", int)
+    if (offset is not None or length is not None) and (
+        start_line is not None or line_count is not None
+    ):
+        raise Invalid("invalid_request", "use either a byte range or a line range, not both")
+    st.touch()
+    fd, size = await asyncio.to_thread(files.open_for_read, st.workspace, rel)
+    headers = {"X-File-Size": str(size)}
+    if start_line is not None or line_count is not None:
+        try:
+            # line ranges are assembled in memory: a tighter cap than streamed reads
+            data = await asyncio.to_thread(
+                files.read_lines, fd, start_line or 1, line_count, min(s.max_read_bytes, 64 << 20)
+            )
+        finally:
+            os.close(fd)
+        file_op("read")
+        return Response(_bytes_out(data), media_type=OCTET, headers=headers)
+    start = min(offset or 0, size)
+    end = size if length is None else min(size, start + length)
+    if end - start > s.max_read_bytes:
+        os.close(fd)
+        raise TooLarge("read_too_large", f"reads are limited to {s.max_read_bytes} bytes")
+    headers["Content-Length"] = str(end - start)
+    headers["X-Range"] = f"{start}-{end}"
+    if end - start <= 1 << 20:
+        try:
+            data = os.pread(fd, end - start, start)
+        finally:
+            os.close(fd)
+        file_op("read")
+        return Response(_bytes_out(data), media_type=OCTET, headers=headers)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        pos = start
+        try:
+            while pos < end:
+                data = await asyncio.to_thread(os.pread, fd, min(4 << 20, end - pos), pos)
+                if not data:
+                    break  # file shrank: the client sees a short body
+                pos += len(data)
+                yield _bytes_out(data)
+        finally:
+            os.close(fd)
+
+    file_op("read")
+    return StreamingResponse(chunks(), media_type=OCTET, headers=headers)
+
+
+async def file_write_raw(request: Request, args: Args) -> Response:
+    """Write a file atomically from the raw body"""
+    st = state_of(request)
+    rel = args.need("path", str)
+    mode = files.parse_mode(args.get("mode", str))  # the route bounds its syntax
+    parents = args.need("parents", bool)
+    st.touch()
+    w = await asyncio.to_thread(files.AtomicWriter, st.workspace, rel, mode, parents)
+    try:
+        total = await spool_upload(
+            request, lambda b: asyncio.to_thread(w.write_chunks, b), st.settings.max_upload_bytes
+        )
+        result = await asyncio.to_thread(w.commit)
+    except BaseException:
+        w.abort()
+        raise
+    metrics.FILE_BYTES.labels("in").inc(total)
+    file_op("write")
+    return ok(result)
+
+
+async def _in_thread(request: Request, op: str, call: Callable[[], Any]) -> Response:
+    """Count the call as activity, run the file operation off the event loop, answer JSON."""
+    state_of(request).touch()
+    result = await asyncio.to_thread(call)
+    file_op(op)
+    return ok(result)
+
+
+async def file_write_json(request: Request, args: Args) -> Response:
+    """Write a file atomically from JSON"""
+    st = state_of(request)
+    req = await body_as(request, models.WriteRequest)
+    data = one_of(req.content, req.content_base64, ("content", "contentBase64")) or b""
+    metrics.FILE_BYTES.labels("in").inc(len(data))
+    mode = files.parse_mode(req.mode)
+    return await _in_thread(
+        request, "write", lambda: files.write_bytes(st.workspace, req.path, data, mode, req.parents)
+    )
+
+
+async def file_stat(request: Request, args: Args) -> Response:
+    """Stat a path (symlinks not followed)"""
+    st = state_of(request)
+    return await _in_thread(
+        request, "stat", lambda: files.stat(st.workspace, args.need("path", str))
+    )
+
+
+async def file_list(request: Request, args: Args) -> Response:
+    """List a directory"""
+    st = state_of(request)
+    path, depth, hidden = args.need("path", str), args.need("depth", int), args.need("hidden", bool)
+    limit = st.settings.list_max_entries
+    return await _in_thread(
+        request, "list", lambda: files.list_dir(st.workspace, path, depth, hidden, limit)
+    )
+
+
+def _json_file_op(
+    op: str, summary: str, typ: type[Any], fn: Callable[[AgentState, Any], Any]
+) -> Handler:
+    """A handler for a JSON-bodied file operation: decode ``typ``, run ``fn`` in a thread."""
+
+    async def handler(request: Request, args: Args) -> Response:
+        st = state_of(request)
+        req = await body_as(request, typ)
+        return await _in_thread(request, op, lambda: fn(st, req))
+
+    handler.__name__ = f"file_{op}"
+    handler.__doc__ = summary
+    return handler
+
+
+# The JSON-bodied operations: name, summary, request type, the call into the domain.
+# fmt: off
+file_mkdir = _json_file_op("mkdir", "Create a directory", models.MkdirRequest,
+                           lambda st, r: files.mkdir(st.workspace, r))
+file_remove = _json_file_op("remove", "Remove a file, link or directory", models.RemoveRequest,
+                            lambda st, r: files.remove(st.workspace, r))
+file_move = _json_file_op("move", "Move / rename", models.MoveRequest,
+                          lambda st, r: files.move(st.workspace, r))
+file_search = _json_file_op("search", "Search file contents by regex", models.SearchRequest,
+                            lambda st, r: files.search(st.workspace, r, st.settings))
+file_find = _json_file_op("find", "Find paths by glob", models.FindRequest,
+                          lambda st, r: files.find(st.workspace, r, st.settings))
+file_patch = _json_file_op("patch", "Apply a unified diff (all or nothing)", models.PatchRequest,
+                           lambda st, r: patch.apply(st.workspace, r, st.settings))
+file_replace = _json_file_op("replace", "Find and replace in one file", models.ReplaceRequest,
+                             lambda st, r: files.replace(st.workspace, r, st.settings))
+# fmt: on
+
+
+def _require_dir(real: str, rel: str) -> None:
+    if not os.path.isdir(real):
+        with files.os_errors(rel):
+            os.stat(real)
+        raise Invalid("not_a_directory", f"not a directory: {rel}")
+
+
+async def archive_download(request: Request, args: Args) -> Response:
+    """Download a directory as tar (or tar.gz)"""
+    st = state_of(request)
+    rel = args.need("path", str)
+    gz = args.need("gzip", bool)
+    st.touch()
+    # Validate before the 200 goes out; errors inside the stream can only cut it short.
+    real = st.workspace.resolve(rel)
+    await asyncio.to_thread(_require_dir, real, rel)
+    stream = await asyncio.to_thread(archive.TarStream, st.workspace, rel, gz)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                chunk = await asyncio.to_thread(stream.next_chunk)
+                if chunk is None:
+                    return
+                yield _bytes_out(chunk)
+        finally:
+            stream.close()  # also on a client disconnect: the producer thread ends
+
+    file_op("archive_download")
+    name = os.path.basename(real) or "workspace"
+    return StreamingResponse(
+        body(),
+        media_type="application/gzip" if gz else TAR,
+        headers={"Content-Disposition": f'attachment; filename="{name}.tar{".gz" if gz else ""}"'},
+    )
+
+
+async def archive_upload(request: Request, args: Args) -> Response:
+    """Upload a tar (optionally gzip/bz2/xz) and extract it into a directory"""
+    st = state_of(request)
+    rel = args.need("path", str)
+    st.workspace.resolve(rel)
+    st.touch()
+    with tempfile.TemporaryFile(prefix="sandbox-agent-upload-") as spool:
+
+        async def sink(chunks: list[bytes]) -> None:
+            await asyncio.to_thread(spool.writelines, chunks)
+
+        total = await spool_upload(request, sink, st.settings.max_upload_bytes)
+        metrics.FILE_BYTES.labels("in").inc(total)
+        spool.seek(0)
+        result = await asyncio.to_thread(archive.extract, st.workspace, rel, spool, st.settings)
+    file_op("archive_upload")
+    return ok(result)

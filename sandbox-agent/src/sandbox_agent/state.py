@@ -1,0 +1,45 @@
+"""The objects the handlers share, built once per agent (``build_app``)."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+
+from . import metrics
+from .config import Settings
+from .environment import Environment
+from .executions import ExecutionManager
+from .paths import Workspace
+from .quiesce import Quiesce
+from .runner_client import RunnerClient
+from .runtime import RuntimeRestart
+
+
+class AgentState:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.workspace = Workspace(settings.workspace)
+        self.runner = RunnerClient(settings.socket_path)
+        self.started = time.time()
+        self.last_activity = self.started
+        self.restart = RuntimeRestart(settings.log_dir)
+        self.environment = Environment(settings.log_dir)
+        self.executions = ExecutionManager(
+            settings, self.runner, self.touch, self.restart, self.environment
+        )
+        self.quiesce = Quiesce(self.executions)
+        self.openapi = b"{}"  # the served document, rendered by build_app from the table
+        self.runner.on_change.append(self._runner_changed)
+
+    def touch(self) -> None:
+        """Record user activity (exec and file calls; never probes or info)."""
+        self.last_activity = time.time()
+
+    def _runner_changed(self) -> None:
+        metrics.RUNNER_CONNECTED.set(1 if self.runner.connected else 0)
+
+
+def state_of(request: Request) -> AgentState:
+    st: AgentState = request.app.state.agent
+    return st
