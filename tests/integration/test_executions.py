@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from devcluster.controlplane import ControlPlane
-from sandbox_operator.api.execution import TERMINAL_PHASES
+from sandbox_operator.api.execution import MAX_INPUT_CHARACTERS, TERMINAL_PHASES
 from tests.executions import Executions
 from tests.integration.conftest import kubectl
 from tests.integration.harness import AgentProcess, Node, OperatorProcess, wait_for
@@ -121,6 +121,30 @@ def test_env_secrets_workdir_stdin_and_files(
     assert status["phase"] == "Succeeded", status
     assert status["stdout"] == f"hello s3cret {agent.workspace / 'sub'}\nfrom stdin\ntool ran\n"
     assert (agent.workspace / "sub" / "tool.sh").stat().st_mode & 0o777 == 0o755
+
+
+def test_the_largest_script_runs_and_output_order_can_be_kept(
+    executions: Executions, live_sandbox: LiveSandbox
+) -> None:
+    """A script as long as the schema admits reaches the shell (not through argv,
+    which holds about 128 KiB); `combinedOutput` keeps stdout and stderr in order."""
+    live_sandbox("box")
+    filler = "# " + "x" * 78 + "\n"
+    body = "echo last line\n"
+    script = filler * ((MAX_INPUT_CHARACTERS - len(body)) // len(filler)) + body
+    script = "#" * (MAX_INPUT_CHARACTERS - len(script) - 1) + "\n" + script
+    # Linux limits one argument to 128 KiB with its terminating NUL: this is past it.
+    assert len(script) == MAX_INPUT_CHARACTERS == 128 * 1024
+    executions.run("long", "box", script)
+    status = executions.wait_done("long")
+    assert (status["phase"], status["stdout"]) == ("Succeeded", "last line\n"), status
+
+    interleaved = "for i in 1 2 3 4 5; do echo out$i; echo err$i >&2; done"
+    executions.run("ordered", "box", interleaved, combinedOutput=True)
+    status = executions.wait_done("ordered")
+    expected = "".join(f"out{i}\nerr{i}\n" for i in range(1, 6))
+    assert (status["phase"], status["stdout"]) == ("Succeeded", expected), status
+    assert not status.get("stderr")
 
 
 def test_missing_secret_waits_then_runs(

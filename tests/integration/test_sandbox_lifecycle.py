@@ -11,7 +11,7 @@ from typing import Any
 from devcluster.controlplane import ControlPlane
 from tests.integration.conftest import kubectl
 from tests.integration.harness import AgentProcess, Node, OperatorProcess, secret_token, wait_for
-from tests.kube import ApiError, KubeJSON, api_path, core_path
+from tests.kube import JSON, ApiError, KubeJSON, api_path, core_path
 from tests.sandboxes import Sandboxes
 
 MANAGED = "app.kubernetes.io/managed-by=sandbox-operator"
@@ -146,10 +146,50 @@ def test_pause_and_resume_keep_the_workspace_claim(
         10,
         "a Paused event",
     )
+    # Paused, the workspace is still there and bound: it says so (not Unknown).
+    node.bind_claim(ns, "charlie-workspace")
+    wait_for(
+        lambda: (sandboxes.condition("charlie", "WorkspaceReady") or {}).get("status") == "True",
+        20,
+        "WorkspaceReady while paused",
+    )
     sandboxes.patch("charlie", {"spec": {"paused": False}})
     wait_for(lambda: _exists(kube, _pod(ns, "charlie")), 20, "pod back")
     assert _workspace_claim_name(kube.read(_pod(ns, "charlie"))) == "charlie-workspace"
     assert kube.read(_claim(ns, "charlie"))["metadata"]["uid"] == claim_uid
+    wait_for(
+        lambda: any(
+            e["reason"] == "Resumed" and e["involvedObject"]["name"] == "charlie"
+            for e in kube.list(f"/api/v1/namespaces/{ns}/events")
+        ),
+        10,
+        "a Resumed event",
+    )
+
+
+def test_a_claim_that_cannot_bind_is_explained_and_nothing_churns(
+    sandboxes: Sandboxes, kube: KubeJSON
+) -> None:
+    """With a StorageClass that does not exist the claim never binds: no pod is
+    made and remade, and the status says why the workspace is pending."""
+    ns = sandboxes.namespace
+    sandboxes.create("nowhere", {"workspace": {"storageClassName": "nope"}})
+
+    def explained() -> JSON | None:
+        cond = sandboxes.condition("nowhere", "WorkspaceReady") or {}
+        return cond if "does not exist" in cond.get("message", "") else None
+
+    cond = wait_for(explained, 20, "WorkspaceReady explaining the claim")
+    assert (cond["status"], cond["reason"]) == ("False", "ClaimPending")
+    assert "StorageClass 'nope' does not exist" in cond["message"]
+    ready = sandboxes.condition("nowhere", "Ready") or {}
+    assert ready.get("reason") == "WorkspacePending", ready
+    time.sleep(4)  # several reconciliations, 1 s apart here
+    assert not _exists(kube, _pod(ns, "nowhere")), "a pod was made for a claim that cannot bind"
+    pod_events = [
+        e for e in kube.list(f"/api/v1/namespaces/{ns}/events") if e["reason"] == "PodReplaced"
+    ]
+    assert pod_events == []
 
 
 def test_delete_removes_children_through_garbage_collection(

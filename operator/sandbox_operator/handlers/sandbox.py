@@ -844,11 +844,13 @@ async def _reconcile(
         # The pod is gone (evicted, deleted): its siblings may be too.
         await ensure_children(ctx, ref, spec, converge=False, workspace=workspace)
     await roll_back(ctx, body, workspace, pod)
-    claims = (
-        ClaimState()
-        if spec.workspace.ephemeral or workspace.hold
-        else await claim_state(ctx, ref.namespace, claim, now)
-    )
+    claims = ClaimState()
+    if not spec.workspace.ephemeral and not workspace.hold:
+        if claim is None:
+            # Not in the index yet (just created, say): ask, rather than make a pod
+            # the scheduler would find waiting on an unbound claim.
+            claim = await ctx.kube.get(CLAIMS.path(ref.namespace, build.names(ref.name)["claim"]))
+        claims = await claim_state(ctx, ref.namespace, claim, now)
     decision = decide_pod(
         pod,
         spec,
