@@ -4,6 +4,7 @@ the node's machinery restart part of it, and how that is reported."""
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import pytest
 
@@ -27,6 +28,14 @@ def _events(kube: KubeJSON, ns: str, kind: str, name: str) -> list[JSON]:
     listed = kube.get(core_path("events", ns) + f"?fieldSelector={selector}") or {}
     items: list[JSON] = listed.get("items") or []
     return items
+
+
+def _message(kube: KubeJSON, ns: str, sandbox: str, reason: str) -> str | None:
+    """The message of the Sandbox's Event with `reason`, once there is one."""
+    for event in _events(kube, ns, "Sandbox", sandbox):
+        if event["reason"] == reason:
+            return str(event["message"])
+    return None
 
 
 def _runtime_restarts(kube: KubeJSON, ns: str, name: str) -> int:
@@ -97,13 +106,9 @@ def test_env_and_ports_reach_a_running_sandbox_without_a_restart(e2e: E2E) -> No
         "a new pod for the new memory limit",
     )
 
-    def replaced_event() -> str | None:
-        for event in _events(e2e.kube, ns, "Sandbox", "live"):
-            if event["reason"] == "PodReplaced":
-                return str(event["message"])
-        return None
-
-    message = wait_for(replaced_event, 30, "the PodReplaced Event")
+    message = wait_for(
+        partial(_message, e2e.kube, ns, "live", "PodReplaced"), 30, "the PodReplaced Event"
+    )
     assert "spec.resources" in message, message
     assert "running commands were stopped" in message, message
     sandboxes.wait_ready("live")
@@ -168,13 +173,9 @@ def test_an_eviction_is_reported_as_one(e2e: E2E) -> None:
     # Outside the workspace: the container's writable layer counts as ephemeral storage.
     agent.start("dd if=/dev/zero of=/tmp/filler bs=1M count=200; sleep 600")
 
-    def replaced() -> str | None:
-        for event in _events(e2e.kube, ns, "Sandbox", "hoarder"):
-            if event["reason"] == "PodReplaced":
-                return str(event["message"])
-        return None
-
-    message = wait_for(replaced, 240, "the eviction to be reported")
+    message = wait_for(
+        partial(_message, e2e.kube, ns, "hoarder", "PodReplaced"), 240, "the eviction reported"
+    )
     assert "evicted" in message, message
     assert "ephemeral" in message.lower(), message
     wait_for(lambda: _pod_uid(e2e.kube, ns, "hoarder") not in (None, uid), 120, "a new pod")

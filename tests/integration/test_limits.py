@@ -197,7 +197,13 @@ def policy(kube: KubeJSON, ns: str) -> Iterator[Callable[[str, str, str], None]]
         kube.delete(api_path(ADMISSION, "validatingadmissionpolicies", name=name))
 
 
-def _ready_condition(body: JSON) -> JSON:
+def _create_failed(sandboxes: Sandboxes, name: str) -> JSON:
+    """The Sandbox's Ready condition once it says CreateFailed."""
+    body = sandboxes.wait_object(
+        name,
+        "CreateFailed",
+        lambda s: any(c.get("reason") == "CreateFailed" for c in s.get("conditions", [])),
+    )
     return next(c for c in body["status"]["conditions"] if c["type"] == "Ready")
 
 
@@ -216,12 +222,7 @@ def test_a_refused_child_is_reported_in_status(
     pod["spec"] = {"containers": [{"name": "c", "image": "x"}]}
     wait_for(lambda: _refused(kube, core_path("pods", ns), pod), 20, "the pod policy")
     sandboxes.create("refused")
-    body = sandboxes.wait_object(
-        "refused",
-        "CreateFailed",
-        lambda s: any(c.get("reason") == "CreateFailed" for c in s.get("conditions", [])),
-    )
-    assert "pods are not allowed here" in _ready_condition(body)["message"]
+    assert "pods are not allowed here" in _create_failed(sandboxes, "refused")["message"]
 
     policy("sandboxes", "false", "no more sandboxes")
     probe = {"apiVersion": "sandbox.dev/v1alpha1", "kind": "Sandbox", "metadata": {"name": "p"}}
@@ -254,12 +255,7 @@ def test_a_quota_refusal_is_reported_then_honoured(sandboxes: Sandboxes, kube: K
         "the quota to be counted",
     )
     sandboxes.create("quota")
-    body = sandboxes.wait_object(
-        "quota",
-        "CreateFailed",
-        lambda s: any(c.get("reason") == "CreateFailed" for c in s.get("conditions", [])),
-    )
-    assert "exceeded quota" in _ready_condition(body)["message"]
+    assert "exceeded quota" in _create_failed(sandboxes, "quota")["message"]
     kube.delete(core_path("resourcequotas", ns, "no-claims"))
     wait_for(
         lambda: kube.get(core_path("persistentvolumeclaims", ns, "quota-workspace")),

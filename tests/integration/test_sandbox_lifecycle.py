@@ -57,6 +57,17 @@ def _wait_replaced(kube: KubeJSON, ns: str, name: str, old_uid: str) -> None:
     wait_for(replaced, 30, "a new pod")
 
 
+def _wait_event(kube: KubeJSON, ns: str, name: str, reason: str) -> None:
+    wait_for(
+        lambda: any(
+            e["reason"] == reason and e["involvedObject"]["name"] == name
+            for e in kube.list(f"/api/v1/namespaces/{ns}/events")
+        ),
+        10,
+        f"a {reason} Event on {name}",
+    )
+
+
 def _ready(
     sandboxes: Sandboxes,
     kube: KubeJSON,
@@ -138,14 +149,7 @@ def test_pause_and_resume_keep_the_workspace_claim(
     assert body["status"].get("podIP") is None
     assert kube.read(_claim(ns, "charlie"))["metadata"]["uid"] == claim_uid
     # Users see it in `kubectl describe`: an Event on the Sandbox.
-    wait_for(
-        lambda: any(
-            e["reason"] == "Paused" and e["involvedObject"]["name"] == "charlie"
-            for e in kube.list(f"/api/v1/namespaces/{ns}/events")
-        ),
-        10,
-        "a Paused event",
-    )
+    _wait_event(kube, ns, "charlie", "Paused")
     # Paused, the workspace is still there and bound: it says so (not Unknown).
     node.bind_claim(ns, "charlie-workspace")
     wait_for(
@@ -157,14 +161,7 @@ def test_pause_and_resume_keep_the_workspace_claim(
     wait_for(lambda: _exists(kube, _pod(ns, "charlie")), 20, "pod back")
     assert _workspace_claim_name(kube.read(_pod(ns, "charlie"))) == "charlie-workspace"
     assert kube.read(_claim(ns, "charlie"))["metadata"]["uid"] == claim_uid
-    wait_for(
-        lambda: any(
-            e["reason"] == "Resumed" and e["involvedObject"]["name"] == "charlie"
-            for e in kube.list(f"/api/v1/namespaces/{ns}/events")
-        ),
-        10,
-        "a Resumed event",
-    )
+    _wait_event(kube, ns, "charlie", "Resumed")
 
 
 def test_a_claim_that_cannot_bind_is_explained_and_nothing_churns(

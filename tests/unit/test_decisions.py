@@ -11,8 +11,6 @@ from collections.abc import Coroutine
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-import pytest
-
 from sandbox_operator.agent_client import AgentClient, AgentInfo
 from sandbox_operator.api.execution import ExecutionStatus
 from sandbox_operator.api.sandbox import SandboxSpec, SandboxStatus
@@ -447,14 +445,13 @@ def test_executions_beyond_the_limit_queue_and_a_failed_sandbox_fails_them() -> 
     assert status.message == "sandbox box failed: no python3"
 
 
-@pytest.mark.parametrize("paused", [True, False])
-def test_sandbox_paused_reads_the_same_rule_as_the_sandbox_controller(paused: bool) -> None:
-    spec = SandboxSpec.model_validate({"paused": paused})
-    body = sandbox_body({"paused": paused}, {"idlePausedAt": iso(NOW)})
-    assert execution.sandbox_paused(body, spec) == controller.effective_paused(body, spec)
-    resumed = sandbox_body(
-        {"paused": paused},
-        {"idlePausedAt": iso(NOW)},
-        {RESUME_ANNOTATION: iso(NOW + timedelta(1))},
-    )
-    assert execution.sandbox_paused(resumed, spec) == controller.effective_paused(resumed, spec)
+def test_effectively_paused() -> None:
+    spec = SandboxSpec()
+    idle = {"idlePausedAt": iso(NOW)}
+    assert not build.effectively_paused(sandbox_body(), spec)
+    assert build.effectively_paused(sandbox_body(status=idle), spec)
+    later = {RESUME_ANNOTATION: iso(NOW + timedelta(seconds=1))}
+    earlier = {RESUME_ANNOTATION: iso(NOW - timedelta(seconds=1))}
+    assert not build.effectively_paused(sandbox_body(status=idle, annotations=later), spec)
+    assert build.effectively_paused(sandbox_body(status=idle, annotations=earlier), spec)
+    assert build.effectively_paused(sandbox_body(), SandboxSpec(paused=True))

@@ -15,6 +15,7 @@ from typing import Any
 from sandbox_operator.api.common import API_VERSION, parse_duration, quantity_value
 from sandbox_operator.api.execution import MAX_TIMEOUT
 from sandbox_operator.api.sandbox import EgressPolicy, SandboxSpec
+from sandbox_operator.clock import parse_time
 from sandbox_operator.config import Settings
 from sandbox_operator.resources import (
     IMAGE_ANNOTATION,
@@ -23,6 +24,7 @@ from sandbox_operator.resources import (
     MANAGED_BY,
     POD_HASH_ANNOTATION,
     POD_SPEC_ANNOTATION,
+    RESUME_ANNOTATION,
 )
 
 JSON = dict[str, Any]
@@ -86,6 +88,21 @@ def _meta(ref: SandboxRef, name: str) -> JSON:
             }
         ],
     }
+
+
+def effectively_paused(sandbox: JSON, spec: SandboxSpec) -> bool:
+    """Paused by the user (spec) or by the idle policy (status), unless resumed since
+    (the resume annotation is later than the pause)."""
+    if spec.paused:
+        return True
+    paused_at = (sandbox.get("status") or {}).get("idlePausedAt")
+    if not paused_at:
+        return False
+    resumed = (sandbox["metadata"].get("annotations") or {}).get(RESUME_ANNOTATION)
+    try:
+        return not (resumed and parse_time(resumed) > parse_time(paused_at))
+    except ValueError:
+        return True
 
 
 def image_of(spec: SandboxSpec, settings: Settings) -> str:

@@ -40,6 +40,7 @@ from sandbox_operator.api.execution import (
 from sandbox_operator.api.sandbox import SandboxCondition, SandboxPhase, SandboxSpec, SandboxStatus
 from sandbox_operator.builders import execution as build
 from sandbox_operator.builders.conditions import find
+from sandbox_operator.builders.sandbox import effectively_paused
 from sandbox_operator.clock import iso, iso_precise, now_utc, parse_time
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.kube import MERGE_PATCH, Refused, status_patch
@@ -81,21 +82,6 @@ class Scheduler:
 
     def forget(self, namespace: str, name: str) -> None:
         self.wakeups.pop((namespace, name), None)
-
-
-def sandbox_paused(sandbox: JSON, spec: SandboxSpec) -> bool:
-    """Paused by its spec, or by its idle policy and not resumed since (the Sandbox
-    controller's rule, read from the same annotation and status fields)."""
-    if spec.paused:
-        return True
-    paused_at = (sandbox.get("status") or {}).get("idlePausedAt")
-    if not paused_at:
-        return False
-    resumed = (sandbox["metadata"].get("annotations") or {}).get(RESUME_ANNOTATION)
-    try:
-        return not (resumed and parse_time(resumed) > parse_time(paused_at))
-    except ValueError:
-        return True
 
 
 def sandbox_of(body: JSON) -> str | None:
@@ -382,7 +368,7 @@ class Run:
         except ValidationError:
             await self.wait(R.SANDBOX_STARTING, f"sandbox {name} has an invalid spec")
             return
-        if sandbox_paused(sandbox, sb_spec):
+        if effectively_paused(sandbox, sb_spec):
             if sb_spec.paused:
                 await self.wait(R.SANDBOX_PAUSED, f"sandbox {name} is paused (spec.paused)")
                 return

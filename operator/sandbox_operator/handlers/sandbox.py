@@ -103,20 +103,6 @@ def status_of(body: JSON) -> SandboxStatus:
     return SandboxStatus.model_validate(body.get("status") or {})
 
 
-def effective_paused(body: JSON, spec: SandboxSpec) -> bool:
-    """Paused by the user (spec) or by the idle policy (status), unless resumed since."""
-    if spec.paused:
-        return True
-    idle_paused_at = (body.get("status") or {}).get("idlePausedAt")
-    if not idle_paused_at:
-        return False
-    resumed = (body["metadata"].get("annotations") or {}).get(RESUME_ANNOTATION)
-    try:
-        return not (resumed and parse_time(resumed) > parse_time(idle_paused_at))
-    except ValueError:
-        return True
-
-
 async def _create_or_converge(ctx: OperatorContext, path: str, obj: JSON, converge: bool) -> None:
     created = await ctx.kube.create(path, obj)
     if created is None and converge:
@@ -452,7 +438,7 @@ async def ensure_pod(
         return await ctx.kube.patch(f"{path}/{name}", {"metadata": {"annotations": annotations}})
     await ctx.kube.delete(f"{path}/{name}", uid=pod["metadata"]["uid"])
     if action is PodAction.DELETE:
-        if effective_paused(body, spec):
+        if build.effectively_paused(body, spec):
             ctx.event(body, "info", reason="Paused", message="pod deleted, workspace kept")
         else:
             ctx.event(body, "info", reason="Restoring", message="pod stopped for a rollback")
@@ -742,31 +728,45 @@ def spec_fields(body: JSON, spec: SandboxSpec | None, settings: Settings) -> JSO
     }
 
 
+async def report_blocked(
+    ctx: OperatorContext,
+    body: JSON,
+    spec: SandboxSpec | None,
+    *,
+    invalid: str = "",
+    refused: str = "",
+) -> None:
+    """Status and an Event for a Sandbox that cannot go on: its spec is invalid, or
+    the API server refused one of its children. Nothing of the pod is observed."""
+    observed = Observed(
+        generation=body["metadata"].get("generation", 0),
+        paused=False,
+        deleting=False,
+        ephemeral=bool(spec and spec.workspace.ephemeral),
+        pod=None,
+        invalid=invalid or None,
+        refused=refused or None,
+    )
+    current = _current(ctx, body)
+    status = sandbox_status.build_status(
+        status_of(current),
+        observed,
+        ctx.settings.agent_port,
+        now_utc(),
+        **spec_fields(body, None if invalid else spec, ctx.settings),
+    )
+    await write_status(ctx, current, status)
+    reason = "InvalidSpec" if invalid else "CreateFailed"
+    ctx.event(body, "warn", reason=reason, message=invalid or refused)
+
+
 def refused(ctx: OperatorContext, body: JSON) -> Any:
     """The error policy's report for a child the API server refused: a status
     saying so (Ready=False, CreateFailed, with the API server's message)."""
 
     async def report(exc: Refused) -> None:
-        meta = body["metadata"]
         spec, _ = parse_spec(body, ctx.settings)
-        observed = Observed(
-            generation=meta.get("generation", 0),
-            paused=False,
-            deleting=False,
-            ephemeral=bool(spec and spec.workspace.ephemeral),
-            pod=None,
-            refused=str(exc),
-        )
-        old = status_of(_current(ctx, body))
-        status = sandbox_status.build_status(
-            old,
-            observed,
-            ctx.settings.agent_port,
-            now_utc(),
-            **spec_fields(body, spec, ctx.settings),
-        )
-        await write_status(ctx, _current(ctx, body), status)
-        ctx.event(body, "warn", reason="CreateFailed", message=str(exc))
+        await report_blocked(ctx, body, spec, refused=str(exc))
 
     return report
 
@@ -818,19 +818,7 @@ async def _reconcile(
     old = status_of(body)
     generation = meta.get("generation", 0)
     if invalid is not None:
-        observed = Observed(
-            generation=generation,
-            paused=False,
-            deleting=False,
-            ephemeral=False,
-            pod=None,
-            invalid=invalid,
-        )
-        status = sandbox_status.build_status(
-            old, observed, ctx.settings.agent_port, now, **spec_fields(body, None, ctx.settings)
-        )
-        await write_status(ctx, body, status)
-        ctx.event(body, "warn", reason="InvalidSpec", message=invalid)
+        await report_blocked(ctx, body, spec, invalid=invalid)
         raise kopf.PermanentError(invalid)
     assert spec is not None
     ref = ref_of(body)
@@ -839,7 +827,7 @@ async def _reconcile(
         await ensure_children(
             ctx, ref, spec, converge=children is Children.CONVERGE, workspace=workspace
         )
-    paused = effective_paused(body, spec)
+    paused = build.effectively_paused(body, spec)
     if pod is None and children is Children.POD and not paused:
         # The pod is gone (evicted, deleted): its siblings may be too.
         await ensure_children(ctx, ref, spec, converge=False, workspace=workspace)
