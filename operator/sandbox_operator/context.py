@@ -41,7 +41,7 @@ class OperatorContext:
     tokens: dict[Key, str] = field(default_factory=dict)
     # Volume binding mode by StorageClass name: classes are immutable in that field.
     binding_modes: dict[str, str] = field(default_factory=dict)
-    # The environment digest each sandbox pod's agent holds (by pod UID), once given.
+    # The spec env (as JSON) each sandbox pod's agent was given (by pod UID).
     environments: dict[str, str] = field(default_factory=dict)
     # Where Events go: Kopf's poster in the operator, a list in unit tests.
     post: Callable[[JSON, str, str, str], None] = field(default_factory=lambda: post_event)

@@ -115,7 +115,8 @@ async def sandbox_changed(
         "create": sandbox.Children.ENSURE,
         "update": sandbox.Children.CONVERGE,
     }.get(str(reason), sandbox.Children.ENSURE)
-    async with errors.policy("Sandbox", str(reason), sandbox.refused(ctx, dict(body))):
+    refused = sandbox.refused(ctx, dict(body))
+    async with errors.policy("Sandbox", str(reason), refused, retry=kwargs["retry"]):
         await sandbox.reconcile(
             ctx,
             dict(body),
@@ -242,7 +243,8 @@ async def snapshot_changed(
     body: kopf.Body, memo: Any, logger: kopf.Logger, reason: str, retry: int, **_: Any
 ) -> None:
     ctx = _ctx(memo)
-    async with errors.policy("Snapshot", str(reason), snapshots.refused(ctx, dict(body))):
+    refused = snapshots.refused(ctx, dict(body))
+    async with errors.policy("Snapshot", str(reason), refused, retry=retry):
         await snapshots.take(ctx, dict(body), logger, retry=retry)
 
 

@@ -164,6 +164,38 @@ def test_pause_and_resume_keep_the_workspace_claim(
     _wait_event(kube, ns, "charlie", "Resumed")
 
 
+def test_env_and_ports_change_without_a_new_pod(
+    sandboxes: Sandboxes, kube: KubeJSON, node: Node, agents: Callable[[str], AgentProcess]
+) -> None:
+    """env goes to the agent as an overlay for new commands (Secrets resolved),
+    ports to the Service: the pod and its running commands stay."""
+    ns = sandboxes.namespace
+    kube.create(
+        core_path("secrets", ns),
+        {"metadata": {"name": "api"}, "stringData": {"key": "s3cret"}},
+    )
+    sandboxes.create("oscar", {"env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]})
+    agent = _ready(sandboxes, kube, node, agents, "oscar")
+    uid = kube.read(_pod(ns, "oscar"))["metadata"]["uid"]
+    env = [
+        {"name": "A", "value": "one"},
+        {"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "api", "key": "key"}}},
+    ]
+    ports = {"exposedPorts": [{"name": "web", "port": 8000}]}
+    sandboxes.patch("oscar", {"spec": {"env": env, "network": ports}})
+
+    def overlay() -> JSON | None:
+        current: JSON = agent.call("GET", "/v1/environment")
+        return current if current["env"] else None
+
+    current = wait_for(overlay, 20, "the agent's environment overlay")
+    assert current["env"] == {"A": "one", "KEY": "s3cret"}
+    assert current["unset"] == ["B"]
+    wait_for(lambda: _exists(kube, core_path("services", ns, "oscar")), 20, "the Service")
+    assert kube.read(_pod(ns, "oscar"))["metadata"]["uid"] == uid
+    _wait_event(kube, ns, "oscar", "EnvironmentUpdated")
+
+
 def test_a_claim_that_cannot_bind_is_explained_and_nothing_churns(
     sandboxes: Sandboxes, kube: KubeJSON
 ) -> None:

@@ -9,6 +9,7 @@ functions of what was read, kept apart from the calls that carry them out.
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Mapping
 from contextlib import suppress
@@ -478,6 +479,11 @@ async def sync_environment(
     if wanted == base:
         ctx.environments.pop(uid, None)
         return
+    # Secrets are read once per change of the spec's env, like the kubelet reads
+    # them once per container start.
+    applied = json.dumps(wanted, sort_keys=True)
+    if ctx.environments.get(uid) == applied:
+        return
     try:
         env = await envvars.resolve(ctx.kube, body["metadata"]["namespace"], spec.env)
     except envvars.MissingSecret as exc:
@@ -485,8 +491,6 @@ async def sync_environment(
         return
     unset = sorted({var["name"] for var in base} - env.keys())
     digest = environment_hash(env, unset)
-    if ctx.environments.get(uid) == digest:
-        return
     token = await ctx.agent_token(body)
     if not token:
         return
@@ -505,7 +509,7 @@ async def sync_environment(
         if exc.status in (401, 403):
             ctx.drop_token(body)
         return  # the next pass tries again
-    ctx.environments[uid] = digest
+    ctx.environments[uid] = applied
 
 
 # -- idleness and lifetime ---------------------------------------------------------------
