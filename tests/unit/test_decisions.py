@@ -455,3 +455,26 @@ def test_effectively_paused() -> None:
     assert not build.effectively_paused(sandbox_body(status=idle, annotations=later), spec)
     assert build.effectively_paused(sandbox_body(status=idle, annotations=earlier), spec)
     assert build.effectively_paused(sandbox_body(), SandboxSpec(paused=True))
+
+
+def test_an_eviction_recorded_only_in_an_event_is_still_named() -> None:
+    """The pod ended Succeeded (its containers stopped cleanly); the kubelet's
+    Evicted Event says what happened."""
+    kube = MemoryKube()
+    pod = _pod(phase="Succeeded")
+    pod["metadata"]["namespace"] = "ns"
+    assert run(controller.with_eviction(context(kube), pod)) == pod
+    message = "Pod ephemeral local storage usage exceeds the total limit of containers 64Mi."
+    kube.put(
+        f"{EVENTS.path('ns')}/box.evicted",
+        {
+            "metadata": {"name": "box.evicted"},
+            "involvedObject": {"kind": "Pod", "name": "box", "uid": "pod-uid"},
+            "type": "Warning",
+            "reason": "Evicted",
+            "message": message,
+        },
+    )
+    evicted = run(controller.with_eviction(context(kube), pod))
+    assert evicted is not None
+    assert decide(evicted).why == f"evicted by the kubelet: {message}"

@@ -272,22 +272,50 @@ async def claim_state(
     created = claim["metadata"].get("creationTimestamp")
     problem = None
     if created and now - parse_time(created) > CLAIM_PROBLEM_PATIENCE:
-        problem = await _newest_warning(ctx, namespace, claim)
+        problem = await _claim_problem(ctx, namespace, claim)
     return ClaimState(claim, wait=True, problem=problem)
 
 
-async def _newest_warning(ctx: OperatorContext, namespace: str, claim: JSON) -> str | None:
-    """The message of the newest Warning Event on `claim` (a provisioning error, say)."""
-    selector = (
-        "involvedObject.kind=PersistentVolumeClaim,"
-        f"involvedObject.name={claim['metadata']['name']},type=Warning"
+async def _newest_warning(ctx: OperatorContext, namespace: str, selector: str) -> JSON | None:
+    """The newest Warning Event matching a field selector (involvedObject.*, reason)."""
+    listed = await ctx.kube.get(
+        EVENTS.path(namespace), params={"fieldSelector": f"{selector},type=Warning"}
     )
-    listed = await ctx.kube.get(EVENTS.path(namespace), params={"fieldSelector": selector})
     items = (listed or {}).get("items") or []
     if not items:
         return None
-    newest = max(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
-    return f"{newest.get('reason', '')}: {newest.get('message', '')}".strip(": ")
+    newest: JSON = max(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    return newest
+
+
+async def _claim_problem(ctx: OperatorContext, namespace: str, claim: JSON) -> str | None:
+    """Why a claim is not bound, as the cluster recorded it (a provisioning error)."""
+    selector = (
+        f"involvedObject.kind=PersistentVolumeClaim,involvedObject.name={claim['metadata']['name']}"
+    )
+    found = await _newest_warning(ctx, namespace, selector)
+    if found is None:
+        return None
+    return f"{found.get('reason', '')}: {found.get('message', '')}".strip(": ")
+
+
+async def with_eviction(ctx: OperatorContext, pod: JSON | None) -> JSON | None:
+    """`pod`, with the kubelet's eviction reason in its status when it ended evicted.
+
+    The kubelet records an eviction in an Event first; the pod's own status can
+    end as Succeeded (its containers exited cleanly when told to stop) before
+    the Evicted phase and reason land, and the pod is replaced at once."""
+    if pod is None or not sandbox_status.pod_ended(pod):
+        return pod
+    if sandbox_status.describe_pod_end(pod).startswith("evicted"):
+        return pod
+    meta = pod["metadata"]
+    selector = f"involvedObject.uid={meta['uid']},reason=Evicted"
+    found = await _newest_warning(ctx, meta["namespace"], selector)
+    if found is None:
+        return pod
+    status = {**pod["status"], "reason": "Evicted", "message": found.get("message", "")}
+    return {**pod, "status": status}
 
 
 async def ensure_children(
@@ -843,6 +871,7 @@ async def _reconcile(
             # the scheduler would find waiting on an unbound claim.
             claim = await ctx.kube.get(CLAIMS.path(ref.namespace, build.names(ref.name)["claim"]))
         claims = await claim_state(ctx, ref.namespace, claim, now)
+    pod = await with_eviction(ctx, pod)
     decision = decide_pod(
         pod,
         spec,
