@@ -9,6 +9,7 @@ from functools import partial
 import httpx
 import pytest
 
+from devcluster import deploy
 from tests.e2e.agent import Agent
 from tests.e2e.conftest import E2E
 from tests.executions import Executions
@@ -61,6 +62,10 @@ def test_a_cold_start_logs_no_warning(e2e: E2E) -> None:
         if e["type"] == "Warning" and e["reason"] != "MissingClusterDNS"
     ]
     assert warnings == []
+    # The operator's own liveness probe (every 10 s) is not worth a log line.
+    logs = e2e.kubectl("logs", "-n", deploy.NAMESPACE, f"deploy/{deploy.RELEASE}")
+    assert logs.returncode == 0, logs.stderr
+    assert "/healthz" not in logs.stdout
 
 
 def test_env_and_ports_reach_a_running_sandbox_without_a_restart(e2e: E2E) -> None:
