@@ -325,6 +325,25 @@ def test_lifecycle_decisions() -> None:
     assert lifecycle(idle, _info(0), status=expired).action is IdleAction.DELETE
 
 
+def test_idleness_counts_from_readiness_at_the_earliest() -> None:
+    """A sandbox that just became Ready is not idle, however old its agent is."""
+    idle = {"lifecycle": {"idleTimeout": "10s"}}
+    just_ready = {
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "SandboxReady",
+                "lastTransitionTime": iso(NOW),
+            }
+        ]
+    }
+    assert lifecycle(idle, _info(60)).action is IdleAction.IDLE
+    decision = lifecycle(idle, _info(60), status=just_ready)
+    assert decision.action is IdleAction.NONE
+    assert decision.fields["idle_deadline"] == iso(NOW + timedelta(seconds=10))
+
+
 def test_the_idle_snapshot_comes_first() -> None:
     spec = {"lifecycle": {"idleTimeout": "1m", "onIdle": "Pause", "snapshotOnIdle": True}}
     assert lifecycle(spec, _info(3600)).action is IdleAction.SNAPSHOT

@@ -577,6 +577,11 @@ def decide_lifecycle(
         return LifecycleDecision(IdleAction.NONE)
     reported = now if info.active_executions else info.last_activity.replace(microsecond=0)
     last = max(reported, parse_time(status.last_activity)) if status.last_activity else reported
+    # Idleness counts from the moment the sandbox became Ready at the earliest:
+    # the agent's clock starts with the agent, before anyone could use the sandbox.
+    ready = find(status.conditions, SandboxCondition.READY)
+    if ready is not None and ready.status == TRUE and ready.last_transition_time:
+        last = max(last, parse_time(ready.last_transition_time))
     # A resume request (an Execution waiting for this sandbox) is activity too:
     # without it a fresh pod could be paused again before the work arrives.
     if resumed_at is not None:
