@@ -586,10 +586,11 @@ disabled_plugins = [
         if done:
             log.info("imported %s in %.1fs", ", ".join(done), time.monotonic() - began)
 
-    def load_images(self, names: Sequence[str]) -> None:
-        """Build (if needed) and import more images into the running node."""
+    def load_images(self, names: Sequence[str]) -> list[str]:
+        """Build (if needed) and import images into the running node; the
+        references that were new or changed."""
         built = [imagelib.ensure_built(imagelib.IMAGES[name]) for name in names]
-        imagelib.import_images(self.containerd_socket, built)
+        return imagelib.import_images(self.containerd_socket, built)
 
     def _remove_pods(self) -> None:
         """Stop and remove every pod sandbox through CRI (containerd is still

@@ -41,6 +41,18 @@ def install_operator(cluster: LocalCluster, *, extra_values: list[str] | None = 
     )
 
 
+def restart_operator(cluster: LocalCluster, timeout: float = 180) -> None:
+    """Roll the operator's Deployment (to run a newly imported image of the same tag)."""
+    deployment = f"deployment/{RELEASE}"
+    for args in (
+        ("rollout", "restart", "-n", NAMESPACE, deployment),
+        ("rollout", "status", "-n", NAMESPACE, deployment, f"--timeout={int(timeout)}s"),
+    ):
+        done = kubectl(cluster, *args, timeout=timeout + 30)
+        if done.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
+
+
 def kubectl(
     cluster: LocalCluster, *args: str, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:

@@ -23,6 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from devcluster import deploy  # noqa: E402
 from devcluster.cluster import LocalCluster  # noqa: E402
+from sandbox_operator.resources import LABEL_EXECUTION_UID  # noqa: E402
 
 NAME = "local"
 
@@ -38,8 +39,13 @@ def _json(cluster: LocalCluster, *args: str) -> dict[str, object]:
 def up() -> None:
     began = time.monotonic()
     cluster = deploy.node_cluster(NAME)
+    refreshed: list[str] = []
     if cluster.is_healthy():
         print(f"cluster: already running at {cluster.server}")
+        # Images of changed sources are rebuilt and imported (a cache hit otherwise).
+        refreshed = cluster.load_images(cluster.image_names)
+        if refreshed:
+            print(f"images: rebuilt {', '.join(refreshed)}")
     else:
         print(
             "cluster: starting (installs Debian packages, builds binaries and images when cold)..."
@@ -47,6 +53,9 @@ def up() -> None:
         cluster.start()
         print(f"cluster: up at {cluster.server} in {cluster.start_duration:.1f}s")
     print(deploy.install_operator(cluster).strip().splitlines()[0])
+    if any("sandbox-operator" in reference for reference in refreshed):
+        # Same tag, new image: the Deployment's template did not change, so roll it.
+        deploy.restart_operator(cluster)
     deploy.wait_for_crds(cluster)
     applied = deploy.kubectl(cluster, "apply", "-f", str(REPO / "examples"))
     print(applied.stdout.strip() or applied.stderr.strip())
@@ -58,7 +67,7 @@ def up() -> None:
     names = [
         item["metadata"]["name"]
         for item in items
-        if "sandbox.dev/execution" not in (item["metadata"].get("labels") or {})
+        if LABEL_EXECUTION_UID not in (item["metadata"].get("labels") or {})
     ]
     for name in names:
         waited = deploy.kubectl(
