@@ -222,10 +222,22 @@ class Execution:
             for stream in (STREAM_OUT, STREAM_ERR):
                 self.truncated[stream] = self.totals[stream] > cap
 
-    def on_exit(self, exit_code: int | None, signal: int | None, usage: dict[str, Any]) -> None:
+    def on_exit(
+        self, exit_code: int | None, signal: int | None, usage: dict[str, Any], survivors: int = 0
+    ) -> None:
         self.exit_code = exit_code
         self.signal = signal
         self.usage = usage
+        if survivors:
+            # The runner killed the command but not everything it started:
+            # only a restart of the runtime ends those processes now.
+            message = (
+                f"{survivors} process(es) of the command were still alive after the runner "
+                f"had swept for {self.mgr.sweep_seconds:g}s; the sandbox container is being "
+                "restarted to end them"
+            )
+            self.mgr.demand_restart("kill_not_confirmed", message, [self])
+            self.error = models.RunError(code="kill_incomplete", message=message)
         if self.cancelled:
             status: models.ExecutionStatus = "cancelled"
         elif self.timed_out:
@@ -358,14 +370,14 @@ class Execution:
         if by_user and sig == _signal.SIGKILL:
             self.user_killed = True
             self._expect_death("signal KILL")
-        self.mgr.runner.signal(self.channel, sig)
+        self.mgr.runner.signal(self.channel, sig, self.mgr.sweep_seconds)
 
     def kill(self, reason: str) -> None:
         """SIGKILL the process group; if the runner never confirms, give up on it."""
         if self.finished is not None:
             return
         self._expect_death(reason)
-        self.mgr.runner.signal(self.channel, _signal.SIGKILL)
+        self.mgr.runner.signal(self.channel, _signal.SIGKILL, self.mgr.sweep_seconds)
 
     def _expect_death(self, reason: str) -> None:
         self._later(self.mgr.settings.kill_grace, self._unconfirmed_kill, reason)
@@ -396,7 +408,7 @@ class Execution:
             raise Conflict("not_running", f"execution {self.id} is not running")
         self.cancelled = True
         if grace > 0:
-            self.mgr.runner.signal(self.channel, _signal.SIGTERM)
+            self.mgr.runner.signal(self.channel, _signal.SIGTERM, self.mgr.sweep_seconds)
             self._later(grace, self.kill, "cancel")
         else:
             self.kill("cancel")
@@ -570,6 +582,10 @@ class ExecutionManager:
     ) -> None:
         self.settings = settings
         self.runner = runner
+        # How long the runner may sweep for a killed command's processes: half
+        # the kill grace, so that its report (done, or who survived) arrives
+        # before the agent gives up on it.
+        self.sweep_seconds = settings.kill_grace / 2
         self.on_activity = on_activity
         self.restart = restart
         self.environment = environment
@@ -679,6 +695,7 @@ class ExecutionManager:
         want_stdin = stdin is not None or req.stdin_open
         spawn = self._spawn_request(req, argv, cwd_rel, want_stdin)
         ex = Execution(self, req, argv, timeout, fp)
+        spawn.mark = ex.id
         ex.cwd = cwd_rel
         try:
             ex.channel = self.runner.spawn(ex, spawn)

@@ -160,8 +160,9 @@ class RunError(_Out, kw_only=True):
     code: Annotated[
         str,
         Meta(
-            description="spawn_failed, runner_lost, runner_unresponsive, runtime_restarted, "
-            "runner_protocol_error, agent_restarted, agent_stopping, agent_error"
+            description="spawn_failed, runner_lost, runner_unresponsive, kill_incomplete, "
+            "runtime_restarted, runner_protocol_error, agent_restarted, agent_stopping, "
+            "agent_error"
         ),
     ]
     message: str

@@ -23,6 +23,19 @@ A shell script does not travel in argv (Linux caps one argument at 128 KiB):
 the agent sends it in T_SCRIPT frames before the T_SPAWN that asks for it
 (``"scriptFd": 3``), and the command gets it as an in-memory file on that
 descriptor (``sh -c '. /dev/fd/3' sh``).
+
+Optional fields, ignored by older peers: ``"mark"`` in T_SPAWN (else the
+runner makes one up), ``"sweepSeconds"`` in T_SIGNAL (the sweep's bound),
+``"survivors"`` in T_EXIT (present and > 0 only when a kill was not complete).
+
+Every command carries a mark in its environment, ``SANDBOX_EXECUTION=<id>``
+(the agent's execution id), which its descendants inherit. A kill (SIGKILL,
+or SIGTERM followed by the command's end) does not stop at the process group:
+the runner then sweeps its PID namespace (/proc) for processes that carry the
+mark, also those that left the group (setsid, daemons), stops and kills them,
+and reports the command's end only once none is left, or, past a bound, with
+the number it could not end (``survivors``), so that the agent can have the
+container restarted.
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from typing import Any
 
 __version__ = "0.1.0"
@@ -91,6 +105,22 @@ DRAIN_GRACE = float(os.environ.get("SANDBOX_RUNNER_DRAIN_SECONDS", "0.5"))
 # agent: the children then block on write, which is the backpressure we want.
 WBUF_HIGH = 8 << 20
 WBUF_LOW = 1 << 20
+# The mark of a command's processes: set by us in its environment (ours wins
+# over the request's), inherited by whatever it starts.
+MARK_NAME = "SANDBOX_EXECUTION"
+_MARK_KEY = b"\0" + MARK_NAME.encode() + b"="
+_MARK_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
+MAX_MARK = 128
+# How much of a process's environment a sweep reads to find the mark (the
+# environment is the process's own memory: it may be huge; bounded cost).
+ENVIRON_SCAN_BYTES = 256 << 10
+ENVIRON_CHUNK = 64 << 10
+# How long a sweep may go on when the agent names no bound (older agents).
+SWEEP_SECONDS = float(os.environ.get("SANDBOX_RUNNER_SWEEP_SECONDS", "2.5"))
+# A pass that finds nothing is confirmed by another one this much later (a
+# process forked between our listing of /proc and our reading of its parent
+# is only seen by the next listing).
+SWEEP_CONFIRM_DELAY = 0.02
 # Python ignores SIGPIPE (and we install handlers for others); a spawned
 # command must start with default dispositions like from a shell.
 _RESET_SIGNALS = tuple(
@@ -134,9 +164,11 @@ class Child:
         "channel",
         "conn",
         "drain_deadline",
+        "ending",
         "err_fd",
         "exit_time",
         "in_fd",
+        "mark",
         "out_fd",
         "pid",
         "rusage",
@@ -144,12 +176,24 @@ class Child:
         "status",
         "stdin_buf",
         "stdin_close",
+        "survivors",
+        "sweep",
+        "sweep_seconds",
+        "swept",
     )
 
-    def __init__(self, conn: Conn, channel: int, pid: int) -> None:
+    def __init__(self, conn: Conn, channel: int, pid: int, mark: bytes) -> None:
         self.conn: Conn | None = conn
         self.channel = channel
         self.pid = pid
+        self.mark = mark
+        # A kill was asked for (SIGKILL, or SIGTERM: then the command's end
+        # takes its remaining processes with it, as a container's PID 1 does).
+        self.ending = False
+        self.sweep_seconds = SWEEP_SECONDS
+        self.sweep: Sweep | None = None  # running
+        self.swept = False  # a sweep ended (and found `survivors` it could not kill)
+        self.survivors = 0
         self.out_fd = -1
         self.err_fd = -1
         self.in_fd = -1
@@ -160,6 +204,130 @@ class Child:
         self.start_time = time.time()
         self.exit_time = 0.0
         self.drain_deadline = 0.0
+
+
+class Sweep:
+    """Killing every process that carries one command's mark, pass after pass,
+    until two passes in a row find none or the deadline passes."""
+
+    __slots__ = ("children", "clean", "deadline", "left", "mark", "next_at", "started")
+
+    def __init__(self, mark: bytes, seconds: float) -> None:
+        now = time.monotonic()
+        self.mark = mark
+        self.children: list[Child] = []  # whose end waits for this sweep
+        self.started = now
+        self.deadline = now + seconds
+        self.next_at = now
+        self.clean = 0  # passes in a row that found nothing
+        self.left = 0  # processes the last pass found (and signalled)
+
+
+def _environ_mark(pid: str) -> bytes | None:
+    """The value of the first mark entry in the first ENVIRON_SCAN_BYTES of a
+    process's environment; None if there is none or it cannot be read (the
+    process is gone, a zombie, a kernel thread, another user's or not
+    dumpable). Bytes, never decoded: the environment is the process's own."""
+    try:
+        fd = os.open("/proc/" + pid + "/environ", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        buf = bytearray(b"\0")  # so that the first entry matches like the others
+        key_at = -1
+        eof = False
+        while not eof and len(buf) <= ENVIRON_SCAN_BYTES:
+            try:
+                chunk = os.read(fd, ENVIRON_CHUNK)
+            except OSError:
+                return None
+            eof = not chunk
+            seen = len(buf)
+            buf += chunk
+            if key_at < 0:
+                key_at = buf.find(_MARK_KEY, max(0, seen - len(_MARK_KEY) + 1))
+            if key_at >= 0:
+                start = key_at + len(_MARK_KEY)
+                end = buf.find(b"\0", max(start, seen))
+                if end >= 0:
+                    return bytes(buf[start:end])
+                if eof:
+                    return bytes(buf[start:])
+        return None
+    finally:
+        os.close(fd)
+
+
+def _pgrp(pid: str) -> int:
+    """A process's process group (0 if it cannot be read)."""
+    try:
+        fd = os.open("/proc/" + pid + "/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        # "pid (comm) state ppid pgrp ...": comm may hold anything but is
+        # followed by the last ')'.
+        fields = os.read(fd, 4096).rpartition(b")")[2].split()
+        return int(fields[2])
+    except (OSError, ValueError, IndexError):
+        return 0
+    finally:
+        os.close(fd)
+
+
+def _signal_marked(
+    marks: Iterable[bytes], sig: int, then: int = 0, skip_group: int = 0
+) -> dict[bytes, int]:
+    """Send ``sig`` to every process (but us) whose mark is one of ``marks``,
+    then ``then`` (if given) to all of them; how many each mark had. Members
+    of process group ``skip_group`` (already signalled with killpg) are left
+    out, so that nobody gets a TERM twice.
+
+    /proc is read as found: processes come and go during the scan (a vanished
+    one simply does not count), and a process we may not signal still counts.
+    """
+    wanted = set(marks)
+    counts: dict[bytes, int] = {}
+    if not wanted:
+        return counts
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return counts
+    me = os.getpid()
+    hits: list[int] = []
+    for name in names:
+        if not (name.isascii() and name.isdigit()):
+            continue
+        pid = int(name)
+        if pid == me:
+            continue
+        mark = _environ_mark(name)
+        if mark is None or mark not in wanted:
+            continue
+        if skip_group and _pgrp(name) == skip_group:
+            continue
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            continue
+        except OSError:
+            pass  # EPERM: it is there and ours, and it outlives us
+        counts[mark] = counts.get(mark, 0) + 1
+        hits.append(pid)
+    if then:
+        for pid in hits:
+            with contextlib.suppress(OSError):
+                os.kill(pid, then)
+    return counts
+
+
+def _valid_mark(value: object) -> bytes:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_MARK:
+        raise ValueError("bad mark")
+    if not set(value) <= _MARK_CHARS:
+        raise ValueError("bad mark")
+    return value.encode()
 
 
 class Conn:
@@ -185,11 +353,17 @@ class Runner:
         self.by_fd: dict[int, tuple[Child, int]] = {}
         self.lingering: dict[int, float] = {}  # pipe fd -> when to read it again
         self.conns: dict[int, Conn] = {}
+        self.sweeps: dict[bytes, Sweep] = {}
+        self.spawned = 0  # for marks of spawns that name none
         self.stopping = 0.0
         # Tells this runner from the one a restarted container starts (the pid
         # is 1 in both): the agent keys "restart the runtime" to an instance.
         self.instance = os.urandom(8).hex()
-        self.base_env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_RUNNER_")}
+        self.base_env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("SANDBOX_RUNNER_") and k != MARK_NAME
+        }
 
         self.wake_r, self.wake_w = os.pipe()
         _set_nonblocking(self.wake_r)
@@ -219,13 +393,16 @@ class Runner:
 
     def serve(self) -> int:
         stop_sent = False
+        stop_marks: set[bytes] = set()  # the commands running when we were told to stop
         while True:
             if self.stopping:
                 if not stop_sent:
                     stop_sent = True
+                    stop_marks = {c.mark for c in self.by_pid.values()}
                     self._signal_all(signal.SIGTERM)
                 if not self.by_pid or time.monotonic() - self.stopping > 3.0:
                     self._signal_all(signal.SIGKILL)
+                    self._sweep_now(stop_marks | set(self.sweeps), 1.0)
                     return 0
             timeout = self._next_timeout()
             for key, mask in self.sel.select(timeout):
@@ -244,10 +421,12 @@ class Runner:
             self._reap()
             self._check_lingering()
             self._check_drain_deadlines()
+            self._run_sweeps()
 
     def _next_timeout(self) -> float | None:
         deadlines = [c.drain_deadline for c in self._pending_children() if c.drain_deadline]
         deadlines.extend(self.lingering.values())
+        deadlines.extend(s.next_at for s in self.sweeps.values())
         if self.stopping:
             deadlines.append(time.monotonic() + 0.1)
         if not deadlines:
@@ -268,9 +447,85 @@ class Runner:
             pass
 
     def _signal_all(self, sig: int) -> None:
-        for pid in list(self.by_pid):
+        for pid, child in list(self.by_pid.items()):
             with contextlib.suppress(OSError):
                 os.killpg(pid, sig)
+            _signal_marked((child.mark,), sig, skip_group=pid)
+
+    # -- sweeps: a command's processes, wherever they went ------------------
+
+    def _kill_child(self, child: Child, sig: int) -> None:
+        """Signal a command's process group; SIGKILL and SIGTERM also reach
+        the processes that left it, and end the command with all of them."""
+        with contextlib.suppress(OSError):
+            os.killpg(child.pid, sig)
+        if sig == signal.SIGKILL:
+            child.ending = True
+            self._start_sweep(child)
+        elif sig == signal.SIGTERM:
+            child.ending = True
+            if child.sweep is None:  # the request reaches them all, once
+                _signal_marked((child.mark,), sig, skip_group=child.pid)
+            self._maybe_finish(child)  # an exit already seen: sweep now
+
+    def _start_sweep(self, child: Child) -> None:
+        if child.sweep is not None:
+            return  # one is under way (its deadline stands)
+        sweep = self.sweeps.get(child.mark)
+        if sweep is None:
+            sweep = self.sweeps[child.mark] = Sweep(child.mark, child.sweep_seconds)
+        sweep.children.append(child)
+        child.sweep = sweep
+        child.swept = False
+
+    def _run_sweeps(self) -> None:
+        """One pass for every sweep that is due (then back to the loop: other
+        commands' output and the agent's pings are served between passes)."""
+        if not self.sweeps:
+            return
+        now = time.monotonic()
+        due = [s for s in self.sweeps.values() if s.next_at <= now]
+        if not due:
+            return
+        # Stopped processes cannot fork (nor restart what we kill): stop each
+        # as soon as it is found, kill them all once the pass is through.
+        found = _signal_marked([s.mark for s in due], signal.SIGSTOP, signal.SIGKILL)
+        now = time.monotonic()
+        for s in due:
+            s.left = found.get(s.mark, 0)
+            if s.left:
+                s.clean = 0
+                s.next_at = now
+            else:
+                s.clean += 1
+                s.next_at = now + SWEEP_CONFIRM_DELAY
+            if s.clean >= 2 or now >= s.deadline:
+                self._end_sweep(s)
+
+    def _end_sweep(self, sweep: Sweep) -> None:
+        self.sweeps.pop(sweep.mark, None)
+        if sweep.left:
+            _log(
+                f"{sweep.left} process(es) marked {sweep.mark.decode(errors='replace')} "
+                f"still alive after {time.monotonic() - sweep.started:.1f}s of sweeping"
+            )
+        for child in sweep.children:
+            if child.sweep is sweep:
+                child.sweep = None
+                child.swept = True
+                child.survivors = sweep.left
+                self._maybe_finish(child)
+
+    def _sweep_now(self, marks: set[bytes], seconds: float) -> None:
+        """Sweep ``marks`` to the end or for ``seconds``, blocking (shutdown)."""
+        deadline = time.monotonic() + seconds
+        clean = 0
+        while marks and clean < 2 and time.monotonic() < deadline:
+            if _signal_marked(marks, signal.SIGSTOP, signal.SIGKILL):
+                clean = 0
+            else:
+                clean += 1
+                time.sleep(SWEEP_CONFIRM_DELAY)
 
     # -- connections -----------------------------------------------------
 
@@ -295,13 +550,13 @@ class Runner:
         self.conns.pop(conn.sock.fileno(), None)
         conn.sock.close()
         # Nobody can observe these commands any more (the agent reports them
-        # as lost), so do not leave them running invisibly.
+        # as lost), so do not leave them running invisibly, nor what they
+        # started outside their process group.
         for child in list(conn.children.values()):
-            if child.status is None:
-                with contextlib.suppress(OSError):
-                    os.killpg(child.pid, signal.SIGKILL)
             self._close_child_fds(child)
             child.conn = None
+            if child.status is None or child.ending:
+                self._kill_child(child, signal.SIGKILL)
         conn.children.clear()
 
     def _conn_readable(self, conn: Conn) -> None:
@@ -437,10 +692,17 @@ class Runner:
                 self._write_stdin(child)
         elif ftype == T_SIGNAL:
             child = conn.children.get(channel)
-            sig = int(json.loads(payload)["signal"])
+            req = json.loads(payload)
+            sig = int(req["signal"])
+            bound = req.get("sweepSeconds")
+            if bound is not None:
+                bound = float(bound)
+                if not 0.0 <= bound <= 600.0:  # (NaN too)
+                    raise ValueError("sweepSeconds must be 0..600")
             if child is not None:
-                with contextlib.suppress(OSError):
-                    os.killpg(child.pid, sig)
+                if bound is not None:
+                    child.sweep_seconds = bound
+                self._kill_child(child, sig)
         else:
             raise ValueError(f"unknown frame type {ftype}")
 
@@ -450,11 +712,18 @@ class Runner:
         argv = [str(a) for a in req["argv"]]
         if not argv or any("\0" in a for a in argv):
             raise ValueError("bad argv")
+        if req.get("mark") is not None:
+            mark = _valid_mark(req["mark"])
+        else:
+            self.spawned += 1
+            mark = f"{self.instance}.{self.spawned}".encode()
         env = dict(self.base_env)
         for k in req.get("unset") or ():
             env.pop(str(k), None)
         for k, v in dict(req.get("env") or {}).items():
             env[str(k)] = str(v)
+        env.pop(MARK_NAME, None)
+        env = {MARK_NAME: mark.decode(), **env}  # first: a known place in the command itself
         cwd = os.path.join(self.workspace, str(req.get("cwd") or "."))
         want_stdin = bool(req.get("stdin"))
         # One pipe for both streams keeps their true relative order.
@@ -514,7 +783,7 @@ class Runner:
         for fd in fds:
             if fd not in (out_r, err_r, in_w):
                 os.close(fd)  # the child's ends (and the script: the child holds it now)
-        child = Child(conn, channel, pid)
+        child = Child(conn, channel, pid, mark)
         child.out_fd = out_r
         child.err_fd = err_r
         for fd, ftype in ((out_r, T_STDOUT), (err_r, T_STDERR)):
@@ -674,6 +943,10 @@ class Runner:
     def _maybe_finish(self, child: Child) -> None:
         if child.status is None:
             return
+        if child.ending and not child.swept:
+            self._start_sweep(child)  # the command's end takes its processes along
+        if child.sweep is not None:
+            return  # reported once none of its processes is left (or the bound passed)
         if child.out_fd >= 0 or child.err_fd >= 0:
             if not child.drain_deadline:
                 child.drain_deadline = time.monotonic() + DRAIN_GRACE
@@ -689,7 +962,8 @@ class Runner:
                     if fd >= 0:
                         self._drain(fd)
                 self._close_child_fds(child)
-                self._finish(child)
+                child.drain_deadline = 0.0
+                self._maybe_finish(child)
 
     def _finish(self, child: Child) -> None:
         conn = child.conn
@@ -707,6 +981,8 @@ class Runner:
             "systemSeconds": ru.ru_stime if ru else 0.0,
             "maxRssKiB": ru.ru_maxrss if ru else 0,
         }
+        if child.survivors:
+            msg["survivors"] = child.survivors  # the kill is not confirmed
         if os.WIFSIGNALED(status):
             msg["signal"] = os.WTERMSIG(status)
             msg["coreDumped"] = os.WCOREDUMP(status)

@@ -45,6 +45,9 @@ class Spawn:
     stdin: bool
     combined: bool = False
     script: bytes | None = None
+    # SANDBOX_EXECUTION in the command's environment (the execution id): how
+    # the runner finds the command's processes that left its process group.
+    mark: str | None = None
 
 
 class Channel(Protocol):
@@ -52,7 +55,9 @@ class Channel(Protocol):
 
     def on_started(self, pid: int) -> None: ...
     def on_output(self, stderr: bool, data: memoryview) -> None: ...
-    def on_exit(self, exit_code: int | None, signal: int | None, usage: dict[str, Any]) -> None: ...
+    def on_exit(
+        self, exit_code: int | None, signal: int | None, usage: dict[str, Any], survivors: int
+    ) -> None: ...
     def on_spawn_failed(self, message: str) -> None: ...
     def on_lost(self, code: str, message: str) -> None: ...
     def on_stdin_closed(self) -> None: ...
@@ -226,9 +231,11 @@ class _Wire(asyncio.Protocol):
                 "system": _num(obj, "systemSeconds"),
                 "maxrss": _int(obj, "maxRssKiB", 0, 1 << 50),
             }
+            # Processes of a killed command the runner's sweep could not end.
+            survivors = _int(obj, "survivors", 0, 1 << 31) or 0
             if ch is not None:
                 del self.channels[chan]  # only once the frame proved valid
-                ch.on_exit(code, sig, usage)
+                ch.on_exit(code, sig, usage, survivors)
         elif ftype == wire.T_SPAWN_FAILED:
             ch = self._channel(chan, "spawn failure", final=True)
             message = _str(_obj(payload), "message", 1000)
@@ -371,6 +378,8 @@ class RunnerClient:
         }
         if req.script is not None:
             spec["scriptFd"] = SCRIPT_FD
+        if req.mark is not None:
+            spec["mark"] = req.mark
         payload = _encode(spec)
         if len(payload) > wire.MAX_PAYLOAD:
             raise ValueError("arguments and environment exceed 1 MiB")
@@ -401,9 +410,15 @@ class RunnerClient:
         if self.wire is not None:
             self.wire.send(wire.T_STDIN_CLOSE, chan)
 
-    def signal(self, chan: int, sig: int) -> None:
+    def signal(self, chan: int, sig: int, sweep: float | None = None) -> None:
+        """Signal a command's process group. For SIGKILL and SIGTERM the runner
+        also ends the processes that left the group (``sweep``: for at most
+        this many seconds, then it reports the survivors)."""
         if self.wire is not None:
-            self.wire.send(wire.T_SIGNAL, chan, _encode({"signal": sig}))
+            msg: dict[str, Any] = {"signal": sig}
+            if sweep is not None:
+                msg["sweepSeconds"] = sweep
+            self.wire.send(wire.T_SIGNAL, chan, _encode(msg))
 
     async def ping(self, wait: float = 1.0) -> bool:
         w = self.wire
