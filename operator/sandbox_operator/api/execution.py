@@ -217,8 +217,11 @@ class ExecutionStatus(Model):
     model_config = ConfigDict(extra="ignore")
 
     phase: ExecutionPhase | None = Field(default=None, description="Where the Execution is.")
-    reason: ExecutionReason | None = Field(
-        default=None, description="Why the Execution waits or how it ended, in one word."
+    # A string, not the enum: a status written by a later release, with a reason
+    # this one does not know yet, must still parse.
+    reason: str | None = Field(
+        default=None,
+        description="Why the Execution waits or how it ended, in one word (ExecutionReason).",
     )
     message: str | None = Field(default=None, description="The same, for people.")
     observed_generation: int | None = Field(
