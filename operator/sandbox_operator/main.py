@@ -85,8 +85,16 @@ def _trim(body: kopf.Body) -> dict[str, Any]:
 
 
 @kopf.index(*SANDBOX)
-def sandbox_bodies(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    """Sandboxes by (namespace, name), so pod events and Executions find them without a GET."""
+def sandbox_bodies(
+    namespace: str | None, name: str, body: kopf.Body, memo: Any, **_: Any
+) -> dict[Any, Any]:
+    """Sandboxes by (namespace, name), so pod events and Executions find them without a GET.
+
+    Executions waiting for this sandbox look again as soon as the index holds
+    the new body (they wake after this function returns), not at their next poll."""
+    scheduler = getattr(memo, "scheduler", None)
+    if scheduler is not None and namespace:
+        scheduler.sandbox_changed(namespace, name)
     return {(namespace, name): _trim(body)}
 
 

@@ -70,12 +70,19 @@ class Scheduler:
     claimed: dict[Key, set[str]] = field(default_factory=dict)
     wakeups: dict[Key, asyncio.Event] = field(default_factory=dict)
     slot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Executions waiting for their sandbox to change (exist, start, resume), by
+    # (namespace, sandbox): woken by the sandbox index, not by their next poll.
+    waiting: dict[Key, set[str]] = field(default_factory=dict)
 
     def wakeup(self, namespace: str, name: str) -> asyncio.Event:
         return self.wakeups.setdefault((namespace, name), asyncio.Event())
 
     def wake(self, namespace: str, name: str) -> None:
         self.wakeup(namespace, name).set()
+
+    def sandbox_changed(self, namespace: str, sandbox: str) -> None:
+        for name in self.waiting.pop((namespace, sandbox), set()):
+            self.wake(namespace, name)
 
     def release(self, namespace: str, sandbox: str, name: str) -> None:
         self.claimed.get((namespace, sandbox), set()).discard(name)
@@ -253,6 +260,9 @@ class Run:
             )
             return
         await self.write(phase=ExecutionPhase.QUEUED, reason=reason, message=message)
+        if reason not in (R.CONCURRENCY_LIMIT, R.SECRET_NOT_FOUND):
+            key = (self.namespace, self.sandbox_name())
+            self.scheduler.waiting.setdefault(key, set()).add(self.name)
         # Waits on the indexes are free; a wait for a Secret asks the API server.
         await self.pause(SECRET_POLL_SECONDS if reason == R.SECRET_NOT_FOUND else WAIT_POLL_SECONDS)
 
