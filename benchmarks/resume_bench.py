@@ -179,7 +179,7 @@ def main() -> None:
         print(f"\nIdle-paused sandbox back at work, {args.count} each, interleaved:")
         print(latency_row("resume annotation -> Ready", results["resume"]))
         print(latency_row("Execution -> Succeeded (auto-resume)", results["auto_resume"]))
-        print(latency_row("baseline: pod on a bound claim -> Ready", results["pod_start"]))
+        print(latency_row("baseline: pod on a bound claim", results["pod_start"]))
         base = statistics.median(results["pod_start"])
         for key in ("resume", "auto_resume"):
             extra = (statistics.median(results[key]) - base) * 1000
