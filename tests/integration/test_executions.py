@@ -264,10 +264,9 @@ def test_idle_paused_sandbox_is_resumed_for_an_execution(
     ns = sandboxes.namespace
     wait_for(lambda: kube.get(core_path("pods", ns, "sleepy")) is None, 30, "pod deleted")
     executions.run("wake", "sleepy", "echo awake")
-    status = executions.wait_status(
-        "wake", "resuming", lambda s: s.get("reason") == "SandboxResuming"
-    )
-    assert status["sandboxResumed"] is True
+    # Resuming, then waiting for the new pod: the reasons pass quickly, the flag stays.
+    status = executions.wait_status("wake", "resuming", lambda s: bool(s.get("sandboxResumed")))
+    assert status["reason"] in ("SandboxResuming", "SandboxStarting"), status
     live_sandbox("sleepy", create=False)
     status = executions.wait_done("wake")
     assert (status["phase"], status["stdout"], status["sandboxResumed"]) == (
