@@ -26,6 +26,8 @@ import aiohttp
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
+from sandbox_operator.resources import EVENTS
+
 JSON = dict[str, Any]
 
 _IN_CLUSTER_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
@@ -42,6 +44,19 @@ def status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | N
     if new == old:
         return None
     return {"status": {**{k: None for k in old if k not in new}, **new}}
+
+
+async def newest_warning(kube: Api, namespace: str, selector: str) -> JSON | None:
+    """The newest Warning Event in `namespace` matching a field selector
+    (involvedObject.*, reason): what the cluster recorded about an object."""
+    listed = await kube.get(
+        EVENTS.path(namespace), params={"fieldSelector": f"{selector},type=Warning"}
+    )
+    items = (listed or {}).get("items") or []
+    if not items:
+        return None
+    newest: JSON = max(items, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    return newest
 
 
 @dataclass(frozen=True)

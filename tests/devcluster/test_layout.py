@@ -12,6 +12,7 @@ import ast
 from pathlib import Path
 
 import devcluster
+from tests.importgraph import cycle
 
 PACKAGE = Path(devcluster.__file__).resolve().parent
 
@@ -31,29 +32,6 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
                 if alias.name.startswith("devcluster.")
             }
     return found - {path.stem}
-
-
-def cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle of `graph`, as a path that ends where it starts."""
-    done: set[str] = set()
-
-    def visit(module: str, path: list[str]) -> list[str] | None:
-        if module in path:
-            return [*path[path.index(module) :], module]
-        if module in done:
-            return None
-        for imported in sorted(graph[module]):
-            found = visit(imported, [*path, module])
-            if found:
-                return found
-        done.add(module)
-        return None
-
-    for module in sorted(graph):
-        found = visit(module, [])
-        if found:
-            return found
-    return None
 
 
 def test_cycle_finder_finds_the_old_cycle() -> None:

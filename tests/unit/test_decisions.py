@@ -19,8 +19,12 @@ from sandbox_operator.clock import iso
 from sandbox_operator.config import Settings
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers import execution
-from sandbox_operator.handlers import sandbox as controller
-from sandbox_operator.handlers.sandbox import ClaimState, IdleAction, PodAction
+from sandbox_operator.handlers.sandbox import lifecycle as idle
+from sandbox_operator.handlers.sandbox import pod as pods
+from sandbox_operator.handlers.sandbox import workspace
+from sandbox_operator.handlers.sandbox.lifecycle import IdleAction
+from sandbox_operator.handlers.sandbox.pod import PodAction
+from sandbox_operator.handlers.sandbox.workspace import ClaimState
 from sandbox_operator.resources import (
     CLAIM_FROM_SNAPSHOT,
     CLAIM_RESTORE_REQUEST,
@@ -86,15 +90,15 @@ def _ready_snapshot(kube: MemoryKube, name: str) -> None:
 
 def test_no_snapshot_no_plan() -> None:
     kube = MemoryKube()
-    plan = run(controller.plan_workspace(context(kube), sandbox_body(), SandboxSpec()))
-    assert plan == controller.WorkspacePlan()
+    plan = run(workspace.plan_workspace(context(kube), sandbox_body(), SandboxSpec()))
+    assert plan == workspace.WorkspacePlan()
     assert kube.calls == []
 
 
 def test_a_restore_waits_for_its_snapshot_without_making_an_empty_claim() -> None:
     kube = MemoryKube()
     spec = SandboxSpec.model_validate({"workspace": {"fromSnapshot": "snap"}})
-    plan = run(controller.plan_workspace(context(kube), sandbox_body(), spec))
+    plan = run(workspace.plan_workspace(context(kube), sandbox_body(), spec))
     assert plan.hold
     assert plan.busy
     assert plan.source is None
@@ -109,7 +113,7 @@ def test_a_ready_snapshot_becomes_the_source_of_a_new_claim() -> None:
     kube = MemoryKube()
     _ready_snapshot(kube, "snap")
     spec = SandboxSpec.model_validate({"workspace": {"fromSnapshot": "snap"}})
-    plan = run(controller.plan_workspace(context(kube), sandbox_body(), spec))
+    plan = run(workspace.plan_workspace(context(kube), sandbox_body(), spec))
     assert plan.source is not None
     assert (plan.source.volume_snapshot, plan.source.lineage) == ("vs-snap", ("snap", "root"))
     assert not plan.hold
@@ -124,7 +128,7 @@ def test_a_claim_from_another_snapshot_is_rolled_back() -> None:
         {"metadata": {"name": "box-workspace", "annotations": {CLAIM_FROM_SNAPSHOT: "older"}}},
     )
     spec = SandboxSpec.model_validate({"workspace": {"fromSnapshot": "snap"}})
-    plan = run(controller.plan_workspace(context(kube), sandbox_body(), spec))
+    plan = run(workspace.plan_workspace(context(kube), sandbox_body(), spec))
     assert plan.hold
     assert plan.replace is not None
     assert plan.replace["metadata"]["uid"] == claim["metadata"]["uid"]
@@ -138,14 +142,14 @@ def test_a_claim_made_for_this_request_is_the_restored_workspace() -> None:
     kube.put(CLAIMS.path("ns", "box-workspace"), {"metadata": {"annotations": annotations}})
     spec = SandboxSpec.model_validate({"workspace": {"fromSnapshot": "snap"}})
     body = sandbox_body(annotations={"sandbox.dev/restore-requested-at": "r1"})
-    plan = run(controller.plan_workspace(context(kube), body, spec))
+    plan = run(workspace.plan_workspace(context(kube), body, spec))
     assert not plan.hold
     assert plan.source is None
     assert plan.fields["workspace_snapshot"] == "snap"
     # A new request for the same snapshot means: roll back once more.
     again = sandbox_body(annotations={"sandbox.dev/restore-requested-at": "r2"})
     _ready_snapshot(kube, "snap")
-    assert run(controller.plan_workspace(context(kube), again, spec)).hold
+    assert run(workspace.plan_workspace(context(kube), again, spec)).hold
 
 
 # -- whether the pod waits for its claim --------------------------------------------
@@ -169,13 +173,13 @@ def test_claim_state() -> None:
     ctx = context(kube)
     _class(kube, "fast", "Immediate")
     _class(kube, "local", "WaitForFirstConsumer")
-    assert not run(controller.claim_state(ctx, "ns", _claim(None), NOW)).wait
-    assert not run(controller.claim_state(ctx, "ns", _claim("fast", "Bound"), NOW)).wait
-    assert not run(controller.claim_state(ctx, "ns", _claim("local"), NOW)).wait
-    pending = run(controller.claim_state(ctx, "ns", _claim("fast"), NOW))
+    assert not run(workspace.claim_state(ctx, "ns", _claim(None), NOW)).wait
+    assert not run(workspace.claim_state(ctx, "ns", _claim("fast", "Bound"), NOW)).wait
+    assert not run(workspace.claim_state(ctx, "ns", _claim("local"), NOW)).wait
+    pending = run(workspace.claim_state(ctx, "ns", _claim("fast"), NOW))
     assert pending.wait
     assert pending.problem is None
-    missing = run(controller.claim_state(ctx, "ns", _claim("nope"), NOW))
+    missing = run(workspace.claim_state(ctx, "ns", _claim("nope"), NOW))
     assert missing.wait
     assert missing.problem == "StorageClass 'nope' does not exist"
     # Pending for a while: the newest Warning on the claim says why.
@@ -190,7 +194,7 @@ def test_claim_state() -> None:
             "lastTimestamp": iso(NOW),
         },
     )
-    stuck = run(controller.claim_state(ctx, "ns", _claim("fast", age=60), NOW))
+    stuck = run(workspace.claim_state(ctx, "ns", _claim("fast", age=60), NOW))
     assert stuck.problem == "ProvisioningFailed: disk quota exceeded"
 
 
@@ -206,7 +210,7 @@ def _pod(spec: SandboxSpec = SPEC, **status: Any) -> JSON:
     return pod
 
 
-def decide(pod: JSON | None, spec: SandboxSpec = SPEC, **kw: Any) -> controller.PodDecision:
+def decide(pod: JSON | None, spec: SandboxSpec = SPEC, **kw: Any) -> pods.PodDecision:
     args: dict[str, Any] = {
         "paused": False,
         "hold": False,
@@ -216,7 +220,7 @@ def decide(pod: JSON | None, spec: SandboxSpec = SPEC, **kw: Any) -> controller.
         "agent_patience": timedelta(minutes=2),
     }
     args.update(kw)
-    return controller.decide_pod(pod, spec, **args)
+    return pods.decide_pod(pod, spec, **args)
 
 
 def test_pod_decisions() -> None:
@@ -304,9 +308,9 @@ def _info(idle_for: float, active: int = 0) -> AgentInfo:
     return AgentInfo(NOW - timedelta(seconds=idle_for), active, "v", True)
 
 
-def lifecycle(spec: JSON, info: AgentInfo | None, **kw: Any) -> controller.LifecycleDecision:
+def lifecycle(spec: JSON, info: AgentInfo | None, **kw: Any) -> idle.LifecycleDecision:
     status = SandboxStatus.model_validate(kw.pop("status", {}))
-    return controller.decide_lifecycle(
+    return idle.decide_lifecycle(
         SandboxSpec.model_validate(spec), status, info, kw.pop("resumed_at", None), NOW, SETTINGS
     )
 
@@ -482,7 +486,7 @@ def test_an_eviction_recorded_only_in_an_event_is_still_named() -> None:
     kube = MemoryKube()
     pod = _pod(phase="Succeeded")
     pod["metadata"]["namespace"] = "ns"
-    assert run(controller.with_eviction(context(kube), pod)) == pod
+    assert run(pods.with_eviction(context(kube), pod)) == pod
     message = "Pod ephemeral local storage usage exceeds the total limit of containers 64Mi."
     kube.put(
         f"{EVENTS.path('ns')}/box.evicted",
@@ -494,6 +498,6 @@ def test_an_eviction_recorded_only_in_an_event_is_still_named() -> None:
             "message": message,
         },
     )
-    evicted = run(controller.with_eviction(context(kube), pod))
+    evicted = run(pods.with_eviction(context(kube), pod))
     assert evicted is not None
     assert decide(evicted).why == f"evicted by the kubelet: {message}"

@@ -57,6 +57,11 @@ class SandboxRef:
     uid: str
 
 
+def ref_of(body: JSON) -> SandboxRef:
+    meta = body["metadata"]
+    return SandboxRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+
+
 def names(sandbox: str) -> dict[str, str]:
     """Deterministic child names; the CRD caps sandbox names so these stay valid."""
     return {

@@ -1,0 +1,74 @@
+"""The environment of commands started in a running sandbox, without a new pod."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sandbox_operator import envvars, metrics
+from sandbox_operator.agent_client import AgentError, environment_hash
+from sandbox_operator.api.sandbox import (
+    SandboxSpec,
+)
+from sandbox_operator.builders import sandbox as build
+from sandbox_operator.context import OperatorContext
+
+JSON = dict[str, Any]
+
+
+def _pod_env(pod: JSON) -> list[JSON]:
+    """The user's variables the pod was started with (not the operator's own)."""
+    container: JSON = next(
+        (c for c in pod["spec"]["containers"] if c["name"] == build.SANDBOX_CONTAINER), {}
+    )
+    own = {"HOME", "SANDBOX_RUNNER_SOCKET"}
+    return [var for var in container.get("env") or [] if var.get("name") not in own]
+
+
+async def sync_environment(
+    ctx: OperatorContext, body: JSON, spec: SandboxSpec, pod: JSON | None, endpoint: str | None
+) -> None:
+    """Give commands started from now on the spec's env, without a new pod.
+
+    The pod keeps the env it started with; when the spec's differs, the agent
+    gets an overlay (the whole env, and the names to drop) that it applies to
+    each new command. What the agent holds is compared by digest."""
+    if pod is None or not endpoint:
+        return
+    uid = pod["metadata"]["uid"]
+    wanted = [var.to_wire() for var in spec.env]
+    base = _pod_env(pod)
+    if wanted == base:
+        ctx.environments.pop(uid, None)
+        return
+    # Secrets are read once per change of the spec's env, like the kubelet reads
+    # them once per container start.
+    applied = json.dumps(wanted, sort_keys=True)
+    if ctx.environments.get(uid) == applied:
+        return
+    try:
+        env = await envvars.resolve(ctx.kube, body["metadata"]["namespace"], spec.env)
+    except envvars.MissingSecret as exc:
+        ctx.event(body, "warn", reason="EnvironmentPending", message=str(exc))
+        return
+    unset = sorted({var["name"] for var in base} - env.keys())
+    digest = environment_hash(env, unset)
+    token = await ctx.agent_token(body)
+    if not token:
+        return
+    try:
+        info = await ctx.agents.info(endpoint, token)
+        if info.environment_hash != digest:
+            await ctx.agents.set_environment(endpoint, token, env, unset)
+            ctx.event(
+                body,
+                "info",
+                reason="EnvironmentUpdated",
+                message="commands started from now on get the new env (running ones keep theirs)",
+            )
+    except AgentError as exc:
+        metrics.AGENT_ERRORS.inc()
+        if exc.status in (401, 403):
+            ctx.drop_token(body)
+        return  # the next pass tries again
+    ctx.environments[uid] = applied

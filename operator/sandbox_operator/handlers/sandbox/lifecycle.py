@@ -1,0 +1,218 @@
+"""Idleness and lifetime: when the sandbox is paused, snapshotted or deleted by itself."""
+
+from __future__ import annotations
+
+from contextlib import suppress
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import Enum
+from typing import Any
+
+import kopf
+
+from sandbox_operator import metrics
+from sandbox_operator.agent_client import AgentError, AgentInfo
+from sandbox_operator.api.common import parse_duration
+from sandbox_operator.api.sandbox import (
+    OnIdle,
+    SandboxCondition,
+    SandboxPhase,
+    SandboxSpec,
+    SandboxStatus,
+)
+from sandbox_operator.builders import snapshot as snapshot_build
+from sandbox_operator.builders.conditions import TRUE, find
+from sandbox_operator.clock import iso, parse_time
+from sandbox_operator.config import Settings
+from sandbox_operator.context import OperatorContext
+from sandbox_operator.handlers.sandbox.status import write_status
+from sandbox_operator.resources import (
+    RESUME_ANNOTATION,
+    SANDBOXES,
+    SNAPSHOTS,
+)
+
+JSON = dict[str, Any]
+
+
+class IdleAction(Enum):
+    NONE = "none"
+    DELETE = "delete"  # max lifetime reached
+    SNAPSHOT = "snapshot"  # take the idle snapshot first
+    WAIT_SNAPSHOT = "wait-snapshot"  # pause once the snapshot is settled
+    IDLE = "idle"  # onIdle: Delete or Pause now
+
+
+@dataclass(frozen=True)
+class LifecycleDecision:
+    action: IdleAction
+    # Status fields (by model field name).
+    fields: JSON = field(default_factory=dict)
+    last_activity: datetime | None = None
+
+
+def decide_lifecycle(
+    spec: SandboxSpec,
+    status: SandboxStatus,
+    info: AgentInfo | None,
+    resumed_at: datetime | None,
+    now: datetime,
+    settings: Settings,
+) -> LifecycleDecision:
+    """Max lifetime and the idle policy, from the agent's report. Pure.
+
+    `info` None means the agent's activity is unknown: never taken for idleness."""
+    if status.expires_at and now >= parse_time(status.expires_at):
+        return LifecycleDecision(IdleAction.DELETE)
+    idle_timeout = spec.lifecycle.idle_timeout or settings.default_idle_timeout
+    if info is None or not idle_timeout:
+        return LifecycleDecision(IdleAction.NONE)
+    reported = now if info.active_executions else info.last_activity.replace(microsecond=0)
+    last = max(reported, parse_time(status.last_activity)) if status.last_activity else reported
+    # Idleness counts from the moment the sandbox became Ready at the earliest:
+    # the agent's clock starts with the agent, before anyone could use the sandbox.
+    ready = find(status.conditions, SandboxCondition.READY)
+    if ready is not None and ready.status == TRUE and ready.last_transition_time:
+        last = max(last, parse_time(ready.last_transition_time))
+    # A resume request (an Execution waiting for this sandbox) is activity too:
+    # without it a fresh pod could be paused again before the work arrives.
+    if resumed_at is not None:
+        last = max(last, resumed_at.replace(microsecond=0))
+    deadline = last + parse_duration(idle_timeout)
+    fields: JSON = {
+        "last_activity": iso(last),
+        "idle_deadline": iso(deadline),
+        "active_executions": info.active_executions,
+    }
+    # Once the idle policy has started its snapshot, it goes through with its
+    # action: the snapshot's own flush is not the user coming back.
+    if now < deadline and not status.idle_snapshot:
+        return LifecycleDecision(IdleAction.NONE, fields, last)
+    if spec.lifecycle.snapshot_on_idle:
+        if not status.idle_snapshot:
+            return LifecycleDecision(IdleAction.SNAPSHOT, fields, last)
+        if spec.lifecycle.on_idle is OnIdle.PAUSE:
+            return LifecycleDecision(IdleAction.WAIT_SNAPSHOT, fields, last)
+    return LifecycleDecision(IdleAction.IDLE, fields, last)
+
+
+async def lifecycle(
+    ctx: OperatorContext,
+    body: JSON,
+    spec: SandboxSpec,
+    status: SandboxStatus,
+    now: datetime,
+    logger: kopf.Logger,
+) -> JSON:
+    """Idle timeout and max lifetime. Returns status fields to set."""
+    meta = body["metadata"]
+    info = await _agent_info(ctx, body, spec, status, logger)
+    resumed = (meta.get("annotations") or {}).get(RESUME_ANNOTATION)
+    resumed_at = None
+    with suppress(ValueError):
+        resumed_at = parse_time(resumed) if resumed else None
+    decision = decide_lifecycle(spec, status, info, resumed_at, now, ctx.settings)
+    fields = dict(decision.fields)
+    sandbox_path = SANDBOXES.path(meta["namespace"], meta["name"])
+    if decision.action is IdleAction.DELETE:
+        logger.info("max lifetime reached; deleting")
+        ctx.event(
+            body, "info", reason="MaxLifetimeReached", message=f"expired at {status.expires_at}"
+        )
+        metrics.TEARDOWNS.labels("max_lifetime").inc()
+        await ctx.kube.delete(sandbox_path, uid=meta["uid"])
+        return fields
+    if decision.action is IdleAction.NONE:
+        return fields
+    assert decision.last_activity is not None
+    if decision.action is IdleAction.SNAPSHOT:
+        deadline = parse_time(fields["idle_deadline"])
+        name = snapshot_build.idle_snapshot_name(meta["name"], deadline)
+        await ctx.kube.create(
+            SNAPSHOTS.path(meta["namespace"]),
+            snapshot_build.build_idle_snapshot(meta["name"], meta["namespace"], name),
+        )
+        fields.update(idle_snapshot=name, idle_snapshot_started_at=iso(now))
+        ctx.event(body, "info", reason="IdleSnapshot", message=f"taking snapshot {name}")
+        if spec.lifecycle.on_idle is OnIdle.PAUSE:
+            return fields  # paused once the snapshot is done (or timed out)
+    if decision.action is IdleAction.WAIT_SNAPSHOT:
+        name = status.idle_snapshot or ""
+        started = status.idle_snapshot_started_at
+        if not await idle_snapshot_settled(ctx, body, spec, name, started, now):
+            return fields
+    action = spec.lifecycle.on_idle
+    last = iso(decision.last_activity)
+    logger.info("idle since %s; %s", last, action.value)
+    metrics.TEARDOWNS.labels(f"idle_{action.value.lower()}").inc()
+    ctx.event(body, "info", reason="IdleTimeout", message=f"idle since {last}: {action.value}")
+    if action is OnIdle.DELETE:
+        if fields.get("idle_snapshot"):
+            # Teardown (the finalizer) waits for the snapshot it finds in status.
+            await write_status(ctx, body, status.evolve(**fields))
+        await ctx.kube.delete(sandbox_path, uid=meta["uid"])
+    else:
+        fields["idle_paused_at"] = iso(now)
+    return fields
+
+
+async def _agent_info(
+    ctx: OperatorContext,
+    body: JSON,
+    spec: SandboxSpec,
+    status: SandboxStatus,
+    logger: kopf.Logger,
+) -> AgentInfo | None:
+    """The agent's activity report, when the idle policy needs one and the agent answers."""
+    idle_timeout = spec.lifecycle.idle_timeout or ctx.settings.default_idle_timeout
+    if status.phase != SandboxPhase.RUNNING or not status.agent_endpoint or not idle_timeout:
+        return None
+    token = await ctx.agent_token(body)
+    if not token:
+        return None
+    try:
+        return await ctx.agents.info(status.agent_endpoint, token)
+    except AgentError as exc:
+        # Unknown activity is never taken for idleness: no teardown on a blip.
+        metrics.AGENT_ERRORS.inc()
+        logger.warning("agent info failed: %s", exc)
+        ctx.drop_token(body)
+        return None
+
+
+def idle_snapshot_timeout(spec: SandboxSpec | None, settings: Settings) -> float:
+    timeout = (spec.lifecycle.snapshot_timeout if spec else None) or settings.idle_snapshot_timeout
+    return parse_duration(timeout).total_seconds()
+
+
+async def idle_snapshot_settled(
+    ctx: OperatorContext,
+    body: JSON,
+    spec: SandboxSpec | None,
+    name: str,
+    started: str | None,
+    now: datetime,
+) -> bool:
+    """Is the idle policy's Snapshot Ready or Failed, or has the wait for it run
+    out? A failure or timeout is reported (Event) and the teardown goes ahead:
+    the bound on the wait is the user's to set, and the Snapshot says why."""
+    namespace = body["metadata"]["namespace"]
+    snap = await ctx.kube.get(SNAPSHOTS.path(namespace, name))
+    phase = ((snap or {}).get("status") or {}).get("phase")
+    if phase == "Ready":
+        return True
+    timeout = idle_snapshot_timeout(spec, ctx.settings)
+    late = started is not None and (now - parse_time(started)).total_seconds() > timeout
+    if snap is not None and phase != "Failed" and not late:
+        return False
+    why = (
+        "it does not exist"
+        if snap is None
+        else "it failed (see the Snapshot's conditions)"
+        if phase == "Failed"
+        else f"it was not ready within {timeout:g}s"
+    )
+    ctx.event(
+        body, "warn", reason="IdleSnapshotFailed", message=f"snapshot {name}: {why}; going ahead"
+    )
+    return True

@@ -1,0 +1,238 @@
+"""Sandbox reconciliation: children from builders, status from observation.
+
+Every entry point (create/update/resume, the periodic timer, pod and claim
+events) ends in `reconcile`, which is level-based: it looks at what exists and
+converges, so a missed event or an operator restart at any moment costs nothing.
+The decisions (what to do with the pod, the workspace, an idle sandbox) are
+functions of what was read, in the modules beside this one, kept apart from
+the calls that carry them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from enum import Enum
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from sandbox_operator import metrics
+from sandbox_operator.api.common import parse_duration, readable
+from sandbox_operator.api.sandbox import (
+    SandboxPhase,
+    SandboxSpec,
+)
+from sandbox_operator.builders import sandbox as build
+from sandbox_operator.builders import sandbox_status
+from sandbox_operator.builders.sandbox_status import Observed
+from sandbox_operator.clock import now_utc, parse_time
+from sandbox_operator.config import Settings
+from sandbox_operator.context import OperatorContext
+from sandbox_operator.handlers.sandbox.environment import sync_environment
+from sandbox_operator.handlers.sandbox.lifecycle import idle_snapshot_settled, lifecycle
+from sandbox_operator.handlers.sandbox.pod import decide_pod, ensure_pod, with_eviction
+from sandbox_operator.handlers.sandbox.status import (
+    current,
+    report_blocked,
+    spec_fields,
+    status_of,
+    write_status,
+)
+from sandbox_operator.handlers.sandbox.workspace import (
+    ClaimState,
+    claim_state,
+    ensure_children,
+    plan_workspace,
+    roll_back,
+)
+from sandbox_operator.kube import Refused
+from sandbox_operator.resources import (
+    CLAIMS,
+    PODS,
+)
+
+JSON = dict[str, Any]
+Key = tuple[str, str]
+# Kopf indexes of our pods and claims by (namespace, sandbox): read without a request.
+ChildIndex = Mapping[Key, Any]
+
+
+# How long teardown waits for a graceful pod exit before forcing it.
+POD_DELETE_PATIENCE = timedelta(seconds=60)
+
+
+class Children(Enum):
+    """How much of the Sandbox's children a reconciliation looks after."""
+
+    # Only the pod (timer, pod and claim events): cheapest, the common case.
+    POD = "pod"
+    # Create missing children, leave existing ones be (creation, operator restart).
+    ENSURE = "ensure"
+    # Also bring drifted children back to the spec (spec updates).
+    CONVERGE = "converge"
+
+
+def parse_spec(body: JSON, settings: Settings) -> tuple[SandboxSpec | None, str | None]:
+    """(spec, None), or (spec or None, why it cannot run)."""
+    try:
+        spec = SandboxSpec.model_validate(body.get("spec") or {})
+    except ValidationError as exc:
+        return None, readable(exc)
+    try:
+        build.image_of(spec, settings)
+    except ValueError as exc:
+        return spec, f"spec.runtime: {exc}"
+    return spec, None
+
+
+def refused(ctx: OperatorContext, body: JSON) -> Any:
+    """The error policy's report for a child the API server refused: a status
+    saying so (Ready=False, CreateFailed, with the API server's message)."""
+
+    async def report(exc: Refused) -> None:
+        spec, _ = parse_spec(body, ctx.settings)
+        await report_blocked(ctx, body, spec, refused=str(exc))
+
+    return report
+
+
+async def reconcile(
+    ctx: OperatorContext,
+    body: JSON,
+    logger: kopf.Logger,
+    *,
+    children: Children,
+    pods: ChildIndex,
+    claims: ChildIndex,
+    pod: JSON | None = None,
+    pod_known: bool = False,
+) -> None:
+    """Converge one Sandbox. `children` says how far beyond the pod to look;
+    `pod_known` means `pod` is the pod as it stands (None: there is none);
+    otherwise the pod index is asked."""
+    meta = body["metadata"]
+    async with ctx.lock(meta["namespace"], meta["name"]):
+        if not pod_known:
+            pod = next(iter(pods.get((meta["namespace"], meta["name"]), [])), None)
+        claim = next(iter(claims.get((meta["namespace"], meta["name"]), [])), None)
+        await _reconcile(ctx, current(ctx, body), logger, children=children, pod=pod, claim=claim)
+
+
+async def _reconcile(
+    ctx: OperatorContext,
+    body: JSON,
+    logger: kopf.Logger,
+    *,
+    children: Children,
+    pod: JSON | None,
+    claim: JSON | None,
+) -> None:
+    meta = body["metadata"]
+    spec, invalid = parse_spec(body, ctx.settings)
+    now = now_utc()
+    old = status_of(body)
+    generation = meta.get("generation", 0)
+    if invalid is not None:
+        await report_blocked(ctx, body, spec, invalid=invalid)
+        raise kopf.PermanentError(invalid)
+    assert spec is not None
+    ref = build.ref_of(body)
+    workspace = await plan_workspace(ctx, body, spec)
+    if children is not Children.POD:
+        await ensure_children(
+            ctx, ref, spec, converge=children is Children.CONVERGE, workspace=workspace
+        )
+    paused = build.effectively_paused(body, spec)
+    if pod is None and children is Children.POD and not paused:
+        # The pod is gone (evicted, deleted): its siblings may be too.
+        await ensure_children(ctx, ref, spec, converge=False, workspace=workspace)
+    await roll_back(ctx, body, workspace, pod)
+    claims = ClaimState()
+    if not spec.workspace.ephemeral and not workspace.hold:
+        if claim is None:
+            # Not in the index yet (just created, say): ask, rather than make a pod
+            # the scheduler would find waiting on an unbound claim.
+            claim = await ctx.kube.get(CLAIMS.path(ref.namespace, build.names(ref.name)["claim"]))
+        claims = await claim_state(ctx, ref.namespace, claim, now)
+    pod = await with_eviction(ctx, pod)
+    decision = decide_pod(
+        pod,
+        spec,
+        paused=paused,
+        hold=workspace.hold,
+        claim=claims,
+        status=old,
+        now=now,
+        agent_patience=parse_duration(ctx.settings.agent_unready_patience),
+    )
+    pod = await ensure_pod(ctx, body, spec, pod, decision, logger)
+
+    fields: JSON = {**workspace.fields, **spec_fields(body, spec, ctx.settings)}
+    if not paused:
+        fields["idle_paused_at"] = None
+        if old.idle_paused_at:
+            # Resumed: the next idle period takes a snapshot of its own.
+            fields.update(idle_snapshot=None, idle_snapshot_started_at=None)
+    observed = Observed(
+        generation=generation,
+        paused=paused,
+        deleting=bool(meta.get("deletionTimestamp")),
+        ephemeral=spec.workspace.ephemeral,
+        pod=pod,
+        claim=claims.claim,
+        claim_problem=claims.problem,
+        restore=workspace.condition,
+        holding=workspace.hold,
+        awaiting_claim=claims.wait,
+    )
+    status = sandbox_status.build_status(old, observed, ctx.settings.agent_port, now, **fields)
+    if status.phase == SandboxPhase.RUNNING:
+        status = status.evolve(ready_pod_uid=status.pod_uid)
+        await sync_environment(ctx, body, spec, pod, status.agent_endpoint)
+    if old.phase == SandboxPhase.PAUSED and not paused:
+        ctx.event(body, "info", reason="Resumed", message="starting the pod on the kept workspace")
+    if not observed.deleting:
+        changes = await lifecycle(ctx, body, spec, status, now, logger)
+        if changes.get("idle_paused_at"):
+            # Paused by the idle policy just now: converge again as a paused sandbox.
+            body["status"] = status.evolve(**changes).to_wire()
+            await _reconcile(ctx, body, logger, children=Children.POD, pod=pod, claim=claim)
+            return
+        status = status.evolve(**changes)
+    await write_status(ctx, body, status)
+    if workspace.busy and children is not Children.POD:
+        # Change handlers retry; timers and pod events come back by themselves.
+        raise kopf.TemporaryError("restoring the workspace from a snapshot", delay=1)
+
+
+async def teardown(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> None:
+    """Finalizer: wait for the idle policy's snapshot (bounded), stop the pod (no
+    writes in flight), then let GC take the rest. Snapshots are not owned by
+    the Sandbox: they stay."""
+    ref = build.ref_of(body)
+    status = status_of(body)
+    if status.idle_snapshot and not status.idle_paused_at:
+        spec, _ = parse_spec(body, ctx.settings)
+        started = status.idle_snapshot_started_at
+        settled = await idle_snapshot_settled(
+            ctx, body, spec, status.idle_snapshot, started, now_utc()
+        )
+        if not settled:
+            raise kopf.TemporaryError(f"waiting for snapshot {status.idle_snapshot}", delay=2)
+    metrics.PHASES.forget(ref.namespace, ref.name)
+    ctx.forget(ref.namespace, ref.name, ref.uid)
+    path = PODS.path(ref.namespace, build.names(ref.name)["pod"])
+    pod = await ctx.kube.get(path)
+    if pod is None:
+        return
+    deleting_since = pod["metadata"].get("deletionTimestamp")
+    if not deleting_since:
+        await ctx.kube.delete(path, uid=pod["metadata"]["uid"])
+        raise kopf.TemporaryError("waiting for the pod to stop", delay=1)
+    if now_utc() - parse_time(deleting_since) > POD_DELETE_PATIENCE:
+        logger.warning("pod did not stop in %s; forcing", POD_DELETE_PATIENCE)
+        await ctx.kube.delete(path, grace_seconds=0, uid=pod["metadata"]["uid"])
+        return
+    raise kopf.TemporaryError("waiting for the pod to stop", delay=1)

@@ -1,0 +1,103 @@
+"""A Sandbox's status: built through the model, written only when it changed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sandbox_operator import metrics
+from sandbox_operator.api.common import parse_duration
+from sandbox_operator.api.sandbox import (
+    SandboxSpec,
+    SandboxStatus,
+)
+from sandbox_operator.builders import sandbox as build
+from sandbox_operator.builders import sandbox_status
+from sandbox_operator.builders.sandbox_status import Observed
+from sandbox_operator.clock import iso, now_utc, parse_time
+from sandbox_operator.config import Settings
+from sandbox_operator.context import OperatorContext
+from sandbox_operator.kube import MERGE_PATCH, status_patch
+from sandbox_operator.resources import (
+    SANDBOXES,
+)
+
+JSON = dict[str, Any]
+
+
+def status_of(body: JSON) -> SandboxStatus:
+    return SandboxStatus.model_validate(body.get("status") or {})
+
+
+async def write_status(ctx: OperatorContext, body: JSON, status: SandboxStatus) -> None:
+    """Patch status only when it changed: every write costs the API server."""
+    old = body.get("status") or {}
+    new = status.to_wire()
+    meta = body["metadata"]
+    key = (meta["namespace"], meta["name"])
+    metrics.PHASES.set(*key, new.get("phase", ""))
+    patch = status_patch(old, new)
+    if patch is None:
+        ctx.statuses[key] = new
+        return
+    written = await ctx.kube.patch(
+        SANDBOXES.path(meta["namespace"], meta["name"], "status"), patch, MERGE_PATCH
+    )
+    if written is not None:
+        ctx.statuses[key] = new
+    body["status"] = new
+
+
+def spec_fields(body: JSON, spec: SandboxSpec | None, settings: Settings) -> JSON:
+    """Status fields that follow from the spec alone (None when it is invalid)."""
+    if spec is None:
+        return {"image": None, "workspace_claim": None, "expires_at": None}
+    lifetime = spec.lifecycle.max_lifetime or settings.default_max_lifetime
+    expires = None
+    if lifetime:
+        created = parse_time(body["metadata"]["creationTimestamp"])
+        expires = iso(created + parse_duration(lifetime))
+    claim = None if spec.workspace.ephemeral else build.names(body["metadata"]["name"])["claim"]
+    return {
+        "image": build.image_of(spec, settings),
+        "workspace_claim": claim,
+        "expires_at": expires,
+    }
+
+
+async def report_blocked(
+    ctx: OperatorContext,
+    body: JSON,
+    spec: SandboxSpec | None,
+    *,
+    invalid: str = "",
+    refused: str = "",
+) -> None:
+    """Status and an Event for a Sandbox that cannot go on: its spec is invalid, or
+    the API server refused one of its children. Nothing of the pod is observed."""
+    observed = Observed(
+        generation=body["metadata"].get("generation", 0),
+        paused=False,
+        deleting=False,
+        ephemeral=bool(spec and spec.workspace.ephemeral),
+        pod=None,
+        invalid=invalid or None,
+        refused=refused or None,
+    )
+    fresh = current(ctx, body)
+    status = sandbox_status.build_status(
+        status_of(fresh),
+        observed,
+        ctx.settings.agent_port,
+        now_utc(),
+        **spec_fields(body, None if invalid else spec, ctx.settings),
+    )
+    await write_status(ctx, fresh, status)
+    reason = "InvalidSpec" if invalid else "CreateFailed"
+    ctx.event(body, "warn", reason=reason, message=invalid or refused)
+
+
+def current(ctx: OperatorContext, body: JSON) -> JSON:
+    """`body` with the status this process last wrote (fresher than Kopf's copy)."""
+    meta = body["metadata"]
+    known = ctx.statuses.get((meta["namespace"], meta["name"]))
+    return body if known is None else {**body, "status": known}
