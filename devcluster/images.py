@@ -154,7 +154,7 @@ _OPERATOR = PipProject(
     "sandbox-operator",
     ".",
     ("pyproject.toml", "README.md", "operator"),
-    (("kopf", "kopf.cli:main"),),
+    (("kopf", "kopf.cli:main"), ("sandbox-gateway", "sandbox_operator.gateway.__main__:main")),
 )
 
 IMAGES: dict[str, ImageSpec] = {

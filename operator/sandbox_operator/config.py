@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from sandbox_operator.api.common import Duration, Quantity
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class Runtime(BaseModel):
@@ -69,6 +72,11 @@ class Settings(BaseModel):
         default_factory=lambda: {"app.kubernetes.io/name": "sandbox-operator"}
     )
     gateway_pod_labels: dict[str, str] | None = None
+    # Where clients reach the gateway (status.ports[].url), and the domain of
+    # preview hosts `{port}-{sandbox}-{namespace}.{preview_domain}` when set.
+    gateway_url: str | None = None
+    preview_domain: str | None = None
+    preview_scheme: str = "https"
     private_cidrs: list[str] = Field(
         default_factory=lambda: [
             "10.0.0.0/8",
@@ -114,17 +122,18 @@ class Settings(BaseModel):
     max_workers: int = 32
 
 
-def load(environ: dict[str, str] | None = None) -> Settings:
+def load_model(model: type[M], prefix: str, environ: Mapping[str, str] | None = None) -> M:
+    """Settings of `model` from the YAML file named by `<prefix>CONFIG`, then
+    `<prefix><FIELD>` environment variables (JSON, or a plain string)."""
     env = os.environ if environ is None else environ
     data: dict[str, Any] = {}
-    path = env.get("SANDBOX_OPERATOR_CONFIG")
+    path = env.get(f"{prefix}CONFIG")
     if path:
         loaded = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of settings")
         data.update(loaded)
-    prefix = "SANDBOX_OPERATOR_"
-    for name in Settings.model_fields:
+    for name in model.model_fields:
         raw = env.get(prefix + name.upper())
         if raw is None:
             continue
@@ -132,4 +141,8 @@ def load(environ: dict[str, str] | None = None) -> Settings:
             data[name] = json.loads(raw)
         except json.JSONDecodeError:
             data[name] = raw
-    return Settings.model_validate(data)
+    return model.model_validate(data)
+
+
+def load(environ: Mapping[str, str] | None = None) -> Settings:
+    return load_model(Settings, "SANDBOX_OPERATOR_", environ)

@@ -18,6 +18,7 @@ import json
 import os
 import ssl
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -197,6 +198,30 @@ class Kube:
             method, self._base_url + path, data=data, params=params, headers=headers
         ) as response:
             return Response(response.status, await response.read())
+
+    async def watch(
+        self, path: str, params: dict[str, str] | None = None, *, timeout_seconds: int = 300
+    ) -> AsyncIterator[JSON]:
+        """The watch events (`{"type", "object"}`) of a collection from
+        `params["resourceVersion"]`, until the server ends the watch (after about
+        `timeout_seconds`). KubeError for an error answer; an ERROR event (410
+        Gone: the version is too old) is yielded for the caller to relist."""
+        query = {**(params or {}), "watch": "1", "timeoutSeconds": str(timeout_seconds)}
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout_seconds + 30)
+        async with self._http().get(
+            self._base_url + path, params=query, headers=self._headers(), timeout=timeout
+        ) as response:
+            if response.status >= 400:
+                self._raise(Response(response.status, await response.read()))
+            # One JSON document per line; objects can exceed aiohttp's line limit.
+            pending = b""
+            async for chunk in response.content.iter_any():
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        event: JSON = json.loads(line)
+                        yield event
 
     @staticmethod
     def _raise(response: Response) -> None:

@@ -218,5 +218,10 @@ def test_a_pod_of_an_older_operator_is_kept_while_its_digest_matches() -> None:
     pod = build.build_pod(REF, spec, SETTINGS)
     pod["metadata"]["annotations"][POD_HASH_ANNOTATION] = build.legacy_pod_hash(spec)
     assert build.changed_fields(pod, spec) == []
+    # The digest that release computed for a spec with an exposed port (no `public` then).
+    ported = SandboxSpec.model_validate(
+        {"runtime": "python", "network": {"exposedPorts": [{"name": "web", "port": 80}]}}
+    )
+    assert build.legacy_pod_hash(ported) == "a00debd0fa04020c"
     other = SandboxSpec.model_validate({"runtime": "node"})
     assert build.changed_fields(pod, other) is None

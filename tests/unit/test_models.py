@@ -50,7 +50,12 @@ def test_spec_round_trips_in_camel_case() -> None:
     out = spec.to_wire()
     assert out["workspace"] == {"ephemeral": False, "size": "2Gi", "storageClassName": "fast"}
     assert out["lifecycle"]["onIdle"] == "Pause"
-    assert out["network"]["exposedPorts"][0] == {"name": "web", "port": 8000, "protocol": "TCP"}
+    assert out["network"]["exposedPorts"][0] == {
+        "name": "web",
+        "port": 8000,
+        "protocol": "TCP",
+        "public": False,
+    }
 
 
 def test_unknown_fields_are_refused_in_code() -> None:

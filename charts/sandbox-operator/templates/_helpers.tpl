@@ -2,3 +2,8 @@
 app.kubernetes.io/name: sandbox-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
+
+{{- define "sandbox-operator.gatewayLabels" -}}
+app.kubernetes.io/name: sandbox-gateway
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}

@@ -225,6 +225,11 @@ class ExposedPort(Model):
     protocol: Annotated[str, Field(pattern="^(TCP|UDP)$")] = Field(
         default="TCP", description="TCP or UDP."
     )
+    public: bool = Field(
+        default=False,
+        description="Reachable through the gateway's preview URL without credentials."
+        " Otherwise a scoped token or the preview cookie it sets is needed.",
+    )
 
 
 class Network(Model):
@@ -328,6 +333,17 @@ class SandboxSpec(Model):
         return self
 
 
+class PortStatus(Model):
+    """An exposed port as users reach it."""
+
+    name: str = Field(description="The port's name.")
+    port: int = Field(description="The port number in the sandbox.")
+    url: str | None = Field(
+        default=None, description="Its preview URL through the gateway (when one is set up)."
+    )
+    public: bool = Field(default=False, description="Reachable without credentials.")
+
+
 class SandboxStatus(Model):
     """Observed state, written only by the operator."""
 
@@ -358,6 +374,9 @@ class SandboxStatus(Model):
         default=None, description="The PersistentVolumeClaim of the workspace."
     )
     image: str | None = Field(default=None, description="The runtime image in use.")
+    ports: list[PortStatus] | None = Field(
+        default=None, description="The exposed ports and their preview URLs."
+    )
     ready_pod_uid: str | None = Field(
         default=None,
         alias="readyPodUID",

@@ -331,6 +331,30 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
     }
 
 
+def preview_url(ref: SandboxRef, port: int, settings: Settings) -> str | None:
+    """Where an exposed port is reached through the gateway: by host when a preview
+    domain is set, else by path under the gateway's URL; None without a gateway."""
+    if settings.preview_domain:
+        host = f"{port}-{ref.name}-{ref.namespace}.{settings.preview_domain}"
+        return f"{settings.preview_scheme}://{host}/"
+    if settings.gateway_url:
+        base = settings.gateway_url.rstrip("/")
+        return f"{base}/v1/namespaces/{ref.namespace}/sandboxes/{ref.name}/ports/{port}/"
+    return None
+
+
+def port_statuses(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> list[JSON]:
+    return [
+        {
+            "name": p.name,
+            "port": p.port,
+            "url": preview_url(ref, p.port, settings),
+            "public": p.public,
+        }
+        for p in spec.network.exposed_ports
+    ]
+
+
 def build_service(ref: SandboxRef, spec: SandboxSpec) -> JSON | None:
     """A ClusterIP Service for the exposed ports, or None when nothing is exposed."""
     if not spec.network.exposed_ports:
@@ -439,6 +463,10 @@ def legacy_pod_hash(spec: SandboxSpec) -> str:
     POD_HASH_ANNOTATION): of the whole spec but `paused` and `workspace.fromSnapshot`."""
     workspace = spec.workspace.model_copy(update={"from_snapshot": None})
     stamped = spec.model_copy(update={"paused": False, "workspace": workspace}).to_wire()
+    # Fields added since then, at their defaults, were not in what those pods hashed.
+    for port in stamped.get("network", {}).get("exposedPorts", []):
+        if port.get("public") is False:
+            del port["public"]
     return hashlib.sha256(json.dumps(stamped, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -50,17 +50,19 @@ async def write_status(ctx: OperatorContext, body: JSON, status: SandboxStatus) 
 def spec_fields(body: JSON, spec: SandboxSpec | None, settings: Settings) -> JSON:
     """Status fields that follow from the spec alone (None when it is invalid)."""
     if spec is None:
-        return {"image": None, "workspace_claim": None, "expires_at": None}
+        return {"image": None, "workspace_claim": None, "expires_at": None, "ports": None}
     lifetime = spec.lifecycle.max_lifetime or settings.default_max_lifetime
     expires = None
     if lifetime:
         created = parse_time(body["metadata"]["creationTimestamp"])
         expires = iso(created + parse_duration(lifetime))
     claim = None if spec.workspace.ephemeral else build.names(body["metadata"]["name"])["claim"]
+    ports = build.port_statuses(build.ref_of(body), spec, settings)
     return {
         "image": build.image_of(spec, settings),
         "workspace_claim": claim,
         "expires_at": expires,
+        "ports": ports or None,
     }
 
 

@@ -1,0 +1,83 @@
+"""`python -m sandbox_operator.gateway`: serve until SIGTERM.
+
+On SIGTERM the listener closes at once (the Service stops sending here),
+running streams get `SHUTDOWN_GRACE` seconds, then they are cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import start_http_server
+
+from sandbox_operator.gateway import config
+from sandbox_operator.gateway.app import Gateway
+from sandbox_operator.gateway.signing import Keys
+from sandbox_operator.gateway.table import RouteTable
+from sandbox_operator.kube import Kube
+
+SHUTDOWN_GRACE = 10.0
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+async def serve(settings: config.GatewaySettings) -> None:
+    kube = Kube.from_environment()
+    table = RouteTable(kube, settings.namespaces)
+    table.start()
+    gateway = Gateway(settings, kube, table, Keys(settings.keys_dir))
+    # handler_cancellation: a caller that goes away cancels its handler, which
+    # closes the upstream connection, so the agent sees the disconnect too.
+    runner = web.AppRunner(
+        gateway.app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_GRACE,
+    )
+    await runner.setup()
+    await web.TCPSite(runner, settings.host, settings.port).start()
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port)
+    logging.getLogger("sandbox_gateway").info("serving on %s:%d", settings.host, settings.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await table.close()
+    await kube.close()
+
+
+def main() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    settings = config.load()
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

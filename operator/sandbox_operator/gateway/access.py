@@ -1,0 +1,225 @@
+"""Who may do what: Kubernetes tokens through TokenReview and SubjectAccessReview,
+or a scoped token the gateway minted. Answers are cached briefly, in bounded
+memory, so a warm gateway asks the API server nothing per call."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Generic, TypeVar
+
+from sandbox_operator.api.common import GROUP
+from sandbox_operator.gateway import metrics
+from sandbox_operator.gateway.signing import Claims, Keys, SigningError
+from sandbox_operator.gateway.table import Route
+from sandbox_operator.kube import Api, KubeError
+from sandbox_operator.resources import SANDBOXES, Resource
+
+JSON = dict[str, Any]
+V = TypeVar("V")
+
+TOKEN_REVIEWS = Resource("authentication.k8s.io/v1", "tokenreviews", namespaced=False)
+ACCESS_REVIEWS = Resource("authorization.k8s.io/v1", "subjectaccessreviews", namespaced=False)
+# A refused token is remembered for less time than an accepted one: a mistyped
+# token is corrected soon, and a flood of bad ones costs one review each per window.
+REFUSED_TOKEN_SECONDS = 5.0
+
+
+class Operation(Enum):
+    """What a request does to a sandbox, and the RBAC check that admits it:
+    (verb, subresource of `sandboxes`); the value is its name in scoped tokens."""
+
+    EXEC = "exec"
+    FILES_READ = "files:read"
+    FILES_WRITE = "files:write"
+    VIEW = "view"
+    PORTS = "ports"
+
+    @property
+    def rbac(self) -> tuple[str, str]:
+        return _RBAC[self]
+
+    def describe(self) -> str:
+        verb, sub = self.rbac
+        resource = f"sandboxes/{sub}" if sub else "sandboxes"
+        return f"{verb} {resource}.{GROUP}"
+
+
+_RBAC = {
+    Operation.EXEC: ("create", "exec"),
+    Operation.FILES_READ: ("get", "files"),
+    Operation.FILES_WRITE: ("update", "files"),
+    Operation.VIEW: ("get", ""),
+    Operation.PORTS: ("get", "ports"),
+}
+
+
+class Denied(Exception):
+    """A request the gateway refuses: 401 (who are you?) or 403 (not allowed)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Caller:
+    user: str
+    uid: str = ""
+    groups: tuple[str, ...] = ()
+    extra: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # Set for a scoped token: what it allows, on which Sandbox object.
+    scope: Claims | None = None
+
+
+class TtlCache(Generic[V]):
+    """At most `size` entries, each trusted for its own time to live (LRU beyond)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: OrderedDict[Any, tuple[float, V]] = OrderedDict()
+
+    def get(self, key: Any) -> V | None:
+        found = self.entries.get(key)
+        if found is None:
+            return None
+        if found[0] < time.monotonic():
+            del self.entries[key]
+            return None
+        self.entries.move_to_end(key)
+        return found[1]
+
+    def put(self, key: Any, value: V, ttl: float) -> None:
+        self.entries[key] = (time.monotonic() + ttl, value)
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
+class Access:
+    def __init__(
+        self, kube: Api, keys: Keys, token_seconds: float, access_seconds: float, size: int
+    ) -> None:
+        self.kube = kube
+        self.keys = keys
+        self.token_seconds = token_seconds
+        self.access_seconds = access_seconds
+        # Keyed by the token's digest: the cache never holds a usable token.
+        self.callers: TtlCache[Caller | None] = TtlCache(size)
+        self.decisions: TtlCache[bool] = TtlCache(size * 4)
+
+    async def caller(self, authorization: str | None) -> Caller:
+        """Who sends `authorization` (a bearer token); Denied 401 when nobody."""
+        if not authorization or not authorization.lower().startswith("bearer "):
+            raise Denied(401, "unauthenticated", "send a bearer token (Authorization: Bearer ...)")
+        token = authorization[7:].strip()
+        if Keys.is_scoped(token):
+            try:
+                claims = self.keys.verify_token(token)
+            except SigningError as exc:
+                raise Denied(401, "invalid_token", str(exc)) from exc
+            return Caller(user=f"scoped:{claims.namespace}/{claims.name}", scope=claims)
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        cached = self.callers.get(digest)
+        if cached is None and digest not in self.callers.entries:
+            metrics.REVIEWS.labels("token").inc()
+            cached = await self._review(token)
+            ttl = self.token_seconds if cached is not None else REFUSED_TOKEN_SECONDS
+            self.callers.put(digest, cached, ttl)
+        else:
+            metrics.CACHE_HITS.labels("token").inc()
+        if cached is None:
+            raise Denied(401, "unauthenticated", "the token was not accepted by the API server")
+        return cached
+
+    async def _review(self, token: str) -> Caller | None:
+        try:
+            answer = await self.kube.create(
+                TOKEN_REVIEWS.path(),
+                {
+                    "apiVersion": TOKEN_REVIEWS.api_version,
+                    "kind": "TokenReview",
+                    "spec": {"token": token},
+                },
+            )
+        except KubeError as exc:
+            raise Denied(503, "review_failed", f"could not check the token: {exc}") from exc
+        status = (answer or {}).get("status") or {}
+        if not status.get("authenticated"):
+            return None
+        user = status.get("user") or {}
+        extra = tuple(sorted((k, tuple(v)) for k, v in (user.get("extra") or {}).items()))
+        return Caller(
+            user=str(user.get("username", "")),
+            uid=str(user.get("uid", "")),
+            groups=tuple(user.get("groups") or ()),
+            extra=extra,
+        )
+
+    async def check(self, caller: Caller, operation: Operation, route: Route) -> None:
+        """Denied 403 (naming the permission) unless `caller` may do `operation`."""
+        if caller.scope is not None:
+            claims = caller.scope
+            if (claims.namespace, claims.name) != (route.namespace, route.name):
+                raise Denied(403, "forbidden", "this token is for another sandbox")
+            if claims.uid != route.uid:
+                raise Denied(
+                    403, "forbidden", "this token is for a sandbox of that name that was deleted"
+                )
+            if operation.value not in claims.operations:
+                raise Denied(403, "forbidden", f"this token does not allow {operation.value!r}")
+            return
+        verb, sub = operation.rbac
+        key = (caller.user, caller.groups, caller.extra, verb, sub, route.namespace, route.name)
+        allowed = self.decisions.get(key)
+        if allowed is None:
+            metrics.REVIEWS.labels("access").inc()
+            allowed = await self._allowed(caller, verb, sub, route.namespace, route.name)
+            self.decisions.put(key, allowed, self.access_seconds)
+        else:
+            metrics.CACHE_HITS.labels("access").inc()
+        if not allowed:
+            raise Denied(
+                403,
+                "forbidden",
+                f"{caller.user} may not {operation.describe()} in namespace {route.namespace}",
+            )
+
+    async def _allowed(
+        self, caller: Caller, verb: str, sub: str, namespace: str, name: str
+    ) -> bool:
+        attributes = {
+            "namespace": namespace,
+            "verb": verb,
+            "group": GROUP,
+            "resource": SANDBOXES.plural,
+            "name": name,
+        }
+        if sub:
+            attributes["subresource"] = sub
+        spec: JSON = {
+            "user": caller.user,
+            "groups": list(caller.groups),
+            "resourceAttributes": attributes,
+        }
+        if caller.uid:
+            spec["uid"] = caller.uid
+        if caller.extra:
+            spec["extra"] = {k: list(v) for k, v in caller.extra}
+        try:
+            answer = await self.kube.create(
+                ACCESS_REVIEWS.path(),
+                {
+                    "apiVersion": ACCESS_REVIEWS.api_version,
+                    "kind": "SubjectAccessReview",
+                    "spec": spec,
+                },
+            )
+        except KubeError as exc:
+            raise Denied(503, "review_failed", f"could not check the permission: {exc}") from exc
+        return bool(((answer or {}).get("status") or {}).get("allowed"))

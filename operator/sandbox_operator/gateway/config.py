@@ -1,0 +1,43 @@
+"""Gateway settings: `SANDBOX_GATEWAY_CONFIG` (a YAML file) and `SANDBOX_GATEWAY_<FIELD>`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sandbox_operator.config import load_model
+
+
+class GatewaySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "0.0.0.0"
+    port: Annotated[int, Field(ge=1, le=65535)] = 8080
+    # Prometheus metrics on a port of their own (0: off), apart from callers.
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9090
+    # The agents' port in sandbox pods (the operator's `agent_port`).
+    agent_port: Annotated[int, Field(ge=1, le=65535)] = 8080
+    # Namespaces whose sandboxes are served; empty: all.
+    namespaces: list[str] = Field(default_factory=list)
+    # HMAC keys for scoped tokens and signed URLs: one file per key id; the
+    # newest key signs, all of them verify (rotation without downtime).
+    keys_dir: str = "/etc/sandbox-gateway/keys"
+    # How long an answer of the API server is trusted (bounded caches).
+    token_review_seconds: Annotated[float, Field(ge=0, le=3600)] = 60.0
+    access_review_seconds: Annotated[float, Field(ge=0, le=3600)] = 10.0
+    cache_entries: Annotated[int, Field(ge=16, le=1_000_000)] = 10_000
+    # A request to a sandbox its idle policy paused resumes it and waits this long.
+    resume_wait_seconds: Annotated[float, Field(ge=0, le=600)] = 60.0
+    # Longest life of a scoped token or signed URL.
+    max_token_seconds: Annotated[int, Field(ge=60, le=7 * 86400)] = 86400
+    # Preview ports by host: `{port}-{sandbox}-{namespace}.{preview_domain}`.
+    preview_domain: str | None = None
+    # Timeouts towards agents: connecting, and between bytes of a response
+    # (commands stream for as long as they run: no total).
+    agent_connect_seconds: float = 5.0
+
+
+def load(environ: Mapping[str, str] | None = None) -> GatewaySettings:
+    return load_model(GatewaySettings, "SANDBOX_GATEWAY_", environ)

@@ -1,0 +1,174 @@
+"""Streaming to agents and preview ports: bodies flow both ways as they come.
+
+Nothing is buffered whole: a 1 GiB tar or a command that prints for half an
+hour passes through in chunks. The caller's credentials never travel on; the
+agent gets its own token. When the caller goes away, the upstream connection
+is closed too, so the agent sees the disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Mapping
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from sandbox_operator.gateway import metrics
+
+CHUNK = 1 << 16
+# Hop-by-hop headers (RFC 9110 7.6.1) and the caller's credentials.
+_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+}
+_CREDENTIALS = {"authorization", "cookie"}
+
+
+class UpstreamError(Exception):
+    """The agent or the preview port could not be reached."""
+
+
+def forwarded_headers(headers: Mapping[str, str], drop: Iterable[str] = ()) -> CIMultiDict[str]:
+    skip = _HOP | _CREDENTIALS | {h.lower() for h in drop}
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in headers.items():
+        if key.lower() not in skip:
+            out.add(key, value)
+    return out
+
+
+async def _body(request: web.Request) -> AsyncIterator[bytes]:
+    async for chunk in request.content.iter_chunked(CHUNK):
+        yield chunk
+
+
+class Upstreams:
+    """One pooled HTTP client for every agent and preview port."""
+
+    def __init__(self, connect_seconds: float) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1024, limit_per_host=64, keepalive_timeout=30),
+            # Commands stream for as long as they run: no total, no read timeout.
+            timeout=aiohttp.ClientTimeout(total=None, connect=connect_seconds, sock_read=None),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def forward(
+        self,
+        request: web.Request,
+        url: str,
+        *,
+        query: Mapping[str, str] | None = None,
+        headers: CIMultiDict[str] | None = None,
+        method: str | None = None,
+        extra_response_headers: Mapping[str, str] | None = None,
+    ) -> web.StreamResponse:
+        """Send `request` (its method, headers and streamed body) to `url`, and
+        stream the answer back. UpstreamError when the upstream cannot be reached."""
+        outgoing = headers if headers is not None else forwarded_headers(request.headers)
+        length = request.headers.get("Content-Length")
+        if length is not None:
+            outgoing["Content-Length"] = length
+        data = _body(request) if request.body_exists else None
+        try:
+            upstream = await self.session.request(
+                method or request.method,
+                url,
+                params=query if query is not None else request.query,
+                headers=outgoing,
+                data=data,
+                allow_redirects=False,
+            )
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            metrics.UPSTREAM_ERRORS.inc()
+            raise UpstreamError(f"{url.split('?')[0]} could not be reached: {exc}") from exc
+        try:
+            response = web.StreamResponse(
+                status=upstream.status, headers=forwarded_headers(upstream.headers)
+            )
+            for key, value in (extra_response_headers or {}).items():
+                response.headers[key] = value
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+        except (aiohttp.ClientError, ConnectionResetError) as exc:
+            # The headers are out: the stream can only be cut, which the caller sees.
+            metrics.UPSTREAM_ERRORS.inc()
+            raise ConnectionResetError(f"upstream {url.split('?')[0]} broke off: {exc}") from exc
+        finally:
+            # On cancellation (the caller left) the connection is closed, not reused,
+            # so the upstream sees the disconnect.
+            upstream.release() if upstream.content.at_eof() else upstream.close()
+
+    async def websocket(
+        self, request: web.Request, url: str, headers: CIMultiDict[str]
+    ) -> web.WebSocketResponse:
+        """Join the caller's WebSocket to one opened to `url`, message for message."""
+        protocols = [
+            p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p
+        ]
+        for name in ("Sec-WebSocket-Key", "Sec-WebSocket-Version", "Sec-WebSocket-Extensions"):
+            headers.popall(name, None)
+        try:
+            upstream = await self.session.ws_connect(
+                url, headers=headers, protocols=protocols, autoping=False
+            )
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            metrics.UPSTREAM_ERRORS.inc()
+            raise UpstreamError(f"{url} could not be reached: {exc}") from exc
+        downstream = web.WebSocketResponse(
+            protocols=[upstream.protocol] if upstream.protocol else (), autoping=False
+        )
+        await downstream.prepare(request)
+
+        async def pump(
+            source: aiohttp.ClientWebSocketResponse | web.WebSocketResponse,
+            sink: aiohttp.ClientWebSocketResponse | web.WebSocketResponse,
+        ) -> None:
+            async for message in source:
+                if message.type == aiohttp.WSMsgType.TEXT:
+                    await sink.send_str(message.data)
+                elif message.type == aiohttp.WSMsgType.BINARY:
+                    await sink.send_bytes(message.data)
+                elif message.type == aiohttp.WSMsgType.PING:
+                    await sink.ping(message.data)
+                elif message.type == aiohttp.WSMsgType.PONG:
+                    await sink.pong(message.data)
+                else:
+                    break
+            await sink.close()
+
+        tasks = [
+            asyncio.create_task(pump(upstream, downstream)),
+            asyncio.create_task(pump(downstream, upstream)),
+        ]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await upstream.close()
+            await downstream.close()
+        return downstream
