@@ -8,6 +8,7 @@ run a real agent + runner bound to a loopback address used as the pod IP.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import os
 import signal
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 import yaml
 
 from devcluster.controlplane import ControlPlane
-from tests.kube import STRATEGIC_MERGE_PATCH, KubeJSON, api_path, core_path
+from tests.kube import STRATEGIC_MERGE_PATCH, ApiError, KubeJSON, api_path, core_path
 
 VENV_BIN = Path(sys.executable).parent
 T = TypeVar("T")
@@ -137,6 +138,74 @@ class OperatorProcess:
 
     def errors(self) -> list[str]:
         """Tracebacks in the current log: a handler crashed somewhere."""
+        return [line for line in _log_tail(self.log, 100000).splitlines() if "Traceback" in line]
+
+
+class GatewayProcess:
+    """`sandbox-gateway` as a child process on 127.0.0.1, with its own HMAC key."""
+
+    def __init__(self, kubeconfig: Path, work: Path, env: dict[str, str] | None = None) -> None:
+        self.kubeconfig = kubeconfig
+        self.work = work
+        self.env = env or {}
+        self.keys = work / "keys"
+        self.keys.mkdir(parents=True, exist_ok=True)
+        (self.keys / "20260101000000").write_bytes(base64.b64encode(os.urandom(48)))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.metrics_port = 0
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.work / f"gateway-{self.starts}.log"
+
+    def start(self) -> None:
+        self.starts += 1
+        self.port, self.metrics_port = free_port(), free_port()
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "SANDBOX_GATEWAY_HOST": "127.0.0.1",
+            "SANDBOX_GATEWAY_PORT": str(self.port),
+            "SANDBOX_GATEWAY_METRICS_PORT": str(self.metrics_port),
+            "SANDBOX_GATEWAY_KEYS_DIR": str(self.keys),
+            **self.env,
+        }
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [str(VENV_BIN / "sandbox-gateway")], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        wait_for(self._ready, 60, f"gateway readiness (log: {self.log})")
+
+    def _ready(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            raise AssertionError(f"gateway exited:\n{_log_tail(self.log)}")
+        try:
+            with urllib.request.urlopen(f"{self.url}/readyz", timeout=1) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
+            text: str = r.read().decode()
+            return text
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def errors(self) -> list[str]:
         return [line for line in _log_tail(self.log, 100000).splitlines() if "Traceback" in line]
 
 
@@ -333,18 +402,33 @@ OPERATOR_NAMESPACE = "sandbox-system"
 
 
 def operator_credentials(cp: ControlPlane, kube: KubeJSON, repo: Path, path: Path) -> Path:
-    """Write a kubeconfig for a ServiceAccount bound to the chart's ClusterRole rules.
+    """A kubeconfig for a ServiceAccount bound to the chart's operator ClusterRole rules.
 
     `kube` speaks for an admin of `cp`; from a script that has only the
     ControlPlane: `with KubeJSON(cp.kubeconfig) as kube: operator_credentials(...)`.
     """
-    rules = yaml.safe_load((repo / "charts/sandbox-operator/files/rbac-rules.yaml").read_text())
-    name = "sandbox-operator"
+    rules = repo / "charts/sandbox-operator/files/rbac-rules.yaml"
+    return service_account_kubeconfig(cp, kube, "sandbox-operator", rules, path)
+
+
+def gateway_credentials(cp: ControlPlane, kube: KubeJSON, repo: Path, path: Path) -> Path:
+    """The same for the gateway, under the chart's gateway ClusterRole rules."""
+    rules = repo / "charts/sandbox-operator/files/gateway-rbac-rules.yaml"
+    return service_account_kubeconfig(cp, kube, "sandbox-gateway", rules, path)
+
+
+def service_account_kubeconfig(
+    cp: ControlPlane, kube: KubeJSON, name: str, rules_file: Path, path: Path
+) -> Path:
+    """A ServiceAccount `name` in OPERATOR_NAMESPACE bound to the rules in `rules_file`
+    (a ClusterRole of the same name), and a kubeconfig with its token."""
+    rules = yaml.safe_load(rules_file.read_text())
     rbac = "rbac.authorization.k8s.io/v1"
-    kube.create(
-        core_path("namespaces"),
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}},
-    )
+    with contextlib.suppress(ApiError):  # the namespace is shared by both
+        kube.create(
+            core_path("namespaces"),
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}},
+        )
     kube.create(
         core_path("serviceaccounts", OPERATOR_NAMESPACE),
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
@@ -367,16 +451,7 @@ def operator_credentials(cp: ControlPlane, kube: KubeJSON, repo: Path, path: Pat
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": OPERATOR_NAMESPACE}],
         },
     )
-    issued = kube.create(
-        core_path("serviceaccounts", OPERATOR_NAMESPACE, name, "token"),
-        {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {"expirationSeconds": 86400},
-        },
-    )
-    token = issued["status"]["token"]
-    assert isinstance(token, str), f"no token in the TokenRequest: {issued}"
+    token = service_account_token(kube, OPERATOR_NAMESPACE, name)
     kubeconfig = {
         "apiVersion": "v1",
         "kind": "Config",
@@ -386,12 +461,27 @@ def operator_credentials(cp: ControlPlane, kube: KubeJSON, repo: Path, path: Pat
                 "cluster": {"server": cp.server, "certificate-authority": str(cp.ca_cert)},
             }
         ],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": "operator"}}],
-        "current-context": "operator",
+        "users": [{"name": name, "user": {"token": token}}],
+        "contexts": [{"name": name, "context": {"cluster": "local", "user": name}}],
+        "current-context": name,
     }
     path.write_text(yaml.safe_dump(kubeconfig))
     return path
+
+
+def service_account_token(kube: KubeJSON, namespace: str, name: str, seconds: int = 86400) -> str:
+    """A token of a ServiceAccount (TokenRequest), as a pod would get it."""
+    issued = kube.create(
+        core_path("serviceaccounts", namespace, name, "token"),
+        {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"expirationSeconds": seconds},
+        },
+    )
+    token = issued["status"]["token"]
+    assert isinstance(token, str), f"no token in the TokenRequest: {issued}"
+    return token
 
 
 def secret_token(kube: KubeJSON, namespace: str, sandbox: str) -> str:

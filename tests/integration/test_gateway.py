@@ -1,0 +1,463 @@
+"""sandbox-gateway against a real API server (TokenReview and SubjectAccessReview
+against real RBAC, the chart's own roles) and real agents on loopback."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import subprocess
+import tarfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from devcluster.controlplane import ControlPlane
+from devcluster.helm import helm_binary
+from tests.integration.conftest import kubectl
+from tests.integration.harness import (
+    AgentProcess,
+    GatewayProcess,
+    gateway_credentials,
+    service_account_token,
+    wait_for,
+)
+from tests.kube import KubeJSON, api_path, core_path
+from tests.sandboxes import Sandboxes
+
+LiveSandbox = Callable[..., AgentProcess]
+RELEASE = "sbx"
+
+
+@pytest.fixture(scope="session")
+def access_roles(control_plane: ControlPlane, repo: Path, crds: None) -> None:
+    """The chart's user and viewer ClusterRoles, as `helm template` renders them."""
+    rendered = subprocess.run(
+        [
+            str(helm_binary()),
+            "template",
+            RELEASE,
+            str(repo / "charts/sandbox-operator"),
+            "-n",
+            "sandbox-system",
+            "--show-only",
+            "templates/access.yaml",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    applied = kubectl(control_plane, "apply", "-f", "-", input=rendered)
+    assert applied.returncode == 0, applied.stderr
+
+
+@pytest.fixture(scope="session")
+def gateway(
+    control_plane: ControlPlane,
+    kube: KubeJSON,
+    repo: Path,
+    crds: None,
+    access_roles: None,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GatewayProcess]:
+    work = tmp_path_factory.mktemp("gateway")
+    credentials = gateway_credentials(control_plane, kube, repo, work / "kubeconfig")
+    process = GatewayProcess(credentials, work, {"SANDBOX_GATEWAY_RESUME_WAIT_SECONDS": "20"})
+    process.start()
+    yield process
+    process.stop()
+    assert process.errors() == [], f"handler tracebacks in {process.log}"
+
+
+def caller(kube: KubeJSON, ns: str, name: str, role: str | None) -> str:
+    """A ServiceAccount `name` in `ns` bound to the chart's `role` (user, viewer or
+    none), and a token of it."""
+    kube.create(
+        core_path("serviceaccounts", ns),
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
+    )
+    if role is not None:
+        rbac = "rbac.authorization.k8s.io/v1"
+        kube.create(
+            api_path(rbac, "rolebindings", ns),
+            {
+                "apiVersion": rbac,
+                "kind": "RoleBinding",
+                "metadata": {"name": f"{name}-{role}"},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": f"{RELEASE}-{role}",
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
+            },
+        )
+    return service_account_token(kube, ns, name, seconds=3600)
+
+
+def client(gateway: GatewayProcess, ns: str, sandbox: str, token: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(
+        base_url=f"{gateway.url}/v1/namespaces/{ns}/sandboxes/{sandbox}",
+        headers=headers,
+        timeout=60,
+    )
+
+
+def code(response: httpx.Response) -> str:
+    return str(response.json()["error"]["code"])
+
+
+def test_a_user_runs_commands_and_edits_files_through_the_gateway(
+    gateway: GatewayProcess, kube: KubeJSON, ns: str, live_sandbox: LiveSandbox
+) -> None:
+    live_sandbox("box")
+    token = caller(kube, ns, "alice", "user")
+    with client(gateway, ns, "box", token) as http:
+        ran = http.post("/executions", json={"command": "echo hello; echo oops >&2; exit 3"})
+        assert ran.status_code == 200, ran.text
+        assert (ran.json()["stdout"], ran.json()["stderr"], ran.json()["exitCode"]) == (
+            "hello\n",
+            "oops\n",
+            3,
+        )
+        # Streaming, event by event.
+        with http.stream(
+            "POST", "/executions/stream", json={"command": "for i in 1 2 3; do echo $i; done"}
+        ) as stream:
+            events = [json.loads(line) for line in stream.iter_lines() if line]
+        output = "".join(e["data"] for e in events if e["type"] == "output")
+        assert output == "1\n2\n3\n"
+        assert events[-1]["type"] == "finished"
+        # A background job with stdin, then its output by cursor.
+        job = http.post(
+            "/executions", json={"command": "cat", "background": True, "stdinOpen": True}
+        ).json()
+        wrote = http.post(f"/executions/{job['id']}/stdin", json={"data": "typed\n", "close": True})
+        assert wrote.status_code == 200, wrote.text
+        output = http.get(f"/executions/{job['id']}/output", params={"waitSeconds": "5"})
+        assert "typed" in output.text, output.text
+        # Files: write, read, list, search, patch.
+        assert http.post(
+            "/files/write", json={"path": "src/a.txt", "content": "one\ntwo\n", "parents": True}
+        ).status_code in (200, 201)
+        assert http.get("/files/content", params={"path": "src/a.txt"}).text == "one\ntwo\n"
+        listed = http.get("/files/list", params={"path": "src"}).json()
+        assert [e["name"] for e in listed["entries"]] == ["a.txt"]
+        found = http.post("/files/search", json={"pattern": "tw", "path": "."}).json()
+        assert found["matches"][0]["path"] == "src/a.txt"
+        patch = "--- a/src/a.txt\n+++ b/src/a.txt\n@@ -1,2 +1,2 @@\n one\n-two\n+three\n"
+        assert http.post("/files/patch", json={"patch": patch}).status_code == 200
+        assert http.get("/files/content", params={"path": "src/a.txt"}).text == "one\nthree\n"
+        # A tar up and down, streamed.
+        archive = io.BytesIO()
+        with tarfile.open(fileobj=archive, mode="w") as tar:
+            data = b"x" * (3 << 20)
+            info = tarfile.TarInfo("big.bin")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        up = http.put("/files/archive", params={"path": "up"}, content=archive.getvalue())
+        assert up.status_code in (200, 201), up.text
+        down = http.get("/files/archive", params={"path": "up"})
+        with tarfile.open(fileobj=io.BytesIO(down.content)) as tar:
+            names = {m.name.removeprefix("./"): m for m in tar.getmembers()}
+            member = tar.extractfile(names["big.bin"])
+            assert member is not None
+            assert len(member.read()) == 3 << 20
+        # Info is served; the operator's own endpoints are not.
+        assert http.get("/info").status_code == 200
+        assert http.post("/workspace/quiesce", json={}).status_code == 404
+        assert http.get("/environment").status_code == 404
+
+
+def test_who_may_do_what_is_decided_by_rbac(
+    gateway: GatewayProcess, kube: KubeJSON, ns: str, live_sandbox: LiveSandbox
+) -> None:
+    agent = live_sandbox("box")
+    (agent.workspace / "readme.txt").write_text("hi\n")
+    viewer = caller(kube, ns, "vera", "viewer")
+    stranger = caller(kube, ns, "bob", None)
+    with client(gateway, ns, "box", viewer) as http:
+        assert http.get("/files/content", params={"path": "readme.txt"}).text == "hi\n"
+        refused = http.post("/executions", json={"command": "true"})
+        assert refused.status_code == 403
+        assert "create sandboxes/exec.sandbox.dev" in refused.json()["error"]["message"]
+        write = http.post("/files/write", json={"path": "x", "content": "y"})
+        assert write.status_code == 403
+        assert "update sandboxes/files.sandbox.dev" in write.json()["error"]["message"]
+    with client(gateway, ns, "box", stranger) as http:
+        refused = http.get("/files/content", params={"path": "readme.txt"})
+        assert refused.status_code == 403
+        assert f"system:serviceaccount:{ns}:bob" in refused.json()["error"]["message"]
+    with client(gateway, ns, "box", None) as http:
+        assert http.get("/info").status_code == 401
+    with client(gateway, ns, "box", "not-a-token") as http:
+        assert http.get("/info").status_code == 401
+
+
+def test_errors_say_what_is_wrong(
+    gateway: GatewayProcess,
+    kube: KubeJSON,
+    ns: str,
+    sandboxes: Sandboxes,
+    live_sandbox: LiveSandbox,
+) -> None:
+    token = caller(kube, ns, "alice", "user")
+    with client(gateway, ns, "nowhere", token) as http:
+        missing = http.get("/info")
+        assert (missing.status_code, code(missing)) == (404, "sandbox_not_found")
+    sandboxes.create("starting")  # no node plays its pod: it never gets ready
+    wait_for(lambda: gateway_route(gateway, ns, "starting", token), 20, "the route")
+    with client(gateway, ns, "starting", token) as http:
+        waiting = http.get("/info")
+        assert (waiting.status_code, code(waiting)) == (503, "sandbox_not_ready")
+        assert waiting.headers["Retry-After"] == "2"
+    sandboxes.create("held", {"paused": True})
+    wait_for(lambda: gateway_route(gateway, ns, "held", token), 20, "the route")
+    with client(gateway, ns, "held", token) as http:
+        held = http.get("/info")
+        assert (held.status_code, code(held)) == (409, "sandbox_paused")
+    # An agent error passes through with its own body.
+    live_sandbox("box")
+    with client(gateway, ns, "box", token) as http:
+        absent = http.get("/files/content", params={"path": "nope.txt"})
+        assert absent.status_code == 404
+        assert code(absent) != "sandbox_not_found"
+
+
+def gateway_route(gateway: GatewayProcess, ns: str, name: str, token: str) -> bool:
+    """Whether the gateway's table knows the sandbox (anything but 404)."""
+    response = httpx.get(
+        f"{gateway.url}/v1/namespaces/{ns}/sandboxes/{name}/info",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=30,
+    )
+    return response.status_code != 404
+
+
+def test_an_idle_paused_sandbox_is_resumed_for_a_request(
+    gateway: GatewayProcess,
+    kube: KubeJSON,
+    ns: str,
+    sandboxes: Sandboxes,
+    live_sandbox: LiveSandbox,
+) -> None:
+    live_sandbox("sleepy", {"lifecycle": {"idleTimeout": "2s", "onIdle": "Pause"}})
+    sandboxes.wait_phase("sleepy", "Paused", timeout=30)
+    wait_for(lambda: kube.get(core_path("pods", ns, "sleepy")) is None, 30, "pod deleted")
+    token = caller(kube, ns, "alice", "user")
+    # Play the node for the new pod while the request waits in the gateway.
+    node = threading.Thread(target=live_sandbox, args=("sleepy",), kwargs={"create": False})
+    node.start()
+    with client(gateway, ns, "sleepy", token) as http:
+        ran = http.post("/executions", json={"command": "echo back"})
+    node.join(60)
+    assert ran.status_code == 200, ran.text
+    assert ran.json()["stdout"] == "back\n"
+
+
+def test_scoped_tokens_and_signed_urls(
+    gateway: GatewayProcess,
+    kube: KubeJSON,
+    ns: str,
+    sandboxes: Sandboxes,
+    live_sandbox: LiveSandbox,
+) -> None:
+    agent = live_sandbox("box")
+    (agent.workspace / "report").mkdir()
+    (agent.workspace / "report" / "data.csv").write_text("a,b\n1,2\n")
+    alice = caller(kube, ns, "alice", "user")
+    vera = caller(kube, ns, "vera", "viewer")
+    with client(gateway, ns, "box", alice) as http:
+        minted = http.post("/tokens", json={"operations": ["exec"], "ttlSeconds": 300})
+        assert minted.status_code == 201, minted.text
+        scoped = minted.json()["token"]
+        signed = http.post("/urls", json={"path": "report/data.csv", "ttlSeconds": 300})
+        assert signed.status_code == 201, signed.text
+        url = signed.json()["path"]
+        folder = http.post("/urls", json={"path": "report", "ttlSeconds": 300}).json()["path"]
+        short = http.post("/urls", json={"path": "report/data.csv", "ttlSeconds": 1}).json()["path"]
+    with client(gateway, ns, "box", vera) as http:
+        # A caller can hand on only what it holds itself.
+        refused = http.post("/tokens", json={"operations": ["exec"], "ttlSeconds": 60})
+        assert refused.status_code == 403
+    with client(gateway, ns, "box", scoped) as http:
+        assert (
+            http.post("/executions", json={"command": "echo scoped"}).json()["stdout"] == "scoped\n"
+        )
+        assert http.get("/files/content", params={"path": "report/data.csv"}).status_code == 403
+        assert http.post("/tokens", json={"operations": ["exec"]}).status_code == 403
+    tampered = scoped[:-4] + ("AAAA" if not scoped.endswith("AAAA") else "BBBB")
+    with client(gateway, ns, "box", tampered) as http:
+        assert http.get("/info").status_code == 401
+
+    # Signed URLs: no credentials; a file, or a directory as tar.
+    got = httpx.get(gateway.url + url)
+    assert got.status_code == 200, got.text
+    assert got.text == "a,b\n1,2\n"
+    assert 'filename="data.csv"' in got.headers["Content-Disposition"]
+    tar = httpx.get(gateway.url + folder)
+    assert tar.status_code == 200
+    with tarfile.open(fileobj=io.BytesIO(tar.content)) as archive:
+        assert any(name.endswith("data.csv") for name in archive.getnames())
+    bad = url.replace("data.csv", "other.csv")
+    assert bad != url
+    assert httpx.get(gateway.url + bad).status_code == 403
+    sig = url.split("sig=")[1].split("&")[0]
+    assert httpx.get(gateway.url + url.replace(sig, sig[::-1])).status_code == 403
+    time.sleep(2.1)
+    expired = httpx.get(gateway.url + short)
+    assert (expired.status_code, code(expired)) == (403, "invalid_signature")
+    assert "expired" in expired.json()["error"]["message"]
+
+    # A namesake made after the token refuses it (the token is bound to the UID).
+    sandboxes.delete("box")
+    wait_for(lambda: sandboxes.get("box") is None, 60, "the sandbox deleted")
+    live_sandbox("box")
+    with client(gateway, ns, "box", scoped) as http:
+        stale = http.post("/executions", json={"command": "true"})
+        assert stale.status_code == 403
+        assert "deleted" in stale.json()["error"]["message"]
+    assert httpx.get(gateway.url + url).status_code == 403
+
+
+def _serve_preview(ip: str, port: int) -> Callable[[], None]:
+    """An HTTP and WebSocket server where a sandbox's exposed port would be."""
+    script = (
+        "import asyncio\n"
+        "from aiohttp import web\n"
+        "async def page(request):\n"
+        "    return web.Response(text=f'preview {request.path} {request.query_string}')\n"
+        "async def echo(request):\n"
+        "    ws = web.WebSocketResponse()\n"
+        "    await ws.prepare(request)\n"
+        "    async for message in ws:\n"
+        "        await ws.send_str('echo:' + message.data)\n"
+        "    return ws\n"
+        "app = web.Application()\n"
+        "app.router.add_get('/ws', echo)\n"
+        "app.router.add_get('/{tail:.*}', page)\n"
+        f"web.run_app(app, host='{ip}', port={port}, print=None)\n"
+    )
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", script])
+
+    def listening() -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex((ip, port)) == 0
+
+    wait_for(listening, 30, f"the preview server on {ip}:{port}")
+
+    def stop() -> None:
+        proc.terminate()
+        proc.wait(10)
+
+    return stop
+
+
+def test_preview_ports_serve_http_and_websockets(
+    gateway: GatewayProcess, kube: KubeJSON, ns: str, live_sandbox: LiveSandbox
+) -> None:
+    ports = [
+        {"name": "app", "port": 18000},
+        {"name": "docs", "port": 18001, "public": True},
+    ]
+    agent = live_sandbox("web", {"network": {"exposedPorts": ports}})
+    stops = [_serve_preview(agent.ip, 18000), _serve_preview(agent.ip, 18001)]
+    try:
+        base = f"{gateway.url}/v1/namespaces/{ns}/sandboxes/web/ports"
+        assert httpx.get(f"{base}/18001/guide").text == "preview /guide "
+        assert httpx.get(f"{base}/18000/").status_code == 401
+        assert httpx.get(f"{base}/9999/").status_code == 404
+        alice = caller(kube, ns, "alice", "user")
+        assert httpx.get(
+            f"{base}/18000/app?x=1", headers={"Authorization": f"Bearer {alice}"}
+        ).text == ("preview /app x=1")
+        with client(gateway, ns, "web", alice) as http:
+            scoped = http.post("/tokens", json={"operations": ["ports"], "ttlSeconds": 300}).json()[
+                "token"
+            ]
+        with httpx.Client(follow_redirects=True) as browser:
+            page = browser.get(f"{base}/18000/app", params={"token": scoped, "x": "2"})
+            assert page.status_code == 200, page.text
+            assert page.text == "preview /app x=2"
+            assert "token=" not in str(page.url)
+            again = browser.get(f"{base}/18000/other")  # the cookie carries on
+            assert again.text == "preview /other "
+        status = wait_for(
+            lambda: kube.read(api_path("sandbox.dev/v1alpha1", "sandboxes", ns, "web"))[
+                "status"
+            ].get("ports"),
+            20,
+            "status.ports",
+        )
+        assert [p["port"] for p in status] == [18000, 18001]
+        _websocket_echo(f"{base}/18000/ws".replace("http://", "ws://"), alice)
+    finally:
+        for stop in stops:
+            stop()
+
+
+def _websocket_echo(url: str, token: str) -> None:
+    import asyncio
+
+    import aiohttp
+
+    async def talk() -> str:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.ws_connect(url, headers={"Authorization": f"Bearer {token}"}) as ws,
+        ):
+            await ws.send_str("ping")
+            message = await ws.receive(timeout=10)
+            return str(message.data)
+
+    assert asyncio.run(talk()) == "echo:ping"
+
+
+def test_a_warm_gateway_asks_the_api_server_nothing_per_call(
+    gateway: GatewayProcess, kube: KubeJSON, ns: str, live_sandbox: LiveSandbox
+) -> None:
+    live_sandbox("box")
+    token = caller(kube, ns, "alice", "user")
+
+    def reviews() -> float:
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in gateway.metrics().splitlines()
+            if line.startswith("sandbox_gateway_reviews_total{")
+        )
+
+    with client(gateway, ns, "box", token) as http:
+        assert http.post("/executions", json={"command": "true"}).status_code == 200
+        before = reviews()
+        for _ in range(20):
+            assert http.post("/executions", json={"command": "true"}).status_code == 200
+        assert reviews() == before
+
+
+def test_an_upload_the_caller_abandons_is_abandoned_by_the_agent(
+    gateway: GatewayProcess, kube: KubeJSON, ns: str, live_sandbox: LiveSandbox
+) -> None:
+    """Bodies stream through (nothing waits for the whole of them), and a caller
+    that goes away mid-upload is seen by the agent: no file is left."""
+    agent = live_sandbox("box")
+    token = caller(kube, ns, "alice", "user")
+    path = f"/v1/namespaces/{ns}/sandboxes/box/files/content?path=partial.bin"
+    with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+        head = (
+            f"PUT {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+            f"Content-Length: {100 << 20}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + b"z" * (4 << 20))
+        time.sleep(1.0)
+    time.sleep(2.0)
+    assert not (agent.workspace / "partial.bin").exists()
+    with client(gateway, ns, "box", token) as http:
+        assert http.get("/info").status_code == 200
