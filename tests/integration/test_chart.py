@@ -11,6 +11,7 @@ import yaml
 from devcluster.controlplane import ControlPlane
 from devcluster.helm import helm_binary
 from sandbox_operator import config
+from sandbox_operator.gateway import config as gateway_config
 from tests.integration.conftest import kubectl
 
 
@@ -29,8 +30,12 @@ def _render(repo: Path, *sets: str, namespace: str = "sandbox-system") -> list[d
     return [doc for doc in yaml.safe_load_all(_helm(*args)) if doc]
 
 
-def _kind(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    return next(doc for doc in docs if doc["kind"] == kind)
+def _kind(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    return next(
+        doc
+        for doc in docs
+        if doc["kind"] == kind and (name is None or doc["metadata"]["name"] == name)
+    )
 
 
 def test_chart_lints(repo: Path) -> None:
@@ -38,28 +43,56 @@ def test_chart_lints(repo: Path) -> None:
 
 
 def test_rendered_rbac_is_the_tested_rules_file(repo: Path) -> None:
-    rules = yaml.safe_load((repo / "charts/sandbox-operator/files/rbac-rules.yaml").read_text())
-    assert _kind(_render(repo), "ClusterRole")["rules"] == rules
+    files = repo / "charts/sandbox-operator/files"
+    docs = _render(repo)
+    for name, rules_file in (
+        ("sbx", "rbac-rules.yaml"),
+        ("sbx-gateway", "gateway-rbac-rules.yaml"),
+    ):
+        rules = yaml.safe_load((files / rules_file).read_text())
+        assert _kind(docs, "ClusterRole", name)["rules"] == rules
 
 
 def test_rendered_settings_are_valid_operator_settings(repo: Path, tmp_path: Path) -> None:
     docs = _render(repo, "settings.default_idle_timeout=15m")
     settings_file = tmp_path / "settings.yaml"
-    settings_file.write_text(_kind(docs, "ConfigMap")["data"]["settings.yaml"])
+    settings_file.write_text(_kind(docs, "ConfigMap", "sbx-settings")["data"]["settings.yaml"])
     settings = config.load({"SANDBOX_OPERATOR_CONFIG": str(settings_file)})
     assert settings.operator_namespace == "sandbox-system"
     assert settings.default_idle_timeout == "15m"
     assert set(settings.runtimes) == {"python", "node"}
 
 
+def test_the_gateway_is_configured_from_the_same_values(repo: Path, tmp_path: Path) -> None:
+    docs = _render(repo, "gateway.previewDomain=preview.example.com", "watchNamespaces={team-a}")
+    settings_file = tmp_path / "gateway.yaml"
+    settings_file.write_text(
+        _kind(docs, "ConfigMap", "sbx-gateway-settings")["data"]["settings.yaml"]
+    )
+    gateway = gateway_config.load({"SANDBOX_GATEWAY_CONFIG": str(settings_file)})
+    assert (gateway.preview_domain, gateway.namespaces) == ("preview.example.com", ["team-a"])
+    operator_file = tmp_path / "operator.yaml"
+    operator_file.write_text(_kind(docs, "ConfigMap", "sbx-settings")["data"]["settings.yaml"])
+    operator = config.load({"SANDBOX_OPERATOR_CONFIG": str(operator_file)})
+    # Agents admit the gateway's pods; their status names the preview hosts.
+    gateway_pod = _kind(docs, "Deployment", "sbx-gateway")["spec"]["template"]["metadata"]
+    assert operator.gateway_pod_labels == gateway_pod["labels"]
+    assert operator.preview_domain == "preview.example.com"
+    assert _kind(docs, "Deployment", "sbx-gateway")["spec"]["replicas"] == 2
+    assert _kind(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    off = _render(repo, "gateway.enabled=false")
+    assert not [d for d in off if d["metadata"]["name"].startswith("sbx-gateway")]
+
+
 def test_watched_namespaces_and_extra_env(repo: Path) -> None:
-    default = _kind(_render(repo), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    default = _kind(_render(repo), "Deployment", "sbx")["spec"]["template"]["spec"]["containers"][0]
     assert "--all-namespaces" in default["args"]
     scoped = _kind(
         _render(
             repo, "watchNamespaces={team-a,team-b}", "extraEnv[0].name=X", "extraEnv[0].value=hello"
         ),
         "Deployment",
+        "sbx",
     )["spec"]["template"]["spec"]["containers"][0]
     assert "--all-namespaces" not in scoped["args"]
     assert "--namespace=team-a" in scoped["args"]
@@ -67,13 +100,14 @@ def test_watched_namespaces_and_extra_env(repo: Path) -> None:
     assert {"name": "X", "value": "hello"} in scoped["env"]
 
 
-def test_operator_pod_is_restricted(repo: Path) -> None:
-    pod = _kind(_render(repo), "Deployment")["spec"]["template"]["spec"]
-    assert pod["securityContext"]["runAsNonRoot"] is True
-    container = pod["containers"][0]["securityContext"]
-    assert container["allowPrivilegeEscalation"] is False
-    assert container["readOnlyRootFilesystem"] is True
-    assert container["capabilities"] == {"drop": ["ALL"]}
+def test_operator_and_gateway_pods_are_restricted(repo: Path) -> None:
+    for name in ("sbx", "sbx-gateway"):
+        pod = _kind(_render(repo), "Deployment", name)["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        container = pod["containers"][0]["securityContext"]
+        assert container["allowPrivilegeEscalation"] is False
+        assert container["readOnlyRootFilesystem"] is True
+        assert container["capabilities"] == {"drop": ["ALL"]}
 
 
 def test_api_server_accepts_the_rendered_chart(

@@ -82,6 +82,20 @@ def operation_of(method: str, tail: str) -> Operation | None:
     return None
 
 
+def preview_host(label: str, exists: Callable[[str, str], bool]) -> tuple[str, str, int] | None:
+    """(namespace, name, port) of a preview host's first label `{port}-{name}-{namespace}`.
+    Both names may hold dashes: each split is tried against the sandboxes that exist."""
+    port, _, rest = label.partition("-")
+    if not port.isdigit():
+        return None
+    parts = rest.split("-")
+    for cut in range(1, len(parts)):
+        namespace, name = "-".join(parts[cut:]), "-".join(parts[:cut])
+        if exists(namespace, name):
+            return namespace, name, int(port)
+    return None
+
+
 class Gateway:
     def __init__(self, settings: GatewaySettings, kube: Api, table: RouteTable, keys: Keys) -> None:
         self.settings = settings
@@ -161,16 +175,12 @@ class Gateway:
         return await handler(request)
 
     def _preview_host(self, label: str) -> tuple[Route, int] | None:
-        """Names hold dashes too: try each split of `{port}-{name}-{namespace}`."""
-        port, _, rest = label.partition("-")
-        if not port.isdigit():
+        found = preview_host(label, lambda ns, name: self.table.get(ns, name) is not None)
+        if found is None:
             return None
-        parts = rest.split("-")
-        for cut in range(1, len(parts)):
-            route = self.table.get("-".join(parts[cut:]), "-".join(parts[:cut]))
-            if route is not None:
-                return route, int(port)
-        return None
+        namespace, name, port = found
+        route = self.table.get(namespace, name)
+        return (route, port) if route is not None else None
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
