@@ -140,8 +140,8 @@ def test_a_user_runs_commands_and_edits_files_through_the_gateway(
         ).json()
         wrote = http.post(f"/executions/{job['id']}/stdin", json={"data": "typed\n", "close": True})
         assert wrote.status_code == 200, wrote.text
-        output = http.get(f"/executions/{job['id']}/output", params={"waitSeconds": "5"})
-        assert "typed" in output.text, output.text
+        tail = http.get(f"/executions/{job['id']}/tail", params={"waitSeconds": "5"})
+        assert "typed" in tail.text, tail.text
         # Files: write, read, list, search, patch.
         assert http.post(
             "/files/write", json={"path": "src/a.txt", "content": "one\ntwo\n", "parents": True}
