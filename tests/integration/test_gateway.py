@@ -140,7 +140,7 @@ def test_a_user_runs_commands_and_edits_files_through_the_gateway(
         ).json()
         wrote = http.post(f"/executions/{job['id']}/stdin", json={"data": "typed\n", "close": True})
         assert wrote.status_code == 200, wrote.text
-        tail = http.get(f"/executions/{job['id']}/tail", params={"waitSeconds": "5"})
+        tail = http.get(f"/executions/{job['id']}/output", params={"waitSeconds": "5"})
         assert "typed" in tail.text, tail.text
         # Files: write, read, list, search, patch.
         assert http.post(
