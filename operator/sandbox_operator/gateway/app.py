@@ -134,6 +134,7 @@ class Gateway:
         started = time.perf_counter()
         operation = request.match_info.route.name or "other"
         status = 500
+        metrics.IN_FLIGHT.inc()
         try:
             response = await handler(request)
             status = response.status
@@ -155,6 +156,7 @@ class Gateway:
                 )
             raise
         finally:
+            metrics.IN_FLIGHT.dec()
             metrics.REQUESTS.labels(request.get("operation", operation), str(status)).inc()
             metrics.REQUEST_SECONDS.labels(request.get("operation", operation)).observe(
                 time.perf_counter() - started

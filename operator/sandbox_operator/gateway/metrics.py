@@ -15,6 +15,9 @@ REQUEST_SECONDS = Histogram(
     ["operation"],
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30),
 )
+IN_FLIGHT = Gauge(
+    "sandbox_gateway_requests_in_flight", "Requests being served now (streams included)."
+)
 REVIEWS = Counter(
     "sandbox_gateway_reviews_total",
     "TokenReviews and SubjectAccessReviews sent to the API server (cache misses).",
