@@ -112,7 +112,9 @@ class Gateway:
         self.upstreams = Upstreams(settings.agent_connect_seconds)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.errors, self.by_host], client_max_size=0)
+        # Bodies the gateway reads itself (token and URL requests) are small; proxied
+        # bodies stream past it and are bounded by the agent.
+        app = web.Application(middlewares=[self.errors, self.by_host], client_max_size=1 << 20)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_post(PREFIX + "/tokens", self.mint_token)
