@@ -461,3 +461,37 @@ def test_an_upload_the_caller_abandons_is_abandoned_by_the_agent(
     assert not (agent.workspace / "partial.bin").exists()
     with client(gateway, ns, "box", token) as http:
         assert http.get("/info").status_code == 200
+
+
+def test_nothing_a_caller_sends_is_a_server_error(
+    gateway: GatewayProcess, kube: KubeJSON, ns: str, live_sandbox: LiveSandbox
+) -> None:
+    live_sandbox("box")
+    token = caller(kube, ns, "alice", "user")
+    attempts: list[tuple[str, str, dict[str, object]]] = [
+        ("POST", "/tokens", {"content": b"{not json"}),
+        ("POST", "/tokens", {"json": []}),
+        ("POST", "/tokens", {"json": {"operations": ["exec"], "ttlSeconds": 10**12}}),
+        ("POST", "/tokens", {"json": {"operations": ["root"]}}),
+        ("POST", "/urls", {"json": {"path": 7}}),
+        ("POST", "/urls", {"json": {"path": "x" * 5000}}),
+        ("GET", "/download", {}),
+        ("GET", "/download", {"params": {"path": "a", "exp": "soon", "kid": "?", "sig": "!"}}),
+        ("GET", "/ports/notanumber/", {}),
+        ("GET", "/ports/99999999999999999999/", {}),
+        ("PATCH", "/executions", {"content": b"\x00\xff"}),
+        ("POST", "/executions", {"content": b"\x00\xff"}),
+        ("GET", "/files/content", {"params": {"path": "../../etc/passwd"}}),
+        ("DELETE", "/files/../../../workspace", {}),
+        ("GET", "/%2e%2e/%2e%2e/healthz", {}),
+    ]
+    with client(gateway, ns, "box", token) as http:
+        for method, path, kwargs in attempts:
+            response = http.request(method, path, **kwargs)  # type: ignore[arg-type]
+            assert response.status_code < 500, (method, path, response.status_code, response.text)
+            if response.status_code >= 400:
+                assert response.json()["error"]["code"], (method, path, response.text)
+    with httpx.Client(base_url=gateway.url) as raw:
+        for path in ("/v1/namespaces/x", "/v1/namespaces//sandboxes//info", "/nothing"):
+            response = raw.get(path, headers={"Authorization": "Bearer " + "A" * 10000})
+            assert response.status_code < 500, (path, response.status_code, response.text)

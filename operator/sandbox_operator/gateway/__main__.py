@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import start_http_server
 
 from sandbox_operator.gateway import config
@@ -37,6 +38,15 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
+
+
+class CallerErrors(logging.Filter):
+    """aiohttp logs a request it cannot parse (a header past its limit, say) as a
+    server error with a traceback; the caller got its 400, so it is not ours."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(error, HttpProcessingError)
 
 
 async def serve(settings: config.GatewaySettings) -> None:
@@ -71,6 +81,7 @@ def main() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     logging.basicConfig(level=logging.INFO, handlers=[handler])
+    logging.getLogger("aiohttp.server").addFilter(CallerErrors())
     settings = config.load()
     with contextlib.suppress(ImportError):
         import uvloop
