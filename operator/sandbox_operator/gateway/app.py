@@ -44,6 +44,10 @@ log = logging.getLogger("sandbox_gateway")
 
 PREFIX = "/v1/namespaces/{namespace}/sandboxes/{name}"
 PREVIEW_COOKIE = "sandbox-preview"
+# The caller's token when the request comes through the API server's service
+# proxy, which takes the Authorization header for itself (kubectl's path from
+# a laptop): the same bearer token, in a header the API server passes on.
+PROXIED_AUTHORIZATION = "X-Sandbox-Authorization"
 # Read-only operations that the agent serves as POST (a body carries the query).
 _READ_POSTS = {"files/search", "files/find"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -65,6 +69,10 @@ def error(
 ) -> web.Response:
     body = json.dumps({"error": {"code": code, "message": message}})
     return web.Response(status=status, text=body, content_type="application/json", headers=headers)
+
+
+def credentials(request: web.Request) -> str | None:
+    return request.headers.get(PROXIED_AUTHORIZATION) or request.headers.get("Authorization")
 
 
 def operation_of(method: str, tail: str) -> Operation | None:
@@ -206,7 +214,7 @@ class Gateway:
 
     async def _authorized(self, request: web.Request, route: Route, operation: Operation) -> Caller:
         request["operation"] = operation.value
-        caller = await self.access.caller(request.headers.get("Authorization"))
+        caller = await self.access.caller(credentials(request))
         await self.access.check(caller, operation, route)
         return caller
 
@@ -305,7 +313,7 @@ class Gateway:
                 400, "invalid_request", f"operations: a non-empty list of {sorted(known)}"
             )
         ttl = self._ttl(body)
-        caller = await self.access.caller(request.headers.get("Authorization"))
+        caller = await self.access.caller(credentials(request))
         if caller.scope is not None:
             raise Refusal(403, "forbidden", "a scoped token cannot mint tokens")
         for name in names:
@@ -412,9 +420,7 @@ class Gateway:
                 location = request.path + (f"?{urlencode(query)}" if query else "")
                 raise web.HTTPFound(location, headers={"Set-Cookie": self._cookie(request, token)})
             cookie = request.cookies.get(PREVIEW_COOKIE)
-            authorization = request.headers.get("Authorization") or (
-                f"Bearer {cookie}" if cookie else None
-            )
+            authorization = credentials(request) or (f"Bearer {cookie}" if cookie else None)
             caller = await self.access.caller(authorization)
             await self.access.check(caller, Operation.PORTS, route)
         route, _ = await self._serving(route)

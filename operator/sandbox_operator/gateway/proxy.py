@@ -32,7 +32,7 @@ _HOP = {
     "host",
     "content-length",
 }
-_CREDENTIALS = {"authorization", "cookie"}
+_CREDENTIALS = {"authorization", "cookie", "x-sandbox-authorization"}
 
 
 class UpstreamError(Exception):
