@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import statistics
 import sys
@@ -9,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,50 @@ def write_results(name: str, results: dict[str, Any]) -> None:
     path = out / f"{name}-{time.strftime('%Y%m%dT%H%M%S')}.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def audit_flags(work: Path, users: list[str]) -> tuple[list[str], Path]:
+    """kube-apiserver flags for an audit log of the requests of `users` (metadata
+    only, every other user left out), and the log's path."""
+    policy = work / "audit-policy.json"
+    policy.write_text(
+        json.dumps(
+            {
+                "apiVersion": "audit.k8s.io/v1",
+                "kind": "Policy",
+                "omitStages": ["RequestReceived"],
+                "rules": [{"level": "Metadata", "users": users}, {"level": "None"}],
+            }
+        )
+    )
+    log = work / "audit.log"
+    flags = [
+        f"--audit-policy-file={policy}",
+        f"--audit-log-path={log}",
+        "--audit-log-format=json",
+        "--audit-log-maxsize=0",
+    ]
+    return flags, log
+
+
+def audit_requests(log: Path, user: str, since: float, until: float) -> collections.Counter[str]:
+    """The API requests `user` made from `since` to `until` (epoch seconds, to the
+    microsecond), by "verb resource[/subresource]": one per request (a watch's
+    stages are one), from an audit log that `audit_flags` set up."""
+    counts: collections.Counter[str] = collections.Counter()
+    seen: set[str] = set()
+    for line in log.read_text().splitlines():
+        event = json.loads(line)
+        if event["user"]["username"] != user or event["auditID"] in seen:
+            continue
+        received = datetime.fromisoformat(event["requestReceivedTimestamp"]).timestamp()
+        if not since <= received <= until:
+            continue
+        seen.add(event["auditID"])
+        ref = event.get("objectRef") or {}
+        sub = ref.get("subresource")
+        counts[f"{event['verb']} {ref.get('resource', '?')}{'/' + sub if sub else ''}"] += 1
+    return counts
 
 
 def wait_until(probe: Callable[[], Any], timeout: float = 300) -> None:
