@@ -147,3 +147,38 @@ def test_preview_hosts_with_dashes_in_both_names() -> None:
     assert preview_host("8000-web-app-team-a", exists) == ("team-a", "web-app", 8000)
     assert preview_host("8000-web-team-a", exists) is None
     assert preview_host("web-app-team-a", exists) is None
+
+
+def test_concurrent_misses_ask_once_and_warm_answers_refresh_ahead() -> None:
+    import asyncio
+
+    calls: list[int] = []
+
+    async def review() -> int:
+        calls.append(1)
+        await asyncio.sleep(0.05)
+        return len(calls)
+
+    async def scenario() -> None:
+        cache: TtlCache[int] = TtlCache(16)
+        answers = await asyncio.gather(
+            *(cache.fetch("k", review, lambda _: 0.4) for _ in range(10))
+        )
+        assert [a for a, _ in answers] == [1] * 10
+        assert len(calls) == 1  # ten callers, one review
+        assert [hit for _, hit in answers].count(False) == 1
+        await asyncio.sleep(0.32)  # past three quarters of its life
+        value, hit = await cache.fetch("k", review, lambda _: 0.4)
+        assert (value, hit) == (1, True)  # served at once...
+        await asyncio.sleep(0.1)
+        assert len(calls) == 2  # ...and asked again in the background
+        assert cache.get("k") == 2
+
+        async def broken() -> int:
+            raise RuntimeError("API server down")
+
+        with pytest.raises(RuntimeError):
+            await cache.fetch("other", broken, lambda _: 1)
+        assert cache.get("other") is None  # failures are not remembered
+
+    asyncio.run(scenario())

@@ -4,9 +4,12 @@ memory, so a warm gateway asks the API server nothing per call."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Generic, TypeVar
@@ -77,28 +80,82 @@ class Caller:
     scope: Claims | None = None
 
 
+@dataclass
+class _Entry(Generic[V]):
+    value: V
+    expires: float
+    refresh: float
+
+
 class TtlCache(Generic[V]):
-    """At most `size` entries, each trusted for its own time to live (LRU beyond)."""
+    """At most `size` answers, each trusted for its own time to live (LRU beyond).
+
+    `fetch` asks once for many: concurrent misses of one key wait for the same
+    answer. An answer in use is asked again in the background once three
+    quarters of its life have passed, so a busy caller never waits on a review
+    and a warm gateway's reviews do not grow with its calls."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.entries: OrderedDict[Any, tuple[float, V]] = OrderedDict()
+        self.entries: OrderedDict[Any, _Entry[V]] = OrderedDict()
+        self.pending: dict[Any, asyncio.Future[V]] = {}
+        self.refreshing: set[asyncio.Task[None]] = set()
 
     def get(self, key: Any) -> V | None:
         found = self.entries.get(key)
-        if found is None:
-            return None
-        if found[0] < time.monotonic():
-            del self.entries[key]
+        if found is None or found.expires < time.monotonic():
             return None
         self.entries.move_to_end(key)
-        return found[1]
+        return found.value
 
     def put(self, key: Any, value: V, ttl: float) -> None:
-        self.entries[key] = (time.monotonic() + ttl, value)
+        now = time.monotonic()
+        self.entries[key] = _Entry(value, now + ttl, now + ttl * 0.75)
         self.entries.move_to_end(key)
         while len(self.entries) > self.size:
             self.entries.popitem(last=False)
+
+    async def fetch(
+        self, key: Any, load: Callable[[], Awaitable[V]], ttl: Callable[[V], float]
+    ) -> tuple[V, bool]:
+        """(the answer, whether it came from the cache)."""
+        now = time.monotonic()
+        found = self.entries.get(key)
+        if found is not None and found.expires >= now:
+            self.entries.move_to_end(key)
+            if found.refresh <= now and key not in self.pending:
+                task = asyncio.create_task(self._refresh(key, load, ttl))
+                self.refreshing.add(task)
+                task.add_done_callback(self.refreshing.discard)
+            return found.value, True
+        waiting = self.pending.get(key)
+        if waiting is not None:
+            return await asyncio.shield(waiting), True
+        return await self._load(key, load, ttl), False
+
+    async def _load(
+        self, key: Any, load: Callable[[], Awaitable[V]], ttl: Callable[[V], float]
+    ) -> V:
+        future: asyncio.Future[V] = asyncio.get_running_loop().create_future()
+        self.pending[key] = future
+        try:
+            value = await load()
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters re-raise it, nobody else has to
+            raise
+        finally:
+            self.pending.pop(key, None)
+        self.put(key, value, ttl(value))
+        future.set_result(value)
+        return value
+
+    async def _refresh(
+        self, key: Any, load: Callable[[], Awaitable[V]], ttl: Callable[[V], float]
+    ) -> None:
+        # A failed refresh leaves the answer in place until it expires.
+        with contextlib.suppress(Exception):
+            await self._load(key, load, ttl)
 
 
 class Access:
@@ -125,19 +182,19 @@ class Access:
                 raise Denied(401, "invalid_token", str(exc)) from exc
             return Caller(user=f"scoped:{claims.namespace}/{claims.name}", scope=claims)
         digest = hashlib.sha256(token.encode()).hexdigest()
-        cached = self.callers.get(digest)
-        if cached is None and digest not in self.callers.entries:
-            metrics.REVIEWS.labels("token").inc()
-            cached = await self._review(token)
-            ttl = self.token_seconds if cached is not None else REFUSED_TOKEN_SECONDS
-            self.callers.put(digest, cached, ttl)
-        else:
+        found, hit = await self.callers.fetch(
+            digest,
+            lambda: self._review(token),
+            lambda caller: self.token_seconds if caller is not None else REFUSED_TOKEN_SECONDS,
+        )
+        if hit:
             metrics.CACHE_HITS.labels("token").inc()
-        if cached is None:
+        if found is None:
             raise Denied(401, "unauthenticated", "the token was not accepted by the API server")
-        return cached
+        return found
 
     async def _review(self, token: str) -> Caller | None:
+        metrics.REVIEWS.labels("token").inc()
         try:
             answer = await self.kube.create(
                 TOKEN_REVIEWS.path(),
@@ -176,12 +233,12 @@ class Access:
             return
         verb, sub = operation.rbac
         key = (caller.user, caller.groups, caller.extra, verb, sub, route.namespace, route.name)
-        allowed = self.decisions.get(key)
-        if allowed is None:
-            metrics.REVIEWS.labels("access").inc()
-            allowed = await self._allowed(caller, verb, sub, route.namespace, route.name)
-            self.decisions.put(key, allowed, self.access_seconds)
-        else:
+        allowed, hit = await self.decisions.fetch(
+            key,
+            lambda: self._allowed(caller, verb, sub, route.namespace, route.name),
+            lambda _: self.access_seconds,
+        )
+        if hit:
             metrics.CACHE_HITS.labels("access").inc()
         if not allowed:
             raise Denied(
@@ -193,6 +250,7 @@ class Access:
     async def _allowed(
         self, caller: Caller, verb: str, sub: str, namespace: str, name: str
     ) -> bool:
+        metrics.REVIEWS.labels("access").inc()
         attributes = {
             "namespace": namespace,
             "verb": verb,

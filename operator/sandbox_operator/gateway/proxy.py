@@ -19,6 +19,10 @@ from multidict import CIMultiDict
 from sandbox_operator.gateway import metrics
 
 CHUNK = 1 << 16
+# Bodies this small (by their Content-Length) are read whole and sent in one
+# write with their headers: most calls are small, and a write per part is a
+# good share of their cost. Anything larger streams.
+SMALL = 1 << 16
 # Hop-by-hop headers (RFC 9110 7.6.1) and the caller's credentials.
 _HOP = {
     "connection",
@@ -81,10 +85,15 @@ class Upstreams:
         """Send `request` (its method, headers and streamed body) to `url`, and
         stream the answer back. UpstreamError when the upstream cannot be reached."""
         outgoing = headers if headers is not None else forwarded_headers(request.headers)
-        length = request.headers.get("Content-Length")
-        if length is not None:
-            outgoing["Content-Length"] = length
-        data = _body(request) if request.body_exists else None
+        length = request.content_length
+        data: bytes | AsyncIterator[bytes] | None = None
+        if request.body_exists:
+            if length is not None and length <= SMALL:
+                data = await request.read()
+            else:
+                data = _body(request)
+                if length is not None:
+                    outgoing["Content-Length"] = str(length)
         try:
             upstream = await self.session.request(
                 method or request.method,
@@ -98,11 +107,12 @@ class Upstreams:
             metrics.UPSTREAM_ERRORS.inc()
             raise UpstreamError(f"{url.split('?')[0]} could not be reached: {exc}") from exc
         try:
-            response = web.StreamResponse(
-                status=upstream.status, headers=forwarded_headers(upstream.headers)
-            )
-            for key, value in (extra_response_headers or {}).items():
-                response.headers[key] = value
+            answer_headers = forwarded_headers(upstream.headers)
+            answer_headers.update(extra_response_headers or {})
+            if upstream.content_length is not None and upstream.content_length <= SMALL:
+                body = await upstream.read()
+                return web.Response(status=upstream.status, headers=answer_headers, body=body)
+            response = web.StreamResponse(status=upstream.status, headers=answer_headers)
             if upstream.content_length is not None:
                 response.content_length = upstream.content_length
             await response.prepare(request)
@@ -117,7 +127,10 @@ class Upstreams:
         finally:
             # On cancellation (the caller left) the connection is closed, not reused,
             # so the upstream sees the disconnect.
-            upstream.release() if upstream.content.at_eof() else upstream.close()
+            if upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()
 
     async def websocket(
         self, request: web.Request, url: str, headers: CIMultiDict[str]
