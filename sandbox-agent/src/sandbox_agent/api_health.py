@@ -29,19 +29,22 @@ async def readyz(request: Request, args: Args) -> Response:
     st = state_of(request)
     wait = args.need("waitSeconds", float)
     deadline = time.monotonic() + wait
+    # Unauthenticated: the messages are fixed sentences, never the runner's
+    # error text (which names sockets and paths inside the pod).
     if st.restart.request is not None:
-        return _not_ready("runtime_restart_pending", st.restart.request.message)
+        return _not_ready("runtime_restart_pending", "the sandbox container is to be restarted")
     if not await st.runner.wait_connected(wait):
-        return _not_ready("runner_not_connected", st.runner.last_error or "no runner connected")
+        return _not_ready("runner_not_connected", "no runner is connected")
     # A runner that just connected answers at once; one that is connected but
     # silent gets the usual second, or what is left of the wait.
     ping_wait = 1.0 if wait == 0 else min(1.0, max(0.25, deadline - time.monotonic()))
     if await st.runner.ping(wait=ping_wait):
         info = st.runner.info or {}
         return ok(models.Readiness(status="ready", runner_version=info.get("version")))
+    if not st.runner.connected:
+        return _not_ready("runner_not_connected", "no runner is connected")
     return _not_ready(
-        "runner_not_answering" if st.runner.connected else "runner_not_connected",
-        st.runner.last_error or f"the runner did not answer a ping within {ping_wait:g}s",
+        "runner_not_answering", f"the runner did not answer a ping within {ping_wait:g}s"
     )
 
 

@@ -47,6 +47,7 @@ class Settings:
     search_max_file_bytes: int = 8 * MiB
     search_max_files: int = 100_000
     list_max_entries: int = 10_000
+    max_connections: int = 128  # open HTTP connections; the longest idle is closed first
     metrics_auth: bool = True
     malloc_keep_bytes: int = 128 * MiB  # freed heap kept for reuse (0: glibc defaults)
 
@@ -86,6 +87,7 @@ _ENV = {
     "search_max_file_bytes": "SANDBOX_AGENT_SEARCH_MAX_FILE_BYTES",
     "search_max_files": "SANDBOX_AGENT_SEARCH_MAX_FILES",
     "list_max_entries": "SANDBOX_AGENT_LIST_MAX_ENTRIES",
+    "max_connections": "SANDBOX_AGENT_MAX_CONNECTIONS",
     "metrics_auth": "SANDBOX_AGENT_METRICS_AUTH",
     "malloc_keep_bytes": "SANDBOX_AGENT_MALLOC_KEEP_BYTES",
 }
@@ -128,6 +130,8 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("SANDBOX_AGENT_PORT must be 1..65535")
     if settings.default_timeout <= 0 or settings.max_timeout < settings.default_timeout:
         raise ConfigError("need 0 < SANDBOX_AGENT_DEFAULT_TIMEOUT <= SANDBOX_AGENT_MAX_TIMEOUT")
+    if settings.max_connections < 2:
+        raise ConfigError("SANDBOX_AGENT_MAX_CONNECTIONS must be >= 2")
     if settings.max_concurrent_executions < 1:
         raise ConfigError("SANDBOX_AGENT_MAX_CONCURRENT_EXECUTIONS must be >= 1")
     return settings

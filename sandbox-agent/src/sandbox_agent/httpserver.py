@@ -9,6 +9,13 @@ and does only what the agent needs: keep-alive, pipelining (serially),
 chunked request and response bodies, lazy ``100-continue``, HEAD, header
 size limits and idle/header timeouts. uvicorn stays usable as a fallback
 (SANDBOX_AGENT_SERVER=uvicorn).
+
+Code inside the sandbox shares the pod's network namespace, so everything
+here is bounded before authentication: the number of connections, the
+requests parsed ahead of the one running (a client that pipelines without
+reading answers is no longer read from), the answers waiting in the send
+buffer (the next request starts only once it drained), and the body buffered
+for an app that has not asked for it yet.
 """
 
 from __future__ import annotations
@@ -36,6 +43,15 @@ BODY_HIGH_WATER = 8 << 20  # stop reading the socket while this much body is unr
 IDLE_TIMEOUT = 75.0  # keep-alive connections with no request in flight
 HEADER_TIMEOUT = 30.0  # a started request must finish its headers in this time
 MAX_DISCARD = 16 << 20  # unread request body we drain to keep a connection alive
+MAX_PIPELINE = 8  # requests parsed and waiting behind the running one
+# Bytes handed to the parser at once. httptools cannot stop in the middle of
+# a buffer, so a small step bounds how many pipelined requests one feed can
+# queue before the limit above is checked again (1 KiB of the smallest
+# request is ~60 of them). A body the app is reading goes in larger steps.
+FEED_STEP = 1 << 10
+BODY_FEED_STEP = 64 << 10
+PRE_READ_BODY = 64 << 10  # body buffered before the app asks for it (e.g. before auth)
+MAX_CONNECTIONS = 128
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
@@ -58,6 +74,7 @@ class _Cycle:
         "head",
         "keep_alive",
         "proto",
+        "receiving",
         "resp_headers",
         "response_done",
         "response_started",
@@ -73,6 +90,7 @@ class _Cycle:
         self.body_len = 0
         self.body_done = False
         self.body_returned = False
+        self.receiving = False  # the app asked for the body (it passed auth)
         self.waiter: asyncio.Future[None] | None = None
         self.disconnected = False
         self.keep_alive = keep_alive
@@ -91,6 +109,9 @@ class _Cycle:
             w.set_result(None)
 
     async def receive(self) -> Message:
+        if not self.receiving:
+            self.receiving = True
+            self.proto.unblock()
         if self.continue_needed and not self.body_done and not self.disconnected:
             self.continue_needed = False
             self.proto.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -104,7 +125,7 @@ class _Cycle:
             return {"type": "http.disconnect"}
         while not self.body and not self.body_done and not self.disconnected:
             self.waiter = asyncio.get_running_loop().create_future()
-            self.proto.resume_reading()
+            self.proto.unblock()
             await self.waiter
             self.waiter = None
         if not self.body:  # disconnected, or an empty body
@@ -116,7 +137,7 @@ class _Cycle:
         # (uploads hand the chunks to writev), small ones are a single chunk.
         data = self.body.popleft()
         self.body_len -= len(data)
-        self.proto.resume_reading()
+        self.proto.unblock()
         last = self.body_done and not self.body
         if last:
             self.body_returned = True
@@ -204,6 +225,9 @@ class HttpProtocol(asyncio.Protocol):
         self.parsing: _Cycle | None = None  # request whose bytes are arriving
         self.running: _Cycle | None = None  # request whose app is running
         self.queue: deque[_Cycle] = deque()
+        # Received bytes not parsed yet because the connection is blocked
+        # (see _blocked): at most one read's worth, since reading is paused.
+        self.backlog: bytes | None = None
         self.reading_paused = False
         self.writing_paused = False
         self.drain_waiter: asyncio.Future[None] | None = None
@@ -211,12 +235,24 @@ class HttpProtocol(asyncio.Protocol):
         self.discarding: _Cycle | None = None
         self.discarded = 0
         self.closed = False
+        self.last_active = self.loop.time()
 
     # -- transport callbacks -------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        self.server.connections.add(self)
+        if not self.server.admit(self):
+            # Over the cap with nothing idle to evict: refuse without reading.
+            body = b'{"error":{"code":"too_many_connections","message":"too many connections"}}'
+            transport.write(  # type: ignore[attr-defined]
+                _status_line(503)
+                + b"content-type: application/json\r\nconnection: close\r\n"
+                + b"content-length: %d\r\n\r\n" % len(body)
+                + body
+            )
+            self.closed = True
+            transport.close()
+            return
         peer = transport.get_extra_info("peername")
         self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
         sock = transport.get_extra_info("sockname")
@@ -229,6 +265,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.backlog = None
         self.server.connections.discard(self)
         self._disarm()
         for cycle in (self.running, self.parsing, *self.queue):
@@ -240,16 +277,63 @@ class HttpProtocol(asyncio.Protocol):
             w.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._reject(400, b"upgrades are not supported")
-        except httptools.HttpParserError as exc:
-            cause = exc.__context__
-            if isinstance(cause, _TooLarge):
-                self._reject(431, b"request headers too large")
-            else:
-                self._reject(400, b"malformed HTTP request")
+        self.last_active = self.loop.time()
+        if self.backlog is not None:
+            # A read that raced our pause: keep it behind the backlog. Reading
+            # is paused, so this happens at most once per block.
+            self.backlog += data
+            if len(self.backlog) > MAX_HEADER_BYTES + BODY_HIGH_WATER:
+                self.close()
+            return
+        self._feed(memoryview(data))
+
+    def _feed(self, view: memoryview) -> None:
+        pos, end = 0, len(view)
+        while pos < end and not self.closed:
+            if self._blocked():
+                self.backlog = bytes(view[pos:])
+                self.pause_reading()
+                return
+            cycle = self.parsing
+            receiving = cycle is not None and cycle is self.running and cycle.receiving
+            step = BODY_FEED_STEP if receiving else FEED_STEP
+            try:
+                self.parser.feed_data(view[pos : pos + step])
+            except httptools.HttpParserUpgrade:
+                self._reject(400, b"upgrades are not supported")
+                return
+            except httptools.HttpParserError as exc:
+                cause = exc.__context__
+                if isinstance(cause, _TooLarge):
+                    self._reject(431, b"request headers too large")
+                else:
+                    self._reject(400, b"malformed HTTP request")
+                return
+            pos += step
+
+    def _blocked(self) -> bool:
+        """True while no more received bytes may be parsed."""
+        if self.writing_paused or len(self.queue) >= MAX_PIPELINE:
+            return True
+        cycle = self.parsing
+        if cycle is None or cycle.response_done:
+            return False  # the body of an answered request is dropped as it comes
+        return cycle.body_len >= self._body_limit(cycle)
+
+    def _body_limit(self, cycle: _Cycle) -> int:
+        # Only the running app that asked for its body gets the large buffer:
+        # a queued request, or one whose app has not passed auth, gets little.
+        return BODY_HIGH_WATER if cycle is self.running and cycle.receiving else PRE_READ_BODY
+
+    def unblock(self) -> None:
+        """Parse what was held back and read again, as far as the limits allow."""
+        if self.closed:
+            return
+        if self.backlog is not None and not self._blocked():
+            data, self.backlog = self.backlog, None
+            self._feed(memoryview(data))
+        if self.backlog is None and not self._blocked():
+            self.resume_reading()
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -259,6 +343,10 @@ class HttpProtocol(asyncio.Protocol):
         w = self.drain_waiter
         if w is not None and not w.done():
             w.set_result(None)
+        if self.running is None and self.discarding is None and self.queue:
+            self._next()
+        else:
+            self.unblock()
 
     # -- parser callbacks ----------------------------------------------------
 
@@ -302,7 +390,7 @@ class HttpProtocol(asyncio.Protocol):
         expect = any(n == b"expect" and v.lower() == b"100-continue" for n, v in self.headers)
         cycle = _Cycle(self, scope, self.parser.should_keep_alive(), expect)
         self.parsing = cycle
-        if self.running is None:
+        if self.running is None and self.discarding is None and not self.writing_paused:
             self._start(cycle)
         else:
             self.queue.append(cycle)
@@ -318,8 +406,6 @@ class HttpProtocol(asyncio.Protocol):
             return  # the app answered without reading; drop the rest
         cycle.body.append(body)
         cycle.body_len += len(body)
-        if cycle.body_len > BODY_HIGH_WATER:
-            self.pause_reading()
         cycle.wake()
 
     def on_message_complete(self) -> None:
@@ -343,6 +429,12 @@ class HttpProtocol(asyncio.Protocol):
         try:
             await self.app(cycle.scope, cycle.receive, cycle.send)
         except Exception:
+            if cycle.response_done:
+                # The app's error handler answered (a 500) and then re-raised,
+                # as Starlette does: the exchange is complete, the connection
+                # stays usable.
+                log.error("error in request %s", cycle.scope.get("path"), exc_info=True)
+                return
             log.exception("unhandled error in request %s", cycle.scope.get("path"))
             if not cycle.response_started and not cycle.disconnected:
                 cycle.keep_alive = False
@@ -370,6 +462,9 @@ class HttpProtocol(asyncio.Protocol):
         if self.running is not cycle:
             return
         self.running = None
+        self.last_active = self.loop.time()
+        cycle.body.clear()  # what the app did not read is not needed any more
+        cycle.body_len = 0
         if not cycle.keep_alive:
             self.close()
             return
@@ -378,18 +473,25 @@ class HttpProtocol(asyncio.Protocol):
             # would reset the connection and could destroy the response in
             # flight, so read and drop the rest (bounded), then carry on.
             self.discarding = cycle
-            self.resume_reading()
+            self.unblock()
             self._arm(HEADER_TIMEOUT)
             return
         self._next()
 
     def _next(self) -> None:
+        if self.writing_paused:
+            # The client is not reading its answers: start nothing more until
+            # the send buffer drains (resume_writing calls back here).
+            return
         if self.queue:
             self._start(self.queue.popleft())
-        else:
-            self.resume_reading()
-            if self.parsing is None:
-                self._arm(IDLE_TIMEOUT)
+        elif self.parsing is None and self.backlog is None:
+            self._arm(IDLE_TIMEOUT)
+        self.unblock()
+
+    @property
+    def idle(self) -> bool:
+        return self.running is None and self.parsing is None and not self.queue
 
     def write(self, data: bytes | bytearray) -> None:
         if not self.closed and self.transport is not None:
@@ -414,6 +516,7 @@ class HttpProtocol(asyncio.Protocol):
     def close(self) -> None:
         if not self.closed and self.transport is not None:
             self.closed = True
+            self.backlog = None
             self.transport.close()
 
     def _reject(self, status: int, message: bytes) -> None:
@@ -448,13 +551,30 @@ class _TooLarge(Exception):
 class Server:
     """Binds, runs the ASGI lifespan, serves until SIGTERM/SIGINT."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int) -> None:
+    def __init__(
+        self, app: ASGIApp, host: str, port: int, max_connections: int = MAX_CONNECTIONS
+    ) -> None:
         self.app = app
         self.host = host
         self.port = port
+        self.max_connections = max_connections
         self.connections: set[HttpProtocol] = set()
         self.state: dict[str, Any] = {}
         self.started = False
+
+    def admit(self, conn: HttpProtocol) -> bool:
+        """Room for a new connection: at the cap, the longest idle one is closed
+        (a keep-alive connection costs nothing to reopen); with none idle the
+        new one is refused. Either way the number stays bounded."""
+        if len(self.connections) >= self.max_connections:
+            idle = [c for c in self.connections if c.idle]
+            if not idle:
+                return False
+            victim = min(idle, key=lambda c: c.last_active)
+            self.connections.discard(victim)
+            victim.close()
+        self.connections.add(conn)
+        return True
 
     async def _lifespan(self, startup_done: asyncio.Future[None], stop: asyncio.Event) -> None:
         sent_startup = False
@@ -512,14 +632,14 @@ class Server:
             await asyncio.wait_for(lifespan, 5.0)
 
 
-def run(app: ASGIApp, host: str, port: int) -> bool:
+def run(app: ASGIApp, host: str, port: int, max_connections: int = MAX_CONNECTIONS) -> bool:
     try:
         import uvloop
 
         factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         factory = None
-    server = Server(app, host, port)
+    server = Server(app, host, port, max_connections)
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(server.serve())
     return server.started

@@ -131,6 +131,7 @@ def main() -> int:
             access_log=False,
             log_level=os.environ.get("SANDBOX_AGENT_LOG_LEVEL", "info").lower(),
             timeout_graceful_shutdown=5,
+            limit_concurrency=settings.max_connections,
             server_header=False,
         )
         server = uvicorn.Server(config)
@@ -140,7 +141,7 @@ def main() -> int:
     from .httpserver import run
 
     try:
-        started = run(app, settings.host, settings.port)
+        started = run(app, settings.host, settings.port, settings.max_connections)
     except OSError as exc:
         print(
             f"sandbox-agent: cannot listen on {settings.host}:{settings.port}: {exc}",

@@ -1,0 +1,193 @@
+"""The HTTP server's bounds before authentication: pipelining floods, unread
+answers, connection counts, errors that must not cost the connection."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+from conftest import PY, Sandbox, free_port, stop_process, wait_until
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _flood(host: str, port: int, request: bytes, total: int, stall: float = 2.0) -> tuple[int, int]:
+    """Send ``total`` requests back to back without reading a single answer.
+
+    Returns (requests fully sent, bytes sent). Sending stops when the agent
+    stops reading (the send blocks for ``stall`` seconds)."""
+    s = socket.create_connection((host, port))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # answers pile up at the agent
+    s.settimeout(stall)
+    batch = request * 1000
+    sent = 0
+    try:
+        while sent < len(request) * total:
+            try:
+                sent += s.send(batch[sent % len(batch) :])
+            except TimeoutError:
+                break
+    finally:
+        s.close()
+    return sent // len(request), sent
+
+
+def test_pipelining_flood_is_bounded_before_auth(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    assert sb.agent is not None
+    before = rss_kib(sb.agent.pid)
+    # Unauthenticated and unread: 150,000 tiny requests on one connection.
+    req = b"GET /v1/info HTTP/1.1\r\nHost: x\r\n\r\n"
+    done, sent = _flood(sb.host, sb.port, req, 150_000)
+    after = rss_kib(sb.agent.pid)
+    # The agent stopped reading long before the end: what it took is what
+    # fits in the kernel's buffers and its own small bounds.
+    assert done < 150_000, (done, sent)
+    assert after - before < 24 * 1024, (before, after, done)
+    # ...and it still serves everyone else.
+    assert sb.anon.get("/healthz").status_code == 200
+    assert sb.client.get("/v1/info").status_code == 200
+
+
+def test_pipelined_answers_are_all_delivered_in_order(sandbox: Sandbox) -> None:
+    """The bounds hold requests back; they never drop or reorder them."""
+    s = socket.create_connection((sandbox.host, sandbox.port), timeout=30)
+    n = 2000
+    s.sendall(b"".join(b"GET /healthz?n=%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(n)))
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    data = b""
+    while chunk := s.recv(1 << 16):
+        data += chunk
+    s.close()
+    assert data.count(b"HTTP/1.1 200 OK") == n + 1
+
+
+def test_large_pipelined_bodies_wait_unbuffered(fresh: Callable[..., Sandbox]) -> None:
+    """Bodies behind a request in flight (or before auth) are not read into memory."""
+    sb = fresh(runner=False)
+    assert sb.agent is not None
+    before = rss_kib(sb.agent.pid)
+    socks = []
+    for _ in range(8):
+        s = socket.create_connection((sb.host, sb.port))
+        s.settimeout(2.0)
+        # a public request that waits, then a 64 MiB body nobody has asked for yet
+        s.sendall(b"GET /readyz?waitSeconds=5 HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.sendall(b"PUT /v1/files/content?path=x HTTP/1.1\r\nHost: x\r\n")
+        s.sendall(b"Content-Length: %d\r\n\r\n" % (64 << 20))
+        chunk = b"\0" * (1 << 20)
+        for _ in range(64):
+            try:
+                s.sendall(chunk)
+            except TimeoutError:
+                break
+        socks.append(s)
+    grown = rss_kib(sb.agent.pid) - before
+    for s in socks:
+        s.close()
+    assert grown < 24 * 1024, grown
+
+
+def test_connection_cap_evicts_idle_then_refuses(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(runner=False, max_connections=4)
+    sb.client.close()
+    sb.anon.close()
+    idle = []
+    for _ in range(4):
+        s = socket.create_connection((sb.host, sb.port), timeout=10)
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        idle.append(s)
+        time.sleep(0.05)
+    # A fifth connection is served; the longest idle one was closed for it.
+    s5 = socket.create_connection((sb.host, sb.port), timeout=10)
+    s5.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert s5.recv(4096).startswith(b"HTTP/1.1 200")
+    assert idle[0].recv(10) == b""
+    for s in [*idle, s5]:
+        s.close()
+    # Four busy connections (readiness waits for a runner that never comes):
+    # the fifth is refused at once with a 503 instead of being queued.
+    busy = []
+    for _ in range(4):
+        s = socket.create_connection((sb.host, sb.port), timeout=10)
+        s.sendall(b"GET /readyz?waitSeconds=3 HTTP/1.1\r\nHost: x\r\n\r\n")
+        busy.append(s)
+    time.sleep(0.3)
+    s6 = socket.create_connection((sb.host, sb.port), timeout=10)
+    s6.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    answer = s6.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 503") and b"too_many_connections" in answer, answer
+    for s in [*busy, s6]:
+        s.close()
+    wait_until(lambda: httpx.get(f"{sb.base_url}/healthz").status_code == 200)
+
+
+def test_server_error_keeps_the_connection(tmp_path: Path) -> None:
+    """An app that answers 500 and then re-raises (as Starlette's error
+    middleware does) leaves a usable keep-alive connection."""
+    port = free_port()
+    script = tmp_path / "app.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from sandbox_agent.httpserver import run
+
+            async def app(scope, receive, send):
+                if scope["type"] == "lifespan":
+                    await receive()
+                    await send({{"type": "lifespan.startup.complete"}})
+                    await receive()
+                    return
+                if scope["path"] == "/boom":
+                    await send({{"type": "http.response.start", "status": 500, "headers": []}})
+                    await send({{"type": "http.response.body", "body": b"boom"}})
+                    raise RuntimeError("after the answer")
+                await send({{"type": "http.response.start", "status": 200, "headers": []}})
+                await send({{"type": "http.response.body", "body": b"fine"}})
+
+            run(app, "127.0.0.1", {port})
+            """
+        )
+    )
+    p = subprocess.Popen([PY, str(script)], stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: _answers(port), 15.0)
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = s.recv(4096)
+        assert first.startswith(b"HTTP/1.1 500") and first.endswith(b"boom"), first
+        s.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+        second = s.recv(4096)
+        assert second.startswith(b"HTTP/1.1 200") and second.endswith(b"fine"), second
+        s.close()
+    finally:
+        stop_process(p)
+        assert p.stderr is not None
+        p.stderr.close()
+
+
+def _answers(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/ok").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_readiness_reveals_no_paths(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(runner=False)
+    r = sb.anon.get("/readyz")
+    assert r.status_code == 503
+    body = r.text
+    assert str(sb.root) not in body and "sock" not in body, body
+    assert r.json()["reason"] == "runner_not_connected"
