@@ -47,6 +47,14 @@ def wait_until(pred: Any, timeout: float = 10.0, interval: float = 0.02) -> Any:
         time.sleep(interval)
 
 
+def rss_kib(pid: int) -> int:
+    """Resident set size of a process, KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
 def stop_process(p: subprocess.Popen[bytes] | None, timeout: float = 5.0) -> None:
     if p is None or p.poll() is not None:
         return

@@ -11,14 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from conftest import PY, Sandbox, free_port, stop_process, wait_until
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
+from conftest import PY, Sandbox, free_port, rss_kib, stop_process, wait_until
 
 
 def _flood(host: str, port: int, request: bytes, total: int, stall: float = 2.0) -> tuple[int, int]:

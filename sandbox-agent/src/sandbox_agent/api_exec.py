@@ -12,8 +12,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from . import models
-from .errors import Invalid
+from .errors import Invalid, NotFound
 from .executions import Execution, stream_events
+from .paths import Workspace
 from .routing import Args
 from .state import AgentState, state_of
 from .web import body_as, event_stream, ok, one_of, optional_body_as
@@ -43,10 +44,19 @@ def _prepare(
     replay = req.idempotency_key is not None and req.idempotency_key in st.executions.by_key
     # A replay must find its execution even if the command removed its cwd.
     # The root needs no check (the hot path: most commands run there).
-    if cwd != "." and not replay and not os.path.isdir(st.workspace.resolve(cwd)):
+    if cwd != "." and not replay and not _is_dir(st.workspace, cwd):
         raise Invalid("invalid_cwd", f"cwd {req.cwd!r} is not a directory in the workspace")
     stdin = one_of(req.stdin, req.stdin_base64, ("stdin", "stdinBase64"))
     return argv, cwd, stdin
+
+
+def _is_dir(ws: Workspace, rel: str) -> bool:
+    try:
+        fd, _ = ws.open_dir(rel)
+    except (OSError, Invalid, NotFound):
+        return False
+    os.close(fd)
+    return True
 
 
 async def _submit(request: Request) -> tuple[models.ExecRequest, Execution, bool]:

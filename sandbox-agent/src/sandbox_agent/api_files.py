@@ -17,6 +17,8 @@ from .routing import Args, Handler
 from .state import AgentState, state_of
 from .web import OCTET, TAR, body_as, ok, one_of, spool_upload
 
+LINE_RANGE_BYTES = 16 << 20
+
 
 def file_op(op: str) -> None:
     metrics.FILE_OPS.labels(op, "ok").inc()
@@ -45,9 +47,15 @@ async def file_read(request: Request, args: Args) -> Response:
     headers = {"X-File-Size": str(size)}
     if start_line is not None or line_count is not None:
         try:
-            # line ranges are assembled in memory: a tighter cap than streamed reads
+            # Line ranges are assembled in memory: a far tighter cap than
+            # streamed reads, checked as the lines are read.
             data = await asyncio.to_thread(
-                files.read_lines, fd, start_line or 1, line_count, min(s.max_read_bytes, 64 << 20)
+                files.read_lines,
+                fd,
+                start_line or 1,
+                line_count,
+                min(s.max_read_bytes, LINE_RANGE_BYTES),
+                s.max_read_bytes,
             )
         finally:
             os.close(fd)
@@ -177,13 +185,6 @@ file_replace = _json_file_op("replace", "Find and replace in one file", models.R
 # fmt: on
 
 
-def _require_dir(real: str, rel: str) -> None:
-    if not os.path.isdir(real):
-        with files.os_errors(rel):
-            os.stat(real)
-        raise Invalid("not_a_directory", f"not a directory: {rel}")
-
-
 async def archive_download(request: Request, args: Args) -> Response:
     """Download a directory as tar (or tar.gz)"""
     st = state_of(request)
@@ -191,8 +192,6 @@ async def archive_download(request: Request, args: Args) -> Response:
     gz = args.need("gzip", bool)
     st.touch()
     # Validate before the 200 goes out; errors inside the stream can only cut it short.
-    real = st.workspace.resolve(rel)
-    await asyncio.to_thread(_require_dir, real, rel)
     stream = await asyncio.to_thread(archive.TarStream, st.workspace, rel, gz)
 
     async def body() -> AsyncIterator[bytes]:
@@ -206,7 +205,8 @@ async def archive_download(request: Request, args: Args) -> Response:
             stream.close()  # also on a client disconnect: the producer thread ends
 
     file_op("archive_download")
-    name = os.path.basename(real) or "workspace"
+    name = (stream.top.rsplit("/", 1)[-1] if stream.top != "." else "") or "workspace"
+    name = "".join(c if c.isascii() and c.isprintable() and c not in '"\\' else "_" for c in name)
     return StreamingResponse(
         body(),
         media_type="application/gzip" if gz else TAR,
@@ -218,7 +218,7 @@ async def archive_upload(request: Request, args: Args) -> Response:
     """Upload a tar (optionally gzip/bz2/xz) and extract it into a directory"""
     st = state_of(request)
     rel = args.need("path", str)
-    st.workspace.resolve(rel)
+    st.workspace.clean(rel)
     st.touch()
     with tempfile.TemporaryFile(prefix="sandbox-agent-upload-") as spool:
 

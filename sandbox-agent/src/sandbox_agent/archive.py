@@ -1,58 +1,123 @@
 """Tar download and upload of workspace directories.
 
-Upload is validated before anything is written: every entry's name, type and
-size is checked in one pass over the headers (so a member claiming a huge
-size is refused before its data is decompressed), then extraction runs with
-tarfile's "data" filter as a second line of defence against escapes.
+Upload is all or nothing: the archive is unpacked into a private staging
+directory inside the destination (mode 0700, every step relative to its
+descriptor, with O_NOFOLLOW and O_EXCL), each entry checked before it is
+written (name, type, size, link targets), and only when the whole archive
+has unpacked are its top-level entries renamed into the destination. A
+refused or broken archive leaves nothing behind. The tar parser is bounded
+before it allocates: long-name and PAX headers over 256 KiB, chains of them,
+and sparse members are refused while their headers are read, and no list
+of members is kept. Modes lose setuid, setgid, sticky and world-write bits;
+an archive never changes the mode of a directory that already exists
+(so a member named ``.`` cannot change the destination's).
+
+Download walks the directory by descriptor (files.walk_tree): what user code
+swaps in during the walk is skipped, never followed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
+import shutil
 import stat as st
 import tarfile
 import threading
+import time
 from typing import IO, Any
 
 from . import models
 from .config import Settings
 from .errors import Invalid, TooLarge
-from .files import os_errors
-from .paths import Workspace
+from .files import _DIR, _READ, os_errors, walk_tree
+from .paths import Workspace, display
 
 CHUNK = 1 << 20
+MAX_META = 256 << 10  # one long-name or PAX header
+MAX_META_CHAIN = 8  # such headers in front of one member
+MAX_NAME = 4096  # bytes of a member's name or link target (PATH_MAX)
+MAX_KEPT_NAMES = 32 << 20  # names remembered for hard-link checks, in all
+MAX_MTIME = 2**33  # year 2242; later (or NaN, or negative) is taken as "now"
+_STAGE_PREFIX = ".sandbox-agent-extract-"
+_META_TYPES = (
+    tarfile.GNUTYPE_LONGNAME,
+    tarfile.GNUTYPE_LONGLINK,
+    tarfile.XHDTYPE,
+    tarfile.XGLTYPE,
+    tarfile.SOLARIS_XHDTYPE,
+)
 
 
 def _refuse(name: str, why: str) -> Invalid:
-    return Invalid(
-        "archive_entry_refused", f"archive entry {name[:200]!r}: {why}", entry=name[:300]
-    )
+    shown = display(name[:300])
+    return Invalid("archive_entry_refused", f"archive entry {shown[:200]!r}: {why}", entry=shown)
+
+
+class _Refused(Exception):
+    """Raised from inside tarfile's header parsing: carries the agent error."""
+
+    def __init__(self, error: Invalid | TooLarge) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """tarfile's header parser, with sizes checked before anything is read."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _META_TYPES:
+            chain = getattr(tarfile_, "_sandbox_meta_chain", 0) + 1
+            tarfile_._sandbox_meta_chain = chain  # type: ignore[attr-defined]
+            if self.size > MAX_META or self.size < 0:
+                raise _Refused(
+                    TooLarge("archive_too_large", f"a tar header is larger than {MAX_META} bytes")
+                )
+            if chain > MAX_META_CHAIN:
+                raise _Refused(Invalid("invalid_archive", "too many chained tar headers"))
+        elif self.type == tarfile.GNUTYPE_SPARSE:
+            raise _Refused(_refuse(self.name, "sparse files are not supported"))
+        return super()._proc_member(tarfile_)  # type: ignore[misc,no-any-return]
+
+    def _sparse_refused(self, *args: Any) -> None:
+        raise _Refused(_refuse(self.name, "sparse files are not supported"))
+
+    _proc_gnusparse_00 = _sparse_refused
+    _proc_gnusparse_01 = _sparse_refused
+    _proc_gnusparse_10 = _sparse_refused
 
 
 def _group_like_owner(mode: int) -> int:
-    """Give the group the owner's bits: the sandbox user shares our group, not our UID."""
+    """Give the group the owner's bits (the sandbox user shares our group, not
+    our UID), and drop setuid, setgid, sticky and world-write."""
     mode &= 0o777
-    return mode | ((mode & 0o700) >> 3)
+    return (mode | ((mode & 0o700) >> 3)) & 0o775
 
 
-def _check_member(m: tarfile.TarInfo, names: set[str]) -> None:
+def _parts(name: str) -> list[str]:
+    return [p for p in name.split("/") if p not in ("", ".")]
+
+
+def _check_member(m: tarfile.TarInfo, files_seen: set[str]) -> list[str]:
+    """The member's path components, or a refusal."""
     name = m.name
-    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME:
+        raise _refuse(name, "name too long")
+    if len(m.linkname.encode("utf-8", "surrogateescape")) > MAX_NAME:
+        raise _refuse(name, "link target too long")
+    parts = _parts(name)
     if name.startswith("/") or "\\" in name:
         raise _refuse(name, "absolute path")
     if ".." in parts:
         raise _refuse(name, "'..' component")
-    if "\0" in name:
+    if "\0" in name or "\0" in m.linkname:
         raise _refuse(name, "NUL in name")
-    if (
-        m.ischr()
-        or m.isblk()
-        or m.isfifo()
-        or not (m.isreg() or m.isdir() or m.issym() or m.islnk())
-    ):
+    if not (m.isreg() or m.isdir() or m.issym() or m.islnk()):
         raise _refuse(name, "device files, FIFOs and other special files are not allowed")
+    if m.size < 0:
+        raise _refuse(name, "negative size")
     if m.issym():
         target = m.linkname
         if target.startswith("/"):
@@ -63,82 +128,285 @@ def _check_member(m: tarfile.TarInfo, names: set[str]) -> None:
             raise _refuse(name, "symlink points outside the extraction directory")
     if m.islnk():
         target = os.path.normpath(m.linkname.lstrip("./") or ".")
-        if m.linkname.startswith("/") or ".." in target.split("/") or target not in names:
+        if m.linkname.startswith("/") or ".." in target.split("/") or target not in files_seen:
             raise _refuse(name, "hard link to a file outside the archive")
-    names.add(os.path.normpath("/".join(parts) or "."))
+    if (m.isreg() or m.issym() or m.islnk()) and not parts:
+        raise _refuse(name, "a file cannot replace the destination directory")
+    return parts
 
 
-def scan(tar: tarfile.TarFile, s: Settings) -> list[tarfile.TarInfo]:
-    members: list[tarfile.TarInfo] = []
-    names: set[str] = set()
-    total = 0
-    while True:
-        try:
-            m = tar.next()
-        except tarfile.TarError as exc:
-            raise Invalid("invalid_archive", f"not a valid tar archive: {exc}") from None
-        except (EOFError, OSError, ValueError) as exc:
-            raise Invalid("invalid_archive", f"archive is truncated or corrupt: {exc}") from None
-        if m is None:
-            break
-        if len(members) >= s.max_archive_entries:
-            raise TooLarge(
-                "archive_too_large", f"archive has more than {s.max_archive_entries} entries"
-            )
-        _check_member(m, names)
-        total += max(m.size, 0)
-        if total > s.max_extract_bytes:
-            raise TooLarge(
-                "archive_too_large",
-                f"archive unpacks to more than {s.max_extract_bytes} bytes",
-            )
-        members.append(m)
-    return members
-
-
-def _filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+def _mtime(m: tarfile.TarInfo) -> float:
+    t = m.mtime
     try:
-        new = tarfile.data_filter(member, dest)
-    except tarfile.FilterError as exc:
-        raise _refuse(member.name, str(exc)) from None
-    if new is None:
-        return None
-    if member.isreg() or member.isdir():
-        base = 0o700 if member.isdir() else 0o600
-        return new.replace(mode=_group_like_owner(member.mode | base), deep=False)
-    return new
+        t = float(t)
+    except (TypeError, ValueError, OverflowError):
+        return time.time()
+    if not math.isfinite(t) or t < 0 or t > MAX_MTIME:
+        return time.time()
+    return t
+
+
+class _Stage:
+    """The staging directory: a private tree built by descriptor."""
+
+    def __init__(self, dest_fd: int) -> None:
+        self.dest_fd = dest_fd
+        self.name = f"{_STAGE_PREFIX}{os.urandom(8).hex()}"
+        os.mkdir(self.name, 0o700, dir_fd=dest_fd)
+        self.fd = os.open(self.name, _DIR, dir_fd=dest_fd)
+        self.dirs: list[tuple[list[str], int, float]] = []
+
+    def parent(self, parts: list[str], entry: str) -> int:
+        """Descriptor of the staged directory that holds ``parts[-1]`` (made as needed).
+
+        Components are opened with O_NOFOLLOW: a path through a symlink the
+        archive itself planted is refused, not followed."""
+        fd = os.dup(self.fd)
+        try:
+            for comp in parts[:-1]:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(comp, 0o700, dir_fd=fd)
+                try:
+                    nxt = os.open(comp, _DIR, dir_fd=fd)
+                except OSError:
+                    raise _refuse(entry, "a parent of this entry is not a directory") from None
+                os.close(fd)
+                fd = nxt
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def clear(self, dir_fd: int, leaf: str) -> None:
+        """A later member of the same name replaces an earlier one, as tar does."""
+        try:
+            s = os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if st.S_ISDIR(s.st_mode):
+            shutil.rmtree(leaf, dir_fd=dir_fd)
+        else:
+            os.unlink(leaf, dir_fd=dir_fd)
+
+    def add(
+        self, tar: tarfile.TarFile, m: tarfile.TarInfo, parts: list[str], budget: list[int]
+    ) -> None:
+        if not parts:  # the destination itself ("."): its mode is never changed
+            return
+        leaf = parts[-1]
+        pfd = self.parent(parts, m.name)
+        try:
+            if m.isdir():
+                try:
+                    s = os.stat(leaf, dir_fd=pfd, follow_symlinks=False)
+                    if not st.S_ISDIR(s.st_mode):
+                        self.clear(pfd, leaf)
+                        os.mkdir(leaf, 0o700, dir_fd=pfd)
+                except FileNotFoundError:
+                    os.mkdir(leaf, 0o700, dir_fd=pfd)
+                # Modes last: a directory without write permission would
+                # refuse the entries still to come.
+                self.dirs.append((parts, _group_like_owner(m.mode | 0o700), _mtime(m)))
+                return
+            self.clear(pfd, leaf)
+            if m.issym():
+                os.symlink(m.linkname, leaf, dir_fd=pfd)
+                return
+            if m.islnk():
+                tparts = _parts(m.linkname)
+                tfd = self.parent(tparts, m.name)
+                try:
+                    os.link(tparts[-1], leaf, src_dir_fd=tfd, dst_dir_fd=pfd, follow_symlinks=False)
+                finally:
+                    os.close(tfd)
+                return
+            fd = os.open(
+                leaf,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=pfd,
+            )
+            try:
+                src = tar.extractfile(m)
+                if src is None:
+                    raise _refuse(m.name, "no data")
+                while True:
+                    block = src.read(CHUNK)
+                    if not block:
+                        break
+                    budget[0] -= len(block)
+                    if budget[0] < 0:
+                        raise TooLarge("archive_too_large", "archive unpacks to more than allowed")
+                    view = memoryview(block)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                os.fchmod(fd, _group_like_owner(m.mode | 0o600))
+                t = _mtime(m)
+                os.utime(fd, (t, t))
+            finally:
+                os.close(fd)
+        finally:
+            os.close(pfd)
+
+    def finish_dirs(self) -> None:
+        for parts, mode, t in reversed(self.dirs):  # deepest last-seen first
+            pfd = self.parent(parts, "/".join(parts))
+            try:
+                fd = os.open(parts[-1], _DIR, dir_fd=pfd)
+            except OSError:
+                continue  # replaced by a later member
+            finally:
+                os.close(pfd)
+            try:
+                os.fchmod(fd, mode)
+                os.utime(fd, (t, t))
+            finally:
+                os.close(fd)
+
+    def remove(self) -> None:
+        os.close(self.fd)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.name, dir_fd=self.dest_fd)
+
+
+def _conflicts(src_fd: int, dst_fd: int, rel: str) -> None:
+    """Refuse, before anything moves, what a merge could not do atomically."""
+    with os.scandir(src_fd) as it:
+        names = [e.name for e in it]
+    for name in names:
+        s = os.stat(name, dir_fd=src_fd, follow_symlinks=False)
+        try:
+            d = os.stat(name, dir_fd=dst_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        path = name if rel == "." else f"{rel}/{name}"
+        if st.S_ISDIR(s.st_mode) != st.S_ISDIR(d.st_mode):
+            if st.S_ISLNK(d.st_mode):
+                why = "a symlink in the workspace stands where the archive has a directory"
+            elif st.S_ISDIR(d.st_mode):
+                why = "a directory in the workspace cannot be replaced by a file"
+            else:
+                why = "a file in the workspace stands where the archive has a directory"
+            raise _refuse(path, why)
+        if st.S_ISDIR(s.st_mode):
+            sub_s = os.open(name, _DIR, dir_fd=src_fd)
+            try:
+                sub_d = os.open(name, _DIR, dir_fd=dst_fd)
+            except OSError:
+                os.close(sub_s)
+                raise
+            try:
+                _conflicts(sub_s, sub_d, path)
+            finally:
+                os.close(sub_s)
+                os.close(sub_d)
+
+
+def _merge(src_fd: int, dst_fd: int) -> None:
+    """Rename the staged entries into place; existing directories are merged into."""
+    with os.scandir(src_fd) as it:
+        names = [e.name for e in it]
+    for name in names:
+        s = os.stat(name, dir_fd=src_fd, follow_symlinks=False)
+        if st.S_ISDIR(s.st_mode):
+            try:
+                d = os.stat(name, dir_fd=dst_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                d = None
+            if d is not None and st.S_ISDIR(d.st_mode):
+                sub_s = os.open(name, _DIR, dir_fd=src_fd)
+                try:
+                    sub_d = os.open(name, _DIR, dir_fd=dst_fd)
+                    try:
+                        _merge(sub_s, sub_d)
+                    finally:
+                        os.close(sub_d)
+                finally:
+                    os.close(sub_s)
+                continue
+        # Files and symlinks replace what is there atomically (rename over it).
+        os.rename(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+
+
+def _open_tar(spool: IO[bytes]) -> tarfile.TarFile:
+    try:
+        return tarfile.open(fileobj=spool, mode="r:*", tarinfo=_BoundedTarInfo)
+    except _Refused as exc:
+        raise exc.error from None
+    except (tarfile.TarError, EOFError, OSError, ValueError, RecursionError) as exc:
+        raise Invalid("invalid_archive", f"not a valid tar archive: {exc}") from None
 
 
 def extract(ws: Workspace, rel: str, spool: IO[bytes], s: Settings) -> models.ArchiveResult:
-    dest = ws.resolve(rel)
-    with os_errors(rel):
-        os.makedirs(dest, exist_ok=True)
-    ws.confine(os.path.realpath(dest), rel)
+    with os_errors(rel), ws.locate(rel, make_parents=True) as loc:
+        with contextlib.suppress(FileExistsError):
+            if loc.name != ".":
+                os.mkdir(loc.name, 0o777, dir_fd=loc.dir_fd)
+        dest_fd = os.open(loc.name, _DIR, dir_fd=loc.dir_fd)
+        dest_rel = loc.rel
     try:
-        tar = tarfile.open(fileobj=spool, mode="r:*")  # noqa: SIM115 - closed by the with below
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise Invalid("invalid_archive", f"not a valid tar archive: {exc}") from None
-    with tar:
-        members = scan(tar, s)
-        total = 0
-        for m in members:
-            # Re-check against the live filesystem right before writing: user
-            # code may have planted a symlink in the destination.
-            target_rel = os.path.normpath(os.path.join(rel, m.name))
-            ws.resolve(target_rel, follow=False)
-            with os_errors(target_rel):
-                if m.isreg() or m.issym():
-                    # tarfile does not replace an existing symlink atomically;
-                    # remove what is there so we never write through it.
-                    existing = os.path.join(dest, m.name)
-                    if os.path.islink(existing):
-                        os.unlink(existing)
-                try:
-                    tar.extract(m, dest, filter=_filter)
-                except (tarfile.TarError, EOFError) as exc:
-                    raise Invalid("invalid_archive", f"cannot extract {m.name!r}: {exc}") from None
-            total += max(m.size, 0)
-    return models.ArchiveResult(path=ws.relative(dest), entries=len(members), bytes=total)
+        tar = _open_tar(spool)
+        with os_errors(rel):
+            stage = _Stage(dest_fd)
+        try:
+            entries, total = _unpack(tar, stage, s)
+            with os_errors(rel):
+                stage.finish_dirs()
+                _conflicts(stage.fd, dest_fd, dest_rel)
+                _merge(stage.fd, dest_fd)
+        finally:
+            stage.remove()
+            tar.close()
+    finally:
+        os.close(dest_fd)
+    return models.ArchiveResult(path=display(dest_rel), entries=entries, bytes=total)
+
+
+def _unpack(tar: tarfile.TarFile, stage: _Stage, s: Settings) -> tuple[int, int]:
+    files_seen: set[str] = set()
+    kept = 0
+    entries = 0
+    total = 0
+    budget = [s.max_extract_bytes]
+    while True:
+        tar._sandbox_meta_chain = 0  # type: ignore[attr-defined]
+        try:
+            m = tar.next()
+        except _Refused as exc:
+            raise exc.error from None
+        except tarfile.TarError as exc:
+            raise Invalid("invalid_archive", f"not a valid tar archive: {exc}") from None
+        except (EOFError, OSError, ValueError, RecursionError) as exc:
+            raise Invalid("invalid_archive", f"archive is truncated or corrupt: {exc}") from None
+        if m is None:
+            break
+        tar.members.clear()  # type: ignore[attr-defined]  # tarfile keeps them all otherwise
+        entries += 1
+        if entries > s.max_archive_entries:
+            raise TooLarge(
+                "archive_too_large", f"archive has more than {s.max_archive_entries} entries"
+            )
+        parts = _check_member(m, files_seen)
+        total += m.size if m.isreg() else 0
+        if total > s.max_extract_bytes:
+            raise TooLarge(
+                "archive_too_large", f"archive unpacks to more than {s.max_extract_bytes} bytes"
+            )
+        if m.isreg():
+            key = "/".join(parts)
+            if key not in files_seen:
+                kept += len(key)
+                if kept > MAX_KEPT_NAMES:
+                    raise TooLarge("archive_too_large", "archive names take too much memory")
+                files_seen.add(key)
+        try:
+            stage.add(tar, m, parts, budget)
+        except (tarfile.TarError, EOFError) as exc:
+            raise Invalid("invalid_archive", f"cannot extract {m.name!r}: {exc}") from None
+        except OSError as exc:
+            with os_errors(m.name):
+                raise exc from None
+    return entries, total
 
 
 class _Stopped(Exception):
@@ -176,42 +444,49 @@ class _QueueWriter:
             self.buf.clear()
 
 
-def _add_tree(ws: Workspace, tar: tarfile.TarFile, root: str, arc_root: str) -> None:
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames.sort()
-        for name in [".", *sorted(filenames), *dirnames]:
-            path = dirpath if name == "." else os.path.join(dirpath, name)
-            if name != "." and os.path.isdir(path) and not os.path.islink(path):
-                continue  # directories are added when os.walk enters them
-            rel = os.path.relpath(path, root)
-            arcname = arc_root if rel == "." else f"{arc_root}/{rel}" if arc_root else rel
+def _tarinfo(name: str, s: os.stat_result, kind: bytes, link: str = "") -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.type = kind
+    ti.mode = st.S_IMODE(s.st_mode)
+    ti.uid, ti.gid = s.st_uid, s.st_gid
+    t = s.st_mtime
+    ti.mtime = int(t) if math.isfinite(t) and 0 <= t <= MAX_MTIME else 0
+    ti.size = s.st_size if kind == tarfile.REGTYPE else 0
+    ti.linkname = link
+    return ti
+
+
+def _add_tree(ws: Workspace, tar: tarfile.TarFile, top_fd: int, hidden_cap: int) -> None:
+    for rel, name, dfd, s, _ in walk_tree(top_fd, ".", True, None, hidden_cap):
+        if st.S_ISDIR(s.st_mode):
+            tar.addfile(_tarinfo(rel, s, tarfile.DIRTYPE))
+        elif st.S_ISLNK(s.st_mode):
             try:
-                s = os.lstat(path)
+                target = os.readlink(name, dir_fd=dfd)
             except OSError:
                 continue
-            if st.S_ISREG(s.st_mode):
-                try:
-                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-                except OSError:
+            tar.addfile(_tarinfo(rel, s, tarfile.SYMTYPE, target))
+        elif st.S_ISREG(s.st_mode):
+            try:
+                fd = os.open(name, _READ, dir_fd=dfd)
+            except OSError:
+                continue
+            with os.fdopen(fd, "rb") as f:
+                fs = os.fstat(fd)
+                # Swapped for something else since it was listed, or an inode
+                # that may live outside: left out.
+                if not st.S_ISREG(fs.st_mode) or (fs.st_nlink > 1 and not ws.own_filesystem):
                     continue
-                with os.fdopen(fd, "rb") as f:
-                    ws.check_fd(fd, rel)
-                    ti = tar.gettarinfo(arcname=arcname or ".", fileobj=f)
-                    tar.addfile(ti, f)
-            elif (st.S_ISDIR(s.st_mode) or st.S_ISLNK(s.st_mode)) and arcname:
-                tar.add(path, arcname=arcname, recursive=False)
-            # sockets, FIFOs and devices are left out
+                tar.addfile(_tarinfo(rel, fs, tarfile.REGTYPE), f)
+        # sockets, FIFOs and devices are left out
 
 
 class TarStream:
     """A directory as tar bytes, produced by a thread; ``close()`` stops it early."""
 
-    def __init__(self, ws: Workspace, rel: str, gzip: bool) -> None:
-        root = ws.resolve(rel)
-        if not os.path.isdir(root):
-            with os_errors(rel):
-                os.stat(root)
-            raise Invalid("not_a_directory", f"not a directory: {rel}")
+    def __init__(self, ws: Workspace, rel: str, gzip: bool, max_entries: int = 1 << 30) -> None:
+        with os_errors(rel):
+            top_fd, self.top = ws.open_dir(rel)
         self.q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=8)
         self.stop = threading.Event()
         writer = _QueueWriter(self.q, self.stop)
@@ -225,7 +500,7 @@ class TarStream:
                     if gzip
                     else tarfile.open(fileobj=sink, mode="w|", format=fmt)
                 ) as tar:
-                    _add_tree(ws, tar, root, "")
+                    _add_tree(ws, tar, top_fd, max_entries)
                 writer.flush()
                 writer.put(None)
             except _Stopped:
@@ -233,6 +508,8 @@ class TarStream:
             except BaseException as exc:
                 with contextlib.suppress(_Stopped):
                     writer.put(exc)
+            finally:
+                os.close(top_fd)
 
         threading.Thread(target=produce, daemon=True, name="tar-producer").start()
 

@@ -1,8 +1,15 @@
 """File operations on the workspace (blocking; the app runs them in threads).
 
-Every path goes through paths.Workspace. Writes are atomic (temporary file in
-the target directory, then rename) and leave group-writable files behind (the
-agent's umask), because the sandbox user is another UID in the same group.
+Every path is walked by descriptor (paths.Workspace.locate) and every
+operation is relative to the descriptor of its parent directory, with
+O_NOFOLLOW and, for opens, O_NONBLOCK and an fstat type check: a path that
+user code swaps for a symlink, a FIFO or a socket mid-call is refused or
+skipped, never followed or waited on. Tree walks (list, find, search) hold a
+descriptor per level and open each subdirectory relative to its parent.
+
+Writes are atomic (temporary file in the target directory, then rename) and
+leave group-writable files behind (the agent's umask), because the sandbox
+user is another UID in the same group.
 """
 
 from __future__ import annotations
@@ -11,11 +18,12 @@ import contextlib
 import errno
 import fnmatch
 import os
-import re
 import shutil
 import stat as st
 import time
 from collections.abc import Iterator
+
+import re2
 
 from . import models
 from .config import Settings
@@ -29,7 +37,7 @@ from .errors import (
     NotFound,
     TooLarge,
 )
-from .paths import Workspace
+from .paths import Located, Workspace, display
 
 _ERRNO: dict[int, tuple[type[AgentError], str]] = {
     errno.ENOENT: (NotFound, "not_found"),
@@ -49,6 +57,9 @@ _ERRNO: dict[int, tuple[type[AgentError], str]] = {
     errno.EDQUOT: (NoSpace, "quota_exceeded"),
     errno.EFBIG: (TooLarge, "file_too_large"),
     errno.ETXTBSY: (Conflict, "busy"),
+    errno.ENXIO: (Invalid, "not_a_file"),  # opening a socket
+    errno.ENODEV: (Invalid, "not_a_file"),
+    errno.EOVERFLOW: (TooLarge, "file_too_large"),
 }
 
 
@@ -59,107 +70,222 @@ def os_errors(rel: str) -> Iterator[None]:
         yield
     except OSError as exc:
         kind, code = _ERRNO.get(exc.errno or 0, (IOFailure, "io_error"))
-        raise kind(code, f"{exc.strerror or exc}: {rel}", path=rel) from None
+        shown = display(rel)
+        raise kind(code, f"{exc.strerror or exc}: {shown}", path=shown) from None
+
+
+MAX_WALK_DEPTH = 128  # tree walks go no deeper (one descriptor is held per level)
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def parse_mode(mode: str | None) -> int | None:
     return None if mode is None else int(mode, 8)
 
 
-def info(ws: Workspace, real: str, s: os.stat_result | None = None) -> models.FileInfo:
-    if s is None:
-        s = os.lstat(real)
-    if st.S_ISREG(s.st_mode):
-        kind = "file"
-    elif st.S_ISDIR(s.st_mode):
-        kind = "directory"
-    elif st.S_ISLNK(s.st_mode):
-        kind = "symlink"
-    else:
-        kind = "other"
-    target = None
-    if kind == "symlink":
-        with contextlib.suppress(OSError):
-            target = os.readlink(real)
-    rel = ws.relative(real)
+def _kind(mode: int) -> str:
+    if st.S_ISREG(mode):
+        return "file"
+    if st.S_ISDIR(mode):
+        return "directory"
+    if st.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+def _rfc3339(t: float) -> str:
+    # A timestamp user code set to something absurd must not fail the call.
+    try:
+        return models.rfc3339(t)
+    except (OverflowError, ValueError, OSError):
+        return models.rfc3339(0)
+
+
+def info(rel: str, s: os.stat_result, target: str | None = None) -> models.FileInfo:
+    """FileInfo of what ``s`` describes, named by its workspace path ``rel``."""
     return models.FileInfo(
-        path=rel,
-        name=os.path.basename(real) if rel != "." else ".",
-        type=kind,  # type: ignore[arg-type]
+        path=display(rel),
+        name=display(rel.rsplit("/", 1)[-1]) if rel != "." else ".",
+        type=_kind(s.st_mode),  # type: ignore[arg-type]
         size=s.st_size,
         mode=f"{st.S_IMODE(s.st_mode):04o}",
-        modified_at=models.rfc3339(s.st_mtime),
+        modified_at=_rfc3339(s.st_mtime),
         uid=s.st_uid,
         gid=s.st_gid,
-        symlink_target=target,
+        symlink_target=None if target is None else display(target),
     )
 
 
+def _info_at(dir_fd: int, name: str, rel: str) -> models.FileInfo:
+    s = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    target = None
+    if st.S_ISLNK(s.st_mode):
+        with contextlib.suppress(OSError):
+            target = os.readlink(name, dir_fd=dir_fd)
+    return info(rel, s, target)
+
+
 def stat(ws: Workspace, rel: str) -> models.FileInfo:
-    real = ws.resolve(rel, follow=False)
-    with os_errors(rel):
-        return info(ws, real)
+    with os_errors(rel), ws.locate(rel, follow=False) as loc:
+        return _info_at(loc.dir_fd, loc.name, loc.rel)
+
+
+def _names(dir_fd: int, hidden: bool, cap: int) -> tuple[list[str], bool]:
+    """Up to ``cap`` names of a directory, sorted; True when more were left unread.
+
+    Reading stops at the cap, so a directory of millions of entries costs no
+    more than the cap (which entries a truncated answer holds is then the
+    directory's order, not the alphabet's)."""
+    out: list[str] = []
+    more = False
+    with os.scandir(dir_fd) as it:
+        for e in it:
+            if not hidden and e.name.startswith("."):
+                continue
+            if len(out) >= cap:
+                more = True
+                break
+            out.append(e.name)
+    out.sort()
+    return out, more
+
+
+def walk_tree(
+    top_fd: int, top_rel: str, hidden: bool, max_depth: int | None, cap: int
+) -> Iterator[tuple[str, str, int, os.stat_result, int]]:
+    """(path, name, parent descriptor, lstat, depth) for everything under an
+    open directory, pre-order, names sorted, symlinks not followed.
+
+    Each subdirectory is opened relative to its parent with O_NOFOLLOW: one
+    swapped for a symlink (or anything else) after it was listed is skipped.
+    The parent descriptor is valid only until the next item. ``cap`` bounds
+    the names read from any one directory.
+    """
+    first, _ = _names(top_fd, hidden, cap)
+    stack: list[tuple[int, str, Iterator[str], int]] = [(top_fd, top_rel, iter(first), 1)]
+    try:
+        while stack:
+            dfd, drel, names, depth = stack[-1]
+            name = next(names, None)
+            if name is None:
+                stack.pop()
+                if dfd != top_fd:
+                    os.close(dfd)
+                continue
+            try:
+                s = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except OSError:
+                continue  # vanished meanwhile
+            rel = name if drel == "." else f"{drel}/{name}"
+            yield rel, name, dfd, s, depth
+            if not st.S_ISDIR(s.st_mode) or (max_depth is not None and depth >= max_depth):
+                continue
+            if len(stack) >= MAX_WALK_DEPTH:
+                continue
+            try:
+                sub = os.open(name, _DIR, dir_fd=dfd)
+            except OSError:
+                continue  # swapped for a symlink or a file: not followed
+            try:
+                children, _ = _names(sub, hidden, cap)
+            except OSError:
+                os.close(sub)
+                continue
+            stack.append((sub, rel, iter(children), depth + 1))
+    finally:
+        for dfd, *_ in stack:
+            if dfd != top_fd:
+                os.close(dfd)
 
 
 def list_dir(ws: Workspace, rel: str, depth: int, hidden: bool, limit: int) -> models.FileList:
-    real = ws.resolve(rel)
+    with os_errors(rel):
+        fd, top = ws.open_dir(rel)
     entries: list[models.FileInfo] = []
     truncated = False
-    with os_errors(rel):
-        if not os.path.isdir(real):
-            raise Invalid("not_a_directory", f"not a directory: {rel}")
-        stack = [(real, 1)]
-        while stack and not truncated:
-            d, level = stack.pop()
-            with os.scandir(d) as it:
-                items = sorted(it, key=lambda e: e.name)
-            for e in items:
-                if not hidden and e.name.startswith("."):
-                    continue
-                if len(entries) >= limit:
-                    truncated = True
-                    break
-                try:
-                    entries.append(info(ws, e.path, e.stat(follow_symlinks=False)))
-                except OSError:
-                    continue  # vanished while listing
-                if level < depth and e.is_dir(follow_symlinks=False):
-                    stack.append((e.path, level + 1))
-    entries.sort(key=lambda i: i.path)
-    return models.FileList(path=ws.relative(real), entries=entries, truncated=truncated)
-
-
-def open_for_read(ws: Workspace, rel: str) -> tuple[int, int]:
-    """Open a regular file confined to the workspace; returns (fd, size)."""
-    real = ws.resolve(rel)
-    with os_errors(rel):
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        ws.check_fd(fd, rel)
+        with os_errors(rel):
+            if depth <= 1:
+                names, truncated = _names(fd, hidden, limit)
+                for name in names:
+                    with contextlib.suppress(OSError):  # vanished while listing
+                        entries.append(_info_at(fd, name, name if top == "." else f"{top}/{name}"))
+            else:
+                for path, name, dfd, s, _ in walk_tree(fd, top, hidden, depth, limit + 1):
+                    if len(entries) >= limit:
+                        truncated = True
+                        break
+                    target = None
+                    if st.S_ISLNK(s.st_mode):
+                        with contextlib.suppress(OSError):
+                            target = os.readlink(name, dir_fd=dfd)
+                    entries.append(info(path, s, target))
+    finally:
+        os.close(fd)
+    entries.sort(key=lambda i: i.path)
+    return models.FileList(path=display(top), entries=entries, truncated=truncated)
+
+
+def _open_regular(ws: Workspace, dir_fd: int, name: str, rel: str) -> tuple[int, os.stat_result]:
+    """Open ``name`` in ``dir_fd`` for reading: a regular file or a refusal.
+
+    O_NONBLOCK so that a FIFO swapped in cannot block the open, O_NOFOLLOW so
+    that a symlink swapped in is not followed, then fstat decides."""
+    with os_errors(rel):
+        fd = os.open(name, _READ, dir_fd=dir_fd)
+    try:
         s = os.fstat(fd)
         if st.S_ISDIR(s.st_mode):
-            raise Invalid("is_a_directory", f"is a directory: {rel}")
+            raise Invalid("is_a_directory", f"is a directory: {display(rel)}")
         if not st.S_ISREG(s.st_mode):
-            raise Invalid("not_a_file", f"not a regular file: {rel}")
+            raise Invalid("not_a_file", f"not a regular file: {display(rel)}")
+        ws.check_links(s, rel)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
+    return fd, s
+
+
+def open_for_read(ws: Workspace, rel: str) -> tuple[int, int]:
+    """Open a regular file confined to the workspace; returns (fd, size)."""
+    with os_errors(rel), ws.locate(rel) as loc:
+        if loc.name == ".":
+            raise Invalid("is_a_directory", f"is a directory: {display(rel)}")
+        fd, s = _open_regular(ws, loc.dir_fd, loc.name, rel)
     return fd, s.st_size
 
 
-def read_lines(fd: int, start: int, count: int | None, max_bytes: int) -> bytes:
-    """Lines start..start+count-1 (1-based) of an open file."""
+def read_lines(fd: int, start: int, count: int | None, max_bytes: int, max_scan: int) -> bytes:
+    """Lines start..start+count-1 (1-based) of an open file.
+
+    Read in blocks: lines before the range are skipped without being kept
+    (a file of one endless line costs a block of memory, not its size), the
+    selected bytes are refused as soon as they pass ``max_bytes``, and no more
+    than ``max_scan`` bytes are read in all."""
     out = bytearray()
-    with os.fdopen(os.dup(fd), "rb") as f:
-        for n, line in enumerate(f, start=1):
-            if n < start:
-                continue
-            if count is not None and n >= start + count:
+    line = 1
+    end_line = None if count is None else start + count
+    scanned = 0
+    while end_line is None or line < end_line:
+        block = os.read(fd, 1 << 20)
+        if not block:
+            break
+        scanned += len(block)
+        pos = 0
+        while pos < len(block) and (end_line is None or line < end_line):
+            nl = block.find(b"\n", pos)
+            stop = len(block) if nl < 0 else nl + 1
+            if line >= start:
+                out += block[pos:stop]
+                if len(out) > max_bytes:
+                    raise TooLarge("read_too_large", "selected lines exceed the read limit")
+            if nl < 0:
                 break
-            out += line
-            if len(out) > max_bytes:
-                raise TooLarge("read_too_large", "selected lines exceed the read limit")
+            line += 1
+            pos = stop
+        if scanned > max_scan and (end_line is None or line < end_line):
+            raise TooLarge("read_too_large", f"line ranges scan at most {max_scan} bytes")
     return bytes(out)
 
 
@@ -169,51 +295,47 @@ class AtomicWriter:
     def __init__(self, ws: Workspace, rel: str, mode: int | None, parents: bool) -> None:
         self.ws = ws
         self.rel = rel
+        self.fd = -1
         norm = ws.clean(rel)
         if norm == ".":
             raise Invalid("invalid_path", "cannot write to the workspace root")
-        target = ws.resolve(rel, follow=False)
-        parent = os.path.dirname(target)
-        self.name = os.path.basename(target)
         with os_errors(rel):
-            if parents:
-                os.makedirs(parent, exist_ok=True)
-                ws.confine(os.path.realpath(parent), rel)
-            self.dir_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self.loc: Located = ws.locate(rel, follow=False, make_parents=parents)
+        self.dir_fd = self.loc.dir_fd
+        self.name = self.loc.name
         try:
-            ws.check_fd(self.dir_fd, rel)
             with os_errors(rel):
-                existing: os.stat_result | None = os.stat(
-                    self.name, dir_fd=self.dir_fd, follow_symlinks=False
-                )
-        except NotFound:
-            existing = None
-        except AgentError:
-            os.close(self.dir_fd)
-            raise
-        if existing is not None and st.S_ISDIR(existing.st_mode):
-            os.close(self.dir_fd)
-            raise Invalid("is_a_directory", f"is a directory: {rel}")
-        # Keep the mode of a file we replace unless told otherwise.
-        self.mode = (
-            mode
-            if mode is not None
-            else (
-                st.S_IMODE(existing.st_mode) if existing and st.S_ISREG(existing.st_mode) else None
-            )
-        )
-        self.tmp = f".{self.name[:200]}.{os.urandom(6).hex()}.tmp"
-        with os_errors(rel):
-            try:
+                try:
+                    existing: os.stat_result | None = os.stat(
+                        self.name, dir_fd=self.dir_fd, follow_symlinks=False
+                    )
+                except FileNotFoundError:
+                    existing = None
+            if existing is not None and st.S_ISDIR(existing.st_mode):
+                raise Invalid("is_a_directory", f"is a directory: {display(rel)}")
+            self.mode = mode
+            self.gid = -1
+            if mode is None and existing is not None and st.S_ISREG(existing.st_mode):
+                # Keep the mode of a file we replace. The new file is ours (the
+                # agent's UID): a file the sandbox user owned must stay writable
+                # for them, through the group we share, as it was for its owner.
+                kept = st.S_IMODE(existing.st_mode)
+                if existing.st_uid != os.geteuid():
+                    kept |= (kept & 0o700) >> 3
+                    self.gid = existing.st_gid
+                self.mode = kept
+            self.tmp = f".{self.name[:200]}.{os.urandom(6).hex()}.tmp"
+            with os_errors(rel):
                 self.fd = os.open(
                     self.tmp,
                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
                     0o666,
                     dir_fd=self.dir_fd,
                 )
-            except BaseException:
-                os.close(self.dir_fd)
-                raise
+        except BaseException:
+            self.loc.close()
+            self.dir_fd = -1
+            raise
         self.size = 0
 
     def write(self, data: bytes | memoryview) -> None:
@@ -238,13 +360,16 @@ class AtomicWriter:
     def commit(self) -> models.FileInfo:
         try:
             with os_errors(self.rel):
+                if self.gid >= 0:
+                    with contextlib.suppress(OSError):  # not a member of that group
+                        os.fchown(self.fd, -1, self.gid)
                 if self.mode is not None:
                     os.fchmod(self.fd, self.mode)
+                s = os.fstat(self.fd)
                 os.close(self.fd)
                 self.fd = -1
                 os.rename(self.tmp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
-                real = os.path.join(self.ws.resolve(os.path.dirname(self.rel) or "."), self.name)
-                return info(self.ws, real)
+                return info(self.loc.rel, s)
         finally:
             self.abort()
 
@@ -255,7 +380,7 @@ class AtomicWriter:
             with contextlib.suppress(OSError):
                 os.unlink(self.tmp, dir_fd=self.dir_fd)
         if self.dir_fd >= 0:
-            os.close(self.dir_fd)
+            self.loc.close()
             self.dir_fd = -1
 
 
@@ -275,198 +400,236 @@ def read_all(ws: Workspace, rel: str, limit: int) -> bytes:
     fd, size = open_for_read(ws, rel)
     try:
         if size > limit:
-            raise TooLarge("file_too_large", f"{rel} is larger than {limit} bytes")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(limit + 1)[:limit]
+            raise TooLarge("file_too_large", f"{display(rel)} is larger than {limit} bytes")
+        return _read_fd(fd, limit + 1)[:limit]
     finally:
         os.close(fd)
 
 
+def _read_fd(fd: int, limit: int) -> bytes:
+    parts: list[bytes] = []
+    got = 0
+    while got < limit:
+        block = os.read(fd, min(limit - got, 4 << 20))
+        if not block:
+            break
+        parts.append(block)
+        got += len(block)
+    return b"".join(parts)
+
+
 def mkdir(ws: Workspace, req: models.MkdirRequest) -> models.FileInfo:
-    real = ws.resolve(req.path)
     mode = parse_mode(req.mode)
-    with os_errors(req.path):
-        created = False
-        if os.path.isdir(real):
+    with os_errors(req.path), ws.locate(req.path, make_parents=req.parents) as loc:
+        if loc.name == ".":
             if not req.exist_ok:
-                raise Conflict("already_exists", f"already exists: {req.path}")
-        elif req.parents:
-            os.makedirs(real)
-            created = True
-        else:
-            os.mkdir(real)
-            created = True
-        ws.confine(os.path.realpath(real), req.path)
-        # Only a directory we just made gets the mode (never chmod an existing
-        # one, e.g. the workspace root, through mkdir).
-        if mode is not None and created:
-            os.chmod(real, mode)
-        return info(ws, real)
+                raise Conflict("already_exists", f"already exists: {display(req.path)}")
+            return _info_at(loc.dir_fd, ".", ".")
+        try:
+            os.mkdir(loc.name, 0o777, dir_fd=loc.dir_fd)
+        except FileExistsError:
+            s = os.stat(loc.name, dir_fd=loc.dir_fd, follow_symlinks=False)
+            if not req.exist_ok or not st.S_ISDIR(s.st_mode):
+                raise Conflict("already_exists", f"already exists: {display(req.path)}") from None
+            # Never chmod an existing directory (e.g. the root) through mkdir.
+            return info(loc.rel, s)
+        if mode is not None:
+            # Only a directory we just made gets the mode, through a
+            # descriptor of it (the name may be swapped by now).
+            fd = os.open(loc.name, _DIR, dir_fd=loc.dir_fd)
+            try:
+                os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
+        return _info_at(loc.dir_fd, loc.name, loc.rel)
 
 
 def remove(ws: Workspace, req: models.RemoveRequest) -> models.Removed:
     if ws.clean(req.path) == ".":
         raise Invalid("invalid_path", "refusing to remove the workspace root")
-    real = ws.resolve(req.path, follow=False)
-    with os_errors(req.path):
+    with os_errors(req.path), ws.locate(req.path, follow=False) as loc:
         try:
-            s = os.lstat(real)
+            s = os.stat(loc.name, dir_fd=loc.dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             if req.missing_ok:
-                return models.Removed(path=ws.relative(real), removed=False)
+                return models.Removed(path=display(loc.rel), removed=False)
             raise
         if st.S_ISDIR(s.st_mode):
             if req.recursive:
-                shutil.rmtree(real)  # fd-based on Linux: does not follow symlinks
+                # descriptor-based (openat/unlinkat): never follows a symlink
+                shutil.rmtree(loc.name, dir_fd=loc.dir_fd)
             else:
-                os.rmdir(real)
+                os.rmdir(loc.name, dir_fd=loc.dir_fd)
         else:
-            os.unlink(real)
-    return models.Removed(path=ws.relative(real), removed=True)
+            os.unlink(loc.name, dir_fd=loc.dir_fd)
+        return models.Removed(path=display(loc.rel), removed=True)
 
 
 def move(ws: Workspace, req: models.MoveRequest) -> models.FileInfo:
     if ws.clean(req.source) == "." or ws.clean(req.destination) == ".":
         raise Invalid("invalid_path", "cannot move the workspace root")
-    src = ws.resolve(req.source, follow=False)
-    dst = ws.resolve(req.destination, follow=False)
-    with os_errors(req.source):
-        os.lstat(src)
-    with os_errors(req.destination):
-        if req.parents:
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            ws.confine(os.path.realpath(os.path.dirname(dst)), req.destination)
-        if os.path.lexists(dst):
-            if not req.overwrite:
-                raise Conflict("already_exists", f"destination exists: {req.destination}")
-            if os.path.isdir(dst) and not os.path.islink(dst) and src != dst:
-                if not os.path.isdir(src) or os.path.islink(src):
-                    raise Invalid("is_a_directory", "cannot replace a directory with a file")
-                shutil.rmtree(dst)
-        if src == dst or dst.startswith(src + os.sep):
-            raise Invalid("invalid_operation", "cannot move a path into itself")
-        os.rename(src, dst)
-        return info(ws, dst)
-
-
-def _walk_files(
-    ws: Workspace, root: str, hidden: bool, max_depth: int | None = None
-) -> Iterator[tuple[str, os.DirEntry[str], int]]:
-    """(relative path, entry, depth) for everything under root, symlinks not followed."""
-    stack = [(root, 1)]
-    while stack:
-        d, depth = stack.pop()
-        try:
-            with os.scandir(d) as it:
-                items = sorted(it, key=lambda e: e.name, reverse=True)
-        except OSError:
-            continue
-        for e in reversed(items):
-            if not hidden and e.name.startswith("."):
-                continue
-            yield ws.relative(e.path), e, depth
+    with os_errors(req.source), ws.locate(req.source, follow=False) as src:
+        src_stat = os.stat(src.name, dir_fd=src.dir_fd, follow_symlinks=False)
+        with (
+            os_errors(req.destination),
+            ws.locate(req.destination, follow=False, make_parents=req.parents) as dst,
+        ):
+            if dst.rel == src.rel:
+                raise Invalid("invalid_operation", "source and destination are the same")
+            if dst.rel.startswith(src.rel + "/"):
+                raise Invalid("invalid_operation", "cannot move a path into itself")
             try:
-                is_dir = e.is_dir(follow_symlinks=False)
-            except OSError:
-                continue
-            if is_dir and (max_depth is None or depth < max_depth):
-                stack.append((e.path, depth + 1))
+                existing: os.stat_result | None = os.stat(
+                    dst.name, dir_fd=dst.dir_fd, follow_symlinks=False
+                )
+            except FileNotFoundError:
+                existing = None
+            if existing is not None:
+                if not req.overwrite:
+                    raise Conflict(
+                        "already_exists", f"destination exists: {display(req.destination)}"
+                    )
+                if st.S_ISDIR(existing.st_mode):
+                    if not st.S_ISDIR(src_stat.st_mode):
+                        raise Invalid("is_a_directory", "cannot replace a directory with a file")
+                    shutil.rmtree(dst.name, dir_fd=dst.dir_fd)
+            os.rename(src.name, dst.name, src_dir_fd=src.dir_fd, dst_dir_fd=dst.dir_fd)
+            return _info_at(dst.dir_fd, dst.name, dst.rel)
+
+
+def compile_regex(pattern: str, ignore_case: bool = False, literal: bool = False) -> re2._Regexp:
+    """A linear-time (RE2) regular expression: no pattern can backtrack for
+    ever, and matching releases the GIL, so a search cannot stall the agent.
+    RE2 has no backreferences or lookaround; such patterns are a 400."""
+    opts = re2.Options()
+    opts.log_errors = False
+    opts.case_sensitive = not ignore_case
+    opts.literal = literal
+    try:
+        return re2.compile(pattern, opts)
+    except (re2.error, TypeError, ValueError) as exc:
+        why = exc.args[0] if exc.args else exc
+        if isinstance(why, bytes):
+            why = why.decode("utf-8", "replace")
+        raise Invalid(
+            "invalid_regex",
+            f"invalid regular expression (RE2 syntax: no backreferences or lookaround): {why}",
+        ) from None
+
+
+def _read_for_search(ws: Workspace, dir_fd: int, name: str, limit: int) -> bytes | None:
+    """A regular file's bytes, or None to skip it (special, too large, linked from outside)."""
+    try:
+        fd = os.open(name, _READ, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        s = os.fstat(fd)
+        if not st.S_ISREG(s.st_mode) or s.st_size > limit:
+            return None
+        if s.st_nlink > 1 and not ws.own_filesystem:
+            return None
+        return _read_fd(fd, limit + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def search(ws: Workspace, req: models.SearchRequest, s: Settings) -> models.SearchResult:
-    root = ws.resolve(req.path)
-    flags = re.IGNORECASE if req.ignore_case else 0
-    pattern = re.escape(req.pattern) if req.fixed_string else req.pattern
-    try:
-        rx = re.compile(pattern.encode("utf-8", "surrogateescape"), flags)
-    except (re.error, OverflowError, RecursionError) as exc:
-        raise Invalid("invalid_regex", f"invalid regular expression: {exc}") from None
+    rx = compile_regex(
+        req.pattern.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),
+        req.ignore_case,
+        req.fixed_string,
+    )
     limit = min(req.max_results or s.search_max_results, s.search_max_results)
     matches: list[models.SearchMatch] = []
     scanned = skipped = 0
     truncated = False
-    if os.path.isfile(root):
-        targets: Iterator[tuple[str, str]] = iter([(ws.relative(root), root)])
-    elif os.path.isdir(root):
-        targets = (
-            (rel, e.path)
-            for rel, e, _ in _walk_files(ws, root, req.include_hidden)
-            if e.is_file(follow_symlinks=False)
-            and (
-                req.glob is None
-                or fnmatch.fnmatch(e.name, req.glob)
-                or fnmatch.fnmatch(rel, req.glob)
-            )
-        )
-    else:
-        raise NotFound("not_found", f"not found: {req.path}")
-    for rel, path in targets:
-        if scanned + skipped >= s.search_max_files:
-            truncated = True
-            break
+    with os_errors(req.path), ws.locate(req.path) as loc:
+        kind = os.stat(loc.name, dir_fd=loc.dir_fd, follow_symlinks=False).st_mode
+        top_fd = -1
+        if st.S_ISDIR(kind):
+            top_fd = os.open(loc.name, _DIR, dir_fd=loc.dir_fd)
+        elif not st.S_ISREG(kind):
+            raise Invalid("not_a_file", f"not a regular file: {display(req.path)}")
         try:
-            if os.lstat(path).st_size > s.search_max_file_bytes:
-                skipped += 1
-                continue
-            with open(path, "rb") as f:
-                data = f.read(s.search_max_file_bytes + 1)
-        except OSError:
-            skipped += 1
-            continue
-        if b"\0" in data[:8192]:
-            skipped += 1  # binary
-            continue
-        scanned += 1
-        for lineno, line in enumerate(data.splitlines(), start=1):
-            m = rx.search(line)
-            if m is None:
-                continue
-            if len(matches) >= limit:
-                truncated = True
-                break
-            matches.append(
-                models.SearchMatch(
-                    path=rel,
-                    line=lineno,
-                    column=len(line[: m.start()].decode("utf-8", "replace")) + 1,
-                    text=line[:1000].decode("utf-8", "replace"),
+            if top_fd < 0:
+                targets: Iterator[tuple[str, str, int]] = iter([(loc.rel, loc.name, loc.dir_fd)])
+            else:
+                targets = (
+                    (rel, name, dfd)
+                    for rel, name, dfd, fs, _ in walk_tree(
+                        top_fd, loc.rel, req.include_hidden, None, s.search_max_files + 1
+                    )
+                    if st.S_ISREG(fs.st_mode)
+                    and (
+                        req.glob is None
+                        or fnmatch.fnmatch(name, req.glob)
+                        or fnmatch.fnmatch(rel, req.glob)
+                    )
                 )
-            )
-        if truncated:
-            break
+            for rel, name, dfd in targets:
+                if scanned + skipped >= s.search_max_files:
+                    truncated = True
+                    break
+                data = _read_for_search(ws, dfd, name, s.search_max_file_bytes)
+                if data is None or b"\0" in data[:8192]:
+                    skipped += 1  # special, oversized or binary
+                    continue
+                scanned += 1
+                for lineno, line in enumerate(data.splitlines(), start=1):
+                    m = rx.search(line)
+                    if m is None:
+                        continue
+                    if len(matches) >= limit:
+                        truncated = True
+                        break
+                    matches.append(
+                        models.SearchMatch(
+                            path=display(rel),
+                            line=lineno,
+                            column=len(line[: m.start()].decode("utf-8", "replace")) + 1,
+                            text=line[:1000].decode("utf-8", "replace"),
+                        )
+                    )
+                if truncated:
+                    break
+        finally:
+            if top_fd >= 0:
+                os.close(top_fd)
     return models.SearchResult(
         matches=matches, truncated=truncated, files_scanned=scanned, files_skipped=skipped
     )
 
 
 def find(ws: Workspace, req: models.FindRequest, s: Settings) -> models.FindResult:
-    root = ws.resolve(req.path)
-    if not os.path.isdir(root):
-        with os_errors(req.path):
-            os.stat(root)
-        raise Invalid("not_a_directory", f"not a directory: {req.path}")
+    with os_errors(req.path):
+        fd, top = ws.open_dir(req.path)
     limit = min(req.max_results or s.search_max_results, s.search_max_results)
     by_path = "/" in req.pattern
     out: list[str] = []
     truncated = False
     seen = 0
-    for rel, e, _ in _walk_files(ws, root, req.include_hidden, req.max_depth):
-        seen += 1
-        if seen > s.search_max_files:
-            truncated = True
-            break
-        try:
-            is_dir = e.is_dir(follow_symlinks=False)
-        except OSError:
-            continue
-        if (req.type == "file" and is_dir) or (req.type == "directory" and not is_dir):
-            continue
-        subject = os.path.relpath(e.path, root) if by_path else e.name
-        if fnmatch.fnmatchcase(subject, req.pattern):
-            if len(out) >= limit:
+    try:
+        for rel, name, _, fs, _ in walk_tree(
+            fd, top, req.include_hidden, req.max_depth, s.search_max_files + 1
+        ):
+            seen += 1
+            if seen > s.search_max_files:
                 truncated = True
                 break
-            out.append(rel)
+            is_dir = st.S_ISDIR(fs.st_mode)
+            if (req.type == "file" and is_dir) or (req.type == "directory" and not is_dir):
+                continue
+            subject = (rel if top == "." else rel[len(top) + 1 :]) if by_path else name
+            if fnmatch.fnmatchcase(subject, req.pattern):
+                if len(out) >= limit:
+                    truncated = True
+                    break
+                out.append(display(rel))
+    finally:
+        os.close(fd)
     return models.FindResult(paths=out, truncated=truncated)
 
 
@@ -475,13 +638,10 @@ def replace(ws: Workspace, req: models.ReplaceRequest, s: Settings) -> models.Re
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise Invalid("not_text", f"{req.path} is not UTF-8 text") from None
+        raise Invalid("not_text", f"{display(req.path)} is not UTF-8 text") from None
     if req.regex:
-        try:
-            rx = re.compile(req.find, re.MULTILINE)
-        except (re.error, OverflowError, RecursionError) as exc:
-            raise Invalid("invalid_regex", f"invalid regular expression: {exc}") from None
-        count = len(rx.findall(text))
+        rx = compile_regex("(?m)" + req.find)
+        count = sum(1 for _ in rx.finditer(text))
     else:
         count = text.count(req.find)
     if req.expected_count is not None and count != req.expected_count:
@@ -501,12 +661,12 @@ def replace(ws: Workspace, req: models.ReplaceRequest, s: Settings) -> models.Re
     if req.regex:
         try:
             new = rx.sub(req.replace, text)
-        except (re.error, IndexError) as exc:
+        except (re2.error, IndexError, ValueError, KeyError) as exc:
             raise Invalid("invalid_replacement", f"invalid replacement: {exc}") from None
     else:
         new = text.replace(req.find, req.replace)
-    write_bytes(ws, req.path, new.encode("utf-8"), parents=False)
-    return models.ReplaceResult(path=ws.relative(ws.resolve(req.path)), replacements=count)
+    result = write_bytes(ws, req.path, new.encode("utf-8"), parents=False)
+    return models.ReplaceResult(path=result.path, replacements=count)
 
 
 def sync(ws: Workspace) -> models.SyncResult:

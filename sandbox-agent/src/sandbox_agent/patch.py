@@ -149,11 +149,14 @@ def apply(ws: Workspace, req: models.PatchRequest, s: Settings) -> models.PatchR
                 else 0
             )
         rel = _strip(fp.old_path if deleting else fp.new_path, strip)
-        ws.resolve(rel, follow=False)
         if creating:
-            real = ws.resolve(rel, follow=False)
-            if os.path.lexists(real):
-                raise Conflict("patch_conflict", f"{rel} already exists", path=rel)
+            with files.os_errors(rel), ws.locate(rel, follow=False) as loc:
+                try:
+                    os.stat(loc.name, dir_fd=loc.dir_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    pass
+                else:
+                    raise Conflict("patch_conflict", f"{rel} already exists", path=rel)
             lines: list[str] = []
             eol = True
             mode = None
@@ -214,7 +217,8 @@ def apply(ws: Workspace, req: models.PatchRequest, s: Settings) -> models.PatchR
         for rel, data, mode in writes:
             if data is None:
                 try:
-                    os.unlink(ws.resolve(rel, follow=False))
+                    with ws.locate(rel, follow=False) as loc:
+                        os.unlink(loc.name, dir_fd=loc.dir_fd)
                 except OSError as exc:
                     raise Conflict("patch_conflict", f"cannot delete {rel}: {exc}") from None
             else:
