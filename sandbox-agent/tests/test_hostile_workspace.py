@@ -398,3 +398,25 @@ def test_rejected_archive_writes_nothing(sandbox: Sandbox, wsdir: str) -> None:
     r = sandbox.client.put("/v1/files/archive", params={"path": wsdir}, content=good[:60_000])
     assert r.status_code == 400, r.text
     assert sorted(os.listdir(sandbox.workspace / wsdir)) == []
+
+
+def test_stdin_for_a_runner_that_stops_reading_is_bounded(fresh: Callable[..., Sandbox]) -> None:
+    import signal
+
+    sb = fresh()
+    assert sb.agent is not None and sb.runner is not None
+    ex = sb.run(expect=202, command="sleep 30", stdinOpen=True, background=True)
+    before = rss_kib(sb.agent.pid)
+    sb.runner.send_signal(signal.SIGSTOP)  # a runner (user code) that reads nothing
+    try:
+        chunk = "x" * (4 << 20)
+        statuses = []
+        for _ in range(16):  # 64 MiB offered
+            r = sb.client.post(f"/v1/executions/{ex['id']}/stdin", json={"data": chunk})
+            statuses.append(r.status_code)
+        assert 429 in statuses, statuses
+        assert sb.error(r, 429) == "stdin_backlogged"
+        assert rss_kib(sb.agent.pid) - before < 48 * 1024
+    finally:
+        sb.runner.send_signal(signal.SIGCONT)
+    sb.client.post(f"/v1/executions/{ex['id']}/cancel")

@@ -20,12 +20,16 @@ from typing import Any, Protocol
 import msgspec
 
 from . import runner as wire
+from .errors import Busy
 
 log = logging.getLogger("sandbox_agent.runner")
 
 HELLO_TIMEOUT = 3.0
 SCRIPT_FD = 3  # where a command's shell script is (`sh -c '. /dev/fd/3' sh`)
 RECONNECT_DELAY = 0.1
+# Stdin bytes the runner has not read yet (our send buffer). The runner is
+# user-replaceable: one that stops reading must not make us queue for ever.
+MAX_UNSENT_STDIN = 16 << 20
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
@@ -400,8 +404,13 @@ class RunnerClient:
 
     def stdin(self, chan: int, data: bytes) -> None:
         w = self.wire
-        if w is None:
+        if w is None or w.transport is None:
             raise ConnectionError(self.last_error)
+        if w.transport.get_write_buffer_size() + len(data) > MAX_UNSENT_STDIN:
+            raise Busy(
+                "stdin_backlogged",
+                "the runner is not reading: stdin already waiting is at its limit; retry later",
+            )
         step = wire.MAX_PAYLOAD
         for i in range(0, len(data), step):
             w.send(wire.T_STDIN, chan, data[i : i + step])
