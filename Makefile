@@ -79,8 +79,9 @@ run: install ## Run the operator locally against the cluster-up cluster
 	$(VENV)/bin/kopf run -m sandbox_operator.main --all-namespaces --standalone
 
 .PHONY: bench
-bench: install binaries ## Benchmarks: agent vs subprocess; 1,000 Sandboxes; node cold start and exec; Executions vs Jobs; snapshots vs tar; resume vs a pod start; gateway vs direct
+bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under attack in a 256 MiB cgroup; 1,000 Sandboxes; node cold start and exec; Executions vs Jobs; snapshots vs tar; resume vs a pod start; gateway vs direct
 	$(PY) benchmarks/agent_bench.py
+	$(PY) benchmarks/agent_memory_bench.py
 	$(PY) benchmarks/sandbox_scale.py
 	$(PY) benchmarks/node_bench.py
 	$(PY) benchmarks/execution_bench.py

@@ -225,3 +225,25 @@ def test_a_pod_of_an_older_operator_is_kept_while_its_digest_matches() -> None:
     assert build.legacy_pod_hash(ported) == "a00debd0fa04020c"
     other = SandboxSpec.model_validate({"runtime": "node"})
     assert build.changed_fields(pod, other) is None
+
+
+def _quantity_bytes(q: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    for suffix, factor in units.items():
+        if q.endswith(suffix):
+            return int(q[: -len(suffix)]) * factor
+    return int(q)
+
+
+def test_agent_budgets_come_from_its_limits() -> None:
+    """The agent learns its real memory limit and a log budget inside its log volume."""
+    pod = _pod()
+    agent = next(c for c in pod["spec"]["initContainers"] if c["name"] == build.AGENT_CONTAINER)
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["SANDBOX_AGENT_MEMORY_LIMIT_BYTES"]["valueFrom"] == {
+        "resourceFieldRef": {"containerName": build.AGENT_CONTAINER, "resource": "limits.memory"}
+    }
+    assert "memory" in agent["resources"]["limits"]
+    logs = next(v for v in pod["spec"]["volumes"] if v["name"] == "agent-logs")
+    budget = int(env["SANDBOX_AGENT_MAX_LOG_DIR_BYTES"]["value"])
+    assert 0 < budget <= _quantity_bytes(logs["emptyDir"]["sizeLimit"]) * 3 // 4

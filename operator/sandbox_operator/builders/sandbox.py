@@ -46,6 +46,9 @@ RUNTIME_LIVENESS_PATH = "/livez/runtime"
 # The runtime directory holds only the runner script and its socket.
 _RUNTIME_DIR_LIMIT = "16Mi"
 _AGENT_LOG_LIMIT = "256Mi"
+# The agent prunes its logs to stay under this, well inside the volume's limit
+# (going over it gets the pod evicted).
+_AGENT_LOG_BUDGET = 192 << 20
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,17 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
                 "value": f"{parse_duration(MAX_TIMEOUT).total_seconds():g}",
             },
             {"name": "TMPDIR", "value": "/tmp"},
+            # The agent sizes its memory budgets from its real limit.
+            {
+                "name": "SANDBOX_AGENT_MEMORY_LIMIT_BYTES",
+                "valueFrom": {
+                    "resourceFieldRef": {
+                        "containerName": AGENT_CONTAINER,
+                        "resource": "limits.memory",
+                    }
+                },
+            },
+            {"name": "SANDBOX_AGENT_MAX_LOG_DIR_BYTES", "value": str(_AGENT_LOG_BUDGET)},
         ],
         "ports": [{"name": "agent", "containerPort": settings.agent_port, "protocol": "TCP"}],
         # The sandbox container starts only once this probe passes, so the

@@ -6,13 +6,14 @@ import asyncio
 import os
 import tempfile
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import IO, Any
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from . import archive, files, metrics, models, patch
 from .errors import Invalid, TooLarge
+from .paths import Workspace
 from .routing import Args, Handler
 from .state import AgentState, state_of
 from .web import OCTET, TAR, body_as, ok, one_of, spool_upload
@@ -214,13 +215,28 @@ async def archive_download(request: Request, args: Args) -> Response:
     )
 
 
+def _spool(ws: Workspace) -> IO[bytes]:
+    """A file for an archive upload while it arrives: unnamed (O_TMPFILE) in the
+    workspace, where its contents will land anyway, not in the agent's small
+    /tmp volume (filling that would get the pod evicted)."""
+    try:
+        root = ws.open_root()
+        try:
+            fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=root)
+        finally:
+            os.close(root)
+    except OSError:  # a filesystem without O_TMPFILE
+        return tempfile.TemporaryFile(prefix="sandbox-agent-upload-")
+    return os.fdopen(fd, "w+b")
+
+
 async def archive_upload(request: Request, args: Args) -> Response:
     """Upload a tar (optionally gzip/bz2/xz) and extract it into a directory"""
     st = state_of(request)
     rel = args.need("path", str)
     st.workspace.clean(rel)
     st.touch()
-    with tempfile.TemporaryFile(prefix="sandbox-agent-upload-") as spool:
+    with _spool(st.workspace) as spool:
 
         async def sink(chunks: list[bytes]) -> None:
             await asyncio.to_thread(spool.writelines, chunks)

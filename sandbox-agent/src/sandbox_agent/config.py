@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 MiB = 1 << 20
 
@@ -50,6 +50,10 @@ class Settings:
     max_connections: int = 128  # open HTTP connections; the longest idle is closed first
     metrics_auth: bool = True
     malloc_keep_bytes: int = 128 * MiB  # freed heap kept for reuse (0: glibc defaults)
+    # The container's memory limit (the operator passes limits.memory); 0:
+    # read the cgroup's, if any. The memory budgets above that are not set
+    # explicitly are derived from it (see derive_budgets).
+    memory_limit_bytes: int = 0
 
     @property
     def socket_path(self) -> str:
@@ -90,7 +94,61 @@ _ENV = {
     "max_connections": "SANDBOX_AGENT_MAX_CONNECTIONS",
     "metrics_auth": "SANDBOX_AGENT_METRICS_AUTH",
     "malloc_keep_bytes": "SANDBOX_AGENT_MALLOC_KEEP_BYTES",
+    "memory_limit_bytes": "SANDBOX_AGENT_MEMORY_LIMIT_BYTES",
 }
+
+# Settings derived from the memory limit when not given explicitly.
+_DERIVED = (
+    "max_concurrent_executions",
+    "max_capture_bytes",
+    "log_memory_bytes",
+    "log_memory_total_bytes",
+    "capture_memory_total_bytes",
+    "malloc_keep_bytes",
+)
+
+
+def _clamp(value: int, low: int, high: int) -> int:
+    return max(low, min(high, value))
+
+
+def derive_budgets(limit: int) -> dict[str, int]:
+    """Memory budgets that keep the agent well inside a container limit.
+
+    Sized from measurements (benchmarks/agent_memory_bench.py): the
+    interpreter and its libraries take ~35 MiB; what grows with use is the
+    output of running commands (a tail per stream, an in-memory log) and,
+    when a command ends, its answer (the tails again, JSON-encoded: about
+    three copies). So concurrency and the per-stream tail shrink with the
+    limit, and the in-memory totals and the heap kept for reuse are fixed
+    fractions of it. Above ~1 GiB these are the plain defaults.
+    """
+    d = Settings()
+    concurrent = _clamp(limit // (16 * MiB), 4, d.max_concurrent_executions)
+    capture = _clamp(limit // 192, 256 << 10, d.max_capture_bytes)
+    total = _clamp(limit // 16, 4 * MiB, d.log_memory_total_bytes)
+    return {
+        "max_concurrent_executions": concurrent,
+        "max_capture_bytes": capture,
+        "log_memory_total_bytes": total,
+        "log_memory_bytes": _clamp(total // 8, 256 << 10, d.log_memory_bytes),
+        "capture_memory_total_bytes": _clamp(limit // 16, 4 * MiB, d.capture_memory_total_bytes),
+        "malloc_keep_bytes": _clamp(limit // 8, 0, d.malloc_keep_bytes),
+    }
+
+
+def cgroup_memory_limit() -> int:
+    """The memory limit of the cgroup we run in (as a container sees it), 0 if none."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and int(raw) < 1 << 50:  # "max", or v1's "unlimited" number
+            return int(raw)
+        return 0
+    return 0
 
 
 def env_names() -> dict[str, str]:
@@ -126,6 +184,10 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
             raise ConfigError(f"{name} must not be negative")
     settings = Settings(**values)  # type: ignore[arg-type]
+    limit = settings.memory_limit_bytes or cgroup_memory_limit()
+    if limit:
+        derived = {k: v for k, v in derive_budgets(limit).items() if k not in values}
+        settings = replace(settings, memory_limit_bytes=limit, **derived)  # type: ignore[arg-type]
     if not 0 < settings.port < 65536:
         raise ConfigError("SANDBOX_AGENT_PORT must be 1..65535")
     if settings.default_timeout <= 0 or settings.max_timeout < settings.default_timeout:

@@ -100,7 +100,7 @@ OPS: tuple[Op, ...] = (
     Op("GET", "/v1/executions/{id}/stream", api_exec.exec_attach, "events",
        errors=(404, 410), params=(ID, CURSOR, ENCODING)),
     Op("POST", "/v1/executions/{id}/stdin", api_exec.exec_stdin, models.StdinResult,
-       errors=RUNNING, body=models.StdinRequest, params=(ID,)),
+       errors=(*RUNNING, 429), body=models.StdinRequest, params=(ID,)),
     Op("POST", "/v1/executions/{id}/signal", api_exec.exec_signal, models.Execution,
        errors=RUNNING, body=models.SignalRequest, params=(ID,)),
     Op("POST", "/v1/executions/{id}/cancel", api_exec.exec_cancel, models.Execution,

@@ -1,0 +1,92 @@
+"""Memory and disk budgets follow the container's limits."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+from conftest import Sandbox, rss_kib
+
+from sandbox_agent.config import MiB, Settings, derive_budgets, load
+
+
+def test_budgets_derive_from_the_memory_limit_unless_set() -> None:
+    s = load({"SANDBOX_AGENT_MEMORY_LIMIT_BYTES": str(256 * MiB)})
+    assert s.memory_limit_bytes == 256 * MiB
+    assert s.max_concurrent_executions == 16
+    assert MiB <= s.max_capture_bytes < 2 * MiB  # a 1 MiB output still fits whole
+    assert s.log_memory_total_bytes == s.capture_memory_total_bytes == 16 * MiB
+    assert s.malloc_keep_bytes == 32 * MiB
+    explicit = load(
+        {
+            "SANDBOX_AGENT_MEMORY_LIMIT_BYTES": str(256 * MiB),
+            "SANDBOX_AGENT_MAX_CAPTURE_BYTES": str(4 * MiB),
+        }
+    )
+    assert explicit.max_capture_bytes == 4 * MiB
+    # a large limit keeps the plain defaults
+    big = derive_budgets(64 << 30)
+    d = Settings()
+    assert big["max_capture_bytes"] == d.max_capture_bytes
+    assert big["max_concurrent_executions"] == d.max_concurrent_executions
+
+
+def test_output_floods_stay_inside_a_256mib_budget(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(memory_limit_bytes=256 * MiB, max_log_dir_bytes=96 * MiB)
+    assert sb.agent is not None
+    before = rss_kib(sb.agent.pid)
+    peak = before
+
+    def flood(_: int) -> str:
+        r = sb.client.post(
+            "/v1/executions",
+            json={"command": "yes AAAAAAAAAAAAAAAAAAAAAAAAAAAAAA | head -c 67108864"},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        return str(r.json()["status"])
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(flood, i) for i in range(16)]
+        while not all(f.done() for f in futures):
+            peak = max(peak, rss_kib(sb.agent.pid))
+            concurrent.futures.wait(futures, timeout=0.02)
+        assert [f.result() for f in futures] == ["completed"] * 16
+    assert (peak - before) < 96 * 1024, (before, peak)
+    du = sum(p.stat().st_blocks * 512 for p in sb.logs.rglob("*") if p.is_file())
+    assert du <= 96 * MiB, du
+
+
+def test_archive_uploads_are_spooled_in_the_workspace(fresh: Callable[..., Sandbox]) -> None:
+    """Not in the agent's /tmp, a small volume in a pod (filling it evicts the pod)."""
+    import io
+    import os
+    import tarfile
+    import time
+    from collections.abc import Iterator
+
+    sb = fresh(runner=False)
+    assert sb.agent is not None
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        ti = tarfile.TarInfo("big.bin")
+        ti.size = 8 * MiB
+        tar.addfile(ti, io.BytesIO(b"z" * ti.size))
+    data = buf.getvalue()
+    seen: list[str] = []
+
+    def body() -> Iterator[bytes]:
+        yield data[: len(data) // 2]
+        time.sleep(0.5)  # the first half is spooled by now
+        fds = Path(f"/proc/{sb.agent.pid}/fd")  # type: ignore[union-attr]
+        for fd in fds.iterdir():
+            with contextlib.suppress(OSError):
+                seen.append(os.readlink(fd))
+        yield data[len(data) // 2 :]
+
+    r = sb.client.put("/v1/files/archive", params={"path": "up"}, content=body())
+    assert r.status_code == 200, r.text
+    spools = [t for t in seen if t.endswith("(deleted)")]
+    assert spools and all(t.startswith(str(sb.workspace)) for t in spools), seen
