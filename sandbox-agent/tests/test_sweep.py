@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Sandbox, wait_until
+from conftest import PY, Sandbox, wait_until
 
 from sandbox_agent import runner as wire
 
@@ -350,3 +350,71 @@ def test_environ_reading_is_bounded_and_byte_exact(reap: Leftovers) -> None:
     assert wire._environ_mark(str(near.pid)) is None
     near.wait()
     assert wire._environ_mark(str(near.pid)) is None  # gone
+
+
+def _in_own_pid_namespace(sb: Sandbox) -> subprocess.Popen[bytes]:
+    """The runner as PID 1 of a PID namespace of its own, as in the sandbox container."""
+    out = open(sb.root / "runner.log", "ab")  # noqa: SIM115 - lives as long as the process
+    p = subprocess.Popen(
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount-proc",
+            PY,
+            str(sb.runtime / "runner.py"),
+        ],
+        cwd=sb.workspace,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"},
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    out.close()
+    sb.runners.append(p)
+    wait_until(lambda: sb.anon.get("/readyz").status_code == 200, 15.0)
+    return p
+
+
+# Sheds its mark (env -i) and its process group (setsid), and writes its pid
+# as the namespace sees it; its argv is unique so the host can find it.
+UNMARKED = "env -i /bin/sh -c 'setsid sleep {n} </dev/null >/dev/null 2>&1 &' \nsleep 0.3\n"
+
+
+def _host_pids(argv: str) -> list[int]:
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").strip() == (
+                    argv.encode()
+                ):
+                    pids.append(int(name))
+    return pids
+
+
+def test_as_pid_1_processes_that_shed_the_mark_are_killed_too(
+    fresh: Callable[..., Sandbox], reap: Leftovers
+) -> None:
+    """A timeout and a cancel reach a daemon that removed the mark from its
+    environment, by its start time; a daemon an earlier command left behind
+    on purpose (also unmarked) is not touched."""
+    sb = fresh(runner=False)
+    reap.roots.append(sb.workspace)
+    _in_own_pid_namespace(sb)
+    n = 4000 + os.getpid() % 1000
+    kept = sb.sh(UNMARKED.format(n=n))  # ends normally: its daemon stays
+    assert kept["status"] == "completed", kept
+    keeper = _host_pids(f"sleep {n}")
+    assert len(keeper) == 1
+    timed = sb.sh(UNMARKED.format(n=n + 1) + "sleep 300\n", timeoutSeconds=2)
+    assert timed["status"] == "timed_out", timed
+    assert _host_pids(f"sleep {n + 1}") == [], "an unmarked daemon survived the timeout"
+    ex = sb.run(expect=202, command=UNMARKED.format(n=n + 2) + "sleep 300\n", background=True)
+    wait_until(lambda: _host_pids(f"sleep {n + 2}"), 10)
+    r = sb.client.post(f"/v1/executions/{ex['id']}/cancel", json={})
+    assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+    assert _host_pids(f"sleep {n + 2}") == [], "an unmarked daemon survived the cancel"
+    assert _host_pids(f"sleep {n}") == keeper, "the earlier command's daemon was killed"
+    for pid in keeper:
+        os.kill(pid, signal.SIGKILL)

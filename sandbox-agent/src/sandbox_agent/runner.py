@@ -40,6 +40,7 @@ container restarted.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -275,13 +276,73 @@ def _pgrp(pid: str) -> int:
         os.close(fd)
 
 
+def _start_ticks(pid: str) -> int:
+    """When a process started, in clock ticks since boot (0 if it cannot be read)."""
+    try:
+        fd = os.open("/proc/" + pid + "/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return 0
+    try:
+        fields = os.read(fd, 4096).rpartition(b")")[2].split()
+        return int(fields[19])  # field 22 of stat(5); fields[0] is field 3
+    except (OSError, ValueError, IndexError):
+        return 0
+    finally:
+        os.close(fd)
+
+
+def _now_ticks() -> int:
+    try:
+        with open("/proc/uptime", "rb") as f:
+            return int(float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class Windows:
+    """When each command ran, in clock ticks, to attribute processes that
+    carry no mark (it was removed, ``env -i``; or the environment cannot be
+    read, a process made not dumpable) to a command by their start time.
+
+    Used only where the runner is PID 1, i.e. owns its PID namespace (the
+    sandbox container): everything in it was started through the runner, so
+    a process that started while exactly one command was running is that
+    command's. One that started while several ran, or none, is nobody's and
+    is left alone (a conservative rule: no wrong kill of another command's
+    processes; the mark remains the way to tell those apart)."""
+
+    def __init__(self) -> None:
+        self.running: dict[bytes, int] = {}
+        self.ended: collections.deque[tuple[bytes, int, int]] = collections.deque(maxlen=4096)
+
+    def opened(self, mark: bytes, start: int) -> None:
+        self.running[mark] = start
+
+    def closed(self, mark: bytes) -> None:
+        start = self.running.pop(mark, None)
+        if start is not None:
+            self.ended.append((mark, start, _now_ticks()))
+
+    def owner(self, start: int) -> bytes | None:
+        if not start:
+            return None
+        owners = {m for m, s in self.running.items() if s <= start}
+        owners.update(m for m, s, e in self.ended if s <= start <= e)
+        return owners.pop() if len(owners) == 1 else None
+
+
 def _signal_marked(
-    marks: Iterable[bytes], sig: int, then: int = 0, skip_group: int = 0
+    marks: Iterable[bytes],
+    sig: int,
+    then: int = 0,
+    skip_group: int = 0,
+    windows: Windows | None = None,
 ) -> dict[bytes, int]:
     """Send ``sig`` to every process (but us) whose mark is one of ``marks``,
     then ``then`` (if given) to all of them; how many each mark had. Members
     of process group ``skip_group`` (already signalled with killpg) are left
-    out, so that nobody gets a TERM twice.
+    out, so that nobody gets a TERM twice. With ``windows``, a process without
+    a readable mark counts as the command it started under (see Windows).
 
     /proc is read as found: processes come and go during the scan (a vanished
     one simply does not count), and a process we may not signal still counts.
@@ -303,6 +364,8 @@ def _signal_marked(
         if pid == me:
             continue
         mark = _environ_mark(name)
+        if mark is None and windows is not None:
+            mark = windows.owner(_start_ticks(name))
         if mark is None or mark not in wanted:
             continue
         if skip_group and _pgrp(name) == skip_group:
@@ -355,6 +418,9 @@ class Runner:
         self.conns: dict[int, Conn] = {}
         self.sweeps: dict[bytes, Sweep] = {}
         self.spawned = 0  # for marks of spawns that name none
+        # As PID 1 we own the PID namespace: processes that shed their mark
+        # are attributed by start time (see Windows).
+        self.windows: Windows | None = Windows() if os.getpid() == 1 else None
         self.stopping = 0.0
         # Tells this runner from the one a restarted container starts (the pid
         # is 1 in both): the agent keys "restart the runtime" to an instance.
@@ -450,7 +516,7 @@ class Runner:
         for pid, child in list(self.by_pid.items()):
             with contextlib.suppress(OSError):
                 os.killpg(pid, sig)
-            _signal_marked((child.mark,), sig, skip_group=pid)
+            _signal_marked((child.mark,), sig, skip_group=pid, windows=self.windows)
 
     # -- sweeps: a command's processes, wherever they went ------------------
 
@@ -465,7 +531,7 @@ class Runner:
         elif sig == signal.SIGTERM:
             child.ending = True
             if child.sweep is None:  # the request reaches them all, once
-                _signal_marked((child.mark,), sig, skip_group=child.pid)
+                _signal_marked((child.mark,), sig, skip_group=child.pid, windows=self.windows)
             self._maybe_finish(child)  # an exit already seen: sweep now
 
     def _start_sweep(self, child: Child) -> None:
@@ -489,7 +555,9 @@ class Runner:
             return
         # Stopped processes cannot fork (nor restart what we kill): stop each
         # as soon as it is found, kill them all once the pass is through.
-        found = _signal_marked([s.mark for s in due], signal.SIGSTOP, signal.SIGKILL)
+        found = _signal_marked(
+            [s.mark for s in due], signal.SIGSTOP, signal.SIGKILL, windows=self.windows
+        )
         now = time.monotonic()
         for s in due:
             s.left = found.get(s.mark, 0)
@@ -521,7 +589,7 @@ class Runner:
         deadline = time.monotonic() + seconds
         clean = 0
         while marks and clean < 2 and time.monotonic() < deadline:
-            if _signal_marked(marks, signal.SIGSTOP, signal.SIGKILL):
+            if _signal_marked(marks, signal.SIGSTOP, signal.SIGKILL, windows=self.windows):
                 clean = 0
             else:
                 clean += 1
@@ -784,6 +852,8 @@ class Runner:
             if fd not in (out_r, err_r, in_w):
                 os.close(fd)  # the child's ends (and the script: the child holds it now)
         child = Child(conn, channel, pid, mark)
+        if self.windows is not None:
+            self.windows.opened(mark, _start_ticks(str(pid)) or _now_ticks())
         child.out_fd = out_r
         child.err_fd = err_r
         for fd, ftype in ((out_r, T_STDOUT), (err_r, T_STDERR)):
@@ -951,6 +1021,8 @@ class Runner:
             if not child.drain_deadline:
                 child.drain_deadline = time.monotonic() + DRAIN_GRACE
             return
+        if self.windows is not None:
+            self.windows.closed(child.mark)
         self._finish(child)
 
     def _check_drain_deadlines(self) -> None:
