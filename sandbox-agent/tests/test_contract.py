@@ -156,3 +156,37 @@ def test_fuzzed_agent_still_healthy(fuzz_target: Sandbox) -> None:
     ws_mode = fuzz_target.workspace.stat().st_mode & 0o7777
     assert ws_mode == 0o777, oct(ws_mode)
     assert "Traceback" not in fuzz_target.agent_log(), fuzz_target.agent_log()
+
+
+def test_stateful_sequences_no_server_errors(fuzz_target: Sandbox) -> None:
+    """Sequences of calls that feed answers into later calls (links inferred
+    from the document: an execution started, then read, streamed, signalled,
+    fed stdin, cancelled, deleted...): still no 5xx and no undocumented answer."""
+    schema = schemathesis.openapi.from_dict(json.loads(CHECKED_IN.read_text()))
+    auth = {"Authorization": f"Bearer {fuzz_target.token}"}
+    seen: list[tuple[str, int]] = []
+
+    class Workflow(schema.as_state_machine()):  # type: ignore[misc]
+        def get_call_kwargs(self, case: Any) -> dict[str, Any]:
+            return {"base_url": fuzz_target.base_url, "headers": auth, "timeout": 30}
+
+        def validate_response(self, response: Any, case: Any, *args: Any, **kwargs: Any) -> None:
+            seen.append((f"{case.method} {case.path}", response.status_code))
+            case.validate_response(response, checks=CHECKS)
+            assert response.status_code < 500, (response.status_code, response.text[:500])
+
+    Workflow.run(
+        settings=settings(
+            max_examples=40,
+            stateful_step_count=6,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
+    )
+    # Some sequence reached an execution through a link (an id from an answer).
+    assert any(
+        label.startswith(("GET /v1/executions/{id}", "POST /v1/executions/{id}")) and status == 200
+        for label, status in seen
+    ), sorted(set(seen))
