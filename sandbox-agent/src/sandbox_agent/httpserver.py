@@ -42,6 +42,7 @@ MAX_HEADER_BYTES = 64 * 1024
 BODY_HIGH_WATER = 8 << 20  # stop reading the socket while this much body is unread
 IDLE_TIMEOUT = 75.0  # keep-alive connections with no request in flight
 HEADER_TIMEOUT = 30.0  # a started request must finish its headers in this time
+SEND_TIMEOUT = 120.0  # a client that reads nothing of its answers this long is dropped
 MAX_DISCARD = 16 << 20  # unread request body we drain to keep a connection alive
 MAX_PIPELINE = 8  # requests parsed and waiting behind the running one
 # Bytes handed to the parser at once. httptools cannot stop in the middle of
@@ -232,6 +233,7 @@ class HttpProtocol(asyncio.Protocol):
         self.writing_paused = False
         self.drain_waiter: asyncio.Future[None] | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.send_timer: asyncio.TimerHandle | None = None
         self.discarding: _Cycle | None = None
         self.discarded = 0
         self.closed = False
@@ -268,6 +270,9 @@ class HttpProtocol(asyncio.Protocol):
         self.backlog = None
         self.server.connections.discard(self)
         self._disarm()
+        if self.send_timer is not None:
+            self.send_timer.cancel()
+            self.send_timer = None
         for cycle in (self.running, self.parsing, *self.queue):
             if cycle is not None:
                 cycle.disconnected = True
@@ -337,9 +342,14 @@ class HttpProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.writing_paused = True
+        if self.send_timer is None:
+            self.send_timer = self.loop.call_later(SEND_TIMEOUT, self._abort)
 
     def resume_writing(self) -> None:
         self.writing_paused = False
+        if self.send_timer is not None:
+            self.send_timer.cancel()
+            self.send_timer = None
         w = self.drain_waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -518,6 +528,14 @@ class HttpProtocol(asyncio.Protocol):
             self.closed = True
             self.backlog = None
             self.transport.close()
+
+    def _abort(self) -> None:
+        # close() would wait for the send buffer to drain, which a client that
+        # does not read never lets happen.
+        if self.transport is not None:
+            self.closed = True
+            self.backlog = None
+            self.transport.abort()
 
     def _reject(self, status: int, message: bytes) -> None:
         if self.running is None or not self.running.response_started:
