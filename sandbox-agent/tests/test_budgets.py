@@ -56,7 +56,8 @@ def test_output_floods_stay_inside_a_256mib_budget(fresh: Callable[..., Sandbox]
         assert [f.result() for f in futures] == ["completed"] * 16
     assert (peak - before) < 96 * 1024, (before, peak)
     du = sum(p.stat().st_blocks * 512 for p in sb.logs.rglob("*") if p.is_file())
-    assert du <= 96 * MiB, du
+    # the logs' budget, plus the journal and block rounding
+    assert du <= 97 * MiB, du
 
 
 def test_archive_uploads_are_spooled_in_the_workspace(fresh: Callable[..., Sandbox]) -> None:

@@ -327,7 +327,10 @@ class Windows:
         if not start:
             return None
         owners = {m for m, s in self.running.items() if s <= start}
-        owners.update(m for m, s, e in self.ended if s <= start <= e)
+        # An ended command's window excludes its last tick (10 ms): the next
+        # command often starts within it, and what starts then is far more
+        # likely the new command's than a last-moment child of the old one.
+        owners.update(m for m, s, e in self.ended if s <= start < e)
         return owners.pop() if len(owners) == 1 else None
 
 
