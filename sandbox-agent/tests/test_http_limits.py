@@ -3,9 +3,12 @@ answers, connection counts, errors that must not cost the connection."""
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 import subprocess
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -184,3 +187,37 @@ def test_readiness_reveals_no_paths(fresh: Callable[..., Sandbox]) -> None:
     body = r.text
     assert str(sb.root) not in body and "sock" not in body, body
     assert r.json()["reason"] == "runner_not_connected"
+
+
+def test_bounds_never_stall_a_legitimate_pipeline(sandbox: Sandbox, wsdir: str) -> None:
+    """Requests, a chunked upload and a large upload sent back to back on one
+    connection before any answer is read: all are served, in order, whole."""
+    auth = f"Authorization: Bearer {sandbox.token}\r\n".encode()
+    big = os.urandom(1 << 20) * 24  # 24 MiB, far past every pre-read bound
+    chunked = (
+        b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in (b"a" * 70000, b"b" * 5)) + b"0\r\n\r\n"
+    )
+    wire = (
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 20
+        + f"PUT /v1/files/content?path={wsdir}/chunked HTTP/1.1\r\nHost: x\r\n".encode()
+        + auth
+        + b"Transfer-Encoding: chunked\r\n\r\n"
+        + chunked
+        + f"PUT /v1/files/content?path={wsdir}/big HTTP/1.1\r\nHost: x\r\n".encode()
+        + auth
+        + b"Content-Length: %d\r\n\r\n" % len(big)
+        + big
+        + b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    s = socket.create_connection((sandbox.host, sandbox.port), timeout=60)
+    sender = threading.Thread(target=s.sendall, args=(wire,))
+    sender.start()
+    data = b""
+    while chunk := s.recv(1 << 16):
+        data += chunk
+    sender.join()
+    s.close()
+    statuses = [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", data)]
+    assert statuses == [200] * 23, statuses
+    assert (sandbox.workspace / wsdir / "chunked").read_bytes() == b"a" * 70000 + b"b" * 5
+    assert (sandbox.workspace / wsdir / "big").read_bytes() == big
