@@ -9,6 +9,7 @@ tarfile's "data" filter as a second line of defence against escapes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import queue
 import stat as st
@@ -109,6 +110,23 @@ def _filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
     return new
 
 
+# Debian bookworm's python3 (3.11.2, the agent image's) predates tarfile's
+# extraction filters (3.11.4): `extract(filter=...)` is a TypeError there.
+_HAS_FILTERS = hasattr(tarfile, "data_filter")
+
+
+def _normalized(member: tarfile.TarInfo) -> tarfile.TarInfo:
+    """What `_filter` does, where tarfile has no filters: scan() has already
+    refused every name, type and link that could leave the directory; here the
+    modes lose setuid/setgid/sticky bits and the ownership is our own."""
+    new = copy.copy(member)
+    if member.isreg() or member.isdir():
+        base = 0o700 if member.isdir() else 0o600
+        new.mode = _group_like_owner(member.mode | base)
+    new.uid, new.gid, new.uname, new.gname = os.getuid(), os.getgid(), "", ""
+    return new
+
+
 def extract(ws: Workspace, rel: str, spool: IO[bytes], s: Settings) -> models.ArchiveResult:
     dest = ws.resolve(rel)
     with os_errors(rel):
@@ -134,7 +152,10 @@ def extract(ws: Workspace, rel: str, spool: IO[bytes], s: Settings) -> models.Ar
                     if os.path.islink(existing):
                         os.unlink(existing)
                 try:
-                    tar.extract(m, dest, filter=_filter)
+                    if _HAS_FILTERS:
+                        tar.extract(m, dest, filter=_filter)
+                    else:
+                        tar.extract(_normalized(m), dest)
                 except (tarfile.TarError, EOFError) as exc:
                     raise Invalid("invalid_archive", f"cannot extract {m.name!r}: {exc}") from None
             total += max(m.size, 0)
