@@ -67,7 +67,8 @@ func devclusterTable() string {{
     build.SourcePatch(
         "cmd/kube-proxy/app/server_linux.go",
         "if !isIPTablesBased(mode) || cleanupAndExit {",
-        f'if (!isIPTablesBased(mode) && os.Getenv("{KUBE_PROXY_TABLE_ENV}") == "") || cleanupAndExit {{',
+        "if (!isIPTablesBased(mode) && "
+        f'os.Getenv("{KUBE_PROXY_TABLE_ENV}") == "") || cleanupAndExit {{',
         "a per-cluster kube-proxy leaves the iptables/IPVS rules of others alone",
     ),
 )

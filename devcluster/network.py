@@ -40,6 +40,10 @@ log = logging.getLogger("devcluster.network")
 POD_SUPERNET = ipaddress.IPv4Network("10.88.0.0/16")
 """Each node cluster takes one /24 of this."""
 SUBNET_PREFIX = 24
+SERVICE_SUPERNET = ipaddress.IPv4Network("10.96.0.0/16")
+"""...and the /24 of this with the same third octet for its Services: every
+node cluster's kube-proxy programs this machine's one network namespace, so
+two clusters must never hand out the same ClusterIP."""
 CNI_BIN_DIR = Path("/usr/lib/cni")
 # portmap's shared chains (nat table); per-pod chains are CNI-DN-<hash>.
 _HOSTPORT_CHAINS = ("CNI-HOSTPORT-DNAT", "CNI-HOSTPORT-SETMARK", "CNI-HOSTPORT-MASQ")
@@ -69,6 +73,18 @@ class PodNetwork:
     def gateway(self) -> str:
         return str(next(self.subnet.hosts()))
 
+    @property
+    def service_subnet(self) -> ipaddress.IPv4Network:
+        """The cluster's Service (ClusterIP) range: the /24 of SERVICE_SUPERNET
+        at the pod subnet's place in POD_SUPERNET."""
+        return service_subnet_of(self.subnet)
+
+    @property
+    def dns_ip(self) -> str:
+        """The `kube-dns` Service's ClusterIP (the kubelet's clusterDNS): .10,
+        as kubeadm chooses it."""
+        return str(self.service_subnet.network_address + 10)
+
     def cni_config(self, ipam_dir: Path) -> dict[str, object]:
         """The conflist containerd's CRI plugin loads (cni.conf_dir)."""
         return {
@@ -93,6 +109,11 @@ class PodNetwork:
                 {"type": "portmap", "capabilities": {"portMappings": True}},
             ],
         }
+
+
+def service_subnet_of(subnet: ipaddress.IPv4Network) -> ipaddress.IPv4Network:
+    offset = int(subnet.network_address) - int(POD_SUPERNET.network_address)
+    return ipaddress.IPv4Network((int(SERVICE_SUPERNET.network_address) + offset, SUBNET_PREFIX))
 
 
 def _ip_json(*args: str) -> list[dict[str, object]]:
@@ -148,9 +169,15 @@ def allocate(cluster: str, record: Path, lock_dir: Path) -> PodNetwork:
                 continue
             with contextlib.suppress(OSError, ValueError):
                 reserved.append(records.load(PodNetwork, other).subnet)
+
+        def free(subnet: ipaddress.IPv4Network, blocked: list[ipaddress.IPv4Network]) -> bool:
+            # The Service range goes with the pod subnet: both must be free.
+            ranges = (subnet, service_subnet_of(subnet))
+            return not any(r.overlaps(net) for r in ranges for net in blocked)
+
         with contextlib.suppress(OSError, ValueError):
             previous = records.load(PodNetwork, record)
-            if not any(previous.subnet.overlaps(net) for net in used + reserved):
+            if free(previous.subnet, used + reserved):
                 return previous
         subnets = list(POD_SUPERNET.subnets(new_prefix=SUBNET_PREFIX))
         # Start at a place given by the name: a cluster tends to get the same
@@ -159,7 +186,7 @@ def allocate(cluster: str, record: Path, lock_dir: Path) -> PodNetwork:
         for blocked in (used + reserved, used):
             for offset in range(len(subnets)):
                 subnet = subnets[(start + offset) % len(subnets)]
-                if not any(subnet.overlaps(net) for net in blocked):
+                if free(subnet, blocked):
                     network = PodNetwork(cluster, subnet)
                     records.save(network, record)
                     return network
