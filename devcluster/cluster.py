@@ -314,6 +314,7 @@ class LocalCluster(ControlPlane):
         # Before the API server's flags and serving certificate are made.
         self.service_cidr = str(pod_net.service_subnet)
         network.create_bridge(pod_net)
+        network.enable_forwarding(pod_net)
         self._update_record(
             node_ports=NodePorts(*free_ports(6)),
             node_name=self.node_name,
@@ -685,6 +686,8 @@ disabled_plugins = [
                 network.delete_bridge(pod_net)
             if network.bridge_exists(pod_net.bridge):
                 problems.append(f"bridge {pod_net.bridge} is still there")
+            else:
+                network.remove_forward_table(pod_net)
             rules = network.remove_iptables_rules(pod_net)
             if rules:
                 log.info("removed %d iptables rules left by a crashed run", len(rules))

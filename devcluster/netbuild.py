@@ -10,16 +10,27 @@
   kube-proxy on this machine may be using them).
 - CoreDNS: a main package of our own (devcluster/dns/coredns) against the
   pinned CoreDNS module, with the few plugins the Corefile names.
-- kube-network-policies: upstream's `standard` command, patched twice:
-  this kernel has no nftables `queue` expression (CONFIG_NFT_QUEUE is not
+- kube-network-policies: upstream's `standard` command, patched three times.
+  This kernel has no nftables `queue` expression (CONFIG_NFT_QUEUE is not
   set; `nft add rule ... queue` answers "No such file or directory"), so
   packets are sent to NFQUEUE through the xtables target over nft_compat
-  (CONFIG_NFT_COMPAT and CONFIG_NETFILTER_XT_TARGET_NFQUEUE are there); and
-  its nftables table is named by the cluster (`$DEVCLUSTER_NETWORK_POLICY_TABLE`).
+  (CONFIG_NFT_COMPAT and CONFIG_NETFILTER_XT_TARGET_NFQUEUE are there). Its
+  nftables table is named by the cluster (`$DEVCLUSTER_NETWORK_POLICY_TABLE`).
+  And packets of established connections pass without the conntrack label
+  upstream requires: the enforcer accepts a connection's first packet with
+  a verdict that also labels its conntrack entry, and lets later packets
+  through by that label; here the verdict is applied but the label never
+  appears (`conntrack -L -o labels`), so every reply was queued again and
+  judged as a new connection the other way (a sandbox's DNS answer, say,
+  refused by the sandbox's own ingress policy). Without the label, "strict
+  mode" (cutting established connections when a policy changes) cannot work
+  and is off: a policy change applies to new connections, which is what the
+  NetworkPolicy API promises.
 
-Patches are applied to a copy of the module (`build.SourcePatch`); each is checked to apply to
-exactly the text it was written for, so a version bump that moves that text
-fails the build instead of silently building upstream's behaviour.
+Patches are applied to a copy of the module (`build.SourcePatch`); each is
+checked to apply to exactly the text it was written for, so a version bump
+that moves that text fails the build instead of silently building
+upstream's behaviour.
 """
 
 from __future__ import annotations
@@ -112,6 +123,18 @@ func devclusterQueue(num uint16, bypass bool) expr.Any {
         "queue := devclusterQueue(uint16(c.config.QueueID), c.config.FailOpen)",
         "every queue rule uses the xtables target",
         count=2,
+    ),
+    build.SourcePatch(
+        "pkg/dataplane/controller.go",
+        "\t\t\t&expr.Ct{Register: 0x1, Key: expr.CtKeyLABELS},\n"
+        "\t\t\t&expr.Bitwise{SourceRegister: 0x1, DestRegister: 0x1, Len: 16, "
+        "Mask: generateLabelMask(c.config.CTLabelAccept), Xor: make([]byte, 16)},\n"
+        "\t\t\t&expr.Cmp{Op: expr.CmpOpNeq, Register: 0x1, Data: make([]byte, 16)},\n"
+        "\t\t\t&expr.Ct{Register: 0x1, Key: expr.CtKeySTATE},",
+        "\t\t\t&expr.Ct{Register: 0x1, Key: expr.CtKeySTATE},",
+        "established/related packets pass without the conntrack label: a label set "
+        "through the NFQUEUE verdict does not stick on this kernel, so replies were "
+        "judged as new connections the other way",
     ),
     build.SourcePatch(
         "cmd/kube-network-policies/standard/main.go",

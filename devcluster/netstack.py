@@ -84,8 +84,10 @@ def nfqueue_id(pod_net: network.PodNetwork) -> int:
 
 
 def tables_of(pod_net: network.PodNetwork) -> list[tuple[str, str]]:
-    """(family, name) of the nftables tables this cluster may have made."""
+    """(family, name) of the nftables tables this cluster may have made
+    (the bridge's forwarding guard of devcluster.network included)."""
     return [
+        ("inet", network.forward_table(pod_net)),
         ("ip", kube_proxy_table(pod_net)),
         ("ip6", kube_proxy_table(pod_net)),
         ("inet", network_policy_table(pod_net)),
@@ -116,8 +118,11 @@ def delete_tables(tables: list[tuple[str, str]]) -> None:
 
 
 def remove_tables(pod_net: network.PodNetwork) -> list[str]:
-    """Delete this cluster's nftables tables; the ones still there after."""
-    delete_tables(tables_of(pod_net))
+    """Delete this cluster's nftables tables; the ones still there after.
+    The bridge's forwarding guard stays while the bridge does."""
+    guard = ("inet", network.forward_table(pod_net))
+    keep = [guard] if network.bridge_exists(pod_net.bridge) else []
+    delete_tables([table for table in tables_of(pod_net) if table not in keep])
     return [f"{family} {name}" for family, name in sorted(set(tables_of(pod_net)) & nft_tables())]
 
 
@@ -458,6 +463,9 @@ def components(
                 # Not needed on kernels 6.12+ (this one is 6.18), and it adds
                 # DNS rules to the prerouting hook.
                 "--netfilter-bug-1766-fix=false",
+                # Needs conntrack labels set through NFQUEUE verdicts, which do
+                # not stick on this kernel (see devcluster/netbuild.py).
+                "--strict-mode=false",
                 "--v=1",
             ],
             env={"DEVCLUSTER_NETWORK_POLICY_TABLE": policy_table},

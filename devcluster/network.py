@@ -215,6 +215,54 @@ def create_bridge(network: PodNetwork) -> None:
     _ip("link", "set", network.bridge, "up")
 
 
+def forward_table(network: PodNetwork) -> str:
+    """The nftables table (inet family) that keeps the bridge's forwarding
+    inside the bridge."""
+    return f"{network.bridge}-forward"
+
+
+def _nft(*args: str, script: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["nft", *args], input=script, capture_output=True, text=True, check=False)
+
+
+def enable_forwarding(network: PodNetwork) -> None:
+    """Let packets that arrive from the pods be routed, but only back onto the
+    bridge. Idempotent.
+
+    A pod's packet to a ClusterIP is addressed to the bridge's own MAC; once
+    kube-proxy has rewritten its destination to another pod it must be
+    routed, bridge to bridge, and this kernel (6.18) routes it only with
+    forwarding on for the interface it came in on (br_netfilter's old
+    "bridged DNAT" path without forwarding no longer delivers it). This
+    turns forwarding on for this bridge alone (net.ipv4.conf.<bridge>.
+    forwarding; the host-wide net.ipv4.ip_forward stays as it is), and the
+    table drops every forwarded packet from the bridge to any other
+    interface first: pods still reach nothing beyond this machine, nor other
+    clusters' pods. The table is written before forwarding is switched on.
+    """
+    name, bridge = forward_table(network), network.bridge
+    script = f"""add table inet {name}
+delete table inet {name}
+table inet {name} {{
+    chain forward {{
+        type filter hook forward priority filter; policy accept;
+        iifname "{bridge}" oifname != "{bridge}" counter drop comment "{network.name}: pods only"
+    }}
+}}
+"""
+    done = _nft("-f", "-", script=script)
+    if done.returncode != 0:
+        raise NetworkError(f"nft: {done.stderr.strip()}")
+    Path(f"/proc/sys/net/ipv4/conf/{bridge}/forwarding").write_text("1")
+
+
+def remove_forward_table(network: PodNetwork) -> None:
+    """Delete the table of `enable_forwarding` (after the bridge, whose
+    forwarding setting goes with it)."""
+    if _nft("list", "table", "inet", forward_table(network)).returncode == 0:
+        _nft("delete", "table", "inet", forward_table(network))
+
+
 def delete_bridge(network: PodNetwork) -> None:
     """Remove the bridge and any veth still enslaved to it (their peers in
     pod namespaces go with them)."""
