@@ -362,6 +362,16 @@ def wait_for_dns(kubeconfig: Path, timeout: float = 120.0) -> None:
 # ---- host processes ---------------------------------------------------------------
 
 
+def _write_if_changed(path: Path, text: str) -> None:
+    """kube-proxy exits ("content of the proxy server's configuration file was
+    updated") on any write to its config file, and the component list (so
+    this file) is made again by every status() and stop()."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.read_text() == text:
+            return
+    path.write_text(text)
+
+
 def components(
     *,
     pod_net: network.PodNetwork,
@@ -392,7 +402,8 @@ def components(
         pki.ensure_leaf(certs, "kube-network-policies", pki.Leaf(NETWORK_POLICY_USER, client=True)),
     )
     proxy_config = directory / "kube-proxy.yaml"
-    proxy_config.write_text(
+    _write_if_changed(
+        proxy_config,
         yaml.safe_dump(
             {
                 "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
@@ -426,7 +437,7 @@ def components(
                 "nftables": {"minSyncPeriod": "0s", "syncPeriod": "30s"},
             },
             sort_keys=False,
-        )
+        ),
     )
     queue = nfqueue_id(pod_net)
     proxy_table = kube_proxy_table(pod_net)
