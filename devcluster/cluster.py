@@ -432,7 +432,6 @@ class LocalCluster(ControlPlane):
                 pod_net=pod_net,
                 node_name=self.node_name,
                 state_dir=self.state_dir,
-                server=server,
                 certs=certs,
                 binaries=binaries,
                 kubeconfig=self.kubeconfig,

@@ -28,7 +28,10 @@ What makes the node behave like the clusters users run, as a client sees it:
   bridges, so a pod's traffic to an address of this machine itself (the
   node address, where the API server and kubelet listen) is never filtered.
   Fail-closed (`--fail-open=false`): while it is not running, packets to and
-  from pods that a policy selects are dropped, not let through.
+  from pods that a policy selects are dropped, not let through. Built with three
+  patches for this kernel and for per-cluster names (netbuild.py).
+- The bridge's forwarding guard (devcluster.network.enable_forwarding):
+  what lets a pod's packet reach another pod through a ClusterIP.
 
 `components()` returns kube-proxy and kube-network-policies as `Component`s
 of `LocalCluster` (after the kubelet). kube-proxy's post-start hook applies
@@ -377,7 +380,6 @@ def components(
     pod_net: network.PodNetwork,
     node_name: str,
     state_dir: Path,
-    server: str,
     certs: pki.PKI,
     binaries: Mapping[str, Path],
     kubeconfig: Path,
