@@ -27,17 +27,14 @@ def node_cluster(name: str, *, die_with_parent: bool = False) -> LocalCluster:
 def install_operator(cluster: LocalCluster, *, extra_values: list[str] | None = None) -> str:
     """`helm upgrade --install` of charts/sandbox-operator, waiting for the Deployment."""
     values = ["image.repository=sandbox-operator", "image.tag=dev", "image.pullPolicy=Never"]
-    env: list[str] = []
-    # No kube-proxy on this node: point the in-cluster client at the API server directly.
-    for index, (key, value) in enumerate(sorted(cluster.in_cluster_api_env().items())):
-        env += [f"extraEnv[{index}].name={key}", f"extraEnv[{index}].value={value}"]
+    # No extraEnv: kube-proxy on the node makes the `kubernetes` ClusterIP the
+    # kubelet injects work, as on any cluster.
     return helm.install_chart(
         cluster.kubeconfig,
         REPO / "charts" / "sandbox-operator",
         release=RELEASE,
         namespace=NAMESPACE,
         values=[*values, *(extra_values or [])],
-        string_values=env,
     )
 
 

@@ -124,7 +124,10 @@ def up() -> None:
 def down() -> None:
     cluster = deploy.node_cluster(NAME)
     cluster.stop(remove_state=True)
-    print("cluster: stopped; processes, mounts, interfaces, iptables rules and state removed")
+    print(
+        "cluster: stopped; processes, mounts, interfaces, iptables rules, nftables tables "
+        "and state removed"
+    )
 
 
 def main() -> None:
