@@ -39,11 +39,15 @@ def install_operator(cluster: LocalCluster, *, extra_values: list[str] | None = 
 
 
 def restart_operator(cluster: LocalCluster, timeout: float = 180) -> None:
-    """Roll the operator's Deployment (to run a newly imported image of the same tag)."""
-    deployment = f"deployment/{RELEASE}"
+    """Roll the operator's and the gateway's Deployments (both run the operator's
+    image: a newly imported image of the same tag)."""
+    deployments = (f"deployment/{RELEASE}", f"deployment/{RELEASE}-gateway")
     for args in (
-        ("rollout", "restart", "-n", NAMESPACE, deployment),
-        ("rollout", "status", "-n", NAMESPACE, deployment, f"--timeout={int(timeout)}s"),
+        ("rollout", "restart", "-n", NAMESPACE, *deployments),
+        *(
+            ("rollout", "status", "-n", NAMESPACE, d, f"--timeout={int(timeout)}s")
+            for d in deployments
+        ),
     ):
         done = kubectl(cluster, *args, timeout=timeout + 30)
         if done.returncode != 0:
