@@ -24,10 +24,9 @@ What makes the node behave like the clusters users run, as a client sees it:
   `inet <bridge>-network-policies` and its queue number 1000 + the subnet's
   third octet (unique while the subnet is). Upstream's exception stays: it
   accepts packets of root-owned sockets of this machine (kubelet probes, and
-  the test process), and it sees only packets this machine forwards or
-  bridges, so a pod's traffic to an address of this machine itself (the
-  node address, where the API server and kubelet listen) is never filtered.
-  Fail-closed (`--fail-open=false`): while it is not running, packets to and
+  the test process). New connections from pods to this machine itself (the
+  node address, where the API server and the kubelet listen) are judged too,
+  at its input hook. Fail-closed (`--fail-open=false`): while it is not running, packets to and
   from pods that a policy selects are dropped, not let through. Built with three
   patches for this kernel and for per-cluster names (netbuild.py).
 - The bridge's forwarding guard (devcluster.network.enable_forwarding):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import textwrap
 import time
+import urllib.parse
 import uuid
 
 import pytest
@@ -176,9 +177,13 @@ def test_sandboxes_are_isolated_by_their_egress_policy(e2e: E2E) -> None:
     sandboxes.create("other")
     other_ip = sandboxes.wait_ready("other")["status"]["podIP"]
     api = e2e.kube.read(core_path("services", "default", "kubernetes"))["spec"]["clusterIP"]
+    # The API server where it listens: the node's own address, reached through
+    # the input hook rather than forwarded.
+    server = urllib.parse.urlsplit(e2e.cluster.server)
     targets = [
         ("other_agent", other_ip, 8080),
         ("api_server", api, 443),
+        ("api_server_node", server.hostname, server.port),
         ("metadata", "169.254.169.254", 80),
         ("private", "10.255.255.1", 80),
         ("gateway", f"{deploy.RELEASE}-gateway.{deploy.NAMESPACE}.svc.cluster.local", 80),
@@ -201,7 +206,7 @@ def test_sandboxes_are_isolated_by_their_egress_policy(e2e: E2E) -> None:
         results[name] = json.loads(status["stdout"])
     # Internet: DNS works, nothing private, internal or metadata does.
     assert results["open"]["dns"] == "resolved", results
-    for label in ("other_agent", "api_server", "metadata", "private"):
+    for label in ("other_agent", "api_server", "api_server_node", "metadata", "private"):
         assert results["open"][label] != "connected", (label, results)
     # None: nothing at all, not even DNS.
     assert results["closed"]["dns"] != "resolved", results
