@@ -41,12 +41,13 @@ def _up(cluster: ControlPlane) -> int:
         # Images added since the cluster started (or rebuilt) go in without a restart.
         cluster.load_images(cluster.image_names)
         net = cluster.pod_network
-        env = " ".join(f"{key}={value}" for key, value in cluster.in_cluster_api_env().items())
         print(
             f"\nNode {cluster.node_name!r}: pods on {net.subnet} (bridge {net.bridge}, "
             f"reachable from this machine), images: {', '.join(cluster.image_names)}.\n"
             f"Pods use imagePullPolicy IfNotPresent or Never (no registry is reachable).\n"
-            f"In-cluster API clients (no kube-proxy) need: {env}",
+            f"Services on {net.service_subnet} (kube-proxy; reachable from pods and from "
+            f"this machine), cluster DNS {net.dns_ip} (CoreDNS, cluster.local only), "
+            f"NetworkPolicy enforced (kube-network-policies).",
             file=sys.stderr,
         )
     kubectl = cluster.kubectl

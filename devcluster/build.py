@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from devcluster import records, versions
@@ -124,14 +125,17 @@ def _go_version() -> str:
     return proc.stdout.strip()
 
 
-def _install(built: Path, target_dir: Path, started: float, version: str) -> None:
+def _install(
+    built: Path, target_dir: Path, started: float, version: str, *, patches: Sequence[str] = ()
+) -> None:
     """Move freshly built binaries into place atomically (a rename per file),
-    each with a stamp recording the recipe and the build time."""
+    each with a stamp recording the recipe, the build time and any patches."""
     target_dir.mkdir(parents=True, exist_ok=True)
     names = sorted(binary.name for binary in built.iterdir())
-    stamp = {
+    stamp: dict[str, object] = {
         "recipe": RECIPE,
         "version": version,
+        **({"patches": list(patches)} if patches else {}),
         "go": _go_version(),
         "built_together": names,
         "seconds": round(time.monotonic() - started, 1),
@@ -179,6 +183,85 @@ def _fresh_dir(path: Path) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class SourcePatch:
+    """One edit of an upstream module's file, applied at build time to a
+    copy of the module (the module cache stays as the proxy served it).
+
+    `old` must occur exactly `count` times in the file (a new upstream
+    version that changed it fails the build loudly instead of building
+    something else), and every occurrence is replaced; `old=""` adds `path`
+    as a new file with the content `new`. `why` is written beside the binary
+    in its build stamp.
+    """
+
+    path: str
+    """Relative to the module's root."""
+    old: str
+    new: str
+    why: str
+    count: int = 1
+
+
+def patches_key(patches: Sequence[SourcePatch]) -> str:
+    """A short hash of the patches, part of the bin directory's name: an
+    edited patch is a different binary."""
+    digest = hashlib.sha256()
+    for patch in patches:
+        digest.update(f"{patch.path}\0{patch.old}\0{patch.new}\0{patch.count}\0".encode())
+    return digest.hexdigest()[:10]
+
+
+def _patched_copy(module_dir: Path, target: Path, patches: Sequence[SourcePatch]) -> Path:
+    """A copy of an upstream module with `patches` applied, for a `replace`
+    directive. The go command refuses edits beneath GOMODCACHE (even through
+    `-overlay`), so the module is copied as hard links (a second for the
+    10,000 files of k8s.io/kubernetes) and patched files are written anew
+    (unlinked first: a hard-linked file is the module cache's own)."""
+    shutil.rmtree(target, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cp", "-al", str(module_dir), str(target)], check=True)
+    written: set[Path] = set()
+    for patch in patches:
+        path = target / patch.path
+        if patch.old:
+            text = path.read_text()
+            if text.count(patch.old) != patch.count:
+                raise RuntimeError(
+                    f"patch of {module_dir / patch.path} does not apply: the text to replace "
+                    f"occurs {text.count(patch.old)} times, not {patch.count} ({patch.why})"
+                )
+            text = text.replace(patch.old, patch.new)
+        elif path.exists():
+            raise RuntimeError(f"patch adds {module_dir / patch.path}, which exists already")
+        else:
+            text = patch.new
+        # The module cache's directories are read-only; these are copies.
+        path.parent.chmod(0o755)
+        if path not in written:
+            path.unlink(missing_ok=True)
+            written.add(path)
+        path.write_text(text)
+    return target
+
+
+def _kubernetes_workdir(extra: str = "", name: str = "") -> tuple[Path, str]:
+    """The wrapper module that builds Kubernetes commands (staging modules
+    replaced by their tagged versions), and the release time for ldflags.
+    `extra` go.mod lines and a `name` suffix: a wrapper of its own."""
+    workdir = cache_root() / "build" / f"kubernetes-{versions.KUBERNETES}{name}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    staging, released = _kubernetes_module(versions.KUBERNETES, workdir)
+    replaces = "\n".join(
+        f"replace {module} => {module} {versions.KUBERNETES_STAGING}" for module in staging
+    )
+    (workdir / "go.mod").write_text(
+        f"module sandbox-operator.local/kubernetes-build\n\ngo 1.24.0\n\n{replaces}\n{extra}"
+    )
+    _go(["get", f"k8s.io/kubernetes@{versions.KUBERNETES}"], workdir)
+    return workdir, released
+
+
 def kubernetes_binaries(
     commands: tuple[str, ...] = versions.KUBERNETES_COMMANDS, *, build_missing: bool = True
 ) -> dict[str, Path]:
@@ -190,21 +273,43 @@ def kubernetes_binaries(
 
     def make(started: float) -> None:
         missing = [name for name, path in wanted.items() if not _is_current(path)]
-        workdir = cache_root() / "build" / f"kubernetes-{versions.KUBERNETES}"
-        workdir.mkdir(parents=True, exist_ok=True)
-        staging, released = _kubernetes_module(versions.KUBERNETES, workdir)
-        replaces = "\n".join(
-            f"replace {module} => {module} {versions.KUBERNETES_STAGING}" for module in staging
-        )
-        (workdir / "go.mod").write_text(
-            f"module sandbox-operator.local/kubernetes-build\n\ngo 1.24.0\n\n{replaces}\n"
-        )
-        _go(["get", f"k8s.io/kubernetes@{versions.KUBERNETES}"], workdir)
+        workdir, released = _kubernetes_workdir()
         packages = [f"k8s.io/kubernetes/cmd/{name}" for name in missing]
         ldflags = _kubernetes_ldflags(released)
         _build_into(workdir, packages, ldflags, wanted, started, versions.KUBERNETES)
 
     return _cached("kubernetes", wanted, make)
+
+
+def patched_kubernetes_binary(
+    command: str, patches: Sequence[SourcePatch], *, build_missing: bool = True
+) -> Path:
+    """A Kubernetes command built like `kubernetes_binaries` (same wrapper
+    module, GOCACHE and ldflags) with `patches` applied to k8s.io/kubernetes.
+    Its own bin directory, keyed on the patches."""
+    key = f"{versions.KUBERNETES}-patched-{patches_key(patches)}"
+    wanted = {command: cache_root() / "bin" / f"kubernetes-{key}" / command}
+    if not build_missing:
+        return wanted[command]
+
+    def make(started: float) -> None:
+        workdir = _fresh_dir(cache_root() / "build" / f"kubernetes-{key}")
+        module_dir = Path(go_module_download("k8s.io/kubernetes", versions.KUBERNETES)["Dir"])
+        _patched_copy(module_dir, workdir / "patched", patches)
+        workdir, released = _kubernetes_workdir(
+            "replace k8s.io/kubernetes => ./patched\n", f"-patched-{patches_key(patches)}"
+        )
+        _build_into(
+            workdir,
+            [f"k8s.io/kubernetes/cmd/{command}"],
+            _kubernetes_ldflags(released),
+            wanted,
+            started,
+            key,
+            patches=patches,
+        )
+
+    return _cached(f"kubernetes-{key}", wanted, make)[command]
 
 
 _ETCD_MAIN = """package main
@@ -311,6 +416,7 @@ def go_module_binaries(
     *,
     local_replaces: Mapping[str, str] | None = None,
     ldflags: str = "-s -w",
+    patches: Sequence[SourcePatch] = (),
     build_missing: bool = True,
 ) -> dict[str, Path]:
     """Build commands of a Go module that `go install module/cmd/x@version`
@@ -323,15 +429,17 @@ def go_module_binaries(
     in the module zip) is replaced by the module version `local_replaces`
     names for it. `packages` are full import paths of main packages.
     Cached like the Kubernetes binaries: same cache root, lock and recipe stamp;
-    `name` and `version` key the bin directory. `build_missing=False` only
-    says where the commands are (or will be).
+    `name` and `version` key the bin directory (and a hash of `patches`,
+    edits of the module's own files, when there are any). `build_missing=False`
+    only says where the commands are (or will be).
     """
-    wanted = go_module_paths(name, version, packages)
+    key = f"{version}-patched-{patches_key(patches)}" if patches else version
+    wanted = go_module_paths(name, key, packages)
     if not build_missing:
         return wanted
 
     def make(started: float) -> None:
-        workdir = _fresh_dir(cache_root() / "build" / f"{name}-{version}")
+        workdir = _fresh_dir(cache_root() / "build" / f"{name}-{key}")
         (workdir / "go.mod").write_text(
             f"module sandbox-operator.local/{name}-build\n\ngo 1.24.0\n"
         )
@@ -350,13 +458,16 @@ def go_module_binaries(
                 lines.append(f"replace {source} => {target_module} {pinned}")
             else:
                 lines.append(f"replace {source} => {to} {to_version or ''}".rstrip())
+        if patches:
+            _patched_copy(Path(info["Dir"]), workdir / "patched", patches)
+            lines.append(f"replace {module} => ./patched")
         (workdir / "go.mod").write_text(
             f"module sandbox-operator.local/{name}-build\n\ngo {_go_directive(upstream)}\n\n"
             + "\n".join(lines)
             + "\n"
         )
         _go(["get", f"{module}@{version}"], workdir)
-        _build_into(workdir, list(packages), ldflags, wanted, started, version)
+        _build_into(workdir, list(packages), ldflags, wanted, started, version, patches=patches)
 
     return _cached(name, wanted, make)
 
@@ -440,10 +551,18 @@ def _build_into(
     wanted: Mapping[str, Path],
     started: float,
     version: str,
+    *,
+    patches: Sequence[SourcePatch] = (),
 ) -> None:
     with tempfile.TemporaryDirectory(dir=workdir) as out:
         _go(["build", "-trimpath", f"-ldflags={ldflags}", "-o", out + "/", *packages], workdir)
-        _install(Path(out), next(iter(wanted.values())).parent, started, version)
+        _install(
+            Path(out),
+            next(iter(wanted.values())).parent,
+            started,
+            version,
+            patches=[f"{patch.path}: {patch.why}" for patch in patches],
+        )
 
 
 def binaries_current(commands: tuple[str, ...] = versions.KUBERNETES_COMMANDS) -> bool:

@@ -7,22 +7,25 @@ as host processes with their state under the cluster's state dir. Pods run
 for real, from images built locally (`devcluster.images`).
 
 Addresses: every node cluster has its own pod bridge and /24
-(`devcluster.network`). The bridge's address (the pods' gateway) is where
-kube-apiserver listens (instead of 127.0.0.1) and what it advertises, so
-the `kubernetes` Service's endpoints are reachable from pods. The node's
-InternalIP is that address too, and the kubelet serves on it. There is no
-kube-proxy: a pod that talks to the API server (the operator, deployed in
-the cluster) is given `in_cluster_api_env()` (KUBERNETES_SERVICE_HOST/PORT
-= that address), which takes precedence over the ClusterIP the kubelet
-injects. The serving certificate has the address in its SANs.
+(`devcluster.network`), and the matching /24 of 10.96.0.0/16 for its
+Services. The bridge's address (the pods' gateway) is where kube-apiserver
+listens (instead of 127.0.0.1) and what it advertises, so the `kubernetes`
+Service's endpoints are reachable from pods. The node's InternalIP is that
+address too, and the kubelet serves on it. kube-proxy makes every ClusterIP
+(the `kubernetes` Service's included) work from pods and from this machine,
+CoreDNS resolves Service names, kube-network-policies enforces
+NetworkPolicy (`devcluster.netstack`). The serving certificate has the
+bridge address and the first Service IP in its SANs.
 
 Start order: etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
 containerd (then the images are imported), kubelet (ready once its Node is
-Ready), then any addons (CSI storage). Stop runs that backwards, and then
-removes what processes leave behind: pod sandboxes through CRI (CNI DEL:
-veths, IPAM, portmap rules), shims and container processes, mounts under the
-state dir, the bridge, iptables rules, cgroups, the kubelet's kernel
-settings (restored), and the node's state dirs.
+Ready), kube-proxy (then the CoreDNS objects are applied),
+kube-network-policies (then CoreDNS is waited for), then any addons (CSI
+storage). Stop runs that backwards, and then removes what processes leave
+behind: pod sandboxes through CRI (CNI DEL: veths, IPAM, portmap rules),
+shims and container processes, mounts under the state dir, the bridge,
+iptables rules, nftables tables, cgroups, the kubelet's kernel settings
+(restored), and the node's state dirs.
 """
 
 from __future__ import annotations
@@ -44,7 +47,19 @@ from typing import Protocol
 
 import yaml
 
-from devcluster import build, hostdeps, mounts, network, pki, probes, processes, records, versions
+from devcluster import (
+    build,
+    hostdeps,
+    mounts,
+    netbuild,
+    netstack,
+    network,
+    pki,
+    probes,
+    processes,
+    records,
+    versions,
+)
 from devcluster import images as imagelib
 from devcluster.controlplane import (
     Component,
@@ -125,9 +140,10 @@ class LocalCluster(ControlPlane):
 
     `images`: names of `devcluster.imagelib.IMAGES` imported into the node's
     containerd on start (built first if needed; the pause image always).
-    Default: all of them. After start: everything of `ControlPlane`, plus
-    `node_name`, `pod_network` (subnet, gateway, bridge), `kubelet_root_dir`,
-    `containerd_socket`, `crictl_command()`, `in_cluster_api_env()`.
+    Default: all of them (the pause and CoreDNS images always). After start:
+    everything of `ControlPlane`, plus `node_name`, `pod_network` (subnet,
+    gateway, bridge, service_subnet, dns_ip), `kubelet_root_dir`,
+    `containerd_socket`, `crictl_command()`.
     """
 
     kind = "node"
@@ -158,7 +174,8 @@ class LocalCluster(ControlPlane):
         unknown = [image for image in wanted if image not in imagelib.IMAGES]
         if unknown:
             raise ValueError(f"unknown images {unknown}; known: {list(imagelib.IMAGES)}")
-        self.image_names = [imagelib.PAUSE, *[i for i in wanted if i != imagelib.PAUSE]]
+        always = [imagelib.PAUSE, imagelib.COREDNS]
+        self.image_names = [*always, *[i for i in wanted if i not in always]]
         self.addons = list(addons)
         self.node_name = node_name or _node_name(name)
         self.cgroup_root = f"/devcluster-{name}"
@@ -245,20 +262,12 @@ class LocalCluster(ControlPlane):
             *args,
         ]
 
-    def in_cluster_api_env(self) -> dict[str, str]:
-        """Environment for a pod of this cluster that talks to the API server:
-        there is no kube-proxy, so the `kubernetes` ClusterIP leads nowhere;
-        these point in-cluster clients (Kopf, client-go) at the bridge address."""
-        return {
-            "KUBERNETES_SERVICE_HOST": self.apiserver_host,
-            "KUBERNETES_SERVICE_PORT": str(self.ports.apiserver),
-        }
-
     # ---- build and start ----------------------------------------------------------
 
     def binaries(self, *, build_missing: bool) -> dict[str, Path]:
         found = {**super().binaries(build_missing=build_missing)}
         found.update(node_binaries(build_missing=build_missing))
+        found.update(netbuild.network_binaries(build_missing=build_missing))
         for addon in self.addons:
             found.update(addon.binaries(build_missing=build_missing))
         return found
@@ -302,9 +311,12 @@ class LocalCluster(ControlPlane):
                 # containerd's post-start import fills the store instead.
                 log.warning("image store not cloned, importing instead: %s", error)
         pod_net = network.allocate(self.name, self._network_record, clusters_root())
+        # Before the API server's flags and serving certificate are made.
+        self.service_cidr = str(pod_net.service_subnet)
         network.create_bridge(pod_net)
+        network.enable_forwarding(pod_net)
         self._update_record(
-            node_ports=NodePorts(*free_ports(3)),
+            node_ports=NodePorts(*free_ports(6)),
             node_name=self.node_name,
             cgroup_root=self.cgroup_root,
         )
@@ -318,7 +330,11 @@ class LocalCluster(ControlPlane):
     def components(
         self, ports: Ports, certs: pki.PKI, binaries: Mapping[str, Path]
     ) -> list[Component]:
-        """Control plane, then kube-scheduler, containerd, kubelet, then addons."""
+        """Control plane, then kube-scheduler, containerd, kubelet, kube-proxy,
+        kube-network-policies, then addons."""
+        with contextlib.suppress(ControlPlaneError):
+            # Also when the list is made again to stop the cluster.
+            self.service_cidr = str(self.pod_network.service_subnet)
         found = super().components(ports, certs, binaries)
         found += self.node_components(ports, certs, binaries)
         for addon in self.addons:
@@ -411,6 +427,22 @@ class LocalCluster(ControlPlane):
                 # Runs while containerd still does: pods are torn down through
                 # CRI, so the CNI plugins undo their own work.
                 cleanup=self._remove_pods,
+            ),
+            *netstack.components(
+                pod_net=pod_net,
+                node_name=self.node_name,
+                state_dir=self.state_dir,
+                certs=certs,
+                binaries=binaries,
+                kubeconfig=self.kubeconfig,
+                ports=(
+                    node_ports.kube_proxy_healthz,
+                    node_ports.kube_proxy_metrics,
+                    node_ports.network_policy_metrics,
+                ),
+                write_kubeconfig=lambda path, pair: self._write_kubeconfig(
+                    path, server, certs, pair
+                ),
             ),
         ]
 
@@ -525,15 +557,18 @@ disabled_plugins = [
             # Dev machines may have swap; the kubelet refuses to start then.
             "failSwapOn": False,
             "podCIDR": str(pod_net.subnet),
-            "clusterDomain": "cluster.local",
-            # No cluster DNS: pods get the host's resolv.conf (dnsPolicy
-            # ClusterFirst falls back to Default without clusterDNS).
-            "clusterDNS": [],
+            # CoreDNS's Service (devcluster.netstack): pods of dnsPolicy
+            # ClusterFirst resolve <svc>.<ns>.svc.cluster.local.
+            "clusterDomain": netstack.CLUSTER_DOMAIN,
+            "clusterDNS": [pod_net.dns_ip],
+            # For dnsPolicy Default pods, and the search domains the others
+            # inherit from this machine.
             "resolvConf": "/etc/resolv.conf",
             "podLogsDir": str(self.pod_logs_dir),
             # Default /usr/libexec/kubernetes/...: keep out of the host's dirs.
             "volumePluginDir": str(self.kubelet_root_dir / "volume-plugins"),
-            # No iptables chains (KUBE-FIREWALL, canaries): no kube-proxy here.
+            # No iptables chains (KUBE-FIREWALL, canaries): host-wide names,
+            # and kube-proxy (nftables mode) uses none of them.
             "makeIPTablesUtilChains": False,
             # Images cannot be pulled again: never garbage-collect them, and
             # no disk-pressure eviction on a full developer disk.
@@ -650,12 +685,20 @@ disabled_plugins = [
                 network.delete_bridge(pod_net)
             if network.bridge_exists(pod_net.bridge):
                 problems.append(f"bridge {pod_net.bridge} is still there")
+            else:
+                network.remove_forward_table(pod_net)
             rules = network.remove_iptables_rules(pod_net)
             if rules:
                 log.info("removed %d iptables rules left by a crashed run", len(rules))
             remaining = network.rules_of(pod_net)
             if remaining:
                 problems.append(f"iptables rules left: {remaining}")
+            try:
+                tables = netstack.remove_tables(pod_net)
+            except (netstack.NetstackError, FileNotFoundError, ValueError) as error:
+                tables = [f"(could not list nftables tables: {error})"]
+            if tables:
+                problems.append(f"nftables tables left: {tables}")
         problems += _remove_cgroup_root(self.cgroup_root)
         _remove_container_log_links(self.pod_logs_dir)
         _restore_kernel_tunables(exclude=self.state_dir)

@@ -528,9 +528,18 @@ class ControlPlane:
             # Recorded before waiting, so a crash during the wait still leaves
             # a record that the next start()/stop() can clean up.
             self._update_record(started=started)
+            began = time.monotonic()
             self._wait_ready(component)
+            ready = time.monotonic()
             if component.post_start is not None:
                 component.post_start()
+            # What each component costs a start (`up -v`, the README's figures).
+            log.info(
+                "%s ready in %.1fs, post-start %.1fs",
+                component.name,
+                ready - began,
+                time.monotonic() - ready,
+            )
         log.info("cluster %s is up at %s", self.name, server)
 
     def _launch(self, component: Component) -> None:

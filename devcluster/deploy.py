@@ -27,26 +27,27 @@ def node_cluster(name: str, *, die_with_parent: bool = False) -> LocalCluster:
 def install_operator(cluster: LocalCluster, *, extra_values: list[str] | None = None) -> str:
     """`helm upgrade --install` of charts/sandbox-operator, waiting for the Deployment."""
     values = ["image.repository=sandbox-operator", "image.tag=dev", "image.pullPolicy=Never"]
-    env: list[str] = []
-    # No kube-proxy on this node: point the in-cluster client at the API server directly.
-    for index, (key, value) in enumerate(sorted(cluster.in_cluster_api_env().items())):
-        env += [f"extraEnv[{index}].name={key}", f"extraEnv[{index}].value={value}"]
+    # No extraEnv: kube-proxy on the node makes the `kubernetes` ClusterIP the
+    # kubelet injects work, as on any cluster.
     return helm.install_chart(
         cluster.kubeconfig,
         REPO / "charts" / "sandbox-operator",
         release=RELEASE,
         namespace=NAMESPACE,
         values=[*values, *(extra_values or [])],
-        string_values=env,
     )
 
 
 def restart_operator(cluster: LocalCluster, timeout: float = 180) -> None:
-    """Roll the operator's Deployment (to run a newly imported image of the same tag)."""
-    deployment = f"deployment/{RELEASE}"
+    """Roll the operator's and the gateway's Deployments (both run the operator's
+    image: a newly imported image of the same tag)."""
+    deployments = (f"deployment/{RELEASE}", f"deployment/{RELEASE}-gateway")
     for args in (
-        ("rollout", "restart", "-n", NAMESPACE, deployment),
-        ("rollout", "status", "-n", NAMESPACE, deployment, f"--timeout={int(timeout)}s"),
+        ("rollout", "restart", "-n", NAMESPACE, *deployments),
+        *(
+            ("rollout", "status", "-n", NAMESPACE, d, f"--timeout={int(timeout)}s")
+            for d in deployments
+        ),
     ):
         done = kubectl(cluster, *args, timeout=timeout + 30)
         if done.returncode != 0:

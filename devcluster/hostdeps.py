@@ -34,6 +34,9 @@ PACKAGES: dict[str, str] = {
     "containernetworking-plugins": "/usr/lib/cni/bridge",
     # portmap programs iptables; stop() reads iptables-save to verify cleanup.
     "iptables": "/usr/sbin/iptables-save",
+    # `nft`: kube-proxy's nftables mode runs it; stop() lists and deletes
+    # the cluster's tables with it.
+    "nftables": "/usr/sbin/nft",
     # `ip` for the pod bridge.
     "iproute2": "/usr/sbin/ip",
     # Root filesystems of the locally built images.

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from devcluster import build, records, versions
+from devcluster import build, netbuild, records, versions
 
 log = logging.getLogger("devcluster.images")
 
@@ -54,6 +54,11 @@ PAUSE_SOURCE = Path(__file__).resolve().parent / "pause.c"
 # The pod sandbox image (containerd's `sandbox_image`). A `localhost/` name:
 # this is not upstream's pause binary and must never look like it could be pulled.
 PAUSE = "localhost/devcluster/pause:1"
+# CoreDNS (devcluster/netstack.py): the static binary alone, like upstream's
+# image (FROM scratch). A `localhost/` name: built here, never pulled.
+COREDNS = "localhost/devcluster/coredns:1"
+# Static binaries an image can consist of, by the name ImageSpec.binary gives.
+_BINARIES = {"coredns": netbuild.coredns_binary}
 # Superseded archives younger than this are kept: another session may be importing one.
 STALE_ARCHIVE_SECONDS = 3600
 
@@ -109,6 +114,9 @@ class ImageSpec:
     workdir: str = "/"
     pause: bool = False
     """The pause image: a static binary, no Debian."""
+    binary: str = ""
+    """An image of one static Go binary of ours (a key of `_BINARIES`) at
+    /<binary>, no Debian."""
     labels: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -167,6 +175,13 @@ IMAGES: dict[str, ImageSpec] = {
             env=(),
             # The conventional pause UID: no privileges needed to sleep.
             user="65535:65535",
+        ),
+        ImageSpec(
+            COREDNS,
+            binary="coredns",
+            entrypoint=("/coredns",),
+            env=(),
+            user="65532:65532",
         ),
         ImageSpec(
             "sandbox-agent:dev",
@@ -252,6 +267,9 @@ def cache_key(spec: ImageSpec) -> str:
     add("suite", f"{versions.DEBIAN_SUITE} {versions.DEBIAN_PYTHON}".encode())
     if spec.pause:
         add("pause.c", PAUSE_SOURCE.read_bytes())
+    elif spec.binary:
+        # The bin directory is keyed on the pinned version and our sources.
+        add("binary", str(_BINARIES[spec.binary](build_missing=True)).encode())
     else:
         add("excludes", "\n".join(_DPKG_EXCLUDES).encode())
         for source in _debian_sources():
@@ -317,6 +335,8 @@ def ensure_built(spec: ImageSpec) -> BuiltImage:
             rootfs_tar = work / "rootfs.tar"
             if spec.pause:
                 _pause_rootfs(work, rootfs_tar)
+            elif spec.binary:
+                _binary_rootfs(_BINARIES[spec.binary](build_missing=True), rootfs_tar)
             else:
                 _debian_rootfs(spec, work, rootfs_tar)
             built_archive = work / "image.oci.tar"
@@ -386,6 +406,23 @@ def _pause_rootfs(work: Path, rootfs_tar: Path) -> None:
         info.mtime = 0
         with binary.open("rb") as handle:
             tar.addfile(info, handle)
+
+
+def _binary_rootfs(binary: Path, rootfs_tar: Path) -> None:
+    with tarfile.open(rootfs_tar, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tar.gettarinfo(str(binary), arcname=binary.name)
+        info.uid = info.gid = 0
+        info.uname = info.gname = "root"
+        info.mode = 0o755
+        info.mtime = 0
+        with binary.open("rb") as handle:
+            tar.addfile(info, handle)
+        # An empty /tmp and /etc, as programs expect them to exist.
+        for directory in ("etc", "tmp"):
+            entry = tarfile.TarInfo(directory)
+            entry.type = tarfile.DIRTYPE
+            entry.mode = 0o1777 if directory == "tmp" else 0o755
+            tar.addfile(entry)
 
 
 def _manylinux_platforms() -> list[str]:

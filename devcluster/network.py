@@ -40,6 +40,10 @@ log = logging.getLogger("devcluster.network")
 POD_SUPERNET = ipaddress.IPv4Network("10.88.0.0/16")
 """Each node cluster takes one /24 of this."""
 SUBNET_PREFIX = 24
+SERVICE_SUPERNET = ipaddress.IPv4Network("10.96.0.0/16")
+"""...and the /24 of this with the same third octet for its Services: every
+node cluster's kube-proxy programs this machine's one network namespace, so
+two clusters must never hand out the same ClusterIP."""
 CNI_BIN_DIR = Path("/usr/lib/cni")
 # portmap's shared chains (nat table); per-pod chains are CNI-DN-<hash>.
 _HOSTPORT_CHAINS = ("CNI-HOSTPORT-DNAT", "CNI-HOSTPORT-SETMARK", "CNI-HOSTPORT-MASQ")
@@ -69,6 +73,18 @@ class PodNetwork:
     def gateway(self) -> str:
         return str(next(self.subnet.hosts()))
 
+    @property
+    def service_subnet(self) -> ipaddress.IPv4Network:
+        """The cluster's Service (ClusterIP) range: the /24 of SERVICE_SUPERNET
+        at the pod subnet's place in POD_SUPERNET."""
+        return service_subnet_of(self.subnet)
+
+    @property
+    def dns_ip(self) -> str:
+        """The `kube-dns` Service's ClusterIP (the kubelet's clusterDNS): .10,
+        as kubeadm chooses it."""
+        return str(self.service_subnet.network_address + 10)
+
     def cni_config(self, ipam_dir: Path) -> dict[str, object]:
         """The conflist containerd's CRI plugin loads (cni.conf_dir)."""
         return {
@@ -93,6 +109,11 @@ class PodNetwork:
                 {"type": "portmap", "capabilities": {"portMappings": True}},
             ],
         }
+
+
+def service_subnet_of(subnet: ipaddress.IPv4Network) -> ipaddress.IPv4Network:
+    offset = int(subnet.network_address) - int(POD_SUPERNET.network_address)
+    return ipaddress.IPv4Network((int(SERVICE_SUPERNET.network_address) + offset, SUBNET_PREFIX))
 
 
 def _ip_json(*args: str) -> list[dict[str, object]]:
@@ -148,9 +169,15 @@ def allocate(cluster: str, record: Path, lock_dir: Path) -> PodNetwork:
                 continue
             with contextlib.suppress(OSError, ValueError):
                 reserved.append(records.load(PodNetwork, other).subnet)
+
+        def free(subnet: ipaddress.IPv4Network, blocked: list[ipaddress.IPv4Network]) -> bool:
+            # The Service range goes with the pod subnet: both must be free.
+            ranges = (subnet, service_subnet_of(subnet))
+            return not any(r.overlaps(net) for r in ranges for net in blocked)
+
         with contextlib.suppress(OSError, ValueError):
             previous = records.load(PodNetwork, record)
-            if not any(previous.subnet.overlaps(net) for net in used + reserved):
+            if free(previous.subnet, used + reserved):
                 return previous
         subnets = list(POD_SUPERNET.subnets(new_prefix=SUBNET_PREFIX))
         # Start at a place given by the name: a cluster tends to get the same
@@ -159,7 +186,7 @@ def allocate(cluster: str, record: Path, lock_dir: Path) -> PodNetwork:
         for blocked in (used + reserved, used):
             for offset in range(len(subnets)):
                 subnet = subnets[(start + offset) % len(subnets)]
-                if not any(subnet.overlaps(net) for net in blocked):
+                if free(subnet, blocked):
                     network = PodNetwork(cluster, subnet)
                     records.save(network, record)
                     return network
@@ -186,6 +213,54 @@ def create_bridge(network: PodNetwork) -> None:
     if address not in addresses:
         _ip("addr", "add", address, "dev", network.bridge)
     _ip("link", "set", network.bridge, "up")
+
+
+def forward_table(network: PodNetwork) -> str:
+    """The nftables table (inet family) that keeps the bridge's forwarding
+    inside the bridge."""
+    return f"{network.bridge}-forward"
+
+
+def _nft(*args: str, script: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["nft", *args], input=script, capture_output=True, text=True, check=False)
+
+
+def enable_forwarding(network: PodNetwork) -> None:
+    """Let packets that arrive from the pods be routed, but only back onto the
+    bridge. Idempotent.
+
+    A pod's packet to a ClusterIP is addressed to the bridge's own MAC; once
+    kube-proxy has rewritten its destination to another pod it must be
+    routed, bridge to bridge, and this kernel (6.18) routes it only with
+    forwarding on for the interface it came in on (br_netfilter's old
+    "bridged DNAT" path without forwarding no longer delivers it). This
+    turns forwarding on for this bridge alone (net.ipv4.conf.<bridge>.
+    forwarding; the host-wide net.ipv4.ip_forward stays as it is), and the
+    table drops every forwarded packet from the bridge to any other
+    interface first: pods still reach nothing beyond this machine, nor other
+    clusters' pods. The table is written before forwarding is switched on.
+    """
+    name, bridge = forward_table(network), network.bridge
+    script = f"""add table inet {name}
+delete table inet {name}
+table inet {name} {{
+    chain forward {{
+        type filter hook forward priority filter; policy accept;
+        iifname "{bridge}" oifname != "{bridge}" counter drop comment "{network.name}: pods only"
+    }}
+}}
+"""
+    done = _nft("-f", "-", script=script)
+    if done.returncode != 0:
+        raise NetworkError(f"nft: {done.stderr.strip()}")
+    Path(f"/proc/sys/net/ipv4/conf/{bridge}/forwarding").write_text("1")
+
+
+def remove_forward_table(network: PodNetwork) -> None:
+    """Delete the table of `enable_forwarding` (after the bridge, whose
+    forwarding setting goes with it)."""
+    if _nft("list", "table", "inet", forward_table(network)).returncode == 0:
+        _nft("delete", "table", "inet", forward_table(network))
 
 
 def delete_bridge(network: PodNetwork) -> None:

@@ -33,7 +33,7 @@ from typing import TypeVar
 
 import pytest
 
-from devcluster import build, hostdeps, images
+from devcluster import build, hostdeps, images, netbuild
 from devcluster.cluster import LocalCluster, node_binaries
 from devcluster.controlplane import ControlPlane, ControlPlaneError
 from devcluster.registry import sweep_orphans
@@ -79,7 +79,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             "node tier",
             _prepare_node,
             "devcluster: preparing the node tier (Debian packages, kubelet/scheduler/crictl, "
-            "images); cold, this takes many minutes",
+            "kube-proxy/CoreDNS/kube-network-policies, images); cold, this takes many minutes",
         )
     if used(FIXTURE) or used(NODE_FIXTURE):
         _prepare(
@@ -103,6 +103,7 @@ def _prepare_node() -> None:
     """Debian packages, node binaries and images for `local_cluster`."""
     hostdeps.ensure()
     node_binaries(build_missing=True)
+    netbuild.network_binaries(build_missing=True)
     # The fixture's cluster imports every image: its seeded store too.
     images.ensure_seed([images.ensure_built(spec) for spec in images.IMAGES.values()])
 

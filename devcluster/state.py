@@ -46,6 +46,11 @@ class NodePorts:
     scheduler: int
     kubelet: int
     kubelet_healthz: int
+    # Services and NetworkPolicy (devcluster.netstack); 0 in the records of
+    # clusters started before these existed.
+    kube_proxy_healthz: int = 0
+    kube_proxy_metrics: int = 0
+    network_policy_metrics: int = 0
 
 
 @dataclass(frozen=True)

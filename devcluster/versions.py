@@ -55,3 +55,20 @@ DEBIAN_GLIBC = (2, 36)
 # helm, for installing the chart like a user (built from its Go module).
 HELM_MODULE = "helm.sh/helm/v3"
 HELM = "v3.19.0"
+
+# ---- Services, DNS, NetworkPolicy on the node (devcluster/netstack.py) ---------
+# kube-proxy: from the pinned k8s.io/kubernetes (the wrapper module of the
+# other node binaries), in nftables mode, with a two-line patch (netstack.py)
+# that lets each cluster name its own nftables table.
+# CoreDNS: the newest release the module proxy serves (it listed v1.14.3 to
+# v1.15.0); a command of our own with only the plugins the node needs
+# (devcluster/dns/coredns/main.go), so none of the cloud SDKs are built.
+COREDNS_MODULE = "github.com/coredns/coredns"
+COREDNS = "v1.15.0"
+# kube-network-policies: v0.8.0 (the newest the proxy lists) runs in-cluster
+# only; v1.1.1 (resolved by version) runs as a host process with a kubeconfig.
+# Patched at build time (netstack.py): this kernel has no nft `queue`
+# expression (CONFIG_NFT_QUEUE is off), so packets go to NFQUEUE through the
+# xtables target (nft_compat), and the nftables table name is per cluster.
+NETWORK_POLICIES_MODULE = "sigs.k8s.io/kube-network-policies"
+NETWORK_POLICIES = "v1.1.1"

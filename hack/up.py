@@ -10,9 +10,9 @@ place, the examples are re-applied.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from devcluster.cluster import LocalCluster  # noqa: E402
 from sandbox_operator.resources import LABEL_EXECUTION_UID  # noqa: E402
 
 NAME = "local"
+DEMO_ACCOUNT = "sandbox-demo"
 
 
 def _json(cluster: LocalCluster, *args: str) -> dict[str, object]:
@@ -34,6 +35,40 @@ def _json(cluster: LocalCluster, *args: str) -> dict[str, object]:
         raise SystemExit(result.stderr)
     data: dict[str, object] = json.loads(result.stdout)
     return data
+
+
+def _gateway_access(cluster: LocalCluster) -> tuple[str, str]:
+    """The gateway's Service URL and a token of a ServiceAccount bound to the chart's
+    user role in `default`: the way a service in the cluster reaches a sandbox."""
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": DEMO_ACCOUNT, "namespace": "default"},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": f"{deploy.RELEASE}-user",
+        },
+        "subjects": [{"kind": "ServiceAccount", "name": DEMO_ACCOUNT, "namespace": "default"}],
+    }
+    account = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": DEMO_ACCOUNT, "namespace": "default"},
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as manifest:
+        json.dump({"apiVersion": "v1", "kind": "List", "items": [account, binding]}, manifest)
+        manifest.flush()
+        applied = deploy.kubectl(cluster, "apply", "-f", manifest.name)
+    if applied.returncode != 0:
+        raise SystemExit(applied.stderr)
+    token = deploy.kubectl(cluster, "create", "token", DEMO_ACCOUNT, "-n", "default")
+    if token.returncode != 0:
+        raise SystemExit(token.stderr)
+    service = _json(cluster, "get", "service", "-n", deploy.NAMESPACE, f"{deploy.RELEASE}-gateway")
+    spec = service["spec"]
+    assert isinstance(spec, dict)
+    return f"http://{spec['clusterIP']}", token.stdout.strip()
 
 
 def up() -> None:
@@ -92,31 +127,30 @@ def up() -> None:
     print(deploy.kubectl(cluster, "get", "pods,pvc", "-o", "wide").stdout)
 
     name = names[0]
-    body = _json(cluster, "get", "sandbox", name)
-    status = body["status"]
-    assert isinstance(status, dict)
-    secret = _json(cluster, "get", "secret", f"{name}-agent-token")
-    data = secret["data"]
-    assert isinstance(data, dict)
-    token = base64.b64decode(data["token"]).decode()
+    gateway, token = _gateway_access(cluster)
     command = (
         "python3 -c 'import platform, os;"
         " print(platform.python_version(), os.getcwd(), os.getuid())'"
     )
     response = httpx.post(
-        f"{status['agentEndpoint']}/v1/executions",
+        f"{gateway}/v1/namespaces/default/sandboxes/{name}/executions",
         json={"command": command},
         headers={"Authorization": f"Bearer {token}"},
         timeout=60,
     )
     response.raise_for_status()
     result = response.json()
-    print(f"$ {command}    # in sandbox {name}, through its agent at {status['agentEndpoint']}")
+    print(
+        f"$ {command}    # in sandbox {name}, through the gateway at {gateway} "
+        f"as ServiceAccount default/{DEMO_ACCOUNT}"
+    )
     print(result["stdout"], end="")
     print(f"(exit {result['exitCode']}, {result['durationSeconds'] * 1000:.0f} ms)")
     print(
         f"\nup in {time.monotonic() - began:.0f}s.\n"
         f"Explore: export KUBECONFIG={cluster.kubeconfig}; {cluster.kubectl} get sandboxes\n"
+        f'Gateway: curl -H "Authorization: Bearer $(kubectl create token {DEMO_ACCOUNT})" '
+        f"'{gateway}/v1/namespaces/default/sandboxes/{name}/files/list?path=.'\n"
         "Stop:    make down"
     )
 
@@ -124,7 +158,10 @@ def up() -> None:
 def down() -> None:
     cluster = deploy.node_cluster(NAME)
     cluster.stop(remove_state=True)
-    print("cluster: stopped; processes, mounts, interfaces, iptables rules and state removed")
+    print(
+        "cluster: stopped; processes, mounts, interfaces, iptables rules, nftables tables "
+        "and state removed"
+    )
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ kubelet/scheduler/crictl builds, images) happens during collection.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import ipaddress
 import json
 import os
@@ -21,61 +20,25 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from devcluster import images, mounts, network, processes, versions
+from devcluster import images, mounts, netstack, network, processes, versions
 from devcluster.cluster import POD_PIDS_LIMIT, LocalCluster
 from tests.devcluster.support import (
+    Pods,
     devcluster_cli,
-    kubectl,
+    http_get,
+    pod,
     processes_using,
+    restricted,
     wait_for,
 )
 from tests.kube import KubeJSON, core_path
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
-
-JSON = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Pods:
-    """Pods in one namespace of a node cluster: run them, read their logs."""
-
-    cluster: LocalCluster
-    kube: KubeJSON
-    namespace: str
-
-    def run(self, body: JSON) -> JSON:
-        """Create the pod and return it once it finished (Succeeded/Failed) or,
-        with restartPolicy Always, once all its containers are ready."""
-        name = body["metadata"]["name"]
-        serves = body["spec"].get("restartPolicy") == "Always"
-        self.kube.create(core_path("pods", self.namespace), body)
-        path = core_path("pods", self.namespace, name)
-        latest: JSON = {}
-
-        def settled() -> bool:
-            nonlocal latest
-            latest = self.kube.read(path)
-            status = latest.get("status", {})
-            if status.get("phase") in ("Succeeded", "Failed"):
-                return True
-            ready = [c.get("ready") for c in status.get("containerStatuses", [])]
-            return serves and bool(ready) and all(ready)
-
-        wait_for(settled, f"pod {self.namespace}/{name} to run or finish")
-        return latest
-
-    def logs(self, name: str) -> str:
-        """The container log: kubectl -> API server -> the kubelet's TLS port."""
-        proc = kubectl(self.cluster, "logs", "-n", self.namespace, name)
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout
 
 
 @pytest.fixture
@@ -87,49 +50,6 @@ def kube(local_cluster: LocalCluster) -> Iterator[KubeJSON]:
 @pytest.fixture
 def pods(local_cluster: LocalCluster, kube: KubeJSON, namespace: str) -> Pods:
     return Pods(local_cluster, kube, namespace)
-
-
-def restricted(uid: int, *, read_only: bool = True) -> JSON:
-    """Pod Security Standards `restricted`, as the operator's pods run."""
-    return {
-        "runAsNonRoot": True,
-        "runAsUser": uid,
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": read_only,
-        "capabilities": {"drop": ["ALL"]},
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-
-
-def pod(name: str, image: str, command: list[str] | None, **spec: Any) -> JSON:
-    """A pod of one container `main`; `command=None` runs the image's entrypoint."""
-    container: JSON = {
-        "name": "main",
-        "image": image,
-        "imagePullPolicy": "Never",
-        **({"command": command} if command is not None else {}),
-        **spec.pop("container", {}),
-    }
-    return {
-        "metadata": {"name": name},
-        "spec": {
-            "restartPolicy": "Never",
-            "automountServiceAccountToken": False,
-            "terminationGracePeriodSeconds": 1,
-            "containers": [container],
-            **spec,
-        },
-    }
-
-
-def http_get(host: str, port: int, path: str) -> tuple[int, str]:
-    connection = http.client.HTTPConnection(host, port, timeout=5.0)
-    try:
-        connection.request("GET", path)
-        response = connection.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        connection.close()
 
 
 # ---- the session's node cluster ---------------------------------------------------
@@ -298,39 +218,47 @@ def test_agent_image_serves_as_uid_65532_on_a_read_only_root(
     assert status == 200
 
 
-def test_a_pod_reaches_the_api_server_with_the_in_cluster_env(
+def test_a_pod_reaches_the_api_server_through_the_kubernetes_service(
     kube: KubeJSON, namespace: str, local_cluster: LocalCluster, pods: Pods
 ) -> None:
     # kube-root-ca.crt is published into every namespace by the controller
-    # manager; verifying against it checks the serving certificate's IP SANs.
+    # manager; verifying against it checks the serving certificate's SANs.
     wait_for(
         lambda: kube.get(core_path("configmaps", namespace, "kube-root-ca.crt")) is not None,
         "kube-root-ca.crt",
     )
+    # No env of ours: what the kubelet injects (the `kubernetes` ClusterIP,
+    # through kube-proxy), then the Service's name (through cluster DNS).
     script = (
         "import json, os, ssl, http.client\n"
         "ctx = ssl.create_default_context(cafile='/ca/ca.crt')\n"
-        "c = http.client.HTTPSConnection(os.environ['KUBERNETES_SERVICE_HOST'],"
-        " int(os.environ['KUBERNETES_SERVICE_PORT']), context=ctx, timeout=10)\n"
-        "c.request('GET', '/version')\n"
-        "print(json.loads(c.getresponse().read())['gitVersion'])\n"
+        "host = os.environ['KUBERNETES_SERVICE_HOST']\n"
+        "port = os.environ['KUBERNETES_SERVICE_PORT']\n"
+        "for server in (host, 'kubernetes.default.svc'):\n"
+        "    c = http.client.HTTPSConnection(server, int(port), context=ctx, timeout=10)\n"
+        "    c.request('GET', '/version')\n"
+        "    print(server, json.loads(c.getresponse().read())['gitVersion'])\n"
     )
-    env = [{"name": k, "value": v} for k, v in local_cluster.in_cluster_api_env().items()]
     body = pod(
         "api",
         "sandbox-runtime-python:dev",
         ["python3", "-c", script],
         volumes=[{"name": "ca", "configMap": {"name": "kube-root-ca.crt"}}],
         container={
-            "env": env,
             "volumeMounts": [{"name": "ca", "mountPath": "/ca"}],
             "securityContext": restricted(1000),
         },
     )
     finished = pods.run(body)
     assert finished["status"]["phase"] == "Succeeded", pods.logs("api")
-    assert pods.logs("api").strip() == versions.KUBERNETES
-    # The `kubernetes` Service points at the same address (lease reconciler).
+    cluster_ip = str(local_cluster.pod_network.service_subnet.network_address + 1)
+    assert pods.logs("api").split() == [
+        cluster_ip,
+        versions.KUBERNETES,
+        "kubernetes.default.svc",
+        versions.KUBERNETES,
+    ]
+    # The `kubernetes` Service points at the API server's bridge address (lease reconciler).
     endpoints = kube.read(core_path("endpoints", "default", "kubernetes"))
     assert endpoints["subsets"][0]["addresses"][0]["ip"] == local_cluster.apiserver_host
 
@@ -537,6 +465,10 @@ def _assert_nothing_left(
     # (other sessions' clusters may have some right now).
     if not any(line.startswith("-A CNI-HOSTPORT-DNAT ") for line in after):
         assert not [line for line in added if "CNI-HOSTPORT" in line], added
+    # kube-proxy's and kube-network-policies' tables, and the NFQUEUE binding.
+    tables = netstack.nft_tables()
+    assert not set(netstack.tables_of(net)) & tables, tables
+    assert not netstack.queue_bound(netstack.nfqueue_id(net))
     for hierarchy in mounts.cgroup_hierarchies():
         assert not (hierarchy / cluster.cgroup_root.lstrip("/")).exists()
     assert not cluster.node_dir.exists()
@@ -559,6 +491,11 @@ def test_stop_leaves_nothing_and_start_recovers_from_a_crash(
         assert cluster.is_healthy()
         assert set(cluster.pids().values()).isdisjoint(first.values())
         _populate(cluster)
+        net = cluster.pod_network
+        assert {
+            ("ip", netstack.kube_proxy_table(net)),
+            ("inet", netstack.network_policy_table(net)),
+        } <= netstack.nft_tables()
         assert _shims_of(cluster)
         assert mounts.mount_points_under(cluster.state_dir)
         assert network.rules_of(cluster.pod_network)
@@ -599,7 +536,8 @@ def test_cli_up_node_and_down(local_cluster: LocalCluster) -> None:
         up = cli("up", "--node", "--name", name, "--images", "sandbox-runtime-python:dev")
         assert up.returncode == 0, up.stderr
         assert Path(up.stdout.strip()) == cluster.kubeconfig
-        assert "KUBERNETES_SERVICE_HOST=" in up.stderr
+        net = cluster.pod_network
+        assert f"cluster DNS {net.dns_ip}" in up.stderr
         status = cli("status", "--name", name)
         assert status.returncode == 0, status.stdout
         assert "kubelet" in status.stdout

@@ -79,6 +79,16 @@ def test_ready_when_pod_and_agent_are_ready() -> None:
     )
 
 
+def test_a_stopping_pod_is_not_ready_though_its_containers_still_are() -> None:
+    pod = _pod(ready=True, agent_ready=True)
+    pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    phase, conds = _compute(_observed(pod))
+    assert phase == STARTING
+    assert _by_type(conds)["Ready"] == Cond(
+        "Ready", "False", R.POD_TERMINATING, "the pod is stopping; a new one follows"
+    )
+
+
 def test_starting_while_agent_not_ready() -> None:
     phase, conds = _compute(_observed(_pod(ready=False)))
     assert phase == STARTING

@@ -81,6 +81,7 @@ class SandboxReason(StrEnum):
     SCHEDULED = "Scheduled"
     POD_PENDING = "PodPending"
     POD_FAILED = "PodFailed"
+    POD_TERMINATING = "PodTerminating"
     AGENT_READY = "AgentReady"
     AGENT_NOT_READY = "AgentNotReady"
     RUNTIME_RUNNING = "RuntimeRunning"

@@ -238,6 +238,11 @@ def ready(o: Observed, others: Mapping[str, Cond | None]) -> Cond:
     pod = o.pod
     if pod_ended(pod):
         return no(R.POD_FAILED, f"{describe_pod_end(pod)}; recreating")
+    if pod["metadata"].get("deletionTimestamp"):
+        # Its containers stay ready through the grace period: a command sent now
+        # would run in a pod that is going away (a resume that finds the pod of
+        # the pause still stopping, a replaced or evicted pod).
+        return no(R.POD_TERMINATING, "the pod is stopping; a new one follows")
     runtime = others.get(C.RUNTIME_READY)
     if runtime is not None and runtime.reason in (
         R.RUNTIME_NO_PYTHON,
@@ -289,6 +294,7 @@ _PHASES: dict[str, SandboxPhase] = {
     R.PAUSING: SandboxPhase.PAUSED,
     R.RESTORING: SandboxPhase.RESTORING,
     R.POD_FAILED: SandboxPhase.STARTING,
+    R.POD_TERMINATING: SandboxPhase.STARTING,
     R.AGENT_NOT_READY: SandboxPhase.STARTING,
 }
 
