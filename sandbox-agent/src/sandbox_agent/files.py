@@ -474,25 +474,20 @@ def move(ws: Workspace, req: models.MoveRequest) -> models.FileInfo:
             os_errors(req.destination),
             ws.locate(req.destination, follow=False, make_parents=req.parents) as dst,
         ):
-            if dst.rel == src.rel:
-                raise Invalid("invalid_operation", "source and destination are the same")
-            if dst.rel.startswith(src.rel + "/"):
-                raise Invalid("invalid_operation", "cannot move a path into itself")
             try:
                 existing: os.stat_result | None = os.stat(
                     dst.name, dir_fd=dst.dir_fd, follow_symlinks=False
                 )
             except FileNotFoundError:
                 existing = None
-            if existing is not None:
-                if not req.overwrite:
-                    raise Conflict(
-                        "already_exists", f"destination exists: {display(req.destination)}"
-                    )
-                if st.S_ISDIR(existing.st_mode):
-                    if not st.S_ISDIR(src_stat.st_mode):
-                        raise Invalid("is_a_directory", "cannot replace a directory with a file")
-                    shutil.rmtree(dst.name, dir_fd=dst.dir_fd)
+            if existing is not None and not req.overwrite:
+                raise Conflict("already_exists", f"destination exists: {display(req.destination)}")
+            if dst.rel == src.rel or dst.rel.startswith(src.rel + "/"):
+                raise Invalid("invalid_operation", "cannot move a path into itself")
+            if existing is not None and st.S_ISDIR(existing.st_mode):
+                if not st.S_ISDIR(src_stat.st_mode):
+                    raise Invalid("is_a_directory", "cannot replace a directory with a file")
+                shutil.rmtree(dst.name, dir_fd=dst.dir_fd)
             os.rename(src.name, dst.name, src_dir_fd=src.dir_fd, dst_dir_fd=dst.dir_fd)
             return _info_at(dst.dir_fd, dst.name, dst.rel)
 
