@@ -238,6 +238,9 @@ def test_names_that_are_not_utf8(sandbox: Sandbox, wsdir: str) -> None:
     assert r.status_code == 200 and r.json()["matches"][0]["path"] == f"{wsdir}/caf\ufffd.txt"
     r = sandbox.client.get("/v1/files/archive", params={"path": wsdir})
     assert r.status_code == 200
+    with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:  # complete, names kept as bytes
+        names = {os.fsencode(n) for n in tar.getnames()}
+    assert {b"caf\xe9.txt", b"dir\xff"} <= names, names
 
 
 def test_special_files_and_odd_paths_get_clear_answers(sandbox: Sandbox, wsdir: str) -> None:
