@@ -3,6 +3,7 @@ answers, connection counts, errors that must not cost the connection."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -221,3 +222,48 @@ def test_bounds_never_stall_a_legitimate_pipeline(sandbox: Sandbox, wsdir: str) 
     assert statuses == [200] * 23, statuses
     assert (sandbox.workspace / wsdir / "chunked").read_bytes() == b"a" * 70000 + b"b" * 5
     assert (sandbox.workspace / wsdir / "big").read_bytes() == big
+
+
+def test_stalled_connections_make_room_for_new_ones(fresh: Callable[..., Sandbox]) -> None:
+    """Connections whose clients read none of their answers cannot lock the
+    operator out: at the cap, the longest stalled one is dropped."""
+    sb = fresh(runner=False, max_connections=4)
+    sb.client.close()
+    sb.anon.close()
+    floods = []
+    for _ in range(4):
+        s = socket.create_connection((sb.host, sb.port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(1.0)
+        batch = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 1000
+        with contextlib.suppress(TimeoutError):
+            while True:
+                s.send(batch)
+        floods.append(s)
+    for _ in range(3):
+        with httpx.Client(base_url=sb.base_url, timeout=10) as c:
+            assert c.get("/healthz").status_code == 200
+    for s in floods:
+        s.close()
+
+
+def test_waiting_readiness_probes_are_bounded(fresh: Callable[..., Sandbox]) -> None:
+    """Only a few probes may hold their answer (the only way to keep a
+    connection busy without a token); the others answer at once."""
+    sb = fresh(runner=False)
+    took: list[float] = []
+
+    def probe() -> None:
+        with httpx.Client(base_url=sb.base_url, timeout=10) as c:
+            t = time.monotonic()
+            assert c.get("/readyz", params={"waitSeconds": 3}).status_code == 503
+            took.append(time.monotonic() - t)
+
+    threads = [threading.Thread(target=probe) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(took) == 12
+    assert sum(1 for d in took if d < 1.5) >= 4, sorted(took)
+    assert sum(1 for d in took if d >= 2.5) <= 8, sorted(took)

@@ -503,6 +503,11 @@ class HttpProtocol(asyncio.Protocol):
     def idle(self) -> bool:
         return self.running is None and self.parsing is None and not self.queue
 
+    @property
+    def stalled(self) -> bool:
+        """Its client does not read what it is sent (or holds back what it sends)."""
+        return self.writing_paused or self.backlog is not None
+
     def write(self, data: bytes | bytearray) -> None:
         if not self.closed and self.transport is not None:
             self.transport.write(data)
@@ -582,15 +587,24 @@ class Server:
 
     def admit(self, conn: HttpProtocol) -> bool:
         """Room for a new connection: at the cap, the longest idle one is closed
-        (a keep-alive connection costs nothing to reopen); with none idle the
-        new one is refused. Either way the number stays bounded."""
+        (a keep-alive connection costs nothing to reopen), else the longest
+        stalled one (its client reads none of its answers); with none of
+        either the new one is refused. Either way the number stays bounded,
+        and holding many connections busy takes requests that really run
+        (which, before a token, only waiting readiness probes do, and those
+        are bounded too)."""
         if len(self.connections) >= self.max_connections:
-            idle = [c for c in self.connections if c.idle]
-            if not idle:
+            victims = [c for c in self.connections if c.idle] or [
+                c for c in self.connections if c.stalled
+            ]
+            if not victims:
                 return False
-            victim = min(idle, key=lambda c: c.last_active)
+            victim = min(victims, key=lambda c: c.last_active)
             self.connections.discard(victim)
-            victim.close()
+            if victim.stalled:
+                victim._abort()  # close() would wait for a client that does not read
+            else:
+                victim.close()
         self.connections.add(conn)
         return True
 

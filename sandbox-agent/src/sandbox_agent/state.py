@@ -30,6 +30,10 @@ class AgentState:
         )
         self.quiesce = Quiesce(self.executions)
         self.openapi = b"{}"  # the served document, rendered by build_app from the table
+        # Readiness probes holding their answer (waitSeconds) right now: the
+        # only way an unauthenticated client can keep a connection busy, so
+        # their number is bounded (see api_health.readyz).
+        self.probe_waits = 0
         self.runner.on_change.append(self._runner_changed)
 
     def touch(self) -> None:
