@@ -253,6 +253,15 @@ def test_special_files_and_odd_paths_get_clear_answers(sandbox: Sandbox, wsdir: 
         deep = deep / "dddddddddd"
     os.makedirs(deep)
     (deep / "bottom.txt").write_text("bottom\n")
+    # deeper than PATH_MAX in all (made by descriptor: no path that long exists)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(450):
+        os.mkdir("eeeeeeeeee", dir_fd=fd)
+        nxt = os.open("eeeeeeeeee", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    os.close(os.open("abyss.txt", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
+    os.close(fd)
     try:
         r = sandbox.client.get("/v1/files/stat", params={"path": f"{wsdir}/sock"})
         assert r.status_code == 200 and r.json()["type"] == "other"
