@@ -432,3 +432,29 @@ def test_stdin_for_a_runner_that_stops_reading_is_bounded(fresh: Callable[..., S
     finally:
         sb.runner.send_signal(signal.SIGCONT)
     sb.client.post(f"/v1/executions/{ex['id']}/cancel")
+
+
+def test_a_replacement_cannot_multiply_a_file_without_bound(fresh: Callable[..., Sandbox]) -> None:
+    """Each of 32 Ki "x" replaced by 1 KiB would be 32 MiB: refused while it
+    grows, past the 64 KiB a replaced file may have here."""
+    sb = fresh(runner=False, search_max_file_bytes=8 << 10)  # files up to 64 KiB
+    (sb.workspace / "x.txt").write_text("x" * (32 << 10))
+    for regex, replace in ((False, "y" * 1024), (True, "y" * 1024), (True, "\\1" * 1024)):
+        r = sb.client.post(
+            "/v1/files/replace",
+            json={
+                "path": "x.txt",
+                "find": "(x)" if regex else "x",
+                "replace": replace,
+                "all": True,
+                "regex": regex,
+            },
+        )
+        assert sb.error(r, 413) == "replace_too_large"
+    assert (sb.workspace / "x.txt").read_text() == "x" * (32 << 10)
+    r = sb.client.post(
+        "/v1/files/replace",
+        json={"path": "x.txt", "find": "(x)", "replace": "\\1\\1", "all": True, "regex": True},
+    )
+    assert r.status_code == 200, r.text
+    assert (sb.workspace / "x.txt").read_text() == "x" * (64 << 10)

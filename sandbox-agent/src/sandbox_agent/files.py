@@ -629,7 +629,8 @@ def find(ws: Workspace, req: models.FindRequest, s: Settings) -> models.FindResu
 
 
 def replace(ws: Workspace, req: models.ReplaceRequest, s: Settings) -> models.ReplaceResult:
-    raw = read_all(ws, req.path, s.search_max_file_bytes * 8)
+    limit = s.search_max_file_bytes * 8
+    raw = read_all(ws, req.path, limit)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -653,14 +654,39 @@ def replace(ws: Workspace, req: models.ReplaceRequest, s: Settings) -> models.Re
             f"the search text occurs {count} times; pass all=true or expectedCount",
             found=count,
         )
-    if req.regex:
+    too_large = TooLarge(
+        "replace_too_large", f"the file would grow past {limit} bytes", limit=limit
+    )
+    if req.regex and "\\" not in req.replace:
+        # No group references: each match becomes exactly the replacement.
+        if len(text) + count * len(req.replace) > limit:
+            raise too_large
+        new = rx.sub(req.replace, text)
+    elif req.regex:
+        # Built piece by piece so that the size is checked as it grows: a
+        # short pattern with a long replacement can multiply a file.
+        pieces: list[str] = []
+        size = pos = 0
         try:
-            new = rx.sub(req.replace, text)
+            for m in rx.finditer(text):
+                rep = m.expand(req.replace)
+                size += m.start() - pos + len(rep)
+                if size > limit:
+                    raise too_large
+                pieces += (text[pos : m.start()], rep)
+                pos = m.end()
         except (re2.error, IndexError, ValueError, KeyError) as exc:
             raise Invalid("invalid_replacement", f"invalid replacement: {exc}") from None
+        pieces.append(text[pos:])
+        new = "".join(pieces)
     else:
+        if len(text) + count * (len(req.replace) - len(req.find)) > limit:
+            raise too_large
         new = text.replace(req.find, req.replace)
-    result = write_bytes(ws, req.path, new.encode("utf-8"), parents=False)
+    data = new.encode("utf-8")
+    if len(data) > limit:
+        raise too_large
+    result = write_bytes(ws, req.path, data, parents=False)
     return models.ReplaceResult(path=result.path, replacements=count)
 
 
