@@ -10,6 +10,8 @@ do to the agent, one after the other:
   unauthenticated requests back to back without reading an answer;
 - pipelined bodies: 8 connections, each a waiting request followed by a
   64 MiB body nobody has asked for;
+- connection flood: 160 connections (the cap is 128), each pipelining until
+  it stalls, then a new client;
 - output floods: 16 concurrent commands, each printing 256 MiB;
 - tar attacks: a gzip of a 300 MiB PAX header, and 2,000 long names;
 - read attacks: a line range of a 1 GiB file without a newline, and a
@@ -286,6 +288,30 @@ def pipelining_flood(a: Agent) -> str:
     return f"{sum(sent) // len(req):,} of 600,000 requests sent before the sends stalled"
 
 
+def connection_flood(a: Agent) -> str:
+    """As many connections as the agent allows, each pipelining until it stalls."""
+    req = b"GET /v1/info HTTP/1.1\r\nHost: x\r\n\r\n"
+    batch = req * 4000
+    socks: list[socket.socket] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        s = socket.create_connection(("127.0.0.1", a.port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(1.0)
+        with contextlib.suppress(OSError):
+            while True:
+                s.send(batch)
+        with lock:
+            socks.append(s)
+
+    _threads(one, 160)
+    served = a.get("/healthz")[0]
+    for s in socks:
+        s.close()
+    return f"160 connections stalled (cap 128): a new client then got {served}"
+
+
 def pipelined_bodies(a: Agent) -> str:
     accepted = [0] * 8
 
@@ -376,6 +402,7 @@ def _threads(fn: Callable[[int], None], n: int) -> None:
 ATTACKS: list[tuple[str, Callable[[Agent], str]]] = [
     ("pipelining flood", pipelining_flood),
     ("pipelined bodies", pipelined_bodies),
+    ("connection flood", connection_flood),
     ("output floods", output_floods),
     ("tar attacks", tar_attacks),
     ("read attacks", read_attacks),
