@@ -275,9 +275,10 @@ def from_kubeconfig(
 
 
 def in_cluster(
-    namespace: str | None = None, serviceaccount_dir: Path = SERVICEACCOUNT_DIR
+    namespace: str | None = None, serviceaccount_dir: Path | None = None
 ) -> ClusterConfig | None:
     """The pod's own ServiceAccount, or None when not in a pod."""
+    serviceaccount_dir = serviceaccount_dir or SERVICEACCOUNT_DIR
     host, port = (
         os.environ.get("KUBERNETES_SERVICE_HOST"),
         os.environ.get("KUBERNETES_SERVICE_PORT"),
@@ -308,7 +309,7 @@ def discover(
     api_server: str | None = None,
     token: str | None = None,
     ca_file: str | None = None,
-    serviceaccount_dir: Path = SERVICEACCOUNT_DIR,
+    serviceaccount_dir: Path | None = None,
 ) -> ClusterConfig | None:
     """The cluster to talk to, by the order in the module's docstring; None when
     there is none (gateway-only use)."""
