@@ -312,7 +312,9 @@ def discover(
     serviceaccount_dir: Path | None = None,
 ) -> ClusterConfig | None:
     """The cluster to talk to, by the order in the module's docstring; None when
-    there is none (gateway-only use)."""
+    there is none (gateway-only use). The namespace: `namespace`, else
+    `$SANDBOX_NAMESPACE`, else the context's (or the pod's) own."""
+    namespace = namespace or os.environ.get("SANDBOX_NAMESPACE") or None
     if api_server is not None:
         return ClusterConfig(
             server=api_server.rstrip("/"),

@@ -200,7 +200,12 @@ class SandboxClient:
             token=token,
             ca_file=ca_file,
         )
-        self.namespace = namespace or (self.config.namespace if self.config else "default")
+        self.namespace = (
+            namespace
+            or (self.config.namespace if self.config else None)
+            or os.environ.get("SANDBOX_NAMESPACE")
+            or "default"
+        )
         self.kube = Kube(self.config, timeout) if self.config is not None else None
         kubectl_args = [f"--kubeconfig={kubeconfig}"] if kubeconfig else []
         if context:
