@@ -46,7 +46,7 @@ class SandboxTools:
         return [f"{m.path}:{m.line}: {m.text}" for m in found.matches]
 
     def sandbox_find_files(self, pattern: str) -> list[str]:
-        return self.sandbox.files.find(pattern)
+        return sorted(self.sandbox.files.find(pattern))
 
     def sandbox_apply_patch(self, patch: str) -> list[str]:
         return [f"{f.status} {f.path}" for f in self.sandbox.files.apply_patch(patch).files]

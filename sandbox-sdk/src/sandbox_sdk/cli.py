@@ -498,9 +498,19 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--gateway", choices=["auto", "dns", "proxy", "port-forward"])
     top.add_argument("--gateway-url", help="the gateway's URL (else found through its Service)")
     sub = top.add_subparsers(dest="verb", metavar="COMMAND", required=True)
+    # kubectl users write `get -o wide -n ns` as often as `-n ns get`: the global
+    # flags are taken after the command too (without defaults there, so that a
+    # flag given before the command is not overwritten).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-n", "--namespace", default=argparse.SUPPRESS)
+    common.add_argument("--context", default=argparse.SUPPRESS)
+    common.add_argument("--kubeconfig", default=argparse.SUPPRESS)
+    common.add_argument(
+        "-o", "--output", choices=["json", "yaml", "wide", "name"], default=argparse.SUPPRESS
+    )
 
     def add(name: str, help_text: str, *aliases: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_text, aliases=list(aliases))
+        return sub.add_parser(name, help=help_text, aliases=list(aliases), parents=[common])
 
     def waits(p: argparse.ArgumentParser) -> None:
         p.add_argument("--no-wait", action="store_true", help="return without waiting")
@@ -544,7 +554,7 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--file", action="append", default=[], metavar="LOCAL[:REMOTE]")
         p.add_argument("--env", "-e", action="append", default=[], metavar="NAME=VALUE")
         p.add_argument("--timeout", type=float, default=180.0, help="seconds (at most 1800)")
-        p.add_argument("command", nargs=argparse.REMAINDER)
+        p.add_argument("command", nargs="*", help="after --, as with kubectl exec")
         p.set_defaults(run=cmd_exec if verb == "exec" else cmd_run)
 
     p = add("cp", "copy files or directories to or from a sandbox (NAME:PATH)")
@@ -628,10 +638,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if words[:1] == ["__complete"]:
         print("\n".join(complete(words[1:])))
         return 0
-    # `exec NAME -- CMD`: argparse's REMAINDER keeps the `--`; drop it.
+    # `exec NAME [flags] -- CMD...`: what follows `--` is the command, untouched
+    # (its own flags are not ours), wherever our flags stood before it.
+    command: list[str] | None = None
+    if "--" in words:
+        cut = words.index("--")
+        words, command = words[:cut], words[cut + 1 :]
     args = parser().parse_args(words)
-    if getattr(args, "command", None) and args.command[:1] == ["--"]:
-        args.command = args.command[1:]
+    if command is not None and hasattr(args, "command"):
+        args.command = [*args.command, *command]
     try:
         if args.verb == "completion":
             return cmd_completion(None, args)

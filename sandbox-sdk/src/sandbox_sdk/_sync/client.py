@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import builtins
+import collections
 import contextlib
 import io
 import json
@@ -16,6 +17,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -1018,6 +1020,9 @@ class Sandbox:
         same execution from the last cursor (the command does not run again)."""
         execution_id: str | None = None
         cursor = 0
+        # The finished event's record carries no output (it was streamed): the
+        # result gets the streamed text back, its tail like the captured form.
+        seen = {"stdout": _Tail(), "stderr": _Tail()}
         for attempt in range(4):
             if execution_id is None:
                 call_method, call_tail, params = method, tail, None
@@ -1044,6 +1049,10 @@ class Sandbox:
                         if event is not None:
                             if event.cursor is not None:
                                 cursor = event.cursor
+                            if event.kind in seen:
+                                seen[event.kind].add(event.data)
+                            elif event.result is not None:
+                                event = _with_output(event, seen)
                             yield event
                         if kind == "finished":
                             return
@@ -1092,6 +1101,44 @@ class Sandbox:
     def job(self, job_id: str) -> Job:
         """A handle on a job by id (from `start()` or `jobs()`)."""
         return Job(self, job_id)
+
+
+TAIL_CHARACTERS = 4 << 20  # the agent's own capture bound, per stream
+
+
+class _Tail:
+    """The last TAIL_CHARACTERS of a streamed output, without rejoining it per chunk."""
+
+    def __init__(self) -> None:
+        self.parts: collections.deque[str] = collections.deque()
+        self.size = 0
+        self.total = 0
+
+    def add(self, data: str) -> None:
+        self.parts.append(data)
+        self.size += len(data)
+        self.total += len(data)
+        while len(self.parts) > 1 and self.size - len(self.parts[0]) >= TAIL_CHARACTERS:
+            self.size -= len(self.parts.popleft())
+
+    def text(self) -> str:
+        return "".join(self.parts)[-TAIL_CHARACTERS:]
+
+
+def _with_output(event: OutputEvent, seen: dict[str, _Tail]) -> OutputEvent:
+    result = event.result
+    assert result is not None
+    if result.stdout or result.stderr:
+        return event
+    out, err = seen["stdout"], seen["stderr"]
+    full = replace(
+        result,
+        stdout=out.text(),
+        stderr=err.text(),
+        stdout_truncated=result.stdout_truncated or out.total > TAIL_CHARACTERS,
+        stderr_truncated=result.stderr_truncated or err.total > TAIL_CHARACTERS,
+    )
+    return replace(event, result=full)
 
 
 def _checked(result: CommandResult, check: bool) -> CommandResult:
