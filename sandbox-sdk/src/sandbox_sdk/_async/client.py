@@ -60,8 +60,9 @@ READY_TIMEOUT = 180.0
 RESUME_ANNOTATION = "sandbox.dev/resume-requested-at"
 RESTORE_ANNOTATION = "sandbox.dev/restore-requested-at"
 SDK_LABEL = "sandbox.dev/created-by"
-# Ready=False reasons that no amount of waiting fixes.
-FATAL_REASONS = {"InvalidSpec", "RuntimeMissingPython", "ImagePullFailed", "PodFailed"}
+# Ready=False reasons that no amount of waiting fixes (PodFailed is not one: the
+# operator replaces a failed pod on the same workspace).
+FATAL_REASONS = {"InvalidSpec", "RuntimeMissingPython", "ImagePullFailed"}
 CHUNK = 1 << 16
 FileContent = str | bytes
 
