@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CLUSTER ?= dev
 # The tiers `make test` runs.
-TEST_TIERS ?= tests/unit tests/integration tests/devcluster sandbox-agent/tests tests/e2e
+TEST_TIERS ?= tests/unit tests/integration tests/devcluster sandbox-agent/tests sandbox-sdk/tests tests/e2e
 
 .DEFAULT_GOAL := help
 
@@ -13,14 +13,14 @@ TEST_TIERS ?= tests/unit tests/integration tests/devcluster sandbox-agent/tests 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(VENV)/.installed: pyproject.toml sandbox-agent/pyproject.toml
+$(VENV)/.installed: pyproject.toml sandbox-agent/pyproject.toml sandbox-sdk/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q -e '.[dev]' -e './sandbox-agent[dev]'
+	$(PY) -m pip install -q -e '.[dev]' -e './sandbox-agent[dev]' -e './sandbox-sdk[dev]'
 	touch $@
 
 .PHONY: install
-install: $(VENV)/.installed ## Create .venv with the operator, the agent and dev tools
+install: $(VENV)/.installed ## Create .venv with the operator, the agent, the SDK (kubectl-sandbox) and dev tools
 
 .PHONY: crds
 crds: install ## Regenerate crds/ and the chart's CRD copies from the models
@@ -31,6 +31,7 @@ lint: install ## ruff (lint + format check) and mypy --strict
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy operator devcluster tests sandbox-agent/src benchmarks hack
+	$(VENV)/bin/mypy sandbox-sdk/src sandbox-sdk/tests examples/sdk
 
 .PHONY: binaries
 binaries: install ## Build (or reuse) the pinned Kubernetes, etcd and helm binaries
@@ -58,6 +59,17 @@ test-e2e: install binaries ## End to end on a private single-node cluster (root)
 test-agent: install ## The sandbox agent and runner as real processes
 	$(PY) -m pytest sandbox-agent/tests
 
+.PHONY: sdk-generate
+sdk-generate: install ## Regenerate the SDK's models (from crds/, the agent's OpenAPI) and its sync code
+	$(PY) -m sandbox_sdk._codegen
+	$(PY) -m sandbox_sdk._unasync
+	$(PY) -m sandbox_sdk._docs
+
+.PHONY: test-sdk
+test-sdk: install binaries ## The SDK: freshness checks, then against the integration tier
+	$(PY) -m pytest sandbox-sdk/tests
+	$(PY) -m pytest -p devcluster.pytest_plugin tests/integration/test_sdk.py
+
 .PHONY: openapi
 openapi: install ## Regenerate sandbox-agent/openapi.json (a test fails when it is stale)
 	$(PY) -m sandbox_agent.openapi > sandbox-agent/openapi.json
@@ -79,7 +91,7 @@ run: install ## Run the operator locally against the cluster-up cluster
 	$(VENV)/bin/kopf run -m sandbox_operator.main --all-namespaces --standalone
 
 .PHONY: bench
-bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under attack in a 256 MiB cgroup; 1,000 Sandboxes; node cold start and exec; Executions vs Jobs; snapshots vs tar; resume vs a pod start; gateway vs direct
+bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under attack in a 256 MiB cgroup; 1,000 Sandboxes; node cold start and exec; Executions vs Jobs; snapshots vs tar; resume vs a pod start; gateway vs direct; the SDK vs raw HTTP
 	$(PY) benchmarks/agent_bench.py
 	$(PY) benchmarks/agent_memory_bench.py
 	$(PY) benchmarks/sandbox_scale.py
@@ -88,6 +100,7 @@ bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under a
 	$(PY) benchmarks/snapshot_bench.py
 	$(PY) benchmarks/resume_bench.py
 	$(PY) benchmarks/gateway_bench.py
+	$(PY) benchmarks/sdk_bench.py
 
 .PHONY: clean
 clean: ## Remove the virtualenv and caches inside the repo (not the binary cache)

@@ -96,6 +96,31 @@ class ControlPlaneError(RuntimeError):
     """The cluster could not be started or stopped; the message says which part and why."""
 
 
+def run_kubectl(
+    kubectl: Path,
+    kubeconfig: Path,
+    args: list[str],
+    *,
+    stdin: str | None = None,
+    error: type[Exception] = ControlPlaneError,
+) -> str:
+    """kubectl's stdout; `error` with its stderr when it fails. A minimal
+    environment: no KUBECONFIG or kubectl plugins of the caller's leak in."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home())}
+    proc = subprocess.run(
+        [str(kubectl), f"--kubeconfig={kubeconfig}", *args],
+        input=stdin,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise error(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
 def free_ports(count: int) -> list[int]:
     """Free TCP ports below the ephemeral range, so no outgoing connection takes
     one between choosing and binding it."""

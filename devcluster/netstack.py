@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -53,7 +52,7 @@ from pathlib import Path
 import yaml
 
 from devcluster import build, images, network, pki, probes
-from devcluster.controlplane import Component
+from devcluster.controlplane import Component, run_kubectl
 
 CLUSTER_DOMAIN = "cluster.local"
 DNS_NAMESPACE = "kube-system"
@@ -303,19 +302,7 @@ def _coredns_pod() -> dict[str, object]:
 
 
 def _kubectl(kubectl: Path, kubeconfig: Path, args: list[str], stdin: str | None = None) -> str:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home())}
-    proc = subprocess.run(
-        [str(kubectl), f"--kubeconfig={kubeconfig}", *args],
-        input=stdin,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise NetstackError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
-    return proc.stdout
+    return run_kubectl(kubectl, kubeconfig, args, stdin=stdin, error=NetstackError)
 
 
 def install_objects(kubeconfig: Path, pod_net: network.PodNetwork) -> None:

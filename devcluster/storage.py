@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,13 @@ from typing import Any
 import yaml
 
 from devcluster import build, mounts, pki, probes, records, versions
-from devcluster.controlplane import Component, ControlPlane, ControlPlaneError, free_ports
+from devcluster.controlplane import (
+    Component,
+    ControlPlane,
+    ControlPlaneError,
+    free_ports,
+    run_kubectl,
+)
 from devcluster.state import Ports
 
 DRIVER_NAME = "hostpath.csi.k8s.io"
@@ -605,19 +610,7 @@ def storage_objects(
 
 
 def _kubectl(kubectl: Path, kubeconfig: Path, args: list[str], stdin: str | None = None) -> str:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home())}
-    proc = subprocess.run(
-        [str(kubectl), f"--kubeconfig={kubeconfig}", *args],
-        input=stdin,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise StorageError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
-    return proc.stdout
+    return run_kubectl(kubectl, kubeconfig, args, stdin=stdin, error=StorageError)
 
 
 def install_storage_objects(

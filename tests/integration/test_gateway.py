@@ -495,3 +495,59 @@ def test_nothing_a_caller_sends_is_a_server_error(
         for path in ("/v1/namespaces/x", "/v1/namespaces//sandboxes//info", "/nothing"):
             response = raw.get(path, headers={"Authorization": "Bearer " + "A" * 10000})
             assert response.status_code < 500, (path, response.status_code, response.text)
+
+
+def _peak_rss_kib(pid: int) -> int:
+    """The process's high-water mark of resident memory (VmHWM), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def test_a_gibibyte_streams_both_ways_and_a_quiet_command_is_not_cut(
+    gateway: GatewayProcess, kube: KubeJSON, ns: str, live_sandbox: LiveSandbox
+) -> None:
+    """1 GiB up as a tar and down again without the gateway holding it (its peak
+    RSS barely moves), and a streamed command that prints nothing for longer than
+    the usual proxy read timeouts (60 s) still reaches its end."""
+    agent = live_sandbox("box")
+    token = caller(kube, ns, "alice", "user")
+    assert gateway.proc is not None
+    size, chunk = 1 << 30, b"\0" * (1 << 20)
+
+    def archive() -> Iterator[bytes]:
+        header = tarfile.TarInfo("huge.bin")
+        header.size = size
+        yield header.tobuf(format=tarfile.PAX_FORMAT)
+        for _ in range(size // len(chunk)):
+            yield chunk
+        yield b"\0" * (2 * tarfile.BLOCKSIZE)  # end of archive (size is block-aligned)
+
+    before = _peak_rss_kib(gateway.proc.pid)
+    with httpx.Client(
+        base_url=f"{gateway.url}/v1/namespaces/{ns}/sandboxes/box",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=None,
+    ) as http:
+        up = http.put("/files/archive", params={"path": "in"}, content=archive())
+        assert up.status_code in (200, 201), up.text
+        assert (agent.workspace / "in" / "huge.bin").stat().st_size == size
+        received = 0
+        with http.stream("GET", "/files/archive", params={"path": "in"}) as down:
+            assert down.status_code == 200
+            for part in down.iter_bytes():
+                received += len(part)
+        assert received > size
+        (agent.workspace / "in" / "huge.bin").unlink()
+        grown_mib = (_peak_rss_kib(gateway.proc.pid) - before) / 1024
+        assert grown_mib < 64, f"the gateway's peak RSS grew by {grown_mib:.0f} MiB for 1 GiB"
+
+        with http.stream(
+            "POST", "/executions/stream", json={"command": "echo start; sleep 65; echo end"}
+        ) as stream:
+            events = [json.loads(line) for line in stream.iter_lines() if line]
+    output = "".join(e["data"] for e in events if e["type"] == "output")
+    assert output == "start\nend\n"
+    assert events[-1]["type"] == "finished"
+    assert events[-1]["execution"]["exitCode"] == 0

@@ -1,0 +1,1569 @@
+"""AsyncSandboxClient and its handles: lifecycle through the custom resources,
+commands and files through the gateway."""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import collections
+import contextlib
+import io
+import json
+import math
+import os
+import tarfile
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Literal
+
+import httpx
+import yaml
+
+from sandbox_sdk import config as cluster_config
+from sandbox_sdk._async.gateway import AsyncGateway
+from sandbox_sdk._async.kube import API_VERSION, AsyncKube, core_path, resource_path
+from sandbox_sdk._async_io import sleep
+from sandbox_sdk.errors import (
+    CommandFailed,
+    CommandTimeout,
+    ConfigError,
+    Conflict,
+    Invalid,
+    NotFound,
+    NotReady,
+    SandboxError,
+    ServerError,
+    Timeout,
+)
+from sandbox_sdk.models import agent, resources
+from sandbox_sdk.types import (
+    CommandResult,
+    Event,
+    OutputEvent,
+    Progress,
+    Runtime,
+    Sink,
+    write_sink,
+)
+
+JSON = dict[str, Any]
+DEFAULT_TIMEOUT = 180.0  # a command's, unless it says otherwise
+MAX_TIMEOUT = 1800.0  # what execute() admits (the agent allows up to its own maximum)
+MAX_JOB_TIMEOUT = 3600.0
+READY_TIMEOUT = 180.0
+RESUME_ANNOTATION = "sandbox.dev/resume-requested-at"
+RESTORE_ANNOTATION = "sandbox.dev/restore-requested-at"
+SDK_LABEL = "sandbox.dev/created-by"
+# Ready=False reasons that no amount of waiting fixes (PodFailed is not one: the
+# operator replaces a failed pod on the same workspace).
+FATAL_REASONS = {"InvalidSpec", "RuntimeMissingPython", "ImagePullFailed"}
+CHUNK = 1 << 16
+FileContent = str | bytes
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _condition(body: JSON | None, kind: str) -> JSON | None:
+    for cond in ((body or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            found: JSON = cond
+            return found
+    return None
+
+
+def _observed(body: JSON | None) -> bool:
+    """The status was computed from the current spec."""
+    if body is None:
+        return False
+    status = body.get("status") or {}
+    return int(status.get("observedGeneration") or 0) >= int(body["metadata"].get("generation", 0))
+
+
+def _is_ready(body: JSON | None) -> bool:
+    cond = _condition(body, "Ready")
+    return bool(cond and cond.get("status") == "True" and _observed(body))
+
+
+def _duration(seconds: float) -> str:
+    return f"{max(1, math.ceil(seconds))}s"
+
+
+def _env_list(env: Mapping[str, str]) -> list[JSON]:
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def _timeout_seconds(timeout: float, maximum: float) -> int:
+    if not 0 < timeout <= maximum:
+        raise Invalid(f"timeout must be more than 0 and at most {maximum:.0f} seconds")
+    return max(1, math.ceil(timeout))
+
+
+def _exec_body(
+    command: str | Sequence[str],
+    *,
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    stdin: FileContent | None,
+    timeout: int,
+    combined_output: bool,
+    background: bool = False,
+    stdin_open: bool = False,
+) -> JSON:
+    # A fresh idempotency key per call: every retry of this request carries it,
+    # so the agent runs the command at most once whatever the network does.
+    body: JSON = {"idempotencyKey": uuid.uuid4().hex, "timeoutSeconds": timeout}
+    if isinstance(command, str):
+        body["command"] = command
+    else:
+        body["argv"] = list(command)
+    if env:
+        body["env"] = dict(env)
+    if cwd:
+        body["cwd"] = cwd
+    if isinstance(stdin, bytes):
+        body["stdinBase64"] = base64.b64encode(stdin).decode()
+    elif stdin is not None:
+        body["stdin"] = stdin
+    if combined_output:
+        body["combinedOutput"] = True
+    if background:
+        body["background"] = True
+    if stdin_open:
+        body["stdinOpen"] = True
+    return body
+
+
+def _event_of(raw: JSON) -> tuple[str, OutputEvent | None, agent.Execution | None]:
+    kind = raw.get("type")
+    if kind == "output":
+        stream: Literal["stdout", "stderr"] = (
+            "stderr" if raw.get("stream") == "stderr" else "stdout"
+        )
+        data = raw.get("data")
+        if data is None and raw.get("dataBase64"):
+            data = base64.b64decode(raw["dataBase64"]).decode(errors="replace")
+        return "output", OutputEvent(stream, data or "", raw.get("cursor")), None
+    execution = agent.Execution.model_validate(raw["execution"]) if raw.get("execution") else None
+    if kind == "finished" and execution is not None:
+        return "finished", OutputEvent("exit", result=CommandResult.of(execution)), execution
+    return str(kind), None, execution
+
+
+class AsyncSandboxClient:
+    """Creates, finds and runs sandboxes.
+
+    Connection (see `sandbox_sdk.config` and `sandbox_sdk._async.gateway`):
+    with no arguments, the kubeconfig kubectl would use, or inside a pod its
+    ServiceAccount; the gateway is found by its Service. `gateway_url` plus
+    `token` (a scoped token) suffices for commands and files of one sandbox.
+
+    Args:
+        namespace: default namespace (else the kubeconfig context's, or the pod's).
+        kubeconfig, context: a kubeconfig file and context instead of kubectl's defaults.
+        api_server, token, ca_file: an explicit API server and bearer token.
+        gateway_url: the gateway's URL (else found through its Service).
+        gateway_token: the token for the gateway (else the API server's token, or a
+            ServiceAccount's for certificate-only kubeconfigs).
+        gateway: "auto" (DNS in a pod, API server proxy outside), "dns", "proxy" or
+            "port-forward".
+        service_account: the ServiceAccount whose token the gateway gets when the
+            kubeconfig has only a client certificate.
+        timeout: per-request timeout of calls that are not commands.
+    """
+
+    def __init__(
+        self,
+        namespace: str | None = None,
+        *,
+        kubeconfig: str | os.PathLike[str] | None = None,
+        context: str | None = None,
+        api_server: str | None = None,
+        token: str | None = None,
+        ca_file: str | None = None,
+        gateway_url: str | None = None,
+        gateway_token: str | None = None,
+        gateway: str | None = None,
+        service_account: str | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        self.config = cluster_config.discover(
+            namespace=namespace,
+            kubeconfig=kubeconfig,
+            context=context,
+            api_server=api_server,
+            token=token,
+            ca_file=ca_file,
+        )
+        self.namespace = (
+            namespace
+            or (self.config.namespace if self.config else None)
+            or os.environ.get("SANDBOX_NAMESPACE")
+            or "default"
+        )
+        self.kube = AsyncKube(self.config, timeout) if self.config is not None else None
+        kubectl_args = [f"--kubeconfig={kubeconfig}"] if kubeconfig else []
+        if context:
+            kubectl_args.append(f"--context={context}")
+        self.gateway = AsyncGateway(
+            self.kube,
+            url=gateway_url,
+            token=gateway_token or (token if self.kube is None else None),
+            mode=gateway,
+            service_account=service_account,
+            timeout=timeout,
+            kubeconfig_args=kubectl_args,
+        )
+
+    async def __aenter__(self) -> AsyncSandboxClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close connections (and a port-forward, if one was started)."""
+        await self.gateway.aclose()
+        if self.kube is not None:
+            await self.kube.aclose()
+
+    def _kube(self) -> AsyncKube:
+        if self.kube is None:
+            raise ConfigError(
+                "no Kubernetes API access (no kubeconfig, not in a pod): lifecycle operations"
+                " need one; a gateway URL and token serve commands and files only"
+            )
+        return self.kube
+
+    async def describe(self) -> str:
+        """Where this client talks to: the API server and the gateway route."""
+        location = await self.gateway.locate()
+        cluster = self.config.describe() if self.config else "no API server"
+        return f"API server: {cluster}\ngateway: {location.describe}"
+
+    # -- sandboxes ------------------------------------------------------------------
+
+    async def create(
+        self,
+        runtime: str | None = None,
+        *,
+        name: str | None = None,
+        namespace: str | None = None,
+        image: str | None = None,
+        env: Mapping[str, str] | None = None,
+        cpu: str | None = None,
+        memory: str | None = None,
+        workspace_size: str | None = None,
+        ephemeral: bool = False,
+        from_snapshot: str | None = None,
+        ports: Sequence[int | resources.ExposedPort] = (),
+        egress: str | None = None,
+        idle_timeout: str | None = None,
+        on_idle: str | None = None,
+        max_lifetime: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        spec: resources.SandboxSpec | None = None,
+        wait: bool = True,
+        timeout: float = READY_TIMEOUT,
+    ) -> AsyncSandbox:
+        """Create a Sandbox and return its handle (a context manager that destroys it).
+
+        `runtime` is a catalog name (`list_runtimes()`), or pass `image`. `name`
+        defaults to a generated one. With `wait=False` it returns as soon as the
+        API server accepted the object: the pod starts meanwhile, and the first
+        command waits for it (warm a sandbox without blocking). `spec` gives any
+        other field of the Sandbox spec; the keyword arguments win over it.
+        """
+        kube = self._kube()
+        ns = namespace or self.namespace
+        body_spec: JSON = spec.to_wire() if spec is not None else {}
+        if runtime:
+            body_spec["runtime"] = runtime
+        if image:
+            body_spec["image"] = image
+        if env:
+            body_spec["env"] = _env_list(env)
+        limits = {k: v for k, v in (("cpu", cpu), ("memory", memory)) if v}
+        if limits:
+            body_spec["resources"] = {**body_spec.get("resources", {}), **limits}
+        workspace = dict(body_spec.get("workspace") or {})
+        if workspace_size:
+            workspace["size"] = workspace_size
+        if ephemeral:
+            workspace["ephemeral"] = True
+        if from_snapshot:
+            workspace["fromSnapshot"] = from_snapshot
+        if workspace:
+            body_spec["workspace"] = workspace
+        network = dict(body_spec.get("network") or {})
+        if ports:
+            network["exposedPorts"] = [
+                p.to_wire()
+                if isinstance(p, resources.ExposedPort)
+                else {"name": f"p{p}", "port": p}
+                for p in ports
+            ]
+        if egress:
+            network["egress"] = egress
+        if network:
+            body_spec["network"] = network
+        lifecycle = dict(body_spec.get("lifecycle") or {})
+        for key, value in (
+            ("idleTimeout", idle_timeout),
+            ("onIdle", on_idle),
+            ("maxLifetime", max_lifetime),
+        ):
+            if value:
+                lifecycle[key] = value
+        if lifecycle:
+            body_spec["lifecycle"] = lifecycle
+        metadata: JSON = {"labels": {SDK_LABEL: "sandbox-sdk", **(labels or {})}}
+        if name:
+            metadata["name"] = name
+        else:
+            metadata["generateName"] = "sandbox-"
+        created = await kube.create(
+            resource_path("sandboxes", ns),
+            {"apiVersion": API_VERSION, "kind": "Sandbox", "metadata": metadata, "spec": body_spec},
+        )
+        sandbox = AsyncSandbox(self, created["metadata"]["name"], ns, created)
+        if wait:
+            try:
+                await sandbox.wait_ready(timeout)
+            except BaseException:
+                await sandbox.destroy(wait=False)
+                raise
+        return sandbox
+
+    async def connect(
+        self, name: str, *, namespace: str | None = None, wait: bool = False
+    ) -> AsyncSandbox:
+        """A handle on an existing sandbox (another process's, an earlier turn's).
+
+        Reads the Sandbox first (NotFound if there is none) when the client can
+        reach the API server; with only a gateway URL and token, it cannot check."""
+        ns = namespace or self.namespace
+        body = None
+        if self.kube is not None:
+            body = await self.kube.get(resource_path("sandboxes", ns, name))
+        sandbox = AsyncSandbox(self, name, ns, body)
+        if wait:
+            await sandbox.wait_ready()
+        return sandbox
+
+    async def get(self, name: str, *, namespace: str | None = None) -> resources.Sandbox:
+        """The Sandbox object (spec and status)."""
+        body = await self._kube().get(resource_path("sandboxes", namespace or self.namespace, name))
+        return resources.Sandbox.model_validate(body)
+
+    async def list(
+        self, *, namespace: str | None = None, labels: Mapping[str, str] | None = None
+    ) -> builtins.list[resources.Sandbox]:
+        """Sandboxes of a namespace (`namespace="*"`: all namespaces), by label."""
+        ns = namespace or self.namespace
+        path = f"/apis/{API_VERSION}/sandboxes" if ns == "*" else resource_path("sandboxes", ns)
+        params = (
+            {"labelSelector": ",".join(f"{k}={v}" for k, v in labels.items())} if labels else {}
+        )
+        items = await self._kube().list(path, params)
+        return [resources.Sandbox.model_validate(item) for item in items]
+
+    async def list_runtimes(self) -> builtins.list[Runtime]:
+        """The operator's runtime catalog (its settings ConfigMap, which the
+        reader must be allowed to get in the operator's namespace)."""
+        kube = self._kube()
+        ns, _, _ = await self.gateway._service()
+        release = self.gateway.release or "sandbox-operator"
+        cm = await kube.get(core_path("configmaps", ns, f"{release}-settings"))
+        settings = yaml.safe_load((cm.get("data") or {}).get("settings.yaml") or "{}") or {}
+        default = settings.get("default_runtime")
+        return [
+            Runtime(
+                name=name,
+                image=str(entry.get("image", "")),
+                description=str(entry.get("description", "")),
+                default=name == default,
+            )
+            for name, entry in sorted((settings.get("runtimes") or {}).items())
+        ]
+
+    async def run(
+        self,
+        command: str | Sequence[str],
+        *,
+        runtime: str | None = None,
+        image: str | None = None,
+        files: Mapping[str, FileContent] | None = None,
+        env: Mapping[str, str] | None = None,
+        cpu: str | None = None,
+        memory: str | None = None,
+        cwd: str | None = None,
+        stdin: FileContent | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        stdout: Sink | None = None,
+        stderr: Sink | None = None,
+        namespace: str | None = None,
+        ready_timeout: float = READY_TIMEOUT,
+    ) -> CommandResult:
+        """One-shot: a disposable sandbox (ephemeral workspace) runs `command` and
+        is deleted, whatever happens. Output streams to `stdout`/`stderr`
+        (callbacks or text files) while it runs. The sandbox also carries a
+        `maxLifetime`, so the operator removes it even if this process dies."""
+        _timeout_seconds(timeout, MAX_TIMEOUT)
+        sandbox = await self.create(
+            runtime,
+            image=image,
+            env=env,
+            cpu=cpu,
+            memory=memory,
+            ephemeral=True,
+            max_lifetime=_duration(ready_timeout + timeout + 120),
+            labels={"sandbox.dev/one-shot": "true"},
+            namespace=namespace,
+            wait=False,
+        )
+        try:
+            await sandbox.wait_ready(ready_timeout)
+            if files:
+                await sandbox.files.write_many(files)
+            return await sandbox.execute(
+                command, cwd=cwd, stdin=stdin, timeout=timeout, stdout=stdout, stderr=stderr
+            )
+        finally:
+            await sandbox.destroy(wait=False)
+
+    # -- snapshots and executions ----------------------------------------------------
+
+    async def list_snapshots(
+        self, *, sandbox: str | None = None, namespace: str | None = None
+    ) -> builtins.list[resources.Snapshot]:
+        """Snapshots of a namespace, optionally of one sandbox, oldest first."""
+        items = await self._kube().list(resource_path("snapshots", namespace or self.namespace))
+        snaps = [resources.Snapshot.model_validate(i) for i in items]
+        if sandbox:
+            snaps = [s for s in snaps if s.spec.sandbox_ref.name == sandbox]
+        return sorted(snaps, key=lambda s: s.metadata.creation_timestamp or "")
+
+    async def get_snapshot(self, name: str, *, namespace: str | None = None) -> resources.Snapshot:
+        body = await self._kube().get(resource_path("snapshots", namespace or self.namespace, name))
+        return resources.Snapshot.model_validate(body)
+
+    async def delete_snapshot(self, name: str, *, namespace: str | None = None) -> None:
+        with contextlib.suppress(NotFound):
+            await self._kube().delete(resource_path("snapshots", namespace or self.namespace, name))
+
+    async def snapshot_lineage(
+        self, name: str, *, namespace: str | None = None
+    ) -> builtins.list[str]:
+        """The Snapshot's own name, then the snapshots its source came from (nearest first)."""
+        snap = await self.get_snapshot(name, namespace=namespace)
+        return [name, *((snap.status.lineage if snap.status else None) or [])]
+
+    async def get_execution(
+        self, name: str, *, namespace: str | None = None
+    ) -> resources.Execution:
+        """An Execution resource (a command run as an object)."""
+        body = await self._kube().get(
+            resource_path("executions", namespace or self.namespace, name)
+        )
+        return resources.Execution.model_validate(body)
+
+    async def execution_output(
+        self, name: str, *, namespace: str | None = None, follow: bool = False
+    ) -> AsyncIterator[OutputEvent]:
+        """An Execution's full output, read from its sandbox's agent by cursor
+        (`follow`: until it ends). Falls back to the tails in its status when
+        the sandbox is gone (a finished one-shot)."""
+        ns = namespace or self.namespace
+        while True:
+            execution = await self.get_execution(name, namespace=ns)
+            status = execution.status
+            if status is not None and status.agent_execution_id and status.sandbox:
+                break
+            if not follow:
+                return
+            await sleep(0.5)
+        assert status is not None
+        assert status.sandbox
+        assert status.agent_execution_id
+        job = AsyncJob(AsyncSandbox(self, status.sandbox, ns), status.agent_execution_id)
+        try:
+            cursor = 0
+            while True:
+                page = await job.output(cursor, wait=5.0 if follow else 0.0)
+                for chunk in page.chunks:
+                    yield OutputEvent(
+                        "stderr" if chunk.stream == "stderr" else "stdout",
+                        chunk.data or "",
+                        chunk.cursor,
+                    )
+                cursor = page.cursor
+                if page.finished or (not follow and not page.chunks):
+                    return
+        except (NotFound, NotReady, ServerError):
+            if cursor:
+                raise
+            if status.stdout:
+                yield OutputEvent("stdout", status.stdout)
+            if status.stderr:
+                yield OutputEvent("stderr", status.stderr)
+
+
+class AsyncSandbox:
+    """A handle on one sandbox. `async with` destroys it at the end, also on error.
+
+    Commands and files go through the gateway; `pause`, `resume`, `set_env`,
+    `snapshot`, `fork`, `restore` and `destroy` change the Sandbox resource.
+    Calls made while the sandbox is not ready yet wait for it (bounded by
+    `ready_timeout`), so a handle from `create(wait=False)` is usable at once.
+    """
+
+    def __init__(
+        self,
+        client: AsyncSandboxClient,
+        name: str,
+        namespace: str,
+        body: JSON | None = None,
+        ready_timeout: float = READY_TIMEOUT,
+    ) -> None:
+        self.client = client
+        self.name = name
+        self.namespace = namespace
+        self.ready_timeout = ready_timeout
+        self._body = body
+        self.files = AsyncFiles(self)
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.namespace}/{self.name}>"
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self.destroy()
+        except SandboxError:
+            if exc is None:
+                raise  # otherwise the original error is the one worth seeing
+
+    # -- the resource ----------------------------------------------------------------
+
+    @property
+    def _path(self) -> str:
+        return resource_path("sandboxes", self.namespace, self.name)
+
+    async def _get(self) -> JSON | None:
+        try:
+            body = await self.client._kube().get(self._path)
+        except NotFound:
+            return None
+        self._body = body
+        return body
+
+    async def refresh(self) -> resources.Sandbox:
+        """The Sandbox as it is now (spec and status)."""
+        body = await self._get()
+        if body is None:
+            raise NotFound(f"sandbox {self.namespace}/{self.name} does not exist", status=404)
+        return resources.Sandbox.model_validate(body)
+
+    @property
+    def uid(self) -> str | None:
+        return None if self._body is None else self._body["metadata"].get("uid")
+
+    async def _patch(self, body: JSON) -> JSON:
+        patched = await self.client._kube().patch(self._path, body)
+        self._body = patched
+        return patched
+
+    async def _wait(
+        self, test: Callable[[JSON | None], bool], timeout: float, what: str
+    ) -> JSON | None:
+        """Until `test(object or None)` holds: a watch, so no poll interval adds up."""
+        kube = self.client._kube()
+        deadline = time.monotonic() + timeout
+        body = await self._get()
+        collection = resource_path("sandboxes", self.namespace)
+        while True:
+            if test(body):
+                return body
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Timeout(f"sandbox {self.namespace}/{self.name}: {what} not in {timeout:.0f}s")
+            params = {"fieldSelector": f"metadata.name={self.name}"}
+            if body is not None:
+                params["resourceVersion"] = body["metadata"]["resourceVersion"]
+            try:
+                async for event in kube.watch(collection, params, min(remaining, 30.0)):
+                    kind = event.get("type")
+                    if kind == "ERROR":
+                        break
+                    body = None if kind == "DELETED" else event.get("object")
+                    self._body = body
+                    if test(body):
+                        return body
+                    if time.monotonic() > deadline:
+                        break
+            except (ServerError, Conflict):
+                await sleep(0.2)
+            body = await self._get()
+
+    async def wait_ready(self, timeout: float | None = None) -> resources.Sandbox:
+        """Until the sandbox is Ready. NotReady (with the Sandbox's reason) when it
+        cannot become ready (InvalidSpec, ImagePullFailed, ...) or does not in
+        `timeout` seconds; NotFound when it is deleted meanwhile."""
+        fatal: list[JSON] = []
+
+        def done(body: JSON | None) -> bool:
+            if body is None:
+                return True
+            cond = _condition(body, "Ready")
+            if cond and _observed(body) and cond.get("reason") in FATAL_REASONS:
+                fatal.append(cond)
+                return True
+            return _is_ready(body)
+
+        try:
+            body = await self._wait(done, timeout or self.ready_timeout, "Ready")
+        except Timeout as exc:
+            cond = _condition(self._body, "Ready") or {}
+            raise NotReady(
+                f"{exc}; Ready={cond.get('status')} ({cond.get('reason')}): {cond.get('message')}",
+                reason=str(cond.get("reason") or ""),
+                code="timeout",
+            ) from exc
+        if body is None:
+            raise NotFound(f"sandbox {self.namespace}/{self.name} was deleted", status=404)
+        if fatal:
+            cond = fatal[0]
+            raise NotReady(
+                f"sandbox {self.name} cannot become ready ({cond.get('reason')}):"
+                f" {cond.get('message')}",
+                reason=str(cond.get("reason")),
+                code="not_ready",
+            )
+        return resources.Sandbox.model_validate(body)
+
+    async def pause(self, *, wait: bool = True, timeout: float = 120.0) -> None:
+        """Stop the pod, keep the workspace (`spec.paused: true`)."""
+        await self._patch({"spec": {"paused": True}})
+        if wait:
+            await self._wait(
+                lambda b: (
+                    b is not None
+                    and _observed(b)
+                    and (b.get("status") or {}).get("phase") == "Paused"
+                ),
+                timeout,
+                "Paused",
+            )
+
+    async def resume(self, *, wait: bool = True, timeout: float | None = None) -> None:
+        """Start the pod again on the same workspace: `spec.paused: false`, and
+        the resume annotation for a sandbox its idle policy paused."""
+        patch: JSON = {"spec": {"paused": False}}
+        body = self._body or await self._get()
+        if body is not None and (body.get("status") or {}).get("idlePausedAt"):
+            patch["metadata"] = {"annotations": {RESUME_ANNOTATION: _now()}}
+        await self._patch(patch)
+        if wait:
+            await self.wait_ready(timeout)
+
+    async def set_env(self, env: Mapping[str, str | None], *, wait: bool = True) -> dict[str, str]:
+        """Set (or, with None, delete) variables of `spec.env`; commands started
+        afterwards see them (the pod stays). Waits until the agent applied them.
+        Returns the literal variables now set."""
+        for _ in range(5):
+            body = await self._get()
+            if body is None:
+                raise NotFound(f"sandbox {self.name} does not exist", status=404)
+            current: list[JSON] = list((body.get("spec") or {}).get("env") or [])
+            wanted = [v for v in current if v["name"] not in env]
+            wanted += [{"name": k, "value": v} for k, v in env.items() if v is not None]
+            if wanted == current:
+                break
+            before = await self._environment_hash() if wait else None
+            try:
+                # resourceVersion: a concurrent writer makes this 409, not a lost update.
+                await self._patch(
+                    {
+                        "metadata": {"resourceVersion": body["metadata"]["resourceVersion"]},
+                        "spec": {"env": wanted},
+                    }
+                )
+            except Conflict:
+                continue
+            if wait:
+                deadline = time.monotonic() + 60
+                while await self._environment_hash() == before:
+                    if time.monotonic() > deadline:
+                        raise Timeout(f"sandbox {self.name}: the new env was not applied in 60s")
+                    await sleep(0.1)
+            break
+        else:
+            raise Conflict(f"sandbox {self.name}: env changed concurrently, 5 tries", status=409)
+        return {v["name"]: v["value"] for v in wanted if "value" in v}
+
+    async def _environment_hash(self) -> str | None:
+        try:
+            return (await self.info()).environment_hash
+        except (NotReady, SandboxError):
+            return None
+
+    async def info(self) -> agent.Info:
+        """The agent's view: activity, running commands, runner state."""
+        return agent.Info.model_validate((await self._request("GET", "info")).json())
+
+    async def url(self, port: int, *, token: bool = True, ttl: int = 3600) -> str:
+        """The preview URL of an exposed port (`status.ports[].url`). A private
+        port's URL carries a scoped token (operation `ports`, `ttl` seconds) that
+        the gateway turns into a cookie, so it opens in a browser."""
+        sandbox = await self.refresh()
+        for entry in (sandbox.status.ports if sandbox.status else None) or []:
+            if entry.port == port:
+                if not entry.url:
+                    raise NotReady(f"port {port} has no URL yet", code="no_url")
+                if entry.public or not token:
+                    return entry.url
+                scoped = await self.token(["ports"], ttl=ttl)
+                return f"{entry.url}{'&' if '?' in entry.url else '?'}token={scoped}"
+        raise NotFound(f"port {port} is not in spec.network.exposedPorts of {self.name}")
+
+    async def port_request(
+        self, port: int, path: str = "/", *, method: str = "GET", content: bytes | None = None
+    ) -> httpx.Response:
+        """An HTTP request to an exposed port, through the gateway as this client."""
+        return await self._request(
+            method, f"ports/{port}/{path.lstrip('/')}", content=content, idempotent=False
+        )
+
+    async def token(self, operations: Sequence[str], *, ttl: int = 600) -> str:
+        """A scoped token for this sandbox only: operations of exec, files:read,
+        files:write, view, ports (each of which this client must hold)."""
+        answer = await self._request(
+            "POST", "tokens", json_body={"operations": list(operations), "ttlSeconds": ttl}
+        )
+        return str(answer.json()["token"])
+
+    async def snapshot(
+        self,
+        tag: str | None = None,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        quiesce: bool = False,
+        wait: bool = True,
+        timeout: float = 300.0,
+    ) -> resources.Snapshot:
+        """Capture the workspace as a Snapshot (CSI VolumeSnapshot); waits until
+        it is Ready (SandboxError with the reason if it failed)."""
+        kube = self.client._kube()
+        spec: JSON = {"sandboxRef": {"name": self.name}, "quiesce": quiesce}
+        if tag:
+            spec["tag"] = tag
+        if description:
+            spec["description"] = description
+        metadata: JSON = {"labels": {"sandbox.dev/sandbox": self.name}}
+        if name:
+            metadata["name"] = name
+        else:
+            metadata["generateName"] = f"{self.name}-"
+        body = await kube.create(
+            resource_path("snapshots", self.namespace),
+            {"apiVersion": API_VERSION, "kind": "Snapshot", "metadata": metadata, "spec": spec},
+        )
+        snap_name = body["metadata"]["name"]
+        deadline = time.monotonic() + timeout
+        while wait:
+            status = body.get("status") or {}
+            if status.get("phase") == "Ready" and status.get("readyToUse"):
+                break
+            if status.get("phase") == "Failed":
+                cond = _condition(body, "Ready") or {}
+                raise SandboxError(
+                    f"snapshot {snap_name} failed ({cond.get('reason')}): {cond.get('message')}",
+                    code=str(cond.get("reason") or "SnapshotFailed"),
+                )
+            if time.monotonic() > deadline:
+                raise Timeout(f"snapshot {snap_name} not Ready in {timeout:.0f}s")
+            await sleep(0.25)
+            body = await kube.get(resource_path("snapshots", self.namespace, snap_name))
+        return resources.Snapshot.model_validate(body)
+
+    async def fork(
+        self,
+        name: str | None = None,
+        *,
+        snapshot: str | None = None,
+        wait: bool = True,
+        timeout: float = 300.0,
+    ) -> AsyncSandbox:
+        """A new sandbox like this one whose workspace starts from `snapshot`
+        (default: a snapshot taken now)."""
+        source = await self.refresh()
+        snap = snapshot or (await self.snapshot(timeout=timeout)).metadata.name
+        spec = source.spec.to_wire()
+        spec.pop("paused", None)
+        spec.setdefault("workspace", {})["fromSnapshot"] = snap
+        return await self.client.create(
+            name=name,
+            namespace=self.namespace,
+            spec=resources.SandboxSpec.model_validate(spec),
+            wait=wait,
+            timeout=timeout,
+        )
+
+    async def restore(self, snapshot: str, *, wait: bool = True, timeout: float = 300.0) -> None:
+        """Roll this sandbox's workspace back to `snapshot` (one of its own or any
+        in the namespace): the pod stops, the workspace is replaced, it starts."""
+        body = await self._get()
+        if body is None:
+            raise NotFound(f"sandbox {self.name} does not exist", status=404)
+        current = ((body.get("spec") or {}).get("workspace") or {}).get("fromSnapshot")
+        request = None
+        if current == snapshot:
+            request = _now()
+            await self._patch({"metadata": {"annotations": {RESTORE_ANNOTATION: request}}})
+        else:
+            await self._patch({"spec": {"workspace": {"fromSnapshot": snapshot}}})
+        if not wait:
+            return
+
+        def restored(b: JSON | None) -> bool:
+            if b is None:
+                return True
+            status = b.get("status") or {}
+            cond = _condition(b, "WorkspaceRestored") or {}
+            return (
+                _is_ready(b)
+                and cond.get("reason") == "Restored"
+                and status.get("workspaceSnapshot") == snapshot
+                and (request is None or status.get("workspaceRestoreRequest") == request)
+            )
+
+        if await self._wait(restored, timeout, f"restored from {snapshot}") is None:
+            raise NotFound(f"sandbox {self.name} was deleted", status=404)
+
+    async def lineage(self) -> list[str]:
+        """The snapshots this workspace came from: the one it was restored from,
+        then the one that one's source came from, and so on (nearest first)."""
+        sandbox = await self.refresh()
+        return list((sandbox.status.workspace_lineage if sandbox.status else None) or [])
+
+    async def events(self) -> list[Event]:
+        """Kubernetes Events about this sandbox, oldest first."""
+        selector = f"involvedObject.kind=Sandbox,involvedObject.name={self.name}"
+        items = await self.client._kube().list(
+            core_path("events", self.namespace), {"fieldSelector": selector}
+        )
+        events = [
+            Event(
+                type=str(e.get("type", "")),
+                reason=str(e.get("reason", "")),
+                message=str(e.get("message", "")),
+                time=str(
+                    e.get("lastTimestamp")
+                    or e.get("eventTime")
+                    or e["metadata"].get("creationTimestamp")
+                    or ""
+                ),
+                count=int(e.get("count") or 1),
+                source=str(
+                    (e.get("source") or {}).get("component") or e.get("reportingComponent") or ""
+                ),
+                raw=e,
+            )
+            for e in items
+        ]
+        return sorted(events, key=lambda e: e.time)
+
+    async def destroy(self, *, wait: bool = True, timeout: float = 120.0) -> None:
+        """Delete the sandbox; with `wait`, return once it is gone."""
+        try:
+            await self.client._kube().delete(self._path)
+        except NotFound:
+            return
+        if wait:
+            await self._wait(lambda b: b is None, timeout, "deleted")
+
+    # -- the gateway -----------------------------------------------------------------
+
+    async def _request(
+        self,
+        method: str,
+        tail: str,
+        *,
+        json_body: Any = None,
+        params: dict[str, str] | None = None,
+        content: bytes | None = None,
+        timeout: float | None = None,
+        idempotent: bool = True,
+    ) -> httpx.Response:
+        for attempt in range(3):
+            try:
+                return await self.client.gateway.request(
+                    self.namespace,
+                    self.name,
+                    method,
+                    tail,
+                    json_body=json_body,
+                    params=params,
+                    content=content,
+                    timeout=timeout,
+                    retry=idempotent,
+                )
+            except (NotReady, NotFound) as exc:
+                if attempt == 2 or not await self._worth_waiting(exc):
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _worth_waiting(self, exc: SandboxError) -> bool:
+        """Whether a refusal means "not yet" (the sandbox is starting, or the
+        gateway has not seen it yet): then wait for Ready and try again."""
+        if self.client.kube is None:
+            return False
+        if isinstance(exc, NotFound) and exc.code != "sandbox_not_found":
+            return False
+        ready = await self.wait_ready()
+        if isinstance(exc, NotFound):
+            await sleep(0.2)  # the gateway's route table follows a watch
+        return ready is not None
+
+    async def execute(
+        self,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: FileContent | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        stdout: Sink | None = None,
+        stderr: Sink | None = None,
+        combined_output: bool = False,
+        check: bool = False,
+    ) -> CommandResult:
+        """Run a command and return its result.
+
+        `command`: a shell script (str) or an argv list. `timeout` in seconds (3
+        minutes by default, at most 30): past it the command is stopped and
+        CommandTimeout (with the output so far in `.result`) is raised; the
+        sandbox stays usable. With `stdout`/`stderr` (callbacks or text files)
+        the output is streamed to them while it runs. `check`: CommandFailed
+        unless it exits 0. Retries never run the command twice (idempotency key).
+        """
+        seconds = _timeout_seconds(timeout, MAX_TIMEOUT)
+        body = _exec_body(
+            command,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout=seconds,
+            combined_output=combined_output,
+        )
+        if stdout is None and stderr is None:
+            response = await self._request(
+                "POST", "executions", json_body=body, timeout=seconds + 60
+            )
+            result = CommandResult.of(agent.Execution.model_validate(response.json()))
+        else:
+            result = await self._streamed(body, seconds, stdout, stderr)
+        return _checked(result, check)
+
+    async def _streamed(
+        self, body: JSON, seconds: int, stdout: Sink | None, stderr: Sink | None
+    ) -> CommandResult:
+        result: CommandResult | None = None
+        async for event in self._events("POST", "executions/stream", body, seconds + 60):
+            if event.kind == "stdout":
+                write_sink(stdout, event.data)
+            elif event.kind == "stderr":
+                write_sink(stderr, event.data)
+            else:
+                result = event.result
+        if result is None:
+            raise ServerError("the output stream ended before the command did")
+        return result
+
+    async def stream(
+        self,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: FileContent | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        combined_output: bool = False,
+    ) -> AsyncIterator[OutputEvent]:
+        """Run a command and iterate over its output as it comes: `stdout` and
+        `stderr` events, then one `exit` event whose `result` is the outcome."""
+        seconds = _timeout_seconds(timeout, MAX_TIMEOUT)
+        body = _exec_body(
+            command,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout=seconds,
+            combined_output=combined_output,
+        )
+        async for event in self._events("POST", "executions/stream", body, seconds + 60):
+            yield event
+
+    async def _events(
+        self, method: str, tail: str, body: JSON | None, read_timeout: float | None
+    ) -> AsyncIterator[OutputEvent]:
+        """The agent's event stream; after a broken connection it reattaches to the
+        same execution from the last cursor (the command does not run again)."""
+        execution_id: str | None = None
+        cursor = 0
+        # The finished event's record carries no output (it was streamed): the
+        # result gets the streamed text back, its tail like the captured form.
+        seen = {"stdout": _Tail(), "stderr": _Tail()}
+        for attempt in range(4):
+            if execution_id is None:
+                call_method, call_tail, params = method, tail, None
+            else:
+                call_method, call_tail = "GET", f"executions/{execution_id}/stream"
+                params = {"cursor": str(cursor)}
+            try:
+                async with self.client.gateway.stream(
+                    self.namespace,
+                    self.name,
+                    call_method,
+                    call_tail,
+                    json_body=body if execution_id is None else None,
+                    params=params,
+                    read_timeout=read_timeout,
+                ) as response:
+                    execution_id = response.headers.get("X-Execution-Id") or execution_id
+                    async for line in response.aiter_lines():
+                        if not line:
+                            continue
+                        kind, event, execution = _event_of(json.loads(line))
+                        if execution is not None:
+                            execution_id = execution.id
+                        if event is not None:
+                            if event.cursor is not None:
+                                cursor = event.cursor
+                            if event.kind in seen:
+                                seen[event.kind].add(event.data)
+                            elif event.result is not None:
+                                event = _with_output(event, seen)
+                            yield event
+                        if kind == "finished":
+                            return
+            except (NotReady, NotFound) as exc:
+                if execution_id is not None or attempt == 3 or not await self._worth_waiting(exc):
+                    raise
+            except ServerError:
+                if execution_id is None or attempt == 3:
+                    raise
+                await sleep(0.5)
+        raise ServerError("the output stream broke off repeatedly")
+
+    async def start(
+        self,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: FileContent | None = None,
+        stdin_open: bool = False,
+        timeout: float = 1800.0,
+        combined_output: bool = False,
+    ) -> AsyncJob:
+        """Start a background job (a server, a long build); returns at once.
+        `stdin_open`: keep its stdin open for `job.write()`."""
+        seconds = _timeout_seconds(timeout, MAX_JOB_TIMEOUT)
+        body = _exec_body(
+            command,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout=seconds,
+            combined_output=combined_output,
+            background=True,
+            stdin_open=stdin_open,
+        )
+        response = await self._request("POST", "executions", json_body=body)
+        return AsyncJob(self, str(response.json()["id"]))
+
+    async def jobs(self, *, status: str | None = None) -> list[agent.Execution]:
+        """The commands the agent remembers (running and finished), without output."""
+        params = {"status": status} if status else None
+        answer = await self._request("GET", "executions", params=params)
+        return agent.ExecutionList.model_validate(answer.json()).executions
+
+    def job(self, job_id: str) -> AsyncJob:
+        """A handle on a job by id (from `start()` or `jobs()`)."""
+        return AsyncJob(self, job_id)
+
+
+TAIL_CHARACTERS = 4 << 20  # the agent's own capture bound, per stream
+
+
+class _Tail:
+    """The last TAIL_CHARACTERS of a streamed output, without rejoining it per chunk."""
+
+    def __init__(self) -> None:
+        self.parts: collections.deque[str] = collections.deque()
+        self.size = 0
+        self.total = 0
+
+    def add(self, data: str) -> None:
+        self.parts.append(data)
+        self.size += len(data)
+        self.total += len(data)
+        while len(self.parts) > 1 and self.size - len(self.parts[0]) >= TAIL_CHARACTERS:
+            self.size -= len(self.parts.popleft())
+
+    def text(self) -> str:
+        return "".join(self.parts)[-TAIL_CHARACTERS:]
+
+
+def _with_output(event: OutputEvent, seen: dict[str, _Tail]) -> OutputEvent:
+    result = event.result
+    assert result is not None
+    if result.stdout or result.stderr:
+        return event
+    out, err = seen["stdout"], seen["stderr"]
+    full = replace(
+        result,
+        stdout=out.text(),
+        stderr=err.text(),
+        stdout_truncated=result.stdout_truncated or out.total > TAIL_CHARACTERS,
+        stderr_truncated=result.stderr_truncated or err.total > TAIL_CHARACTERS,
+    )
+    return replace(event, result=full)
+
+
+def _checked(result: CommandResult, check: bool) -> CommandResult:
+    if result.timed_out or result.status == "timed_out":
+        raise CommandTimeout(
+            f"the command ran past its timeout ({result.execution.timeout_seconds}s) and was"
+            " stopped",
+            result=result,
+            code="timed_out",
+        )
+    if check and not result.ok:
+        raise CommandFailed(
+            f"the command failed: status {result.status}, exit code {result.exit_code}:"
+            f" {result.stderr[-500:]}",
+            result=result,
+            code="command_failed",
+        )
+    return result
+
+
+class AsyncJob:
+    """A background command: its output by cursor, stdin, wait, kill."""
+
+    def __init__(self, sandbox: AsyncSandbox, job_id: str) -> None:
+        self.sandbox = sandbox
+        self.id = job_id
+
+    def __repr__(self) -> str:
+        return f"<Job {self.id} in {self.sandbox.name}>"
+
+    async def info(self) -> agent.Execution:
+        """The agent's record (status, exit code, output tails)."""
+        answer = await self.sandbox._request("GET", f"executions/{self.id}")
+        return agent.Execution.model_validate(answer.json())
+
+    async def output(
+        self, cursor: int = 0, *, wait: float = 0.0, max_bytes: int | None = None
+    ) -> agent.OutputPage:
+        """Output after `cursor` (pass `page.cursor` back for the next page);
+        `wait` seconds (at most 60) long-polls for new output."""
+        params = {"cursor": str(cursor), "waitSeconds": str(min(wait, 60.0))}
+        if max_bytes:
+            params["maxBytes"] = str(max_bytes)
+        answer = await self.sandbox._request(
+            "GET", f"executions/{self.id}/output", params=params, timeout=wait + 60
+        )
+        return agent.OutputPage.model_validate(answer.json())
+
+    async def logs(self, cursor: int = 0) -> str:
+        """All output so far from `cursor`, both streams in arrival order."""
+        parts: list[str] = []
+        while True:
+            page = await self.output(cursor)
+            parts.extend(c.data or "" for c in page.chunks)
+            if not page.chunks or page.cursor == cursor:
+                return "".join(parts)
+            cursor = page.cursor
+
+    async def stream(self, cursor: int = 0) -> AsyncIterator[OutputEvent]:
+        """Reattach: output events from `cursor` until the job ends."""
+        async for event in self.sandbox._events(
+            "GET", f"executions/{self.id}/stream?cursor={cursor}", None, None
+        ):
+            yield event
+
+    async def wait(self, timeout: float | None = None) -> CommandResult:
+        """Until the job ends; its result. Timeout if it runs on past `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 30.0 if deadline is None else max(0.0, min(30.0, deadline - time.monotonic()))
+            answer = await self.sandbox._request(
+                "GET",
+                f"executions/{self.id}",
+                params={"output": "true", "waitSeconds": f"{left:.3f}"},
+                timeout=left + 60,
+            )
+            execution = agent.Execution.model_validate(answer.json())
+            if execution.status != "running":
+                return CommandResult.of(execution)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise Timeout(f"job {self.id} still running after {timeout}s")
+
+    async def write(self, data: FileContent, *, close: bool = False) -> None:
+        """Write to the job's stdin (started with `stdin_open=True`); `close` ends it."""
+        body: JSON = {"close": close}
+        if isinstance(data, bytes):
+            body["dataBase64"] = base64.b64encode(data).decode()
+        else:
+            body["data"] = data
+        await self.sandbox._request(
+            "POST", f"executions/{self.id}/stdin", json_body=body, idempotent=False
+        )
+
+    async def kill(self, signal: str = "KILL", *, grace: float = 0.0) -> CommandResult:
+        """Stop the job: KILL (after `grace` seconds of TERM when given) to its
+        process group and whatever it started; another signal name is just sent."""
+        if signal.upper().removeprefix("SIG") == "KILL":
+            answer = await self.sandbox._request(
+                "POST", f"executions/{self.id}/cancel", json_body={"graceSeconds": grace}
+            )
+        else:
+            answer = await self.sandbox._request(
+                "POST", f"executions/{self.id}/signal", json_body={"signal": signal}
+            )
+        return CommandResult.of(agent.Execution.model_validate(answer.json()))
+
+
+def _extract(tar: tarfile.TarFile, target: Path) -> None:
+    """Extract what stays inside `target`: tarfile's "data" filter where this
+    Python has it (3.11.4 and later), else the same refusals by hand."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(target, filter="data")
+        return
+    root = target.resolve()
+    for member in tar.getmembers():
+        where = (root / member.name).resolve()
+        link = (where.parent / member.linkname).resolve() if member.issym() else root
+        if member.islnk():
+            link = (root / member.linkname).resolve()
+        inside = all(p == root or root in p.parents for p in (where, link))
+        if not inside or not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
+            raise Invalid(f"the archive's entry {member.name!r} would leave {target}")
+        member.mode &= 0o777
+    tar.extractall(target)
+
+
+class AsyncFiles:
+    """The sandbox's workspace (paths relative to it; escapes are refused)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self.sandbox = sandbox
+
+    async def read(
+        self, path: str, *, start_line: int | None = None, line_count: int | None = None
+    ) -> str:
+        """A text file, whole or the lines from `start_line` (1-based), `line_count` of them."""
+        params = {"path": path}
+        if start_line is not None:
+            params["startLine"] = str(start_line)
+            if line_count is None:
+                line_count = 1 << 30
+        if line_count is not None:
+            params["lineCount"] = str(line_count)
+            params.setdefault("startLine", "1")
+        answer = await self.sandbox._request("GET", "files/content", params=params)
+        return answer.content.decode(errors="replace")
+
+    async def read_bytes(
+        self, path: str, *, offset: int | None = None, length: int | None = None
+    ) -> bytes:
+        """A file's bytes, whole or `length` bytes from `offset`."""
+        params = {"path": path}
+        if offset is not None:
+            params["offset"] = str(offset)
+        if length is not None:
+            params["length"] = str(length)
+        return (await self.sandbox._request("GET", "files/content", params=params)).content
+
+    async def write(
+        self, path: str, content: FileContent, *, mode: str | None = None
+    ) -> agent.FileInfo:
+        """Write a file atomically (parent directories are made)."""
+        params = {"path": path, "parents": "true"}
+        if mode:
+            params["mode"] = mode
+        data = content.encode() if isinstance(content, str) else content
+        answer = await self.sandbox._request("PUT", "files/content", params=params, content=data)
+        return agent.FileInfo.model_validate(answer.json())
+
+    async def write_many(self, files: Mapping[str, FileContent], *, path: str = ".") -> int:
+        """Write several files in one request (a tar extracted under `path`);
+        returns how many were written."""
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for name, content in files.items():
+                data = content.encode() if isinstance(content, str) else content
+                info = tarfile.TarInfo(name.lstrip("/"))
+                info.size, info.mode, info.mtime = len(data), 0o644, int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+        await self.sandbox._request(
+            "PUT", "files/archive", params={"path": path}, content=buffer.getvalue()
+        )
+        return len(files)
+
+    async def list(
+        self, path: str = ".", *, depth: int = 1, hidden: bool = True
+    ) -> builtins.list[agent.FileInfo]:
+        """Entries of a directory (`depth` levels down)."""
+        answer = await self.sandbox._request(
+            "GET",
+            "files/list",
+            params={"path": path, "depth": str(depth), "hidden": str(hidden).lower()},
+        )
+        return agent.FileList.model_validate(answer.json()).entries
+
+    async def stat(self, path: str) -> agent.FileInfo:
+        answer = await self.sandbox._request("GET", "files/stat", params={"path": path})
+        return agent.FileInfo.model_validate(answer.json())
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path)
+        except NotFound:
+            return False
+        return True
+
+    async def mkdir(self, path: str, *, parents: bool = True, exist_ok: bool = True) -> None:
+        await self.sandbox._request(
+            "POST",
+            "files/mkdir",
+            json_body={"path": path, "parents": parents, "existOk": exist_ok},
+        )
+
+    async def remove(self, path: str, *, recursive: bool = False, missing_ok: bool = False) -> bool:
+        """Remove a file or (with `recursive`) a directory; whether it existed."""
+        answer = await self.sandbox._request(
+            "POST",
+            "files/remove",
+            json_body={"path": path, "recursive": recursive, "missingOk": missing_ok},
+        )
+        return bool(answer.json().get("removed"))
+
+    async def move(self, source: str, destination: str, *, overwrite: bool = False) -> None:
+        await self.sandbox._request(
+            "POST",
+            "files/move",
+            json_body={
+                "source": source,
+                "destination": destination,
+                "overwrite": overwrite,
+                "parents": True,
+            },
+        )
+
+    async def grep(
+        self,
+        pattern: str,
+        path: str = ".",
+        *,
+        glob: str | None = None,
+        ignore_case: bool = False,
+        fixed: bool = False,
+        max_results: int | None = None,
+    ) -> agent.SearchResult:
+        """Search file contents by regular expression (or `fixed` string)."""
+        body: JSON = {
+            "pattern": pattern,
+            "path": path,
+            "ignoreCase": ignore_case,
+            "fixedString": fixed,
+        }
+        if glob:
+            body["glob"] = glob
+        if max_results:
+            body["maxResults"] = max_results
+        answer = await self.sandbox._request("POST", "files/search", json_body=body)
+        return agent.SearchResult.model_validate(answer.json())
+
+    async def find(
+        self,
+        pattern: str,
+        path: str = ".",
+        *,
+        kind: str | None = None,
+        max_depth: int | None = None,
+    ) -> builtins.list[str]:
+        """Paths matching a glob (`kind`: file or directory)."""
+        body: JSON = {"pattern": pattern, "path": path}
+        if kind:
+            body["type"] = kind
+        if max_depth is not None:
+            body["maxDepth"] = max_depth
+        answer = await self.sandbox._request("POST", "files/find", json_body=body)
+        return agent.FindResult.model_validate(answer.json()).paths
+
+    async def apply_patch(
+        self, patch: str, *, strip: int = 1, dry_run: bool = False
+    ) -> agent.PatchResult:
+        """Apply a unified diff over any number of files: all hunks or none
+        (Conflict naming the hunk that does not apply)."""
+        answer = await self.sandbox._request(
+            "POST", "files/patch", json_body={"patch": patch, "strip": strip, "dryRun": dry_run}
+        )
+        return agent.PatchResult.model_validate(answer.json())
+
+    async def replace(
+        self,
+        path: str,
+        find: str,
+        replace: str,
+        *,
+        all: bool = False,
+        regex: bool = False,
+        expected_count: int | None = None,
+    ) -> int:
+        """Find and replace in one file; how many replacements. Conflict when
+        nothing matches, or several do and `all` is not set."""
+        body: JSON = {"path": path, "find": find, "replace": replace, "all": all, "regex": regex}
+        if expected_count is not None:
+            body["expectedCount"] = expected_count
+        answer = await self.sandbox._request("POST", "files/replace", json_body=body)
+        return int(answer.json()["replacements"])
+
+    async def download_url(self, path: str, *, ttl: int = 600) -> str:
+        """A URL that downloads `path` (a directory: as tar) without credentials
+        until it expires (a signed URL of the gateway, at the gateway's address)."""
+        answer = await self.sandbox._request(
+            "POST", "urls", json_body={"path": path, "ttlSeconds": ttl}
+        )
+        return str(answer.json()["url"])
+
+    async def download_tar(
+        self,
+        path: str,
+        destination: str | os.PathLike[str] | IO[bytes],
+        *,
+        gzip: bool = False,
+        progress: Progress | None = None,
+    ) -> int:
+        """Stream `path` (a directory) as a tar into a file; the bytes written."""
+        own = isinstance(destination, str | os.PathLike)
+        out: IO[bytes] = (
+            open(destination, "wb")  # noqa: SIM115 -- closed in the finally below
+            if isinstance(destination, str | os.PathLike)
+            else destination
+        )
+        done = 0
+        try:
+            async with self.sandbox.client.gateway.stream(
+                self.sandbox.namespace,
+                self.sandbox.name,
+                "GET",
+                "files/archive",
+                params={"path": path, "gzip": str(gzip).lower()},
+            ) as response:
+                async for chunk in response.aiter_bytes(CHUNK):
+                    out.write(chunk)
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(done, None)
+        finally:
+            if own:
+                out.close()
+        return done
+
+    async def download_dir(
+        self, path: str, local: str | os.PathLike[str], *, progress: Progress | None = None
+    ) -> Path:
+        """Download a directory of the sandbox into `local` (made if missing)."""
+        target = Path(local)
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile() as spool:
+            await self.download_tar(path, spool, progress=progress)
+            spool.seek(0)
+            with tarfile.open(fileobj=spool, mode="r:") as tar:
+                _extract(tar, target)
+        return target
+
+    async def upload_dir(
+        self,
+        local: str | os.PathLike[str],
+        path: str = ".",
+        *,
+        progress: Progress | None = None,
+    ) -> agent.ArchiveResult:
+        """Upload a local directory's contents into `path`, as a streamed tar."""
+        source = Path(local)
+        if not source.is_dir():
+            raise Invalid(f"{source} is not a directory")
+        with tempfile.TemporaryFile() as spool:
+            with tarfile.open(fileobj=spool, mode="w") as tar:
+                for entry in sorted(source.iterdir()):
+                    tar.add(entry, arcname=entry.name)
+            total = spool.tell()
+            spool.seek(0)
+            answer = await self._upload(path, spool, total, progress)
+        return agent.ArchiveResult.model_validate(answer)
+
+    async def upload_tar(
+        self,
+        archive: IO[bytes],
+        path: str = ".",
+        *,
+        size: int | None = None,
+        progress: Progress | None = None,
+    ) -> agent.ArchiveResult:
+        """Extract a tar (optionally compressed) read from `archive` into `path`."""
+        return agent.ArchiveResult.model_validate(await self._upload(path, archive, size, progress))
+
+    async def _upload(
+        self, path: str, source: IO[bytes], total: int | None, progress: Progress | None
+    ) -> JSON:
+        async def chunks() -> AsyncIterator[bytes]:
+            done = 0
+            while True:
+                chunk = source.read(CHUNK)
+                if not chunk:
+                    return
+                done += len(chunk)
+                if progress is not None:
+                    progress(done, total)
+                yield chunk
+
+        headers = {"Content-Length": str(total)} if total is not None else None
+        async with self.sandbox.client.gateway.stream(
+            self.sandbox.namespace,
+            self.sandbox.name,
+            "PUT",
+            "files/archive",
+            params={"path": path},
+            content=chunks(),
+            headers=headers,
+        ) as response:
+            await response.aread()
+            answer: JSON = response.json()
+            return answer

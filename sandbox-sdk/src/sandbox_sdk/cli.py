@@ -1,0 +1,685 @@
+"""`kubectl sandbox`: the kubectl plugin (the `kubectl-sandbox` executable).
+
+    kubectl sandbox create demo --runtime python
+    kubectl sandbox exec demo -- python3 -c 'print(6*7)'
+    kubectl sandbox cp ./src demo:src
+    kubectl sandbox get -o wide
+
+Global flags as kubectl's: `-n/--namespace`, `--context`, `--kubeconfig`,
+`-o json|yaml|wide|name`. Errors are one line on stderr and a non-zero exit;
+`exec` and `run` exit with the command's own exit code (124 when it timed out,
+as `timeout(1)` does). Shell completion: `kubectl sandbox completion bash`,
+and `kubectl_complete-sandbox` for kubectl's own plugin completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import io
+import json
+import sys
+import tarfile
+import threading
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sandbox_sdk._sync.client import Sandbox, SandboxClient
+from sandbox_sdk.errors import CommandTimeout, SandboxError
+from sandbox_sdk.models import resources
+from sandbox_sdk.types import OutputEvent
+
+JSON = dict[str, Any]
+COMMANDS = [
+    *("create", "get", "list", "delete", "exec", "run", "cp", "ls", "cat", "grep", "logs"),
+    *("snapshot", "snapshots", "restore", "fork", "pause", "resume", "port", "completion"),
+]
+PROGRESS_FROM = 1 << 20  # bytes: smaller transfers show no progress bar
+
+
+class CliError(Exception):
+    """A mistake in the command line: one line, exit 2."""
+
+
+def _age(timestamp: str | None) -> str:
+    if not timestamp:
+        return "<unknown>"
+    then = datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    seconds = int((datetime.now(UTC) - then).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{max(seconds, 0)}s"
+
+
+def _ready(sandbox: resources.Sandbox) -> str:
+    for cond in (sandbox.status.conditions if sandbox.status else None) or []:
+        if cond.type == "Ready":
+            return cond.status
+    return "Unknown"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "   ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def _emit(objects: list[JSON], output: str | None, kind: str, many: bool) -> None:
+    if output == "name":
+        for obj in objects:
+            print(f"{kind.lower()}/{obj['metadata']['name']}")
+        return
+    document: JSON = {"apiVersion": "v1", "kind": "List", "items": objects} if many else objects[0]
+    if output == "json":
+        print(json.dumps(document, indent=2))
+    else:
+        print(yaml.safe_dump(document, sort_keys=False), end="")
+
+
+def _print_sandboxes(items: list[resources.Sandbox], output: str | None, many: bool) -> None:
+    if output in ("json", "yaml", "name"):
+        _emit(
+            [s.model_dump(by_alias=True, exclude_none=True) for s in items], output, "Sandbox", many
+        )
+        return
+    if not items:
+        print("No sandboxes found.", file=sys.stderr)
+        return
+    header = ["NAME", "PHASE", "READY", "RUNTIME", "AGE"]
+    if output == "wide":
+        header += ["POD IP", "LAST ACTIVITY", "SNAPSHOT"]
+    rows = [header]
+    for s in items:
+        status = s.status
+        row = [
+            s.metadata.name or "",
+            (status.phase if status else None) or "",
+            _ready(s),
+            s.spec.runtime or s.spec.image or "",
+            _age(s.metadata.creation_timestamp),
+        ]
+        if output == "wide":
+            row += [
+                (status.pod_ip if status else None) or "",
+                (status.last_activity if status else None) or "",
+                (status.workspace_snapshot if status else None) or "",
+            ]
+        rows.append(row)
+    print(_table(rows))
+
+
+class ProgressBar:
+    """`12.0 MiB / 40.0 MiB  30%` on stderr, rewritten in place."""
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label, self.enabled, self.shown = label, enabled, False
+
+    def __call__(self, done: int, total: int | None) -> None:
+        if not self.enabled or (done < PROGRESS_FROM and not self.shown):
+            return
+        self.shown = True
+        text = f"{done / 1048576:7.1f} MiB"
+        if total:
+            text += f" / {total / 1048576:.1f} MiB {100 * done // total:3d}%"
+        sys.stderr.write(f"\r{self.label} {text}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")
+
+
+def _split_remote(spec: str) -> tuple[str | None, str]:
+    """`name:path` -> (name, path); a local path -> (None, path)."""
+    if ":" in spec and not spec.startswith(("/", ".", "~")):
+        name, _, path = spec.partition(":")
+        return name, path or "."
+    return None, spec
+
+
+def _env_pairs(values: Sequence[str]) -> dict[str, str]:
+    env = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CliError(f"--env {item!r}: expected NAME=VALUE")
+        env[key] = value
+    return env
+
+
+def _stream_to_terminal(events: Any) -> int:
+    code = 0
+    for event in events:
+        if not isinstance(event, OutputEvent):
+            continue
+        if event.kind == "stdout":
+            sys.stdout.write(event.data)
+            sys.stdout.flush()
+        elif event.kind == "stderr":
+            sys.stderr.write(event.data)
+            sys.stderr.flush()
+        elif event.result is not None:
+            result = event.result
+            if result.timed_out:
+                return 124
+            code = result.exit_code if result.exit_code is not None else 128
+    return code
+
+
+# -- commands -------------------------------------------------------------------------
+
+
+def cmd_create(client: SandboxClient, args: argparse.Namespace) -> int:
+    sandbox = client.create(
+        args.runtime,
+        name=args.name,
+        image=args.image,
+        env=_env_pairs(args.env),
+        cpu=args.cpu,
+        memory=args.memory,
+        workspace_size=args.workspace_size,
+        ephemeral=args.ephemeral,
+        from_snapshot=args.from_snapshot,
+        ports=args.port,
+        idle_timeout=args.idle_timeout,
+        on_idle=args.on_idle,
+        wait=not args.no_wait,
+        timeout=args.timeout,
+    )
+    if args.output:
+        _print_sandboxes([sandbox.refresh()], args.output, False)
+    else:
+        print(f"sandbox/{sandbox.name} created" + ("" if args.no_wait else " and ready"))
+    return 0
+
+
+def cmd_get(client: SandboxClient, args: argparse.Namespace) -> int:
+    if args.names:
+        _print_sandboxes([client.get(n) for n in args.names], args.output, len(args.names) > 1)
+    else:
+        ns = "*" if args.all_namespaces else None
+        items = sorted(client.list(namespace=ns), key=lambda s: s.metadata.name or "")
+        _print_sandboxes(items, args.output, True)
+    return 0
+
+
+def cmd_delete(client: SandboxClient, args: argparse.Namespace) -> int:
+    for name in args.names:
+        client.connect(name).destroy(wait=not args.no_wait)
+        print(f"sandbox/{name} deleted")
+    return 0
+
+
+def cmd_exec(client: SandboxClient, args: argparse.Namespace) -> int:
+    if not args.command:
+        raise CliError("exec: give the command after --, e.g. exec NAME -- ls -l")
+    stdin = sys.stdin.buffer.read() if args.stdin else None
+    command: str | list[str] = args.command[0] if len(args.command) == 1 else args.command
+    sandbox = client.connect(args.name)
+    events = sandbox.stream(
+        command, cwd=args.cwd, env=_env_pairs(args.env), stdin=stdin, timeout=args.timeout
+    )
+    return _stream_to_terminal(events)
+
+
+def cmd_run(client: SandboxClient, args: argparse.Namespace) -> int:
+    if not args.command:
+        raise CliError("run: give the command after --, e.g. run --runtime python -- python3 -V")
+    files = {}
+    for item in args.file:
+        local, _, remote = item.partition(":")
+        files[remote or Path(local).name] = Path(local).read_bytes()
+    command: str | list[str] = args.command[0] if len(args.command) == 1 else args.command
+    try:
+        result = client.run(
+            command,
+            runtime=args.runtime,
+            image=args.image,
+            files=files,
+            env=_env_pairs(args.env),
+            timeout=args.timeout,
+            stdout=sys.stdout,
+            stderr=sys.stderr,
+        )
+    except CommandTimeout:
+        return 124
+    return result.exit_code if result.exit_code is not None else 128
+
+
+def cmd_cp(client: SandboxClient, args: argparse.Namespace) -> int:
+    src_name, src = _split_remote(args.source)
+    dst_name, dst = _split_remote(args.destination)
+    if (src_name is None) == (dst_name is None):
+        raise CliError("cp: exactly one side must be NAME:PATH")
+    bar = ProgressBar("cp", args.progress or sys.stderr.isatty())
+    try:
+        if dst_name is not None:
+            files = client.connect(dst_name).files
+            local = Path(src)
+            if local.is_dir():
+                files.upload_dir(local, dst, progress=bar)
+            elif local.is_file():
+                target = f"{dst.rstrip('/')}/{local.name}" if dst.endswith("/") else dst
+                size = local.stat().st_size
+                if size < PROGRESS_FROM:
+                    files.write(target, local.read_bytes())
+                else:  # a tar of one member streams, with progress
+                    parent, _, base = target.rpartition("/")
+                    spool = io.BytesIO()
+                    with tarfile.open(fileobj=spool, mode="w") as tar:
+                        tar.add(local, arcname=base)
+                    spool.seek(0)
+                    files.upload_tar(
+                        spool, parent or ".", size=spool.getbuffer().nbytes, progress=bar
+                    )
+            else:
+                raise CliError(f"cp: {local}: no such file or directory")
+        else:
+            assert src_name is not None
+            files = client.connect(src_name).files
+            info = files.stat(src)
+            local = Path(dst)
+            if info.type == "directory":
+                files.download_dir(src, local, progress=bar)
+            else:
+                if local.is_dir():
+                    local = local / info.name
+                local.write_bytes(files.read_bytes(src))
+    finally:
+        bar.close()
+    return 0
+
+
+def cmd_ls(client: SandboxClient, args: argparse.Namespace) -> int:
+    entries = client.connect(args.name).files.list(args.path, depth=args.depth)
+    if args.output in ("json", "yaml"):
+        data = [e.model_dump(by_alias=True) for e in entries]
+        print(json.dumps(data, indent=2) if args.output == "json" else yaml.safe_dump(data), end="")
+        return 0
+    for entry in entries:
+        suffix = "/" if entry.type == "directory" else ""
+        if args.long:
+            print(f"{entry.mode}  {entry.size:>10}  {entry.modified_at}  {entry.path}{suffix}")
+        else:
+            print(f"{entry.path}{suffix}")
+    return 0
+
+
+def cmd_cat(client: SandboxClient, args: argparse.Namespace) -> int:
+    files = client.connect(args.name).files
+    if args.lines:
+        first, _, last = args.lines.partition(":")
+        start = int(first or 1)
+        count = int(last) - start + 1 if last else None
+        sys.stdout.write(files.read(args.path, start_line=start, line_count=count))
+    else:
+        sys.stdout.buffer.write(files.read_bytes(args.path))
+    sys.stdout.flush()
+    return 0
+
+
+def cmd_grep(client: SandboxClient, args: argparse.Namespace) -> int:
+    found = client.connect(args.name).files.grep(
+        args.pattern, args.path, glob=args.glob, ignore_case=args.ignore_case, fixed=args.fixed
+    )
+    for match in found.matches:
+        print(f"{match.path}:{match.line}:{match.text}")
+    return 0 if found.matches else 1
+
+
+def cmd_logs(client: SandboxClient, args: argparse.Namespace) -> int:
+    for event in client.execution_output(args.execution, follow=args.follow):
+        (sys.stderr if event.kind == "stderr" else sys.stdout).write(event.data)
+    sys.stdout.flush()
+    return 0
+
+
+def cmd_snapshot(client: SandboxClient, args: argparse.Namespace) -> int:
+    snap = client.connect(args.name).snapshot(
+        args.tag, name=args.snapshot_name, quiesce=args.quiesce, wait=not args.no_wait
+    )
+    print(f"snapshot/{snap.metadata.name} created" + ("" if args.no_wait else " and ready"))
+    return 0
+
+
+def cmd_snapshots(client: SandboxClient, args: argparse.Namespace) -> int:
+    snaps = client.list_snapshots(sandbox=args.name)
+    if args.output in ("json", "yaml", "name"):
+        _emit(
+            [s.model_dump(by_alias=True, exclude_none=True) for s in snaps],
+            args.output,
+            "Snapshot",
+            True,
+        )
+        return 0
+    rows = [["NAME", "SANDBOX", "TAG", "PHASE", "LINEAGE", "AGE"]]
+    for s in snaps:
+        rows.append(
+            [
+                s.metadata.name or "",
+                s.spec.sandbox_ref.name,
+                s.spec.tag or "",
+                (s.status.phase if s.status else None) or "",
+                ",".join((s.status.lineage if s.status else None) or []),
+                _age(s.metadata.creation_timestamp),
+            ]
+        )
+    print(_table(rows))
+    return 0
+
+
+def cmd_restore(client: SandboxClient, args: argparse.Namespace) -> int:
+    client.connect(args.name).restore(args.snapshot, wait=not args.no_wait)
+    print(f"sandbox/{args.name} restored from snapshot/{args.snapshot}")
+    return 0
+
+
+def cmd_fork(client: SandboxClient, args: argparse.Namespace) -> int:
+    fork = client.connect(args.name).fork(
+        args.new_name, snapshot=args.snapshot, wait=not args.no_wait
+    )
+    print(f"sandbox/{fork.name} forked from sandbox/{args.name}")
+    return 0
+
+
+def cmd_pause(client: SandboxClient, args: argparse.Namespace) -> int:
+    client.connect(args.name).pause(wait=not args.no_wait)
+    print(f"sandbox/{args.name} paused")
+    return 0
+
+
+def cmd_resume(client: SandboxClient, args: argparse.Namespace) -> int:
+    client.connect(args.name).resume(wait=not args.no_wait)
+    print(f"sandbox/{args.name} resumed")
+    return 0
+
+
+def cmd_port(client: SandboxClient, args: argparse.Namespace) -> int:
+    sandbox = client.connect(args.name)
+    if args.forward is None:
+        print(sandbox.url(args.port))
+        return 0
+    server = _forwarder(sandbox, args.port, args.forward)
+    host, port = server.server_address[:2]
+    print(f"Forwarding from http://{host!s}:{port} -> sandbox/{args.name} port {args.port}")
+    sys.stdout.flush()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def _forwarder(sandbox: Sandbox, port: int, local: int) -> http.server.ThreadingHTTPServer:
+    """A local HTTP server relaying each request to the sandbox's port through
+    the gateway, with this client's credentials (HTTP only, no WebSocket)."""
+    lock = threading.Lock()  # one httpx client under the handle: calls one at a time
+
+    class Relay(http.server.BaseHTTPRequestHandler):
+        def _relay(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else None
+            with lock:
+                answer = sandbox.port_request(port, self.path, method=self.command, content=body)
+            self.send_response(answer.status_code)
+            for key, value in answer.headers.items():
+                if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    self.send_header(key, value)
+            self.send_header("Content-Length", str(len(answer.content)))
+            self.end_headers()
+            self.wfile.write(answer.content)
+
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _relay
+
+        def log_message(self, format: str, *args: Any) -> None:
+            sys.stderr.write(f"{self.command} {self.path}\n")
+
+    return http.server.ThreadingHTTPServer(("127.0.0.1", local), Relay)
+
+
+def cmd_completion(client: SandboxClient | None, args: argparse.Namespace) -> int:
+    print(BASH_COMPLETION if args.shell == "bash" else ZSH_COMPLETION)
+    return 0
+
+
+BASH_COMPLETION = """# bash: source <(kubectl sandbox completion bash)
+_kubectl_sandbox() {
+    local cur=${COMP_WORDS[COMP_CWORD]}
+    local words
+    words=$(kubectl-sandbox __complete "${COMP_WORDS[@]:1:COMP_CWORD-1}" 2>/dev/null)
+    COMPREPLY=($(compgen -W "$words" -- "$cur"))
+}
+complete -F _kubectl_sandbox kubectl-sandbox"""
+ZSH_COMPLETION = (
+    """# kubectl sandbox completion for zsh: source <(kubectl sandbox completion zsh)
+autoload -U +X bashcompinit && bashcompinit
+"""
+    + BASH_COMPLETION
+)
+
+
+def complete(words: list[str]) -> list[str]:
+    """Candidates for the next word after `words` (subcommands, then sandbox names)."""
+    positional = [w for w in words if not w.startswith("-")]
+    if not positional:
+        return list(COMMANDS)
+    if positional[0] in ("completion",):
+        return ["bash", "zsh"]
+    if len(positional) == 1 and positional[0] not in ("list", "run", "snapshots", "logs"):
+        try:
+            with SandboxClient() as client:
+                return sorted(s.metadata.name or "" for s in client.list())
+        except SandboxError:
+            return []
+    return []
+
+
+# -- the parser -------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="kubectl sandbox",
+        description="Sandboxes of the sandbox operator: create, exec, cp, snapshot, ...",
+    )
+    top.add_argument("-n", "--namespace", help="namespace (default: the context's)")
+    top.add_argument("--context", help="kubeconfig context")
+    top.add_argument("--kubeconfig", help="kubeconfig file")
+    top.add_argument("-o", "--output", choices=["json", "yaml", "wide", "name"])
+    top.add_argument("--gateway", choices=["auto", "dns", "proxy", "port-forward"])
+    top.add_argument("--gateway-url", help="the gateway's URL (else found through its Service)")
+    sub = top.add_subparsers(dest="verb", metavar="COMMAND", required=True)
+    # kubectl users write `get -o wide -n ns` as often as `-n ns get`: the global
+    # flags are taken after the command too (without defaults there, so that a
+    # flag given before the command is not overwritten).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-n", "--namespace", default=argparse.SUPPRESS)
+    common.add_argument("--context", default=argparse.SUPPRESS)
+    common.add_argument("--kubeconfig", default=argparse.SUPPRESS)
+    common.add_argument(
+        "-o", "--output", choices=["json", "yaml", "wide", "name"], default=argparse.SUPPRESS
+    )
+
+    def add(name: str, help_text: str, *aliases: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, aliases=list(aliases), parents=[common])
+
+    def waits(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--no-wait", action="store_true", help="return without waiting")
+
+    p = add("create", "create a sandbox (and wait until it is ready)")
+    p.add_argument("name", nargs="?")
+    p.add_argument("--runtime")
+    p.add_argument("--image")
+    p.add_argument("--env", "-e", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--cpu")
+    p.add_argument("--memory")
+    p.add_argument("--workspace-size")
+    p.add_argument("--ephemeral", action="store_true")
+    p.add_argument("--from-snapshot")
+    p.add_argument("--port", type=int, action="append", default=[])
+    p.add_argument("--idle-timeout")
+    p.add_argument("--on-idle", choices=["Delete", "Pause"])
+    p.add_argument("--timeout", type=float, default=180.0)
+    waits(p)
+    p.set_defaults(run=cmd_create)
+
+    p = add("get", "list sandboxes, or show some", "list")
+    p.add_argument("names", nargs="*")
+    p.add_argument("-A", "--all-namespaces", action="store_true")
+    p.set_defaults(run=cmd_get)
+
+    p = add("delete", "delete sandboxes (waits until they are gone)")
+    p.add_argument("names", nargs="+")
+    waits(p)
+    p.set_defaults(run=cmd_delete)
+
+    for verb, helptext in (("exec", "run a command in a sandbox"), ("run", "one-shot")):
+        p = add(verb, helptext + "; output streams, the exit code is the command's")
+        if verb == "exec":
+            p.add_argument("name")
+            p.add_argument("--cwd")
+            p.add_argument("-i", "--stdin", action="store_true", help="pass this stdin on")
+        else:
+            p.add_argument("--runtime")
+            p.add_argument("--image")
+            p.add_argument("--file", action="append", default=[], metavar="LOCAL[:REMOTE]")
+        p.add_argument("--env", "-e", action="append", default=[], metavar="NAME=VALUE")
+        p.add_argument("--timeout", type=float, default=180.0, help="seconds (at most 1800)")
+        p.add_argument("command", nargs="*", help="after --, as with kubectl exec")
+        p.set_defaults(run=cmd_exec if verb == "exec" else cmd_run)
+
+    p = add("cp", "copy files or directories to or from a sandbox (NAME:PATH)")
+    p.add_argument("source")
+    p.add_argument("destination")
+    p.add_argument("--progress", action="store_true", help="progress bar even when not a tty")
+    p.set_defaults(run=cmd_cp)
+
+    p = add("ls", "list a directory of a sandbox")
+    p.add_argument("name")
+    p.add_argument("path", nargs="?", default=".")
+    p.add_argument("-l", "--long", action="store_true")
+    p.add_argument("--depth", type=int, default=1)
+    p.set_defaults(run=cmd_ls)
+
+    p = add("cat", "print a file of a sandbox")
+    p.add_argument("name")
+    p.add_argument("path")
+    p.add_argument("--lines", help="FIRST:LAST (1-based, inclusive)")
+    p.set_defaults(run=cmd_cat)
+
+    p = add("grep", "search the files of a sandbox (exit 1: no match)")
+    p.add_argument("name")
+    p.add_argument("pattern")
+    p.add_argument("path", nargs="?", default=".")
+    p.add_argument("-i", "--ignore-case", action="store_true")
+    p.add_argument("-F", "--fixed", action="store_true")
+    p.add_argument("--glob")
+    p.set_defaults(run=cmd_grep)
+
+    p = add("logs", "the full output of an Execution")
+    p.add_argument("execution")
+    p.add_argument("-f", "--follow", action="store_true")
+    p.set_defaults(run=cmd_logs)
+
+    p = add("snapshot", "snapshot a sandbox's workspace")
+    p.add_argument("name")
+    p.add_argument("--tag")
+    p.add_argument("--name", dest="snapshot_name")
+    p.add_argument("--quiesce", action="store_true")
+    waits(p)
+    p.set_defaults(run=cmd_snapshot)
+
+    p = add("snapshots", "list snapshots (of one sandbox)")
+    p.add_argument("name", nargs="?")
+    p.set_defaults(run=cmd_snapshots)
+
+    p = add("restore", "roll a sandbox's workspace back to a snapshot")
+    p.add_argument("name")
+    p.add_argument("snapshot")
+    waits(p)
+    p.set_defaults(run=cmd_restore)
+
+    p = add("fork", "a new sandbox from a snapshot of this one")
+    p.add_argument("name")
+    p.add_argument("new_name", nargs="?")
+    p.add_argument("--snapshot", help="start from this snapshot (default: take one now)")
+    waits(p)
+    p.set_defaults(run=cmd_fork)
+
+    for verb in ("pause", "resume"):
+        p = add(verb, f"{verb} a sandbox (the workspace stays)")
+        p.add_argument("name")
+        waits(p)
+        p.set_defaults(run=cmd_pause if verb == "pause" else cmd_resume)
+
+    p = add("port", "the URL of an exposed port, or a local forward to it")
+    p.add_argument("name")
+    p.add_argument("port", type=int)
+    p.add_argument("--forward", type=int, metavar="LOCAL_PORT", help="serve it on localhost")
+    p.set_defaults(run=cmd_port)
+
+    p = add("completion", "shell completion script")
+    p.add_argument("shell", choices=["bash", "zsh"])
+    p.set_defaults(run=cmd_completion)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["__complete"]:
+        print("\n".join(complete(words[1:])))
+        return 0
+    # `exec NAME [flags] -- CMD...`: what follows `--` is the command, untouched
+    # (its own flags are not ours), wherever our flags stood before it.
+    command: list[str] | None = None
+    if "--" in words:
+        cut = words.index("--")
+        words, command = words[:cut], words[cut + 1 :]
+    args = parser().parse_args(words)
+    if command is not None and hasattr(args, "command"):
+        args.command = [*args.command, *command]
+    try:
+        if args.verb == "completion":
+            return cmd_completion(None, args)
+        with SandboxClient(
+            args.namespace,
+            kubeconfig=args.kubeconfig,
+            context=args.context,
+            gateway=args.gateway,
+            gateway_url=args.gateway_url,
+        ) as client:
+            code: int = args.run(client, args)
+            return code
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except SandboxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def complete_main() -> int:
+    """`kubectl_complete-sandbox`: kubectl's plugin completion (kubectl >= 1.26)
+    runs it with the words so far; candidates one per line, then Cobra's
+    directive `:4` (no file completion)."""
+    words = sys.argv[1:]
+    print("\n".join([*complete(words[:-1]), ":4"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,501 @@
+"""The Python SDK against a real API server, the operator, the gateway under the
+chart's RBAC and real agents on loopback (the node's part played by the test).
+
+Each way of finding the cluster is exercised with real credentials: an explicit
+API server and token, a kubeconfig with a token, the admin's certificate-only
+kubeconfig (the SDK then provisions a ServiceAccount for the gateway), and a
+pod's ServiceAccount directory with a real token and CA."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from devcluster.controlplane import ControlPlane
+from sandbox_sdk import (
+    AsyncSandbox,
+    AsyncSandboxClient,
+    CommandTimeout,
+    Conflict,
+    Forbidden,
+    Invalid,
+    NotFound,
+    NotReady,
+    Paused,
+    Sandbox,
+    SandboxClient,
+)
+from sandbox_sdk._async.client import AsyncFiles, AsyncJob
+from sandbox_sdk._sync.client import Files, Job
+from tests.integration.harness import AgentProcess, GatewayProcess, wait_for
+from tests.integration.test_gateway import access_roles, caller, gateway
+from tests.kube import KubeJSON, api_path, core_path
+from tests.sandboxes import Sandboxes
+
+__all__ = ["access_roles", "gateway"]  # fixtures, imported to be found here
+
+LiveSandbox = Callable[..., AgentProcess]
+
+
+@pytest.fixture
+def alice(kube: KubeJSON, ns: str) -> str:
+    """A token of a ServiceAccount bound to the chart's user role in `ns`, and to
+    the built-in `view` role (as people who edit a namespace are): `events()`
+    reads Events, which the chart's role does not cover."""
+    token = caller(kube, ns, "alice", "user")
+    rbac = "rbac.authorization.k8s.io/v1"
+    kube.create(
+        api_path(rbac, "rolebindings", ns),
+        {
+            "apiVersion": rbac,
+            "kind": "RoleBinding",
+            "metadata": {"name": "alice-view"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "view",
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": "alice", "namespace": ns}],
+        },
+    )
+    return token
+
+
+@pytest.fixture
+def client(
+    control_plane: ControlPlane, gateway: GatewayProcess, ns: str, alice: str
+) -> Iterator[SandboxClient]:
+    """Explicit mode: the API server, a bearer token, the gateway's URL."""
+    with SandboxClient(
+        ns,
+        api_server=control_plane.server,
+        token=alice,
+        ca_file=str(control_plane.ca_cert),
+        gateway_url=gateway.url,
+    ) as sdk:
+        yield sdk
+
+
+def _start(live_sandbox: LiveSandbox, name: str) -> AgentProcess:
+    """Play the node for a Sandbox the SDK created."""
+    return live_sandbox(name, create=False)
+
+
+def test_commands_stream_and_jobs(client: SandboxClient, live_sandbox: LiveSandbox) -> None:
+    sandbox = client.create("python", name="box", wait=False)
+    # The handle is usable at once: the first call waits for the sandbox.
+    node = threading.Thread(target=_start, args=(live_sandbox, "box"))
+    node.start()
+    try:
+        first = sandbox.execute('echo "hi $EXTRA"; pwd', env={"EXTRA": "there"})
+    finally:
+        node.join(60)
+    assert first.ok, first
+    assert first.stdout.splitlines()[0] == "hi there"
+
+    sandbox.files.mkdir("sub")
+    assert sandbox.execute("pwd", cwd="sub").stdout.strip().endswith("/sub")
+    assert sandbox.execute("cat", stdin="typed in").stdout == "typed in"
+    assert sandbox.execute(["printf", "%s-%s", "a", "b"]).stdout == "a-b"
+    failed = sandbox.execute("echo bad >&2; exit 3")
+    assert (failed.exit_code, failed.stderr, failed.ok) == (3, "bad\n", False)
+
+    # Streamed to callbacks and to a file while it runs.
+    out: list[str] = []
+    err = io.StringIO()
+    streamed = sandbox.execute(
+        "for i in 1 2 3; do echo $i; sleep 0.1; done; echo e >&2", stdout=out.append, stderr=err
+    )
+    assert ("".join(out), err.getvalue(), streamed.exit_code) == ("1\n2\n3\n", "e\n", 0)
+    # ... and as an iterator, ending with the result.
+    events = list(sandbox.stream("echo one; echo two >&2; exit 4"))
+    kinds = [(e.kind, e.data) for e in events if e.kind != "exit"]
+    assert sorted(kinds) == [("stderr", "two\n"), ("stdout", "one\n")]
+    assert events[-1].kind == "exit"
+    assert events[-1].result is not None
+    assert events[-1].result.exit_code == 4
+
+    # A command past its timeout is stopped; the sandbox stays usable.
+    began = time.monotonic()
+    with pytest.raises(CommandTimeout) as stopped:
+        sandbox.execute("echo started; sleep 30", timeout=1)
+    assert time.monotonic() - began < 15
+    assert stopped.value.result.stdout == "started\n"
+    assert sandbox.execute("echo still here").stdout == "still here\n"
+    with pytest.raises(Invalid):
+        sandbox.execute("true", timeout=3600)
+
+    # Background jobs: stdin, output by cursor, wait, kill.
+    job = sandbox.start("cat; echo done", stdin_open=True)
+    job.write("line one\n")
+    page = job.output(0, wait=5)
+    assert "".join(c.data or "" for c in page.chunks) == "line one\n"
+    job.write("line two\n", close=True)
+    result = job.wait(timeout=30)
+    assert result.stdout == "line one\nline two\ndone\n"
+    assert job.logs(page.cursor) == "line two\ndone\n"
+    sleeper = sandbox.start("sleep 300")
+    assert sleeper.id in {j.id for j in sandbox.jobs(status="running")}
+    killed = sleeper.kill()
+    assert killed.status == "cancelled"
+    assert sandbox.job(job.id).info().status == "completed"
+    sandbox.destroy()
+    assert client.list() == []
+
+
+def test_files(client: SandboxClient, live_sandbox: LiveSandbox, tmp_path: Path) -> None:
+    sandbox = client.create("python", name="files", wait=False)
+    agent = _start(live_sandbox, "files")
+    files = sandbox.files
+    assert files.write_many({"proj/a.py": "x = 1\ny = 2\nz = 3\n", "proj/b.txt": b"bytes\n"}) == 2
+    assert (agent.workspace / "proj" / "a.py").read_text() == "x = 1\ny = 2\nz = 3\n"
+    assert files.read("proj/a.py", start_line=2, line_count=1) == "y = 2\n"
+    assert files.read("proj/a.py", start_line=3) == "z = 3\n"
+    assert files.read_bytes("proj/b.txt", offset=1, length=3) == b"yte"
+    info = files.write("proj/run.sh", "echo ran\n", mode="0755")
+    assert (info.path, info.mode, info.size) == ("proj/run.sh", "0755", 9)
+    assert sorted(e.name for e in files.list("proj")) == ["a.py", "b.txt", "run.sh"]
+    assert files.stat("proj/a.py").type == "file"
+    assert files.exists("proj/b.txt")
+    assert not files.exists("proj/none")
+    files.move("proj/b.txt", "proj/c.txt")
+    assert files.remove("proj/c.txt")
+    assert not files.remove("proj/c.txt", missing_ok=True)
+    hits = files.grep(r"y = \d", "proj")
+    assert [(m.path, m.line) for m in hits.matches] == [("proj/a.py", 2)]
+    assert files.find("*.py") == ["proj/a.py"]
+    patch = "--- a/proj/a.py\n+++ b/proj/a.py\n@@ -1,3 +1,3 @@\n x = 1\n-y = 2\n+y = 20\n z = 3\n"
+    patched = files.apply_patch(patch)
+    assert [(f.path, f.status) for f in patched.files] == [("proj/a.py", "modified")]
+    with pytest.raises(Conflict) as conflict:
+        files.apply_patch(patch)
+    assert conflict.value.code == "patch_conflict"
+    assert files.replace("proj/a.py", "20", "21") == 1
+    with pytest.raises(Conflict):
+        files.replace("proj/a.py", "nowhere", "x")
+    assert files.read("proj/a.py") == "x = 1\ny = 21\nz = 3\n"
+
+    # Directories up and down as streamed tars, with progress.
+    local = tmp_path / "up"
+    (local / "deep").mkdir(parents=True)
+    (local / "deep" / "big.bin").write_bytes(os.urandom(3 << 20))
+    (local / "top.txt").write_text("top\n")
+    seen: list[int] = []
+    uploaded = files.upload_dir(local, "uploaded", progress=lambda done, total: seen.append(done))
+    assert uploaded.entries >= 3
+    assert seen[-1] > 3 << 20
+    back = files.download_dir("uploaded", tmp_path / "down")
+    assert (back / "deep" / "big.bin").read_bytes() == (local / "deep" / "big.bin").read_bytes()
+    archive = tmp_path / "proj.tar"
+    size = files.download_tar("proj", archive)
+    assert size == archive.stat().st_size
+    with tarfile.open(archive) as tar:
+        assert any(n.endswith("a.py") for n in tar.getnames())
+    url = files.download_url("proj/a.py", ttl=60)
+    assert httpx.get(url).text == "x = 1\ny = 21\nz = 3\n"  # no credentials needed
+    with pytest.raises(Invalid):
+        files.read("../../etc/passwd")
+    sandbox.destroy()
+
+
+def test_errors_are_typed(
+    client: SandboxClient,
+    kube: KubeJSON,
+    ns: str,
+    sandboxes: Sandboxes,
+    live_sandbox: LiveSandbox,
+    control_plane: ControlPlane,
+    gateway: GatewayProcess,
+) -> None:
+    with pytest.raises(NotFound):
+        client.connect("nowhere")
+    with pytest.raises(NotFound):
+        client.get("nowhere")
+    # A sandbox whose pod never runs: the wait ends with the Sandbox's own reason.
+    stuck = client.create("python", name="stuck", wait=False)
+    stuck.ready_timeout = 3
+    with pytest.raises(NotReady) as waiting:
+        stuck.execute("true")
+    assert waiting.value.reason in ("PodPending", "WorkspacePending", "AgentNotReady")
+    held = client.create("python", name="held", wait=False)
+    held.pause(wait=False)
+    wait_for(
+        lambda: (sandboxes.get("held") or {}).get("status", {}).get("phase") == "Paused",
+        30,
+        "paused",
+    )
+    with pytest.raises(Paused):
+        held.execute("true")
+    # Another user's rights: a viewer may read files but not run commands.
+    live_sandbox("box")
+    viewer = caller(kube, ns, "vera", "viewer")
+    with SandboxClient(
+        ns,
+        api_server=control_plane.server,
+        token=viewer,
+        ca_file=str(control_plane.ca_cert),
+        gateway_url=gateway.url,
+    ) as other:
+        box = other.connect("box")
+        with pytest.raises(Forbidden) as refused:
+            box.execute("true")
+        assert "sandboxes/exec" in refused.value.message
+        assert box.files.list() == []
+        with pytest.raises(Forbidden):
+            other.create("python", name="not-mine")
+
+
+def test_a_retried_execute_never_runs_twice(
+    client: SandboxClient, live_sandbox: LiveSandbox
+) -> None:
+    """The request body carries the idempotency key: sending it again (what the
+    SDK does after a dropped connection or a 502) returns the first run."""
+    from sandbox_sdk._async.client import _exec_body
+
+    live_sandbox("box")
+    sandbox = client.connect("box")
+    body = _exec_body(
+        "echo x >> count.txt; cat count.txt",
+        env=None,
+        cwd=None,
+        stdin=None,
+        timeout=30,
+        combined_output=False,
+    )
+    first = sandbox._request("POST", "executions", json_body=body).json()
+    again = sandbox._request("POST", "executions", json_body=body)
+    assert again.headers.get("Idempotent-Replayed") == "true"
+    assert again.json()["id"] == first["id"]
+    assert sandbox.files.read("count.txt") == "x\n"
+
+
+def test_lifecycle_through_the_resources(
+    client: SandboxClient,
+    kube: KubeJSON,
+    ns: str,
+    live_sandbox: LiveSandbox,
+) -> None:
+    with client.create("python", name="life", env={"KEEP": "1", "DROP": "2"}, wait=False) as sb:
+        # (This tier's agents run without the pod's env; only the overlay the
+        # operator pushes on a change reaches them, which is what is checked.)
+        _start(live_sandbox, "life")
+        assert sb.set_env({"DROP": None, "NEW": "3"}) == {"KEEP": "1", "NEW": "3"}
+        # The operator pushed it to the agent before set_env returned.
+        assert sb.execute('echo "$KEEP${DROP:-}$NEW"').stdout == "13\n"
+        assert [s.metadata.name for s in client.list()] == ["life"]
+        assert sb.refresh().status is not None
+
+        sb.pause()
+        assert sb.refresh().status.phase == "Paused"  # type: ignore[union-attr]
+        wait_for(lambda: kube.get(core_path("pods", ns, "life")) is None, 30, "pod deleted")
+        node = threading.Thread(target=_start, args=(live_sandbox, "life"))
+        node.start()
+        sb.resume()
+        node.join(60)
+        assert sb.execute("echo back").stdout == "back\n"
+        reasons = [e.reason for e in sb.events()]
+        assert "EnvironmentUpdated" in reasons
+        assert "Paused" in reasons
+
+        # Another process connects by name (a later chat turn, a resumed workflow).
+        script = (
+            "from sandbox_sdk import SandboxClient\n"
+            "with SandboxClient() as c:\n"
+            "    print(c.connect('life').execute('echo from elsewhere').stdout, end='')\n"
+        )
+        other = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, **_explicit_env(client)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert other.returncode == 0, other.stderr
+        assert other.stdout == "from elsewhere\n"
+    # Leaving the block destroyed it, and returned once it was gone.
+    assert kube.get(f"/apis/sandbox.dev/v1alpha1/namespaces/{ns}/sandboxes/life") is None
+
+
+def _explicit_env(client: SandboxClient) -> dict[str, str]:
+    """The environment that makes a fresh process find the same cluster: a
+    kubeconfig with the client's token, the gateway by URL."""
+    assert client.config is not None
+    assert client.config.credentials is not None
+    token = client.config.credentials.token()
+    assert token is not None
+    path = Path(f"/tmp/sdk-{os.getpid()}-{client.namespace}.kubeconfig")
+    cluster: dict[str, object] = {"server": client.config.server}
+    ca = os.environ.get("SDK_TEST_CA")
+    if ca:
+        cluster["certificate-authority"] = ca
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": cluster}],
+                "users": [{"name": "u", "user": {"token": token}}],
+                "contexts": [
+                    {
+                        "name": "x",
+                        "context": {"cluster": "c", "user": "u", "namespace": client.namespace},
+                    }
+                ],
+                "current-context": "x",
+            }
+        )
+    )
+    assert client.gateway.url is not None
+    return {"KUBECONFIG": str(path), "SANDBOX_GATEWAY_URL": client.gateway.url}
+
+
+@pytest.fixture(autouse=True)
+def _ca_for_children(control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SDK_TEST_CA", str(control_plane.ca_cert))
+
+
+def test_discovery_modes(
+    control_plane: ControlPlane,
+    kube: KubeJSON,
+    ns: str,
+    alice: str,
+    gateway: GatewayProcess,
+    live_sandbox: LiveSandbox,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    live_sandbox("box")
+    monkeypatch.setenv("SANDBOX_GATEWAY_URL", gateway.url)
+
+    # A pod's ServiceAccount: a real token and the cluster's CA in the usual files.
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text(alice)
+    (account / "ca.crt").write_bytes(control_plane.ca_cert.read_bytes())
+    (account / "namespace").write_text(ns)
+    host, port = control_plane.server.removeprefix("https://").rsplit(":", 1)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", host)
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", port)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))  # nothing there: not used
+    from sandbox_sdk import config
+
+    monkeypatch.setattr(config, "SERVICEACCOUNT_DIR", account)
+    pod = config.discover(serviceaccount_dir=account)
+    assert pod is not None
+    assert (pod.in_cluster, pod.namespace) == (True, ns)
+    with SandboxClient() as in_pod:
+        assert in_pod.config is not None
+        assert in_pod.config.in_cluster, in_pod.config.source
+        assert in_pod.connect("box").execute("echo pod").stdout == "pod\n"
+        # The kubelet rotates the token file: the next call reads the new one.
+        (account / "token").write_text("rotated-and-wrong")
+        os.utime(account / "token", (time.time() + 5, time.time() + 5))
+        with pytest.raises(Exception, match=r"Unauthorized|401|not accepted"):
+            in_pod.list()
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+
+    # The admin's kubeconfig has a client certificate only: the gateway gets the
+    # token of a `sandbox-sdk` ServiceAccount the SDK makes, bound to the user role.
+    kube.create(
+        core_path("services", "sandbox-system"),
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": f"sbx-gateway-{ns}",
+                "labels": {
+                    "app.kubernetes.io/name": "sandbox-gateway",
+                    "app.kubernetes.io/instance": "sbx",
+                },
+            },
+            "spec": {"ports": [{"port": 80}]},
+        },
+    )
+    try:
+        monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig))
+        with SandboxClient(ns) as admin:
+            assert admin.config is not None
+            assert admin.config.certificate_only
+            assert admin.connect("box").execute("id -un || true").ok
+        account_body = kube.read(core_path("serviceaccounts", ns, "sandbox-sdk"))
+        assert account_body["metadata"]["name"] == "sandbox-sdk"
+    finally:
+        kube.delete(core_path("services", "sandbox-system", f"sbx-gateway-{ns}"))
+
+    # Gateway only: a scoped token serves commands of one sandbox, nothing else.
+    with SandboxClient(
+        ns,
+        api_server=control_plane.server,
+        token=alice,
+        ca_file=str(control_plane.ca_cert),
+        gateway_url=gateway.url,
+    ) as full:
+        scoped = full.connect("box").token(["exec"], ttl=120)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    with SandboxClient(ns, gateway_url=gateway.url, gateway_token=scoped) as limited:
+        assert limited.config is None
+        assert limited.connect("box").execute("echo scoped").stdout == "scoped\n"
+        with pytest.raises(Forbidden):
+            limited.connect("box").files.read("x")
+        with pytest.raises(Exception, match="no Kubernetes API access"):
+            limited.list()
+
+
+def test_the_async_client_has_the_same_surface(
+    control_plane: ControlPlane,
+    gateway: GatewayProcess,
+    ns: str,
+    alice: str,
+    live_sandbox: LiveSandbox,
+) -> None:
+    pairs = [
+        (SandboxClient, AsyncSandboxClient),
+        (Sandbox, AsyncSandbox),
+        (Files, AsyncFiles),
+        (Job, AsyncJob),
+    ]
+    for sync_cls, async_cls in pairs:
+        sync_api = {n for n in dir(sync_cls) if not n.startswith("_")}
+        # `aclose` is the async spelling of `close`, as in httpx and asyncio.
+        async_api = {
+            "close" if n == "aclose" else n for n in dir(async_cls) if not n.startswith("_")
+        }
+        assert sync_api == async_api, (sync_cls, sync_api ^ async_api)
+        for name in sync_api:
+            sync_member = getattr(sync_cls, name)
+            async_member = getattr(async_cls, "aclose" if name == "close" else name)
+            if callable(sync_member):
+                assert list(inspect.signature(sync_member).parameters) == list(
+                    inspect.signature(async_member).parameters
+                ), name
+    live_sandbox("box")
+
+    async def use() -> list[str]:
+        async with AsyncSandboxClient(
+            ns,
+            api_server=control_plane.server,
+            token=alice,
+            ca_file=str(control_plane.ca_cert),
+            gateway_url=gateway.url,
+        ) as sdk:
+            box = await sdk.connect("box")
+            await box.files.write("a.txt", "async\n")
+            result = await box.execute("cat a.txt")
+            events = [e.data async for e in box.stream("echo 1; echo 2") if e.kind == "stdout"]
+            return [result.stdout, "".join(events)]
+
+    assert asyncio.run(use()) == ["async\n", "1\n2\n"]
