@@ -39,7 +39,9 @@ from tests.unit.memorykube import MemoryKube
 
 T = TypeVar("T")
 JSON = dict[str, Any]
-NOW = datetime(2026, 11, 26, 12, 0, 0, tzinfo=UTC)
+# The controllers compare objects' timestamps with the clock (a queued Execution
+# gives up after a bound): objects made by these tests are made now.
+NOW = datetime.now(UTC).replace(microsecond=0)
 SETTINGS = Settings()
 REF = build.SandboxRef(name="box", namespace="ns", uid="sandbox-uid")
 
