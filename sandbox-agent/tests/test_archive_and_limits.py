@@ -41,6 +41,40 @@ def test_tar_download_upload_roundtrip(sandbox: Sandbox, wsdir: str) -> None:
     assert mode & 0o111 and mode & 0o020  # executable kept, group may write
 
 
+def _tar(*members: tuple[str, bytes | None, int]) -> bytes:
+    """A tar of (name, data or None for a directory, mode) members, in order."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data, mode in members:
+            info = tarfile.TarInfo(name)
+            info.mode = mode
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_archive_parents_without_entries_open_to_the_group(sandbox: Sandbox, wsdir: str) -> None:
+    # The runtime container shares only the group with the agent: a parent the
+    # archive never names must still let it in (as the SDK's write_many sends).
+    # A directory's own entry, even after its contents, sets its mode.
+    body = _tar(
+        ("app/www/index.html", b"<h1>hi</h1>\n", 0o644),
+        ("lib/x/y.txt", b"y", 0o644),
+        ("lib/x", None, 0o750),
+    )
+    r = sandbox.client.put("/v1/files/archive", params={"path": wsdir}, content=body)
+    assert r.status_code == 200, r.text
+    root = sandbox.workspace / wsdir
+    for d in ("app", "app/www", "lib"):
+        assert stat.S_IMODE((root / d).stat().st_mode) == 0o775, d
+    assert stat.S_IMODE((root / "lib/x").stat().st_mode) == 0o770
+    assert stat.S_IMODE((root / "app/www/index.html").stat().st_mode) == 0o664
+
+
 def test_gzip_download_and_upload(sandbox: Sandbox, wsdir: str) -> None:
     sandbox.write(f"{wsdir}/g/a.txt", b"a" * 10000)
     r = sandbox.client.get("/v1/files/archive", params={"path": f"{wsdir}/g", "gzip": "true"})

@@ -42,6 +42,7 @@ MAX_NAME = 4096  # bytes of a member's name or link target (PATH_MAX)
 MAX_KEPT_NAMES = 32 << 20  # names remembered for hard-link checks, in all
 MAX_MTIME = 2**33  # year 2242; later (or NaN, or negative) is taken as "now"
 _STAGE_PREFIX = ".sandbox-agent-extract-"
+_IMPLICIT_DIR_MODE = 0o775  # tar's 0o777 under the usual umask 0o002
 _META_TYPES = (
     tarfile.GNUTYPE_LONGNAME,
     tarfile.GNUTYPE_LONGLINK,
@@ -163,9 +164,16 @@ class _Stage:
         archive itself planted is refused, not followed."""
         fd = os.dup(self.fd)
         try:
-            for comp in parts[:-1]:
-                with contextlib.suppress(FileExistsError):
+            for i, comp in enumerate(parts[:-1]):
+                try:
                     os.mkdir(comp, 0o700, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                else:
+                    # A parent the archive has no entry for gets the mode tar
+                    # would give it; 0o700 would shut out the runtime
+                    # container, which shares only the group.
+                    self.dirs.append((parts[: i + 1], _IMPLICIT_DIR_MODE, time.time()))
                 try:
                     nxt = os.open(comp, _DIR, dir_fd=fd)
                 except OSError:
@@ -249,7 +257,11 @@ class _Stage:
             os.close(pfd)
 
     def finish_dirs(self) -> None:
-        for parts, mode, t in reversed(self.dirs):  # deepest last-seen first
+        done: set[tuple[str, ...]] = set()
+        for parts, mode, t in reversed(self.dirs):  # the last entry for a directory wins
+            if tuple(parts) in done:
+                continue
+            done.add(tuple(parts))
             pfd = self.parent(parts, "/".join(parts))
             try:
                 fd = os.open(parts[-1], _DIR, dir_fd=pfd)
