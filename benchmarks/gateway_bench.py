@@ -62,7 +62,7 @@ from devcluster.controlplane import ControlPlane  # noqa: E402
 from devcluster.helm import helm_binary  # noqa: E402
 from sandbox_operator.gateway.config import GatewaySettings  # noqa: E402
 from sandbox_operator.resources import LABEL_MANAGED_BY, MANAGED_BY, SANDBOXES, SECRETS  # noqa: E402
-from tests.integration.conftest import kubectl  # noqa: E402
+from tests.integration.conftest import RELEASE, kubectl  # noqa: E402
 from tests.integration.harness import (  # noqa: E402
     OPERATOR_NAMESPACE,
     AgentProcess,
@@ -75,7 +75,7 @@ from tests.integration.harness import (  # noqa: E402
     secret_token,
     wait_for,
 )
-from tests.integration.test_gateway import RELEASE, caller  # noqa: E402
+from tests.integration.test_gateway import caller  # noqa: E402
 from tests.kube import JSON, KubeJSON, core_path  # noqa: E402
 from tests.sandboxes import Sandboxes  # noqa: E402
 

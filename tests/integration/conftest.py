@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 
 from devcluster.controlplane import ControlPlane
+from devcluster.helm import helm_binary
 from tests.executions import Executions
 from tests.integration.harness import (
     AgentProcess,
+    GatewayProcess,
     Node,
     OperatorProcess,
+    gateway_credentials,
     next_pod_ip,
     operator_credentials,
     secret_token,
@@ -170,3 +173,49 @@ def live_sandbox(
         return agent
 
     return start
+
+
+# The chart's release name in these tests: the user and viewer roles are
+# `<release>-user` and `<release>-viewer`.
+RELEASE = "sbx"
+
+
+@pytest.fixture(scope="session")
+def access_roles(control_plane: ControlPlane, repo: Path, crds: None) -> None:
+    """The chart's user and viewer ClusterRoles, as `helm template` renders them."""
+    rendered = subprocess.run(
+        [
+            str(helm_binary()),
+            "template",
+            RELEASE,
+            str(repo / "charts/sandbox-operator"),
+            "-n",
+            "sandbox-system",
+            "--show-only",
+            "templates/access.yaml",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    applied = kubectl(control_plane, "apply", "-f", "-", input=rendered)
+    assert applied.returncode == 0, applied.stderr
+
+
+@pytest.fixture(scope="session")
+def gateway(
+    control_plane: ControlPlane,
+    kube: KubeJSON,
+    repo: Path,
+    crds: None,
+    access_roles: None,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GatewayProcess]:
+    work = tmp_path_factory.mktemp("gateway")
+    credentials = gateway_credentials(control_plane, kube, repo, work / "kubeconfig")
+    process = GatewayProcess(credentials, work, {"SANDBOX_GATEWAY_RESUME_WAIT_SECONDS": "20"})
+    process.start()
+    yield process
+    process.stop()
+    assert process.errors() == [], f"handler tracebacks in {process.log}"

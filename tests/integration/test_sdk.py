@@ -41,11 +41,9 @@ from sandbox_sdk import (
 from sandbox_sdk._async.client import AsyncFiles, AsyncJob
 from sandbox_sdk._sync.client import Files, Job
 from tests.integration.harness import AgentProcess, GatewayProcess, wait_for
-from tests.integration.test_gateway import access_roles, caller, gateway
+from tests.integration.test_gateway import caller
 from tests.kube import KubeJSON, api_path, core_path
 from tests.sandboxes import Sandboxes
-
-__all__ = ["access_roles", "gateway"]  # fixtures, imported to be found here
 
 LiveSandbox = Callable[..., AgentProcess]
 
