@@ -225,7 +225,7 @@ class AgentProcess:
         self.agent: subprocess.Popen[bytes] | None = None
         self.runner: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def _start_agent(self) -> None:
         env = {
             **os.environ,
             "SANDBOX_AGENT_HOST": self.ip,
@@ -235,10 +235,21 @@ class AgentProcess:
             "SANDBOX_AGENT_RUNTIME_DIR": str(self.runtime_dir),
             "SANDBOX_AGENT_LOG_DIR": str(self.root / "logs"),
         }
-        with (self.root / "agent.log").open("wb") as log:
+        with (self.root / "agent.log").open("ab") as log:
             self.agent = subprocess.Popen(
                 [str(VENV_BIN / "sandbox-agent")], env=env, stdout=log, stderr=subprocess.STDOUT
             )
+
+    def crash_agent(self) -> None:
+        """SIGKILL the agent and start it again, the runner kept (a sidecar restart)."""
+        assert self.agent is not None
+        self.agent.kill()
+        self.agent.wait(10)
+        self._start_agent()
+        wait_for(self.ready, 30, f"agent readiness at {self.ip}:{self.port} after a crash")
+
+    def start(self) -> None:
+        self._start_agent()
         runner = self.runtime_dir / "runner.py"
         wait_for(runner.exists, 30, "the agent to place runner.py")
         runner_env = {

@@ -28,6 +28,7 @@ from devcluster.controlplane import ControlPlane
 from sandbox_sdk import (
     AsyncSandbox,
     AsyncSandboxClient,
+    CommandLost,
     CommandTimeout,
     Conflict,
     Forbidden,
@@ -278,6 +279,45 @@ def test_a_retried_execute_never_runs_twice(
     assert again.headers.get("Idempotent-Replayed") == "true"
     assert again.json()["id"] == first["id"]
     assert sandbox.files.read("count.txt") == "x\n"
+
+
+def test_a_command_cut_by_an_agent_crash_is_an_error(
+    client: SandboxClient, live_sandbox: LiveSandbox
+) -> None:
+    """The runner stops what no agent can observe any more; the caller hears
+    why instead of a result without an exit code."""
+    sandbox = client.create("python", name="crash", wait=False)
+    agent = _start(live_sandbox, sandbox.name)
+    sandbox.execute("true")  # the gateway knows the pod: both commands start at once
+    outcome: dict[str, BaseException | object] = {}
+
+    def run(key: str, stdout: io.StringIO | None) -> None:
+        try:
+            outcome[key] = sandbox.execute(f"echo {key} > {key}.txt; sleep 60", stdout=stdout)
+        except BaseException as exc:  # handed to the test's thread
+            outcome[key] = exc
+
+    threads = [
+        threading.Thread(target=run, args=("plain", None)),
+        threading.Thread(target=run, args=("streamed", io.StringIO())),
+    ]
+    for thread in threads:
+        thread.start()
+    wait_for(
+        lambda: all((agent.workspace / f"{k}.txt").exists() for k in ("plain", "streamed")),
+        30,
+        f"both commands to start ({outcome})",
+    )
+    agent.crash_agent()
+    for thread in threads:
+        thread.join(120)
+    for key in ("plain", "streamed"):
+        error = outcome[key]
+        assert isinstance(error, CommandLost), (key, error)
+        assert error.code == "agent_restarted", (key, error.code)
+        assert error.result is not None
+        assert error.result.exit_code is None
+    assert sandbox.execute("echo after").stdout == "after\n"
 
 
 def test_lifecycle_through_the_resources(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Iterable, Mapping
 
 import aiohttp
@@ -17,6 +18,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from sandbox_operator.gateway import metrics
+
+log = logging.getLogger("sandbox_gateway.proxy")
 
 CHUNK = 1 << 16
 # Bodies this small (by their Content-Length) are read whole and sent in one
@@ -106,6 +109,7 @@ class Upstreams:
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             metrics.UPSTREAM_ERRORS.inc()
             raise UpstreamError(f"{url.split('?')[0]} could not be reached: {exc}") from exc
+        response: web.StreamResponse | None = None
         try:
             answer_headers = forwarded_headers(upstream.headers)
             answer_headers.update(extra_response_headers or {})
@@ -121,9 +125,16 @@ class Upstreams:
             await response.write_eof()
             return response
         except (aiohttp.ClientError, ConnectionResetError) as exc:
-            # The headers are out: the stream can only be cut, which the caller sees.
+            # The headers are out: the stream can only be cut, which the caller
+            # sees (an incomplete chunked body) and may reattach from its cursor.
+            # An agent restart does this; it is worth a line, not a traceback.
             metrics.UPSTREAM_ERRORS.inc()
-            raise ConnectionResetError(f"upstream {url.split('?')[0]} broke off: {exc}") from exc
+            if response is None or not response.prepared:
+                raise UpstreamError(f"{url.split('?')[0]} broke off: {exc}") from exc
+            log.warning("upstream %s broke off mid-answer: %s", url.split("?")[0], exc)
+            if request.transport is not None:
+                request.transport.abort()
+            return response
         finally:
             # On cancellation (the caller left) the connection is closed, not reused,
             # so the upstream sees the disconnect.

@@ -19,6 +19,7 @@ from sandbox_sdk._async.client import (
 from sandbox_sdk._sync.client import Files, Job, Sandbox, SandboxClient
 from sandbox_sdk.errors import (
     CommandFailed,
+    CommandLost,
     CommandTimeout,
     ConfigError,
     Conflict,
@@ -42,6 +43,7 @@ __all__ = [
     "AsyncSandbox",
     "AsyncSandboxClient",
     "CommandFailed",
+    "CommandLost",
     "CommandResult",
     "CommandTimeout",
     "ConfigError",

@@ -8,7 +8,8 @@
 Global flags as kubectl's: `-n/--namespace`, `--context`, `--kubeconfig`,
 `-o json|yaml|wide|name`. Errors are one line on stderr and a non-zero exit;
 `exec` and `run` exit with the command's own exit code (124 when it timed out,
-as `timeout(1)` does). Shell completion: `kubectl sandbox completion bash`,
+as `timeout(1)` does; 125 when it never reached an exit code, e.g. the
+sandbox's agent restarted under it). Shell completion: `kubectl sandbox completion bash`,
 and `kubectl_complete-sandbox` for kubectl's own plugin completion.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 import yaml
 
 from sandbox_sdk._sync.client import Sandbox, SandboxClient
-from sandbox_sdk.errors import CommandTimeout, SandboxError
+from sandbox_sdk.errors import CommandLost, CommandTimeout, SandboxError
 from sandbox_sdk.models import resources
 from sandbox_sdk.types import OutputEvent
 
@@ -39,6 +40,7 @@ COMMANDS = [
     *("snapshot", "snapshots", "restore", "fork", "pause", "resume", "port", "completion"),
 ]
 PROGRESS_FROM = 1 << 20  # bytes: smaller transfers show no progress bar
+LOST_EXIT = 125  # the command never reached an exit code (as timeout(1) says of itself)
 
 
 class CliError(Exception):
@@ -169,6 +171,11 @@ def _stream_to_terminal(events: Any) -> int:
             result = event.result
             if result.timed_out:
                 return 124
+            if result.status in ("lost", "failed"):
+                error = result.execution.error
+                why = f"{error.message} ({error.code})" if error else result.status
+                print(f"error: the command did not run to its end: {why}", file=sys.stderr)
+                return LOST_EXIT
             code = result.exit_code if result.exit_code is not None else 128
     return code
 
@@ -250,6 +257,9 @@ def cmd_run(client: SandboxClient, args: argparse.Namespace) -> int:
         )
     except CommandTimeout:
         return 124
+    except CommandLost as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return LOST_EXIT
     return result.exit_code if result.exit_code is not None else 128
 
 

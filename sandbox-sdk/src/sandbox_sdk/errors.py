@@ -81,6 +81,17 @@ class CommandTimeout(Timeout):
         self.result = result
 
 
+class CommandLost(SandboxError):
+    """The command never reached an exit code: the agent or the runner restarted
+    under it, or it could not be started (`code` is the agent's reason:
+    `agent_restarted`, `runner_lost`, `spawn_failed`...). It may have partly
+    run; `result` holds the agent's record and what output there was."""
+
+    def __init__(self, message: str, *, result: Any = None, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.result = result
+
+
 class ServerError(SandboxError):
     """The server failed (5xx other than not-ready), or could not be reached."""
 

@@ -31,6 +31,7 @@ from sandbox_sdk._async.kube import API_VERSION, AsyncKube, core_path, resource_
 from sandbox_sdk._async_io import sleep
 from sandbox_sdk.errors import (
     CommandFailed,
+    CommandLost,
     CommandTimeout,
     ConfigError,
     Conflict,
@@ -1071,7 +1072,14 @@ class AsyncSandbox:
             except (NotReady, NotFound) as exc:
                 if execution_id is not None or attempt == 3 or not await self._worth_waiting(exc):
                     raise
-            except ServerError:
+            except ServerError as exc:
+                if execution_id is not None and exc.code == "log_pruned":
+                    # The output from the cursor on is gone (pruned under the log
+                    # cap, or held in memory by an agent that restarted since); the
+                    # record still tells how the command ended.
+                    result = await AsyncJob(self, execution_id).wait()
+                    yield _with_output(OutputEvent("exit", result=result), seen)
+                    return
                 if execution_id is None or attempt == 3:
                     raise
                 await sleep(0.5)
@@ -1160,6 +1168,13 @@ def _checked(result: CommandResult, check: bool) -> CommandResult:
             " stopped",
             result=result,
             code="timed_out",
+        )
+    if result.status in ("lost", "failed"):
+        error = result.execution.error
+        raise CommandLost(
+            f"the command did not run to its end: {error.message if error else result.status}",
+            result=result,
+            code=error.code if error else result.status,
         )
     if check and not result.ok:
         raise CommandFailed(

@@ -32,6 +32,7 @@ from sandbox_sdk._sync.kube import API_VERSION, Kube, core_path, resource_path
 from sandbox_sdk._sync_io import sleep
 from sandbox_sdk.errors import (
     CommandFailed,
+    CommandLost,
     CommandTimeout,
     ConfigError,
     Conflict,
@@ -1060,7 +1061,14 @@ class Sandbox:
             except (NotReady, NotFound) as exc:
                 if execution_id is not None or attempt == 3 or not self._worth_waiting(exc):
                     raise
-            except ServerError:
+            except ServerError as exc:
+                if execution_id is not None and exc.code == "log_pruned":
+                    # The output from the cursor on is gone (pruned under the log
+                    # cap, or held in memory by an agent that restarted since); the
+                    # record still tells how the command ended.
+                    result = Job(self, execution_id).wait()
+                    yield _with_output(OutputEvent("exit", result=result), seen)
+                    return
                 if execution_id is None or attempt == 3:
                     raise
                 sleep(0.5)
@@ -1149,6 +1157,13 @@ def _checked(result: CommandResult, check: bool) -> CommandResult:
             " stopped",
             result=result,
             code="timed_out",
+        )
+    if result.status in ("lost", "failed"):
+        error = result.execution.error
+        raise CommandLost(
+            f"the command did not run to its end: {error.message if error else result.status}",
+            result=result,
+            code=error.code if error else result.status,
         )
     if check and not result.ok:
         raise CommandFailed(
