@@ -20,6 +20,7 @@ from tests.executions import Executions
 from tests.integration.conftest import kubectl
 from tests.integration.harness import AgentProcess, wait_for
 from tests.kube import JSON, ApiError, KubeJSON, api_path, core_path
+from tests.quotas import quota_exceeded, ready_reason
 from tests.sandboxes import Sandboxes
 from tests.snapshots import Snapshots
 
@@ -255,7 +256,8 @@ def test_a_quota_refusal_is_reported_then_honoured(sandboxes: Sandboxes, kube: K
         "the quota to be counted",
     )
     sandboxes.create("quota")
-    assert "exceeded quota" in _create_failed(sandboxes, "quota")["message"]
+    status = sandboxes.wait_object("quota", "QuotaExceeded", quota_exceeded)["status"]
+    assert "exceeded quota: no-claims" in ready_reason(status)[1]
     kube.delete(core_path("resourcequotas", ns, "no-claims"))
     wait_for(
         lambda: kube.get(core_path("persistentvolumeclaims", ns, "quota-workspace")),
