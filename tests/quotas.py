@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tests.kube import JSON
+from tests.integration.harness import wait_for
+from tests.kube import JSON, KubeJSON, core_path
 from tests.resources import Resources
 
 
@@ -37,3 +38,22 @@ def ready_reason(status: JSON) -> tuple[str, str]:
 
 def quota_exceeded(status: JSON) -> bool:
     return ready_reason(status)[0] == "QuotaExceeded"
+
+
+def resource_quota(kube: KubeJSON, namespace: str, name: str, hard: dict[str, str]) -> str:
+    """Create a Kubernetes ResourceQuota and wait until the API server counts with it
+    (until then it admits everything); its path."""
+    kube.create(
+        core_path("resourcequotas", namespace),
+        {
+            "apiVersion": "v1",
+            "kind": "ResourceQuota",
+            "metadata": {"name": name},
+            "spec": {"hard": hard},
+        },
+    )
+    path = core_path("resourcequotas", namespace, name)
+    wait_for(
+        lambda: (kube.get(path) or {}).get("status", {}).get("hard"), 30, f"quota {name} counted"
+    )
+    return path

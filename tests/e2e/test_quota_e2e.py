@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import E2E
-from tests.integration.harness import wait_for
 from tests.kube import core_path
-from tests.quotas import SandboxQuotas, quota_exceeded, ready_reason
+from tests.quotas import SandboxQuotas, quota_exceeded, ready_reason, resource_quota
 from tests.sandboxes import Sandboxes
 
 pytestmark = pytest.mark.timeout(1800)
@@ -48,21 +47,7 @@ def test_a_resource_quota_refusal_shows_in_status_and_the_pod_follows_when_raise
     e2e: E2E,
 ) -> None:
     ns = e2e.namespace()
-    quota_path = core_path("resourcequotas", ns, "cpu")
-    e2e.kube.create(
-        core_path("resourcequotas", ns),
-        {
-            "apiVersion": "v1",
-            "kind": "ResourceQuota",
-            "metadata": {"name": "cpu"},
-            "spec": {"hard": {"requests.cpu": "100m"}},
-        },
-    )
-    wait_for(
-        lambda: (e2e.kube.get(quota_path) or {}).get("status", {}).get("hard"),
-        30,
-        "the quota to be counted",
-    )
+    quota_path = resource_quota(e2e.kube, ns, "cpu", {"requests.cpu": "100m"})
     sandboxes = Sandboxes(e2e.kube, ns)
     sandboxes.create("held", {"runtime": "python"})
     status = sandboxes.wait_object("held", "QuotaExceeded", quota_exceeded, timeout=60)["status"]

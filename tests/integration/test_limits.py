@@ -20,7 +20,7 @@ from tests.executions import Executions
 from tests.integration.conftest import kubectl
 from tests.integration.harness import AgentProcess, wait_for
 from tests.kube import JSON, ApiError, KubeJSON, api_path, core_path
-from tests.quotas import quota_exceeded, ready_reason
+from tests.quotas import quota_exceeded, ready_reason, resource_quota
 from tests.sandboxes import Sandboxes
 from tests.snapshots import Snapshots
 
@@ -237,24 +237,7 @@ def test_a_refused_child_is_reported_in_status(
 
 def test_a_quota_refusal_is_reported_then_honoured(sandboxes: Sandboxes, kube: KubeJSON) -> None:
     ns = sandboxes.namespace
-    kube.create(
-        core_path("resourcequotas", ns),
-        {
-            "apiVersion": "v1",
-            "kind": "ResourceQuota",
-            "metadata": {"name": "no-claims"},
-            "spec": {"hard": {"persistentvolumeclaims": "0"}},
-        },
-    )
-    wait_for(
-        lambda: (
-            (kube.get(core_path("resourcequotas", ns, "no-claims")) or {})
-            .get("status", {})
-            .get("hard")
-        ),
-        20,
-        "the quota to be counted",
-    )
+    resource_quota(kube, ns, "no-claims", {"persistentvolumeclaims": "0"})
     sandboxes.create("quota")
     status = sandboxes.wait_object("quota", "QuotaExceeded", quota_exceeded)["status"]
     assert "exceeded quota: no-claims" in ready_reason(status)[1]

@@ -13,7 +13,7 @@ import pytest
 from tests.executions import Executions
 from tests.integration.harness import AgentProcess, OperatorProcess, wait_for
 from tests.kube import JSON, KubeJSON, core_path
-from tests.quotas import SandboxQuotas, quota_exceeded, ready_reason
+from tests.quotas import SandboxQuotas, quota_exceeded, ready_reason, resource_quota
 from tests.sandboxes import Sandboxes
 
 
@@ -182,22 +182,7 @@ def test_a_resource_quota_refusing_the_pod_shows_in_status_then_lets_it_start(
     sandboxes: Sandboxes, kube: KubeJSON
 ) -> None:
     ns = sandboxes.namespace
-    kube.create(
-        core_path("resourcequotas", ns),
-        {
-            "apiVersion": "v1",
-            "kind": "ResourceQuota",
-            "metadata": {"name": "cpu"},
-            "spec": {"hard": {"requests.cpu": "100m"}},
-        },
-    )
-    wait_for(
-        lambda: (
-            (kube.get(core_path("resourcequotas", ns, "cpu")) or {}).get("status", {}).get("hard")
-        ),
-        20,
-        "the quota to be counted",
-    )
+    quota = resource_quota(kube, ns, "cpu", {"requests.cpu": "100m"})
     sandboxes.create("big")
     status = sandboxes.wait_object("big", "QuotaExceeded", quota_exceeded)["status"]
     message = ready_reason(status)[1]
@@ -208,6 +193,22 @@ def test_a_resource_quota_refusing_the_pod_shows_in_status_then_lets_it_start(
     assert any(
         e["involvedObject"]["name"] == "big" and e["reason"] == "QuotaExceeded" for e in events
     )
-    kube.patch(core_path("resourcequotas", ns, "cpu"), {"spec": {"hard": {"requests.cpu": "1"}}})
+    kube.patch(quota, {"spec": {"hard": {"requests.cpu": "1"}}})
     wait_for(lambda: _pod(kube, ns, "big"), 60, "the pod once the quota allows it")
     sandboxes.wait_object("big", "no longer refused", lambda s: not quota_exceeded(s))
+
+
+def test_a_one_shot_execution_whose_sandbox_waits_for_quota_says_so(
+    executions: Executions, quotas: SandboxQuotas, sandboxes: Sandboxes, kube: KubeJSON
+) -> None:
+    quotas.create("none", {"sandboxes": 0})
+    executions.create("later", {"sandboxTemplate": {"runtime": "python"}, "script": "true"})
+    status = executions.wait_status(
+        "later", "QuotaExceeded", lambda s: s.get("reason") == "QuotaExceeded"
+    )
+    assert status["phase"] == "Queued"
+    assert "sandboxes limited to 0, used 0, requested 1" in status["message"]
+    sandbox = status["sandbox"]
+    sandboxes.wait_object(sandbox, "QuotaExceeded", quota_exceeded)
+    quotas.delete("none")
+    wait_for(lambda: _pod(kube, sandboxes.namespace, sandbox), 30, "the sandbox's pod")
