@@ -63,8 +63,8 @@ async def admit(
 
 
 def waiting(ctx: OperatorContext, namespace: str) -> kopf.TemporaryError:
-    """The error that sends a refused Sandbox's handler back after a while (a
-    timer tick or a deleted peer may admit it sooner)."""
+    """The error that sends a refused Sandbox's handler back after a while (its
+    timer may look again sooner); each look reads only memory."""
     return kopf.TemporaryError(
         f"waiting for room in the SandboxQuotas of {namespace}",
         delay=ctx.settings.quota_retry_seconds,
