@@ -215,7 +215,7 @@ def next_steps(sandbox: str, gateway: str) -> list[Hint]:
         ("the Python SDK: a one-shot sandbox", "python examples/sdk/one_shot.py"),
         (
             "the gateway's HTTP API",
-            f'curl -s -H "Authorization: Bearer $(kubectl create token {DEMO_ACCOUNT})"'
+            f'curl -sf -H "Authorization: Bearer $(kubectl create token {DEMO_ACCOUNT})"'
             f" '{gateway}/v1/namespaces/default/sandboxes/{sandbox}/files/list?path=.'",
         ),
     ]
