@@ -32,7 +32,7 @@ def test_a_sandbox_quota_holds_a_sandbox_back_until_one_is_deleted(e2e: E2E, rep
     )
     assert e2e.kube.get(core_path("pods", ns, "second")) is None
     # The example's usage counts the admitted one, through `kubectl get`.
-    used = quotas.wait_used("tenant-limits", "the first sandbox", "sandboxes", 1)
+    used = quotas.wait_used("tenant-limits", "the first sandbox", "sandboxes", 1, timeout=120)
     assert used["used"]["requests"]["cpu"] == "150m"
     listed = e2e.kubectl("get", "sandboxquota", "-n", ns, "one-at-a-time")
     assert listed.returncode == 0, listed.stderr
