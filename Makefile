@@ -107,7 +107,7 @@ clean: ## Remove the virtualenv and caches inside the repo (not the binary cache
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
 
 .PHONY: up
-up: install binaries ## Main job: single-node cluster, the chart, examples/, a command in a sandbox
+up: install ## Main job: single-node cluster, the chart, examples/, a command in a sandbox
 	$(PY) hack/up.py up
 
 .PHONY: down

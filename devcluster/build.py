@@ -63,7 +63,7 @@ def _build_lock(name: str) -> contextlib.AbstractContextManager[None]:
 
 
 def _go(args: list[str], cwd: Path) -> str:
-    log.info("go %s (in %s)", " ".join(args), cwd)
+    log.debug("go %s (in %s)", " ".join(args), cwd)
     proc = subprocess.run(
         ["go", *args], cwd=cwd, env=go_env(), capture_output=True, text=True, check=False
     )
@@ -172,6 +172,9 @@ def _cached(name: str, wanted: dict[str, Path], make: Callable[[float], None]) -
     if not _all_current(wanted):
         with _build_lock(name):
             if not _all_current(wanted):
+                log.info(
+                    "go build %s: %s (minutes on a cold cache)", name, ", ".join(sorted(wanted))
+                )
                 make(time.monotonic())
     return wanted
 

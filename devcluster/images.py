@@ -373,7 +373,8 @@ def ensure_built(spec: ImageSpec) -> BuiltImage:
 
 
 def _run(argv: Sequence[str], *, what: str, timeout: float = 1200.0, **kwargs: object) -> str:
-    log.info("%s: %s", what, " ".join(argv))
+    log.info("%s", what)
+    log.debug("%s: %s", what, " ".join(argv))
     try:
         proc = subprocess.run(
             list(argv),

@@ -115,6 +115,10 @@ class Settings(BaseModel):
     # wedged runtime container well before that (see builders.sandbox).
     agent_unready_patience: Duration = "2m"
 
+    # Quotas: how often a Sandbox refused by a quota (a SandboxQuota or a
+    # ResourceQuota) looks again for room; a look costs no API request.
+    quota_retry_seconds: Annotated[float, Field(gt=0, le=600)] = 5.0
+
     # Reconciliation.
     reconcile_interval_seconds: float = 30.0
     agent_timeout_seconds: float = 5.0

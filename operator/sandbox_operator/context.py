@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -33,6 +33,9 @@ class OperatorContext:
     # One reconciliation per Sandbox at a time: create/update handlers, the timer
     # and pod events all converge the same object and must not interleave.
     locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
+    # One quota admission per namespace at a time: each counts what the ones
+    # before it admitted.
+    namespace_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     # The status this process last wrote per Sandbox. The operator is the only
     # writer of status, so this is fresher than a body Kopf received earlier.
     statuses: dict[Key, JSON] = field(default_factory=dict)
@@ -48,6 +51,25 @@ class OperatorContext:
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+    def namespace_lock(self, namespace: str) -> asyncio.Lock:
+        return self.namespace_locks.setdefault(namespace, asyncio.Lock())
+
+    def current(self, body: JSON) -> JSON:
+        """A Sandbox `body` with the status this process last wrote (fresher than
+        Kopf's copy: the operator is the only writer of status)."""
+        meta = body["metadata"]
+        known = self.statuses.get((meta["namespace"], meta["name"]))
+        return body if known is None else {**body, "status": known}
+
+    def sandboxes_in(self, index: Mapping[Key, Any], namespace: str) -> list[JSON]:
+        """The namespace's Sandboxes in a Kopf index by (namespace, name), each as `current`."""
+        return [
+            self.current(body)
+            for (ns, _), store in index.items()
+            if ns == namespace
+            for body in store
+        ]
 
     def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
         self.locks.pop((namespace, name), None)

@@ -95,6 +95,12 @@ class Refused(KubeError):
         refusal (403), which can change without the object changing."""
         return self.status in (400, 422)
 
+    @property
+    def quota(self) -> bool:
+        """A ResourceQuota has no room (403 Forbidden, "exceeded quota: ..."): the
+        message names the quota, the request, the usage and the limit."""
+        return self.status == 403 and "exceeded quota" in self.message
+
     def __str__(self) -> str:
         return f"the API server refused to create {self.kind} {self.name}: {self.message}"
 

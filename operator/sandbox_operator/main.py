@@ -18,6 +18,7 @@ from sandbox_operator import bookkeeping, config, errors
 from sandbox_operator.agent_client import AgentClient
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers import execution, sandbox
+from sandbox_operator.handlers import quota as quotas
 from sandbox_operator.handlers import snapshot as snapshots
 from sandbox_operator.kube import Kube
 from sandbox_operator.resources import (
@@ -27,6 +28,7 @@ from sandbox_operator.resources import (
     LABEL_SANDBOX,
     MANAGED_BY,
     PODS,
+    SANDBOX_QUOTAS,
     SANDBOXES,
     SNAPSHOTS,
 )
@@ -36,6 +38,7 @@ SETTINGS = config.load()
 SANDBOX = (SANDBOXES.group, SANDBOXES.plural)
 EXECUTION = (EXECUTIONS.group, EXECUTIONS.plural)
 SNAPSHOT = (SNAPSHOTS.group, SNAPSHOTS.plural)
+QUOTA = (SANDBOX_QUOTAS.group, SANDBOX_QUOTAS.plural)
 POD = (PODS.group, PODS.version, PODS.plural)
 CLAIM = (CLAIMS.group, CLAIMS.version, CLAIMS.plural)
 OWN = {LABEL_MANAGED_BY: MANAGED_BY}
@@ -132,6 +135,8 @@ async def sandbox_changed(
             children=children,
             pods=kwargs["sandbox_pods"],
             claims=kwargs["sandbox_claims"],
+            sandboxes=kwargs["sandbox_bodies"],
+            quotas=kwargs["sandbox_quotas"],
         )
 
 
@@ -155,6 +160,8 @@ async def sandbox_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs
                 children=sandbox.Children.POD,
                 pods=kwargs["sandbox_pods"],
                 claims=kwargs["sandbox_claims"],
+                sandboxes=kwargs["sandbox_bodies"],
+                quotas=kwargs["sandbox_quotas"],
             )
 
 
@@ -186,6 +193,8 @@ async def _child_changed(
                 children=sandbox.Children.POD,
                 pods=kwargs["sandbox_pods"],
                 claims=kwargs["sandbox_claims"],
+                sandboxes=kwargs["sandbox_bodies"],
+                quotas=kwargs["sandbox_quotas"],
                 pod=dict(body) if is_pod and type != "DELETED" else None,
                 pod_known=is_pod,
             )
@@ -229,6 +238,7 @@ async def execution_daemon(
         kwargs["execution_slots"],
         stopped,
         logger,
+        kwargs["sandbox_quotas"],
     )
     async with errors.policy("Execution", "daemon", run.refused, daemon=True):
         await run.drive()
@@ -240,6 +250,40 @@ async def execution_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **k
         await execution.deleted(
             _ctx(memo), memo.scheduler, dict(body), kwargs["sandbox_bodies"], logger
         )
+
+
+# -- SandboxQuota ---------------------------------------------------------------------
+
+
+@kopf.index(*QUOTA)
+def sandbox_quotas(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
+    """SandboxQuotas by namespace: what admission checks Sandboxes and Executions against."""
+    entry = quotas.index_entry(dict(body))
+    return {namespace: entry} if entry is not None else None
+
+
+async def _observe_quota(body: kopf.Body, memo: Any, kwargs: Any) -> None:
+    ctx = _ctx(memo)
+    namespace = body["metadata"]["namespace"]
+    peers = ctx.sandboxes_in(kwargs["sandbox_bodies"], namespace)
+    scheduler: execution.Scheduler = memo.scheduler
+    await quotas.observe(ctx, dict(body), peers, kwargs["execution_slots"], scheduler.claimed)
+
+
+@kopf.on.event(*QUOTA)
+async def quota_event(type: str, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+    meta = body["metadata"]
+    if type == "DELETED":
+        quotas.forget(meta["namespace"], meta["name"])
+        return
+    async with errors.policy("SandboxQuota", "event"):
+        await _observe_quota(body, memo, kwargs)
+
+
+@kopf.timer(*QUOTA, interval=SETTINGS.reconcile_interval_seconds)
+async def quota_tick(body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+    async with errors.policy("SandboxQuota", "timer"):
+        await _observe_quota(body, memo, kwargs)
 
 
 # -- Snapshot --------------------------------------------------------------------------

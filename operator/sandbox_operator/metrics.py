@@ -86,3 +86,40 @@ class PhaseCollector(Collector):
 
 PHASES = PhaseCollector()
 REGISTRY.register(PHASES)
+
+
+class QuotaCollector(Collector):
+    """Each SandboxQuota's limits and its namespace's usage, as its status last said."""
+
+    def __init__(self) -> None:
+        # (namespace, quota) -> resource -> (hard, used)
+        self.quotas: dict[tuple[str, str], dict[str, tuple[float, float]]] = {}
+
+    def set(self, namespace: str, name: str, values: dict[str, tuple[float, float]]) -> None:
+        self.quotas[(namespace, name)] = values
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.quotas.pop((namespace, name), None)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["namespace", "quota", "resource"]
+        hard = GaugeMetricFamily(
+            "sandbox_operator_quota_hard",
+            "SandboxQuota limits (cores, bytes, counts).",
+            labels=labels,
+        )
+        used = GaugeMetricFamily(
+            "sandbox_operator_quota_used",
+            "Usage counted against SandboxQuota limits (cores, bytes, counts).",
+            labels=labels,
+        )
+        for (namespace, name), values in sorted(self.quotas.items()):
+            for resource, (limit, current) in sorted(values.items()):
+                hard.add_metric([namespace, name, resource], limit)
+                used.add_metric([namespace, name, resource], current)
+        yield hard
+        yield used
+
+
+QUOTAS = QuotaCollector()
+REGISTRY.register(QUOTAS)

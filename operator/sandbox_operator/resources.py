@@ -50,6 +50,7 @@ class Resource:
 SANDBOXES = Resource(API_VERSION, "sandboxes")
 EXECUTIONS = Resource(API_VERSION, "executions")
 SNAPSHOTS = Resource(API_VERSION, "snapshots")
+SANDBOX_QUOTAS = Resource(API_VERSION, "sandboxquotas")
 
 # Children and the objects they depend on.
 PODS = Resource("v1", "pods")

@@ -35,6 +35,8 @@ OPERATOR_ENV = {
     # Small enough that queueing and the wait bound show within a test.
     "SANDBOX_OPERATOR_MAX_EXECUTIONS_PER_SANDBOX": "2",
     "SANDBOX_OPERATOR_EXECUTION_SANDBOX_WAIT": "15s",
+    # A sandbox refused by a quota looks again for room this often.
+    "SANDBOX_OPERATOR_QUOTA_RETRY_SECONDS": "1",
 }
 
 

@@ -20,6 +20,7 @@ from tests.executions import Executions
 from tests.integration.conftest import kubectl
 from tests.integration.harness import AgentProcess, wait_for
 from tests.kube import JSON, ApiError, KubeJSON, api_path, core_path
+from tests.quotas import quota_exceeded, ready_reason, resource_quota
 from tests.sandboxes import Sandboxes
 from tests.snapshots import Snapshots
 
@@ -236,26 +237,10 @@ def test_a_refused_child_is_reported_in_status(
 
 def test_a_quota_refusal_is_reported_then_honoured(sandboxes: Sandboxes, kube: KubeJSON) -> None:
     ns = sandboxes.namespace
-    kube.create(
-        core_path("resourcequotas", ns),
-        {
-            "apiVersion": "v1",
-            "kind": "ResourceQuota",
-            "metadata": {"name": "no-claims"},
-            "spec": {"hard": {"persistentvolumeclaims": "0"}},
-        },
-    )
-    wait_for(
-        lambda: (
-            (kube.get(core_path("resourcequotas", ns, "no-claims")) or {})
-            .get("status", {})
-            .get("hard")
-        ),
-        20,
-        "the quota to be counted",
-    )
+    resource_quota(kube, ns, "no-claims", {"persistentvolumeclaims": "0"})
     sandboxes.create("quota")
-    assert "exceeded quota" in _create_failed(sandboxes, "quota")["message"]
+    status = sandboxes.wait_object("quota", "QuotaExceeded", quota_exceeded)["status"]
+    assert "exceeded quota: no-claims" in ready_reason(status)[1]
     kube.delete(core_path("resourcequotas", ns, "no-claims"))
     wait_for(
         lambda: kube.get(core_path("persistentvolumeclaims", ns, "quota-workspace")),

@@ -392,6 +392,7 @@ def start(
         slots or {},
         _Never(),  # type: ignore[arg-type]
         logging.getLogger("test"),
+        {},
     )
     from sandbox_operator.api.execution import ExecutionSpec
 

@@ -169,4 +169,10 @@ def test_sandbox_of_prefers_status_then_reference_then_one_shot_name() -> None:
     assert sandbox_of({"metadata": meta, "spec": {}, "status": {"sandbox": "t"}}) == "t"
     assert sandbox_of({"metadata": meta, "spec": {"sandboxTemplate": {}}}) == "job-abcdef12"
     entry = slot_entry({"metadata": {**meta, "creationTimestamp": "t"}, "status": {"podUID": "p"}})
-    assert entry == {"name": "job", "created": "t", "started": True, "done": False}
+    assert entry == {
+        "name": "job",
+        "created": "t",
+        "started": True,
+        "done": False,
+        "quota": False,
+    }

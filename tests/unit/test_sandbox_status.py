@@ -281,3 +281,17 @@ def test_a_pod_stuck_on_an_unbound_claim_is_noticed_after_the_patience() -> None
         patience,
     )
     assert not c.stuck_on_unbound_claim(pod("True", "", "2026-01-01T00:00:00Z"), now, patience)
+
+
+def test_a_sandbox_without_room_in_a_quota_is_pending_and_says_why() -> None:
+    why = "exceeded SandboxQuota team: sandboxes limited to 2, used 2, requested 1"
+    phase, conds = _compute(_observed(None, quota=why))
+    ready = _by_type(conds)["Ready"]
+    assert (phase, ready.status, ready.reason, ready.message) == (
+        SandboxPhase.PENDING,
+        "False",
+        R.QUOTA_EXCEEDED,
+        why,
+    )
+    # Nothing of a pod or a claim applies to a sandbox that was not let in.
+    assert set(_by_type(conds)) == {"Ready"}

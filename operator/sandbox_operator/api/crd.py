@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from sandbox_operator.api.common import CATEGORY, GROUP, VERSION, cel
 from sandbox_operator.api.execution import ExecutionSpec, ExecutionStatus
+from sandbox_operator.api.quota import SandboxQuotaSpec, SandboxQuotaStatus
 from sandbox_operator.api.sandbox import SandboxSpec, SandboxStatus
 from sandbox_operator.api.snapshot import SnapshotSpec, SnapshotStatus
 
@@ -98,6 +99,25 @@ KINDS: tuple[Kind, ...] = (
             _column("Tag", ".spec.tag"),
             _column("Ready", ".status.readyToUse", "boolean"),
             _column("Size", ".status.restoreSize"),
+            _AGE,
+        ],
+    ),
+    Kind(
+        kind="SandboxQuota",
+        plural="sandboxquotas",
+        short_names=["sbxquota"],
+        spec=SandboxQuotaSpec,
+        status=SandboxQuotaStatus,
+        description="Limits on the Sandboxes and running Executions of one namespace.",
+        columns=[
+            _column("Sandboxes", ".status.used.sandboxes", "integer"),
+            _column("Max Sandboxes", ".spec.sandboxes", "integer"),
+            _column("Running", ".status.used.runningExecutions", "integer"),
+            _column("Max Running", ".spec.runningExecutions", "integer"),
+            _column("Waiting", ".status.waiting", "integer"),
+            _column("CPU Requests", ".status.used.requests.cpu", priority=1),
+            _column("Memory Requests", ".status.used.requests.memory", priority=1),
+            _column("Storage", ".status.used.workspaceStorage", priority=1),
             _AGE,
         ],
     ),

@@ -74,6 +74,8 @@ class ExecutionReason(StrEnum):
     SANDBOX_DELETED = "SandboxDeleted"
     SECRET_NOT_FOUND = "SecretNotFound"
     CONCURRENCY_LIMIT = "ConcurrencyLimit"
+    # A SandboxQuota (running executions, or the one-shot sandbox) or a ResourceQuota.
+    QUOTA_EXCEEDED = "QuotaExceeded"
     CREATE_FAILED = "CreateFailed"
     STARTED = "Started"
     SUCCEEDED = "Succeeded"

@@ -101,6 +101,8 @@ class SandboxReason(StrEnum):
     ROLLING_BACK = "RollingBack"
     SNAPSHOT_NOT_READY = "SnapshotNotReady"
     SNAPSHOT_FAILED = "SnapshotFailed"
+    # A SandboxQuota of the namespace, or a Kubernetes ResourceQuota, has no room.
+    QUOTA_EXCEEDED = "QuotaExceeded"
 
 
 class OnIdle(StrEnum):
@@ -415,4 +417,9 @@ class SandboxStatus(Model):
     )
     idle_snapshot_started_at: str | None = Field(
         default=None, description="When the idle policy asked for that Snapshot."
+    )
+    admitted: bool | None = Field(
+        default=None,
+        description="Counted against the namespace's SandboxQuotas: set once the sandbox"
+        " fitted them; it holds its share until it is deleted.",
     )

@@ -37,8 +37,15 @@ from sandbox_operator.api.execution import (
     ExecutionSpec,
     ExecutionStatus,
 )
-from sandbox_operator.api.sandbox import SandboxCondition, SandboxPhase, SandboxSpec, SandboxStatus
+from sandbox_operator.api.sandbox import (
+    SandboxCondition,
+    SandboxPhase,
+    SandboxReason,
+    SandboxSpec,
+    SandboxStatus,
+)
 from sandbox_operator.builders import execution as build
+from sandbox_operator.builders import quota
 from sandbox_operator.builders.conditions import find
 from sandbox_operator.builders.sandbox import effectively_paused
 from sandbox_operator.clock import iso, iso_precise, now_utc, parse_time
@@ -52,7 +59,12 @@ Key = tuple[str, str]
 # Kopf indexes: (namespace, name) -> bodies, and (namespace, sandbox) -> slot entries.
 SandboxIndex = Mapping[Key, Any]
 SlotIndex = Mapping[Key, Any]
+# SandboxQuotas by namespace: {"name", "spec"} entries.
+QuotaIndex = Mapping[str, Any]
 R = ExecutionReason
+# Reasons to wait that never make an Execution give up: its sandbox is fine,
+# the namespace or the sandbox is just busy.
+PATIENT_REASONS = (R.CONCURRENCY_LIMIT, R.QUOTA_EXCEEDED)
 # How often a waiting Execution looks at the indexes again (in-memory, free).
 WAIT_POLL_SECONDS = 0.5
 SECRET_POLL_SECONDS = 2.0
@@ -111,6 +123,7 @@ def slot_entry(body: JSON) -> JSON:
         "created": body["metadata"].get("creationTimestamp", ""),
         "started": bool(status.get("podUID")),
         "done": status.get("phase") in TERMINAL_PHASES,
+        "quota": status.get("reason") == ExecutionReason.QUOTA_EXCEEDED,
     }
 
 
@@ -148,8 +161,10 @@ class Run:
         slots: SlotIndex,
         stopped: kopf.DaemonStopped,
         logger: kopf.Logger,
+        quotas: QuotaIndex,
     ) -> None:
         self.ctx, self.scheduler, self.body = ctx, scheduler, body
+        self.quotas = quotas
         self.sandboxes, self.slots, self.stopped, self.logger = sandboxes, slots, stopped, logger
         meta = body["metadata"]
         self.namespace: str = meta["namespace"]
@@ -254,13 +269,13 @@ class Run:
         unless the wait is for a slot (a busy sandbox is not a broken one)."""
         bound = parse_duration(self.ctx.settings.execution_sandbox_wait)
         overdue = self.created and now_utc() - parse_time(self.created) > bound
-        if overdue and reason != R.CONCURRENCY_LIMIT:
+        if overdue and reason not in PATIENT_REASONS:
             await self.fail(
                 reason, f"{message} (gave up after {self.ctx.settings.execution_sandbox_wait})"
             )
             return
         await self.write(phase=ExecutionPhase.QUEUED, reason=reason, message=message)
-        if reason not in (R.CONCURRENCY_LIMIT, R.SECRET_NOT_FOUND):
+        if reason not in (*PATIENT_REASONS, R.SECRET_NOT_FOUND):
             key = (self.namespace, self.sandbox_name())
             self.scheduler.waiting.setdefault(key, set()).add(self.name)
         # Waits on the indexes are free; a wait for a Secret asks the API server.
@@ -326,7 +341,23 @@ class Run:
         message = f"{exc}"
         if exc.permanent:
             return self.fail(R.CREATE_FAILED, message)
+        if exc.quota:
+            return self.wait(R.QUOTA_EXCEEDED, message)
         return self.wait(R.CREATE_FAILED, message)
+
+    def over_quota(self) -> str | None:
+        """Why one more running Execution does not fit the namespace's SandboxQuotas."""
+        limits = {
+            entry["name"]: entry["spec"]
+            for entry in self.quotas.get(self.namespace, [])
+            if entry["spec"].running_executions is not None
+        }
+        if not limits:
+            return None
+        running = quota.running_executions(self.slots, self.scheduler.claimed, self.namespace)
+        return quota.refusal(
+            limits, quota.Usage(running_executions=running), quota.Usage(running_executions=1)
+        )
 
     # -- the steps -----------------------------------------------------------------
 
@@ -388,6 +419,10 @@ class Run:
             await self.wait(R.SANDBOX_RESUMING, f"resuming sandbox {name}, paused when idle")
             return
         endpoint, pod_uid = sb_status.agent_endpoint, sb_status.pod_uid
+        ready = find(sb_status.conditions, SandboxCondition.READY)
+        if ready is not None and ready.reason == SandboxReason.QUOTA_EXCEEDED:
+            await self.wait(R.QUOTA_EXCEEDED, f"sandbox {name} waits for quota: {ready.message}")
+            return
         if sb_status.phase != SandboxPhase.RUNNING or not endpoint or not pod_uid:
             await self.wait(R.SANDBOX_STARTING, f"waiting for sandbox {name} to be ready")
             return
@@ -400,8 +435,13 @@ class Run:
             claimed = self.scheduler.claimed.setdefault((self.namespace, name), set())
             entries = list(self.slots.get((self.namespace, name), []))
             free = may_start(self.name, self.created, entries, claimed, limit)
-            if free:
+            # The namespace's quotas, counted under the same lock as the claims.
+            over = self.over_quota() if free and self.name not in claimed else None
+            if free and over is None:
                 claimed.add(self.name)
+        if over is not None:
+            await self.wait(R.QUOTA_EXCEEDED, over)
+            return
         if not free:
             await self.wait(
                 R.CONCURRENCY_LIMIT,

@@ -30,6 +30,7 @@ from sandbox_operator.builders.sandbox_status import Observed
 from sandbox_operator.clock import now_utc, parse_time
 from sandbox_operator.config import Settings
 from sandbox_operator.context import OperatorContext
+from sandbox_operator.handlers.sandbox.admission import QuotaIndex, SandboxIndex, admit, waiting
 from sandbox_operator.handlers.sandbox.environment import sync_environment
 from sandbox_operator.handlers.sandbox.lifecycle import idle_snapshot_settled, lifecycle
 from sandbox_operator.handlers.sandbox.pod import decide_pod, ensure_pod, with_eviction
@@ -89,11 +90,15 @@ def parse_spec(body: JSON, settings: Settings) -> tuple[SandboxSpec | None, str 
 
 def refused(ctx: OperatorContext, body: JSON) -> Any:
     """The error policy's report for a child the API server refused: a status
-    saying so (Ready=False, CreateFailed, with the API server's message)."""
+    saying so (Ready=False, CreateFailed, or QuotaExceeded for a ResourceQuota,
+    with the API server's message)."""
 
     async def report(exc: Refused) -> None:
         spec, _ = parse_spec(body, ctx.settings)
-        await report_blocked(ctx, body, spec, refused=str(exc))
+        if exc.quota:
+            await report_blocked(ctx, body, spec, quota=str(exc))
+        else:
+            await report_blocked(ctx, body, spec, refused=str(exc))
 
     return report
 
@@ -106,18 +111,29 @@ async def reconcile(
     children: Children,
     pods: ChildIndex,
     claims: ChildIndex,
+    sandboxes: SandboxIndex,
+    quotas: QuotaIndex,
     pod: JSON | None = None,
     pod_known: bool = False,
 ) -> None:
     """Converge one Sandbox. `children` says how far beyond the pod to look;
     `pod_known` means `pod` is the pod as it stands (None: there is none);
-    otherwise the pod index is asked."""
+    otherwise the pod index is asked. `sandboxes` and `quotas` are what quota
+    admission counts with."""
     meta = body["metadata"]
     async with ctx.lock(meta["namespace"], meta["name"]):
         if not pod_known:
             pod = next(iter(pods.get((meta["namespace"], meta["name"]), [])), None)
         claim = next(iter(claims.get((meta["namespace"], meta["name"]), [])), None)
-        await _reconcile(ctx, current(ctx, body), logger, children=children, pod=pod, claim=claim)
+        body = current(ctx, body)
+        spec, invalid = parse_spec(body, ctx.settings)
+        if (
+            spec is not None
+            and invalid is None
+            and not await admit(ctx, body, spec, sandboxes, quotas)
+        ):
+            raise waiting(ctx, meta["namespace"])
+        await _reconcile(ctx, body, logger, children=children, pod=pod, claim=claim)
 
 
 async def _reconcile(
@@ -170,6 +186,8 @@ async def _reconcile(
     pod = await ensure_pod(ctx, body, spec, pod, decision, logger)
 
     fields: JSON = {**workspace.fields, **spec_fields(body, spec, ctx.settings)}
+    if not meta.get("deletionTimestamp"):
+        fields["admitted"] = True  # admit() let it through: it holds its share from now on
     if not paused:
         fields["idle_paused_at"] = None
         if old.idle_paused_at:

@@ -7,11 +7,14 @@ from typing import Any
 from sandbox_operator import metrics
 from sandbox_operator.api.common import parse_duration
 from sandbox_operator.api.sandbox import (
+    SandboxCondition,
+    SandboxReason,
     SandboxSpec,
     SandboxStatus,
 )
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.builders import sandbox_status
+from sandbox_operator.builders.conditions import find
 from sandbox_operator.builders.sandbox_status import Observed
 from sandbox_operator.clock import iso, now_utc, parse_time
 from sandbox_operator.config import Settings
@@ -22,6 +25,7 @@ from sandbox_operator.resources import (
 )
 
 JSON = dict[str, Any]
+R_QUOTA = SandboxReason.QUOTA_EXCEEDED
 
 
 def status_of(body: JSON) -> SandboxStatus:
@@ -73,9 +77,12 @@ async def report_blocked(
     *,
     invalid: str = "",
     refused: str = "",
+    quota: str = "",
 ) -> None:
-    """Status and an Event for a Sandbox that cannot go on: its spec is invalid, or
-    the API server refused one of its children. Nothing of the pod is observed."""
+    """Status and an Event for a Sandbox that cannot go on: its spec is invalid, the
+    API server refused one of its children, or a quota has no room for it.
+    Nothing of the pod is observed. The Event is posted when the reason or the
+    message is new, not at every retry."""
     observed = Observed(
         generation=body["metadata"].get("generation", 0),
         paused=False,
@@ -84,6 +91,7 @@ async def report_blocked(
         pod=None,
         invalid=invalid or None,
         refused=refused or None,
+        quota=quota or None,
     )
     fresh = current(ctx, body)
     status = sandbox_status.build_status(
@@ -93,13 +101,16 @@ async def report_blocked(
         now_utc(),
         **spec_fields(body, None if invalid else spec, ctx.settings),
     )
+    before = find(status_of(fresh).conditions, SandboxCondition.READY)
     await write_status(ctx, fresh, status)
-    reason = "InvalidSpec" if invalid else "CreateFailed"
-    ctx.event(body, "warn", reason=reason, message=invalid or refused)
+    after = find(status.conditions, SandboxCondition.READY)
+    unchanged = before is not None and after is not None and before.message == after.message
+    if quota and unchanged and before is not None and before.reason == R_QUOTA:
+        return
+    reason = "InvalidSpec" if invalid else R_QUOTA if quota else "CreateFailed"
+    ctx.event(body, "warn", reason=reason, message=invalid or quota or refused)
 
 
 def current(ctx: OperatorContext, body: JSON) -> JSON:
     """`body` with the status this process last wrote (fresher than Kopf's copy)."""
-    meta = body["metadata"]
-    known = ctx.statuses.get((meta["namespace"], meta["name"]))
-    return body if known is None else {**body, "status": known}
+    return ctx.current(body)

@@ -136,6 +136,7 @@ class SandboxStatus(WireModel):
     workspace_restore_request: str | None = Field(default=None, validation_alias="workspaceRestoreRequest", serialization_alias="workspaceRestoreRequest", description="The restore-requested-at annotation value the last restore answered.")
     idle_snapshot: str | None = Field(default=None, validation_alias="idleSnapshot", serialization_alias="idleSnapshot", description="The Snapshot the idle policy took (or is taking).")
     idle_snapshot_started_at: str | None = Field(default=None, validation_alias="idleSnapshotStartedAt", serialization_alias="idleSnapshotStartedAt", description="When the idle policy asked for that Snapshot.")
+    admitted: bool | None = Field(default=None, description="Counted against the namespace's SandboxQuotas: set once the sandbox fitted them; it holds its share until it is deleted.")
 
 
 class LocalObjectReference(WireModel):
