@@ -16,7 +16,7 @@ help: ## List the targets
 $(VENV)/.installed: pyproject.toml sandbox-agent/pyproject.toml sandbox-sdk/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q -e '.[dev]' -e './sandbox-agent[dev]' -e './sandbox-sdk[dev]'
+	$(PY) -m pip install -q -e '.[dev]' -e './sandbox-agent[dev]' -e './sandbox-sdk[dev,mcp]'
 	touch $@
 
 .PHONY: install

@@ -1,0 +1,56 @@
+"""`sandbox-mcp` (and `python -m sandbox_mcp`)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+
+from sandbox_mcp.settings import Settings, parse
+
+SERVICEACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+def _api_server(settings: Settings) -> tuple[str, str | None]:
+    """Where callers' tokens go: the flag, else the pod's own API server."""
+    if settings.api_server:
+        return settings.api_server, settings.ca_file
+    from sandbox_sdk import config
+
+    pod = config.in_cluster()
+    if pod is None:
+        raise SystemExit(
+            "sandbox-mcp --transport http needs --api-server (and --ca-file) outside a pod:"
+            " callers' tokens are used against it"
+        )
+    ca = SERVICEACCOUNT / "ca.crt"
+    return pod.server, settings.ca_file or (str(ca) if ca.exists() else None)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse(argv)
+    # stdout is the protocol's channel on stdio: logs go to stderr.
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s"
+    )
+    from sandbox_mcp import server
+
+    if settings.transport == "stdio":
+        anyio.run(server.serve_stdio, settings)
+        return
+    import uvicorn
+
+    api_server, ca_file = _api_server(settings)
+    uvicorn.run(
+        server.http_app(settings, api_server, ca_file),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+    )
+
+
+if __name__ == "__main__":
+    main()
