@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,16 +19,21 @@ def _api_server(settings: Settings) -> tuple[str, str | None]:
     """Where callers' tokens go: the flag, else the pod's own API server."""
     if settings.api_server:
         return settings.api_server, settings.ca_file
-    from sandbox_sdk import config
-
-    pod = config.in_cluster()
-    if pod is None:
+    # In a pod: the API server's Service, as every pod sees it (no token needed:
+    # the server mounts none, it uses its callers').
+    host, port = (
+        os.environ.get("KUBERNETES_SERVICE_HOST"),
+        os.environ.get("KUBERNETES_SERVICE_PORT"),
+    )
+    if not host or not port:
         raise SystemExit(
             "sandbox-mcp --transport http needs --api-server (and --ca-file) outside a pod:"
             " callers' tokens are used against it"
         )
+    if ":" in host:
+        host = f"[{host}]"
     ca = SERVICEACCOUNT / "ca.crt"
-    return pod.server, settings.ca_file or (str(ca) if ca.exists() else None)
+    return f"https://{host}:{port}", settings.ca_file or (str(ca) if ca.exists() else None)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
