@@ -91,7 +91,7 @@ run: install ## Run the operator locally against the cluster-up cluster
 	$(VENV)/bin/kopf run -m sandbox_operator.main --all-namespaces --standalone
 
 .PHONY: bench
-bench: install binaries ## Benchmarks: agent vs subprocess; 1,000 Sandboxes; node cold start and exec; Executions vs Jobs; snapshots vs tar; resume vs a pod start; gateway vs direct; the SDK vs raw HTTP
+bench: install binaries ## Benchmarks: agent vs subprocess; 1,000 Sandboxes; node cold start and exec; Executions vs Jobs; snapshots vs tar; resume vs a pod start; gateway vs direct; the SDK vs raw HTTP; MCP vs the SDK
 	$(PY) benchmarks/agent_bench.py
 	$(PY) benchmarks/sandbox_scale.py
 	$(PY) benchmarks/node_bench.py
@@ -100,6 +100,7 @@ bench: install binaries ## Benchmarks: agent vs subprocess; 1,000 Sandboxes; nod
 	$(PY) benchmarks/resume_bench.py
 	$(PY) benchmarks/gateway_bench.py
 	$(PY) benchmarks/sdk_bench.py
+	$(PY) benchmarks/mcp_bench.py
 
 .PHONY: clean
 clean: ## Remove the virtualenv and caches inside the repo (not the binary cache)
