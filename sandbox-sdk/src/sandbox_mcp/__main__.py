@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 
 from sandbox_mcp.settings import Settings, parse
+from sandbox_sdk.errors import ConfigError
 
 SERVICEACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -45,7 +46,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     from sandbox_mcp import server
 
     if settings.transport == "stdio":
-        anyio.run(server.serve_stdio, settings)
+        try:
+            anyio.run(server.serve_stdio, settings)
+        except ConfigError as exc:
+            raise SystemExit(f"sandbox-mcp: {exc}") from None
         return
     import uvicorn
 
