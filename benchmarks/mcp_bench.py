@@ -45,36 +45,14 @@ from benchmarks.common import (  # noqa: E402
     operator_cluster,
     write_results,
 )
-from benchmarks.sdk_bench import _gateway_pod  # noqa: E402
-from devcluster import deploy  # noqa: E402
+from benchmarks.sdk_bench import _gateway_pod, _user_token  # noqa: E402
 from sandbox_sdk import AsyncSandbox, AsyncSandboxClient  # noqa: E402
-from tests.kube import KubeJSON, api_path, core_path  # noqa: E402
+from tests.kube import KubeJSON  # noqa: E402
 
 NS = "bench-mcp"
 SESSION = "bench"
 Call = Callable[[], Awaitable[Any]]
 BIN = Path(sys.executable).parent
-
-
-def _user_token(kube: KubeJSON) -> str:
-    rbac = "rbac.authorization.k8s.io/v1"
-    kube.create(core_path("serviceaccounts", NS), {"metadata": {"name": "bench"}})
-    kube.create(
-        api_path(rbac, "rolebindings", NS),
-        {
-            "metadata": {"name": "bench"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": f"{deploy.RELEASE}-user",
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": "bench", "namespace": NS}],
-        },
-    )
-    issued = kube.create(
-        core_path("serviceaccounts", NS, "bench", "token"), {"spec": {"expirationSeconds": 7200}}
-    )
-    return str(issued["status"]["token"])
 
 
 def _user_kubeconfig(admin: Path, token: str, work: Path) -> tuple[Path, str, Path]:
@@ -234,7 +212,7 @@ def main() -> None:
         work = Path(tmp)
         kube = KubeJSON(cluster.kubeconfig)
         create_namespace(kube, NS)
-        token = _user_token(kube)
+        token = _user_token(kube, NS)
         gateway = _gateway_pod(kube)
         kubeconfig, server, ca = _user_kubeconfig(Path(cluster.kubeconfig), token, work)
         http = HttpServer(server, ca, gateway, work / "mcp.log")
