@@ -89,12 +89,25 @@ def test_the_charts_mcp_server_runs_a_session_on_the_node(
                 text = "".join(c.text for c in result.content if isinstance(c, TextContent))
                 assert not result.is_error, f"{tool}: {text}"
                 out.append(text)
+            # A snapshot, a change, and the rollback to it.
+            snapped = await client.call_tool("sandbox_snapshot", {"tag": "v1"})
+            assert not snapped.is_error, snapped.content
+            name = "".join(c.text for c in snapped.content if isinstance(c, TextContent)).split()[1]
+            changed = await client.call_tool(
+                "sandbox_write_file", {"path": "hello.py", "content": "print(0)\n"}
+            )
+            assert not changed.is_error, changed.content
+            restored = await client.call_tool("sandbox_restore", {"snapshot": name})
+            assert not restored.is_error, restored.content
+            again = await client.call_tool("sandbox_read_file", {"path": "hello.py"})
+            out.append("".join(c.text for c in again.content if isinstance(c, TextContent)))
             return out
 
-    wrote, ran, read = asyncio.run(main())
+    wrote, ran, read, after_restore = asyncio.run(main())
     assert wrote == "wrote 13 bytes to hello.py"
     assert ran.startswith("exit code: 0\nstdout:\n42\n")
     assert read == "1\tprint(6 * 7)"
+    assert after_restore == "1\tprint(6 * 7)"
     # The session ended (the client's DELETE): --on-end=destroy removed its sandbox.
     wait_for(
         lambda: e2e.kube.list(api_path("sandbox.dev/v1alpha1", "sandboxes", ns)) == [],

@@ -354,6 +354,11 @@ def test_every_tool_over_stdio(
             )
             await ok(client, "sandbox_delete_file", path="app")
             await fails(client, "sandbox_delete_file", "not_found", path="app")
+            # Snapshots: this control plane has no VolumeSnapshot API (the
+            # real node's are in tests/e2e/test_mcp_e2e.py).
+            refused = await fails(client, "sandbox_snapshot", "error", tag="t1")
+            assert "SnapshotsUnsupported" in refused
+            await fails(client, "sandbox_restore", "not_found", snapshot="no-such-snapshot")
             # Lifecycle: one sandbox per session; destroy, create.
             await fails(client, "sandbox_create", "conflict", runtime="python")
             assert await ok(client, "sandbox_destroy") == f"destroyed {name}"

@@ -103,6 +103,8 @@ async def call_tool(
             snap = await sandbox.snapshot(args.get("tag"), description=args.get("description"))
             return _result(f"snapshot {snap.metadata.name} is ready")
         if name == "sandbox_restore":
+            # Not there: say so now, rather than wait for a restore that cannot start.
+            await sandbox.client.get_snapshot(str(args["snapshot"]), namespace=sandbox.namespace)
             await sandbox.restore(str(args["snapshot"]))
             return _result(f"the workspace is restored from {args['snapshot']}")
         progress = None
