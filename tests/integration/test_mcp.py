@@ -249,7 +249,7 @@ def test_every_tool_over_stdio(
             assert listed["sandbox_run_command"].input_schema["required"] == ["command"]
 
             # The first call creates the session's sandbox.
-            assert "wrote 27 bytes" in await ok(
+            assert "wrote 26 bytes" in await ok(
                 client,
                 "sandbox_write_file",
                 path="app/main.py",
@@ -268,13 +268,13 @@ def test_every_tool_over_stdio(
             )
             assert (
                 await ok(client, "sandbox_read_file", path="app/main.py", line_numbers=False)
-                == 'import sys\nprint("hello")'
+                == 'import sys\nprint("hello")\n'  # exactly the file
             )
             await fails(client, "sandbox_read_file", "not_found", path="nope.txt")
             await fails(client, "sandbox_read_file", "invalid", path="../../etc/passwd")
             # List.
             listing = await ok(client, "sandbox_list_directory", path="app")
-            assert "app/main.py  (27 bytes)" in listing
+            assert "app/main.py  (26 bytes)" in listing
             await fails(client, "sandbox_list_directory", "not_found", path="missing")
             # Patch (two files at once), then a conflicting one changes nothing.
             assert await ok(client, "sandbox_apply_patch", patch=PATCH) == (

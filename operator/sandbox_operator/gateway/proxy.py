@@ -117,8 +117,12 @@ class Upstreams:
                 response.content_length = upstream.content_length
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
+                try:
+                    await response.write(chunk)
+                except ConnectionResetError:
+                    return response  # the caller left: nothing broke upstream
+            with contextlib.suppress(ConnectionResetError):  # the caller left before the end
+                await response.write_eof()
             return response
         except (aiohttp.ClientError, ConnectionResetError) as exc:
             # The headers are out: the stream can only be cut, which the caller sees.
