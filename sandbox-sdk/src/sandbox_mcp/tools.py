@@ -395,9 +395,15 @@ async def call(
             raise ToolFailure("not_found", f"{path} does not exist")
         return f"deleted {path}"
     if name == "sandbox_list_directory":
-        entries = await _file_op(
-            files.list(path, depth=int(args.get("depth", 1))), f"listing {path}"
-        )
+        try:
+            entries = await _file_op(
+                files.list(path, depth=int(args.get("depth", 1))), f"listing {path}"
+            )
+        except Invalid as exc:
+            # The agent says "not a directory" for a path that is not there at all.
+            if exc.code == "not_a_directory" and not await _file_op(files.exists(path), path):
+                raise ToolFailure("not_found", f"{path} does not exist") from exc
+            raise
         lines = [
             f"{e.path}/" if e.type == "directory" else f"{e.path}  ({e.size} bytes)"
             for e in entries
