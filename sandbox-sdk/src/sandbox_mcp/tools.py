@@ -449,6 +449,8 @@ async def call(
         )
         return f"{count} replacement{'s' if count != 1 else ''} in {path}"
     if name == "sandbox_download_url":
+        # The gateway signs any path: a URL to nothing would only fail in the user's hands.
+        await _file_op(files.stat(path), f"looking up {path}")
         return str(
             await _file_op(
                 files.download_url(path, ttl=int(args.get("ttl_seconds", 600))), "signing the URL"
