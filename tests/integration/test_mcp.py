@@ -429,11 +429,24 @@ def test_stdio_session_resumes_after_the_server_restarts(
         "the sandbox paused at session end",
     )
 
+    def pause(sandbox: str) -> None:
+        path = f"{SANDBOXES.format(ns=ns)}/{sandbox}"
+        kube.patch(path, {"spec": {"paused": True}})
+        wait_for(
+            lambda: ((kube.get(path) or {}).get("status") or {}).get("phase") == "Paused",
+            60,
+            "paused",
+        )
+
     async def again() -> None:
         async with _stdio(kubeconfig, gateway, ns, "--session=chat-1") as client:
             assert await ok(client, "sandbox_read_file", path="notes.txt") == "1\tkept"
             out = await ok(client, "sandbox_run_command", command=".local/bin/tool")
             assert "tool ran" in out
+            # Paused behind the session's back (as its idle policy does): the
+            # next call finds it paused, resumes it and goes on.
+            await asyncio.to_thread(pause, name)
+            assert await ok(client, "sandbox_read_file", path="notes.txt") == "1\tkept"
         async with _stdio(kubeconfig, gateway, ns, "--session=chat-2") as client:
             await fails(client, "sandbox_read_file", "not_found", path="notes.txt")
 

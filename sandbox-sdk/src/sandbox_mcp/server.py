@@ -19,8 +19,15 @@ from mcp.server import Server, ServerRequestContext
 from sandbox_mcp import tools
 from sandbox_mcp.sessions import Caller, Session, identity_of
 from sandbox_mcp.settings import Settings
-from sandbox_sdk import AsyncSandboxClient, __version__
-from sandbox_sdk.errors import Forbidden, SandboxError, Unauthorized
+from sandbox_sdk import AsyncSandbox, AsyncSandboxClient, __version__
+from sandbox_sdk.errors import (
+    Forbidden,
+    NotFound,
+    NotReady,
+    Paused,
+    SandboxError,
+    Unauthorized,
+)
 
 log = logging.getLogger("sandbox_mcp")
 SESSION_HEADER = "x-sandbox-session"
@@ -82,6 +89,26 @@ def session_of(app: App, ctx: ServerRequestContext[Any, Any]) -> Session:
     return app.session(caller, key)
 
 
+async def _on_sandbox(
+    ctx: ServerRequestContext[Any, Any], name: str, sandbox: AsyncSandbox, args: dict[str, Any]
+) -> types.CallToolResult:
+    if name == "sandbox_snapshot":
+        snap = await sandbox.snapshot(args.get("tag"), description=args.get("description"))
+        return _result(f"snapshot {snap.metadata.name} is ready")
+    if name == "sandbox_restore":
+        # Not there: say so now, rather than wait for a restore that cannot start.
+        await sandbox.client.get_snapshot(str(args["snapshot"]), namespace=sandbox.namespace)
+        await sandbox.restore(str(args["snapshot"]))
+        return _result(f"the workspace is restored from {args['snapshot']}")
+    progress = None
+    if _progress_requested(ctx):
+
+        async def progress(done: float, text: str) -> None:
+            await ctx.session.report_progress(done, None, text)
+
+    return _result(await tools.call(name, sandbox, args, progress))
+
+
 async def call_tool(
     app: App, ctx: ServerRequestContext[Any, Any], name: str, args: dict[str, Any]
 ) -> types.CallToolResult:
@@ -98,22 +125,18 @@ async def call_tool(
         if name == "sandbox_destroy":
             gone = await session.destroy()
             return _result(f"destroyed {gone}" if gone else "this session had no sandbox")
-        sandbox = await session.sandbox()
-        if name == "sandbox_snapshot":
-            snap = await sandbox.snapshot(args.get("tag"), description=args.get("description"))
-            return _result(f"snapshot {snap.metadata.name} is ready")
-        if name == "sandbox_restore":
-            # Not there: say so now, rather than wait for a restore that cannot start.
-            await sandbox.client.get_snapshot(str(args["snapshot"]), namespace=sandbox.namespace)
-            await sandbox.restore(str(args["snapshot"]))
-            return _result(f"the workspace is restored from {args['snapshot']}")
-        progress = None
-        if _progress_requested(ctx):
-
-            async def progress(done: float, text: str) -> None:
-                await ctx.session.report_progress(done, None, text)
-
-        return _result(await tools.call(name, sandbox, args, progress))
+        for attempt in (1, 2):
+            sandbox = await session.sandbox()
+            try:
+                return await _on_sandbox(ctx, name, sandbox, args)
+            except (Paused, NotReady, NotFound) as exc:
+                # Refused before anything ran: the sandbox was paused (its idle
+                # policy), is restarting or is gone; find it again, once.
+                missing_file = isinstance(exc, NotFound) and exc.code != "sandbox_not_found"
+                if attempt == 2 or missing_file:
+                    raise
+                session.stale()
+        raise AssertionError("unreachable")
     except tools.ToolFailure as exc:
         return _result(exc.text(), error=True)
     except SandboxError as exc:

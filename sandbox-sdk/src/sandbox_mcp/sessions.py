@@ -64,6 +64,9 @@ class Session:
         self.label = session_label(caller.identity, key)
         self.uploads = list(uploads)
         self.current: AsyncSandbox | None = None
+        # `current` was seen Ready, so calls go straight to it; a refusal that
+        # says otherwise (paused, not ready, gone) clears it: `stale()`.
+        self.ready = False
         self.lock = anyio.Lock()
 
     @property
@@ -83,8 +86,15 @@ class Session:
         assert name is not None
         return AsyncSandbox(self.client, name, self.client.namespace, sandbox.to_wire())
 
+    def stale(self) -> None:
+        """The sandbox refused a call as paused, not ready or missing: look again."""
+        self.ready = False
+
     async def sandbox(self) -> AsyncSandbox:
         """The session's sandbox, Ready: found (and resumed when paused) or created."""
+        current = self.current
+        if self.ready and current is not None and current.client is self.client:
+            return current
         async with self.lock:
             sandbox = self.current or await self._find()
             if sandbox is not None and sandbox.client is not self.client:
@@ -104,6 +114,7 @@ class Session:
         except NotFound:
             self.current = None  # deleted meanwhile: the next call makes a new one
             raise
+        self.ready = True
         if self.uploads:
             await self._upload()
         return sandbox
@@ -150,13 +161,15 @@ class Session:
                     " call sandbox_destroy first to replace it",
                 )
             self.current = await self._create(runtime, image, from_snapshot)
+            self.ready = False
         await self.current.wait_ready()
+        self.ready = True
         return self.current
 
     async def destroy(self) -> str | None:
         async with self.lock:
             sandbox = self.current or await self._find()
-            self.current = None
+            self.current, self.ready = None, False
             if sandbox is None:
                 return None
             await sandbox.destroy(wait=True)
@@ -168,6 +181,7 @@ class Session:
         sandbox = self.current
         if sandbox is None:
             return
+        self.ready = False
         try:
             if self.settings.on_end == "destroy":
                 await sandbox.destroy(wait=False)
