@@ -4,6 +4,7 @@ HTTP (each caller's own bearer token, checked before any MCP message is read).""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -208,7 +209,7 @@ async def serve_stdio(settings: Settings) -> None:
         )
         identity = ""
     key = settings.session or f"stdio-{time.time_ns()}"
-    app = App(Settings(**{**settings.__dict__, "session": key}), local=Caller(client, identity))
+    app = App(dataclasses.replace(settings, session=key), local=Caller(client, identity))
     server = build(app)
     try:
         async with stdio_server() as (read, write):
@@ -343,6 +344,9 @@ class HttpFront:
         await self.mcp(scope, receive, send)
         if mcp_session and scope["method"] == "DELETE":
             await self._ended(mcp_session)
+        elif mcp_session in self.live:
+            # A long command is activity until it ends, as for the transport.
+            self.live[mcp_session] = (time.monotonic(), self.live[mcp_session][1])
 
     async def _upload(
         self, scope: Scope, receive: Receive, send: Send, caller: Caller, headers: dict[str, str]
