@@ -406,8 +406,17 @@ def test_progress_notifications_carry_a_long_commands_output(
 def test_stdio_session_resumes_after_the_server_restarts(
     kubeconfig: Path, gateway: GatewayProcess, ns: str, node_player: NodePlayer, kube: KubeJSON
 ) -> None:
+    upload = kubeconfig.parent / "data.csv"
+    upload.write_text("a,b\n1,2\n")
+
     async def first() -> None:
-        async with _stdio(kubeconfig, gateway, ns, "--session=chat-1") as client:
+        async with _stdio(
+            kubeconfig, gateway, ns, "--session=chat-1", f"--upload={upload}"
+        ) as client:
+            # The host's file is in ./user-uploads/ from the first call on.
+            assert await ok(client, "sandbox_read_file", path="user-uploads/data.csv") == (
+                "1\ta,b\n2\t1,2"
+            )
             await ok(client, "sandbox_write_file", path="notes.txt", content="kept\n")
             # "Installed" into $HOME, the workspace: a package manager's --user place.
             await ok(
@@ -557,8 +566,21 @@ def test_http_sessions_are_separate_and_resume(
         # A session key the client keeps resumes across MCP sessions.
         async with http_server.client(alice, session="project-x") as client:
             await ok(client, "sandbox_write_file", path="x.txt", content="x\n")
+        uploaded = await asyncio.to_thread(
+            httpx.put,
+            http_server.url.replace("/mcp", "/uploads"),
+            params={"name": "../report.txt"},
+            content=b"from the host\n",
+            headers={"Authorization": f"Bearer {alice}", "X-Sandbox-Session": "project-x"},
+            timeout=120,
+        )
+        assert uploaded.status_code == 200, uploaded.text
+        assert uploaded.json() == {"path": "user-uploads/report.txt"}
         async with http_server.client(alice, session="project-x") as client:
             assert await ok(client, "sandbox_read_file", path="x.txt") == "1\tx"
+            assert await ok(client, "sandbox_read_file", path="user-uploads/report.txt") == (
+                "1\tfrom the host"
+            )
         # Knowing alice's key does not give bob her sandbox: his own, empty one.
         async with http_server.client(bob, session="project-x") as client:
             await fails(client, "sandbox_read_file", "not_found", path="x.txt")

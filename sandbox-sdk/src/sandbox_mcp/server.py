@@ -271,11 +271,10 @@ class Callers:
         return caller
 
 
-async def _reply(
-    send: Send, status: int, message: str, extra: Sequence[tuple[bytes, bytes]] = ()
+async def _json(
+    send: Send, status: int, payload: dict[str, Any], extra: Sequence[tuple[bytes, bytes]] = ()
 ) -> None:
-    reason = {200: "ok", 400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_found"}
-    body = json.dumps({"error": {"code": reason.get(status, "error"), "message": message}}).encode()
+    body = json.dumps(payload).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -283,6 +282,15 @@ async def _reply(
     ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _reply(
+    send: Send, status: int, message: str, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """An error in the gateway's shape: {"error": {"code", "message"}}."""
+    reason = {400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_found"}
+    error = {"code": reason.get(status, "error"), "message": message}
+    await _json(send, status, {"error": error}, extra)
 
 
 class HttpFront:
@@ -303,7 +311,7 @@ class HttpFront:
             return
         path = scope.get("path", "")
         if path == "/healthz":
-            await _reply(send, 200, "ok")
+            await _json(send, 200, {"status": "ok"})
             return
         if path.rstrip("/") not in ("/mcp", "/uploads"):
             await _reply(send, 404, "not found: the MCP endpoint is /mcp")
@@ -375,7 +383,7 @@ class HttpFront:
         except SandboxError as exc:
             await _reply(send, exc.status or 502, str(exc))
             return
-        await _reply(send, 200, path)
+        await _json(send, 200, {"path": path})
 
     async def _ended(self, mcp_session: str) -> None:
         _, used = self.live.pop(mcp_session, (0.0, set()))
