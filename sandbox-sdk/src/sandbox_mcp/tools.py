@@ -83,8 +83,6 @@ class Tool:
     description: str
     schema: JSON
     read_only: bool = False
-    # Whether it acts on the session's sandbox (created on first use), or on the lifecycle.
-    lifecycle: bool = False
 
 
 def _schema(required: list[str], **properties: JSON) -> JSON:
@@ -243,7 +241,6 @@ TOOLS = [
             image={"type": "string", "description": "A container image instead"},
             from_snapshot={"type": "string", "description": "Start from this Snapshot"},
         ),
-        lifecycle=True,
     ),
     Tool(
         "sandbox_snapshot",
@@ -254,19 +251,16 @@ TOOLS = [
             tag={"type": "string", "description": "A label for it, e.g. 'before-refactor'"},
             description={"type": "string"},
         ),
-        lifecycle=True,
     ),
     Tool(
         "sandbox_restore",
         "Roll the session's workspace back to a snapshot (running commands are stopped).",
         _schema(["snapshot"], snapshot={"type": "string", "description": "The Snapshot's name"}),
-        lifecycle=True,
     ),
     Tool(
         "sandbox_destroy",
         "Delete the session's sandbox and its workspace; the next tool call starts a new one.",
         _schema([]),
-        lifecycle=True,
     ),
 ]
 BY_NAME = {tool.name: tool for tool in TOOLS}
