@@ -7,7 +7,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY operator ./operator
-RUN pip install . && rm -rf /root/.cache
+# The SDK with its MCP server (`sandbox-mcp`, the chart's optional mcp Deployment).
+COPY sandbox-sdk ./sandbox-sdk
+RUN pip install . './sandbox-sdk[mcp]' && rm -rf /root/.cache
 
 # Non-root, and nothing to write: the chart mounts the root filesystem read-only.
 USER 65532:65532

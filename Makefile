@@ -16,7 +16,7 @@ help: ## List the targets
 $(VENV)/.installed: pyproject.toml sandbox-agent/pyproject.toml sandbox-sdk/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q -e '.[dev]' -e './sandbox-agent[dev]' -e './sandbox-sdk[dev]'
+	$(PY) -m pip install -q -e '.[dev]' -e './sandbox-agent[dev]' -e './sandbox-sdk[dev,mcp]'
 	touch $@
 
 .PHONY: install
@@ -91,7 +91,7 @@ run: install ## Run the operator locally against the cluster-up cluster
 	$(VENV)/bin/kopf run -m sandbox_operator.main --all-namespaces --standalone
 
 .PHONY: bench
-bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under attack in a 256 MiB cgroup; 1,000 Sandboxes; node cold start and exec; Executions vs Jobs; snapshots vs tar; resume vs a pod start; gateway vs direct; the SDK vs raw HTTP
+bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under attack in a 256 MiB cgroup; 1,000 Sandboxes; node cold start and exec; Executions vs Jobs; snapshots vs tar; resume vs a pod start; gateway vs direct; the SDK vs raw HTTP; MCP vs the SDK
 	$(PY) benchmarks/agent_bench.py
 	$(PY) benchmarks/agent_memory_bench.py
 	$(PY) benchmarks/sandbox_scale.py
@@ -101,6 +101,7 @@ bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under a
 	$(PY) benchmarks/resume_bench.py
 	$(PY) benchmarks/gateway_bench.py
 	$(PY) benchmarks/sdk_bench.py
+	$(PY) benchmarks/mcp_bench.py
 
 .PHONY: clean
 clean: ## Remove the virtualenv and caches inside the repo (not the binary cache)

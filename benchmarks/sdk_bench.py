@@ -50,12 +50,12 @@ MIB = "head -c 1048576 /dev/zero | tr '\\0' x"
 Call = Callable[[], Any]
 
 
-def _user_token(kube: KubeJSON) -> str:
+def _user_token(kube: KubeJSON, ns: str = NS) -> str:
     """A ServiceAccount bound to the chart's user role, as a service would have."""
     rbac = "rbac.authorization.k8s.io/v1"
-    kube.create(core_path("serviceaccounts", NS), {"metadata": {"name": "bench"}})
+    kube.create(core_path("serviceaccounts", ns), {"metadata": {"name": "bench"}})
     kube.create(
-        api_path(rbac, "rolebindings", NS),
+        api_path(rbac, "rolebindings", ns),
         {
             "metadata": {"name": "bench"},
             "roleRef": {
@@ -63,11 +63,11 @@ def _user_token(kube: KubeJSON) -> str:
                 "kind": "ClusterRole",
                 "name": f"{deploy.RELEASE}-user",
             },
-            "subjects": [{"kind": "ServiceAccount", "name": "bench", "namespace": NS}],
+            "subjects": [{"kind": "ServiceAccount", "name": "bench", "namespace": ns}],
         },
     )
     issued = kube.create(
-        core_path("serviceaccounts", NS, "bench", "token"),
+        core_path("serviceaccounts", ns, "bench", "token"),
         {"spec": {"expirationSeconds": 7200}},
     )
     return str(issued["status"]["token"])

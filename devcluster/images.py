@@ -97,6 +97,8 @@ class PipProject:
     wheel, and hashed for the cache key)."""
     launchers: tuple[tuple[str, str], ...] = ()
     """(command, "module:function") written as /usr/local/bin/<command>."""
+    extras: tuple[str, ...] = ()
+    """Optional dependency groups installed with it."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,15 @@ _OPERATOR = PipProject(
     (("kopf", "kopf.cli:main"), ("sandbox-gateway", "sandbox_operator.gateway.__main__:main")),
 )
 
+# The SDK with its MCP server, in the operator's image for the chart's mcp Deployment.
+_SDK = PipProject(
+    "sandbox-sdk",
+    "sandbox-sdk",
+    ("pyproject.toml", "README.md", "src"),
+    (("sandbox-mcp", "sandbox_mcp.__main__:main"),),
+    extras=("mcp",),
+)
+
 IMAGES: dict[str, ImageSpec] = {
     spec.name: spec
     for spec in (
@@ -197,7 +208,7 @@ IMAGES: dict[str, ImageSpec] = {
         ImageSpec(
             "sandbox-operator:dev",
             packages=("python3", "ca-certificates"),
-            pip=(_OPERATOR,),
+            pip=(_OPERATOR, _SDK),
             entrypoint=("/usr/local/bin/kopf",),
             cmd=("run", "-m", "sandbox_operator", "--standalone", "--all-namespaces"),
             user="65532:65532",
@@ -466,7 +477,10 @@ def _stage_pip_project(project: PipProject, stage: Path, work: Path) -> None:
             f"--python-version={versions.DEBIAN_PYTHON}",
             f"--abi=cp{versions.DEBIAN_PYTHON.replace('.', '')}",
             *platforms,
-            *[str(wheel) for wheel in sorted(wheels.glob("*.whl"))],
+            *[
+                f"{wheel}[{','.join(project.extras)}]" if project.extras else str(wheel)
+                for wheel in sorted(wheels.glob("*.whl"))
+            ],
         ],
         what=f"pip install {project.name}",
         timeout=1800.0,

@@ -110,11 +110,34 @@ def test_operator_and_gateway_pods_are_restricted(repo: Path) -> None:
         assert container["capabilities"] == {"drop": ["ALL"]}
 
 
+def test_the_mcp_server_is_optional_and_holds_no_credentials(repo: Path) -> None:
+    assert not [d for d in _render(repo) if "mcp" in d["metadata"]["name"]]
+    docs = _render(repo, "mcp.enabled=true", "mcp.runtime=node", "mcp.onEnd=destroy")
+    pod = _kind(docs, "Deployment", "sbx-mcp")["spec"]["template"]["spec"]
+    # Every call carries the caller's token: the pod gets none of its own.
+    assert pod["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in pod
+    assert not [
+        d
+        for d in docs
+        if d["kind"] in ("RoleBinding", "ClusterRoleBinding") and "mcp" in d["metadata"]["name"]
+    ]
+    container = pod["containers"][0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["SANDBOX_GATEWAY_URL"] == "http://sbx-gateway.sandbox-system.svc:80"
+    assert (env["SANDBOX_MCP_RUNTIME"], env["SANDBOX_MCP_ON_END"]) == ("node", "destroy")
+    service = _kind(docs, "Service", "sbx-mcp")
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+
 def test_api_server_accepts_the_rendered_chart(
     control_plane: ControlPlane, crds: None, repo: Path, tmp_path: Path
 ) -> None:
     manifest = tmp_path / "chart.yaml"
-    manifest.write_text(yaml.safe_dump_all(_render(repo, namespace="chart-check")))
+    manifest.write_text(
+        yaml.safe_dump_all(_render(repo, "mcp.enabled=true", namespace="chart-check"))
+    )
     namespace = kubectl(control_plane, "create", "namespace", "chart-check")
     assert namespace.returncode == 0, namespace.stderr
     applied = kubectl(
@@ -122,3 +145,4 @@ def test_api_server_accepts_the_rendered_chart(
     )
     assert applied.returncode == 0, applied.stderr
     assert "deployment.apps/sbx created (server dry run)" in applied.stdout
+    assert "deployment.apps/sbx-mcp created (server dry run)" in applied.stdout

@@ -7,3 +7,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/name: sandbox-gateway
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
+
+{{- define "sandbox-operator.mcpLabels" -}}
+app.kubernetes.io/name: sandbox-mcp
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}

@@ -121,16 +121,20 @@ class Upstreams:
                 response.content_length = upstream.content_length
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
+                try:
+                    await response.write(chunk)
+                except ConnectionResetError:
+                    return response  # the caller left: nothing broke upstream
+            with contextlib.suppress(ConnectionResetError):  # the caller left before the end
+                await response.write_eof()
             return response
         except (aiohttp.ClientError, ConnectionResetError) as exc:
-            # The headers are out: the stream can only be cut, which the caller
-            # sees (an incomplete chunked body) and may reattach from its cursor.
-            # An agent restart does this; it is worth a line, not a traceback.
             metrics.UPSTREAM_ERRORS.inc()
             if response is None or not response.prepared:
                 raise UpstreamError(f"{url.split('?')[0]} broke off: {exc}") from exc
+            # Once the headers are out the stream can only be cut, which the
+            # caller sees (an incomplete chunked body) and may reattach from its
+            # cursor. An agent restart does this: worth a line, not a traceback.
             log.warning("upstream %s broke off mid-answer: %s", url.split("?")[0], exc)
             if request.transport is not None:
                 request.transport.abort()
