@@ -35,16 +35,15 @@ class Health:
     message: str
 
 
-def script(kind: str) -> Path:
-    """The health script of a kind, e.g. Sandbox."""
-    return SCRIPTS / f"{kind.lower()}.lua"
+# One script for the three kinds (it reads obj.kind where they differ).
+SCRIPT = SCRIPTS / "sandbox.dev.lua"
 
 
-def evaluate(kind: str, objects: Sequence[dict[str, Any]]) -> list[Health]:
+def evaluate(objects: Sequence[dict[str, Any]]) -> list[Health]:
     """The health Argo CD would show for each object. A script that fails on an
     object raises (Argo CD would show an error instead of a health)."""
     done = subprocess.run(
-        [str(binary()), str(script(kind))],
+        [str(binary()), str(SCRIPT)],
         input=json.dumps(list(objects)),
         capture_output=True,
         text=True,
@@ -52,9 +51,9 @@ def evaluate(kind: str, objects: Sequence[dict[str, Any]]) -> list[Health]:
         timeout=120,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"luahealth {kind}: {done.stderr.strip()}")
+        raise RuntimeError(f"luahealth: {done.stderr.strip()}")
     results: list[dict[str, str]] = json.loads(done.stdout)
     errors = [r["error"] for r in results if "error" in r]
     if errors:
-        raise RuntimeError(f"{kind} health script failed: {errors}")
+        raise RuntimeError(f"the health script failed: {errors}")
     return [Health(r.get("status", ""), r.get("message", "")) for r in results]

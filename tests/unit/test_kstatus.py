@@ -63,7 +63,7 @@ def _pod(*, ready: bool, sandbox_state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-RUNNING = {"running": {}}
+RUNNING: dict[str, Any] = {"running": {}}
 NO_PYTHON = {"waiting": {"reason": "CrashLoopBackOff", "message": "python3: not found"}}
 
 
