@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml sandbox-agent/pyproject.toml sandbox-sdk/pypr
 install: $(VENV)/.installed ## Create .venv with the operator, the agent, the SDK (kubectl-sandbox) and dev tools
 
 .PHONY: crds
-crds: install ## Regenerate crds/ and the chart's CRD copies from the models
+crds: install ## Regenerate crds/, the chart's CRD copies and values.schema.json from the models
 	$(PY) -m sandbox_operator.api.generate
 
 .PHONY: lint
