@@ -34,9 +34,10 @@ lint: install ## ruff (lint + format check) and mypy --strict
 	$(VENV)/bin/mypy sandbox-sdk/src sandbox-sdk/tests examples/sdk
 
 .PHONY: binaries
-binaries: install ## Build (or reuse) the pinned Kubernetes, etcd and helm binaries
+binaries: install ## Build (or reuse) the pinned Kubernetes, etcd, helm and gopher-lua binaries
 	$(PY) -m devcluster.build
 	$(PY) -m devcluster.helm
+	$(PY) -m devcluster.luahealth
 
 .PHONY: test
 test: install binaries ## Lint, then every test tier that runs on this machine

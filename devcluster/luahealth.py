@@ -57,3 +57,7 @@ def evaluate(objects: Sequence[dict[str, Any]]) -> list[Health]:
     if errors:
         raise RuntimeError(f"the health script failed: {errors}")
     return [Health(r.get("status", ""), r.get("message", "")) for r in results]
+
+
+if __name__ == "__main__":
+    print(binary())
