@@ -90,7 +90,7 @@ def test_upgrade_from_the_previous_chart_keeps_running_sandboxes(
 
 
 def test_helm_test_runs_a_command_in_a_new_sandbox_and_cleans_up(e2e: E2E) -> None:
-    done = _helm(e2e, "test", deploy.RELEASE, "--timeout=10m")
+    done = _helm(e2e, "test", deploy.RELEASE, "--logs", "--timeout=10m")
     assert done.returncode == 0, done.stdout + done.stderr
     name = f"{deploy.RELEASE}-test"
     sandboxes = Sandboxes(e2e.kube, deploy.NAMESPACE)
