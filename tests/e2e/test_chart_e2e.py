@@ -90,13 +90,16 @@ def test_upgrade_from_the_previous_chart_keeps_running_sandboxes(
 
 
 def test_helm_test_runs_a_command_in_a_new_sandbox_and_cleans_up(e2e: E2E) -> None:
-    done = _helm(e2e, "test", deploy.RELEASE, "--logs", "--timeout=10m")
-    assert done.returncode == 0, done.stdout + done.stderr
-    name = f"{deploy.RELEASE}-test"
+    done = _helm(e2e, "test", deploy.RELEASE, "--timeout=10m")
+    hook = f"{deploy.RELEASE}-test"
+    if done.returncode != 0:  # a failed test Pod is kept: say what it printed
+        logs = e2e.kubectl("logs", "-n", deploy.NAMESPACE, f"pod/{hook}").stdout
+        pytest.fail(f"helm test failed:\n{done.stdout}{done.stderr}\ntest pod:\n{logs}")
+    smoke = f"{deploy.RELEASE}-smoke"
     sandboxes = Sandboxes(e2e.kube, deploy.NAMESPACE)
     executions = Executions(e2e.kube, deploy.NAMESPACE)
-    wait_for(lambda: sandboxes.get(name) is None, 120, f"sandbox {name} deleted")
-    assert executions.get(name) is None
+    wait_for(lambda: sandboxes.get(smoke) is None, 120, f"sandbox {smoke} deleted")
+    assert executions.get(smoke) is None
     # The hook's own objects go when it succeeded.
-    assert e2e.kube.get(core_path("pods", deploy.NAMESPACE, name)) is None
-    assert e2e.kube.get(core_path("serviceaccounts", deploy.NAMESPACE, name)) is None
+    assert e2e.kube.get(core_path("pods", deploy.NAMESPACE, hook)) is None
+    assert e2e.kube.get(core_path("serviceaccounts", deploy.NAMESPACE, hook)) is None

@@ -175,6 +175,6 @@ def test_helm_test_hook_is_a_restricted_pod(repo: Path) -> None:
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     container = pod["spec"]["containers"][0]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    assert container["args"] == ["/scripts/chart-jobs.py", "test", "sandbox-system", "sbx-test"]
+    assert container["args"] == ["/scripts/chart-jobs.py", "test", "sandbox-system", "sbx-smoke"]
     scoped = _named(_render(repo, "--set", "watchNamespaces={team-a}"), "Pod", "sbx-test")
     assert scoped["spec"]["containers"][0]["args"][2] == "team-a"

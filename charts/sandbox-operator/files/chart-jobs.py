@@ -4,8 +4,8 @@ the standard library and the pod's ServiceAccount:
 - `crds DIR`: server-side apply of the CRDs in DIR (JSON files), the
   pre-upgrade hook that brings the CRDs to the chart's version (helm installs
   crds/ once and never updates them);
-- `test NAMESPACE NAME`: `helm test`: a Sandbox, a command run in it by an
-  Execution, both deleted again.
+- `test NAMESPACE NAME`: `helm test`: a Sandbox and an Execution named NAME,
+  the command run in the sandbox, both deleted again.
 """
 
 from __future__ import annotations
