@@ -39,11 +39,11 @@ class Health:
 SCRIPT = SCRIPTS / "sandbox.dev.lua"
 
 
-def evaluate(objects: Sequence[dict[str, Any]]) -> list[Health]:
+def evaluate(objects: Sequence[dict[str, Any]], script: Path = SCRIPT) -> list[Health]:
     """The health Argo CD would show for each object. A script that fails on an
     object raises (Argo CD would show an error instead of a health)."""
     done = subprocess.run(
-        [str(binary()), str(SCRIPT)],
+        [str(binary()), str(script)],
         input=json.dumps(list(objects)),
         capture_output=True,
         text=True,

@@ -4,6 +4,8 @@ phase (tests/e2e/test_health_e2e.py writes them with SANDBOX_HEALTH_CAPTURE=1)."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from devcluster import luahealth
@@ -45,3 +47,21 @@ def test_a_failed_phase_without_stalled_is_degraded() -> None:
         c for c in body["status"]["conditions"] if c["type"] != "Stalled"
     ]
     assert luahealth.evaluate([body])[0].status == "Degraded"
+
+
+def test_the_runner_has_argo_cds_libraries_only(tmp_path: Path) -> None:
+    """Argo CD opens base, table and package for argocd-cm scripts: a script
+    that leans on the string library must fail here as it would there."""
+    uses_string = tmp_path / "string.lua"
+    uses_string.write_text('return {status = string.upper("healthy")}\n')
+    with pytest.raises(RuntimeError, match="non-table object"):
+        luahealth.evaluate([{}], uses_string)
+    plain = tmp_path / "plain.lua"
+    plain.write_text(
+        'local t = {} table.insert(t, "ok") return {status = "Healthy", message = t[1]}\n'
+    )
+    assert luahealth.evaluate([{}], plain) == [luahealth.Health("Healthy", "ok")]
+    invalid = tmp_path / "invalid.lua"
+    invalid.write_text('return {status = "Fine"}\n')
+    with pytest.raises(RuntimeError, match="invalid health status"):
+        luahealth.evaluate([{}], invalid)
