@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml sandbox-agent/pyproject.toml sandbox-sdk/pypr
 install: $(VENV)/.installed ## Create .venv with the operator, the agent, the SDK (kubectl-sandbox) and dev tools
 
 .PHONY: crds
-crds: install ## Regenerate crds/ and the chart's CRD copies from the models
+crds: install ## Regenerate crds/, the chart's CRD copies and values.schema.json from the models
 	$(PY) -m sandbox_operator.api.generate
 
 .PHONY: lint
@@ -34,9 +34,10 @@ lint: install ## ruff (lint + format check) and mypy --strict
 	$(VENV)/bin/mypy sandbox-sdk/src sandbox-sdk/tests examples/sdk
 
 .PHONY: binaries
-binaries: install ## Build (or reuse) the pinned Kubernetes, etcd and helm binaries
+binaries: install ## Build (or reuse) the pinned Kubernetes, etcd, helm and gopher-lua binaries
 	$(PY) -m devcluster.build
 	$(PY) -m devcluster.helm
+	$(PY) -m devcluster.luahealth
 
 .PHONY: test
 test: install binaries ## Lint, then every test tier that runs on this machine

@@ -24,14 +24,17 @@ def node_cluster(name: str, *, die_with_parent: bool = False) -> LocalCluster:
     return LocalCluster(name, addons=[StorageAddon()], die_with_parent=die_with_parent)
 
 
-def install_operator(cluster: LocalCluster, *, extra_values: list[str] | None = None) -> str:
-    """`helm upgrade --install` of charts/sandbox-operator, waiting for the Deployment."""
+def install_operator(
+    cluster: LocalCluster, *, extra_values: list[str] | None = None, chart: Path | None = None
+) -> str:
+    """`helm upgrade --install` of charts/sandbox-operator (or of `chart`, e.g. an
+    earlier version of it), waiting for the Deployment."""
     values = ["image.repository=sandbox-operator", "image.tag=dev", "image.pullPolicy=Never"]
     # No extraEnv: kube-proxy on the node makes the `kubernetes` ClusterIP the
     # kubelet injects work, as on any cluster.
     return helm.install_chart(
         cluster.kubeconfig,
-        REPO / "charts" / "sandbox-operator",
+        chart or REPO / "charts" / "sandbox-operator",
         release=RELEASE,
         namespace=NAMESPACE,
         values=[*values, *(extra_values or [])],

@@ -56,6 +56,11 @@ DEBIAN_GLIBC = (2, 36)
 HELM_MODULE = "helm.sh/helm/v3"
 HELM = "v3.19.0"
 
+# gopher-lua, the Lua 5.1 interpreter Argo CD runs resource health scripts
+# with (the version its go.mod requires), for testing the chart's scripts.
+GOPHER_LUA_MODULE = "github.com/yuin/gopher-lua"
+GOPHER_LUA = "v1.1.1"
+
 # ---- Services, DNS, NetworkPolicy on the node (devcluster/netstack.py) ---------
 # kube-proxy: from the pinned k8s.io/kubernetes (the wrapper module of the
 # other node binaries), in nftables mode, with a two-line patch (netstack.py)

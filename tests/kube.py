@@ -144,8 +144,9 @@ class KubeJSON:
         """POST `body` to the collection (or subresource) at `path`."""
         return _object(self._http.post(path, json=body))
 
-    def patch(self, path: str, body: JSON, content_type: str = MERGE_PATCH) -> JSON:
-        """PATCH with a JSON merge patch, or `STRATEGIC_MERGE_PATCH` for built-in kinds."""
+    def patch(self, path: str, body: JSON | list[JSON], content_type: str = MERGE_PATCH) -> JSON:
+        """PATCH with a JSON merge patch, `STRATEGIC_MERGE_PATCH` for built-in kinds,
+        or a JSON patch (a list of operations)."""
         return _object(self._http.patch(path, json=body, headers={"Content-Type": content_type}))
 
     def delete(self, path: str) -> None:

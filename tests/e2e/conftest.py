@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
 from functools import partial
@@ -18,6 +19,7 @@ import pytest
 from devcluster import deploy
 from devcluster.cluster import LocalCluster
 from devcluster.pytest_plugin import private_cluster
+from tests.e2e import chart
 from tests.integration.harness import wait_for
 from tests.kube import KubeJSON, core_path
 
@@ -87,12 +89,31 @@ def _gone(kube: KubeJSON, path: str) -> bool:
 
 
 @pytest.fixture(scope="session")
-def e2e_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+def e2e_install(request: pytest.FixtureRequest) -> Iterator[tuple[LocalCluster, chart.Before]]:
+    """The cluster, with the chart installed the way users get it: the previous
+    chart version first, a Sandbox started under it, then `helm upgrade` to
+    this tree's chart (tests/e2e/test_chart_e2e.py checks what it kept)."""
     cluster = deploy.node_cluster(f"pytest-{os.getpid()}-e2e", die_with_parent=True)
     with private_cluster(request, cluster):
+        with tempfile.TemporaryDirectory() as tmp:
+            previous = chart.previous_chart(Path(tmp))
+            deploy.install_operator(cluster, chart=previous)
+            version = chart.chart_version(previous)
+        deploy.wait_for_crds(cluster)
+        before = chart.start_sandbox(cluster, version)
         deploy.install_operator(cluster)
         deploy.wait_for_crds(cluster)
-        yield cluster
+        yield cluster, before
+
+
+@pytest.fixture(scope="session")
+def e2e_cluster(e2e_install: tuple[LocalCluster, chart.Before]) -> LocalCluster:
+    return e2e_install[0]
+
+
+@pytest.fixture(scope="session")
+def before_upgrade(e2e_install: tuple[LocalCluster, chart.Before]) -> chart.Before:
+    return e2e_install[1]
 
 
 @pytest.fixture(scope="session")

@@ -197,6 +197,14 @@ def test_cancel_while_queued_never_runs(executions: Executions, sandboxes: Sandb
     status = executions.wait_done("early")
     assert (status["phase"], status["message"]) == ("Cancelled", "cancelled before it started")
     assert "podUID" not in status
+    # The cancel was a spec change: the status that records it has observed it (kstatus).
+    assert status["observedGeneration"] == executions.read("early")["metadata"]["generation"] == 2
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert (conditions["Ready"]["status"], conditions["Stalled"]["reason"]) == (
+        "False",
+        "Cancelled",
+    )
+    assert "Reconciling" not in conditions
 
 
 def test_concurrency_limit_queues_in_creation_order(

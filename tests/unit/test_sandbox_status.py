@@ -149,8 +149,10 @@ def test_paused_and_pausing() -> None:
 def test_invalid_spec_wins() -> None:
     phase, conds = _compute(_observed(None, invalid="spec.runtime: unknown runtime 'x'"))
     assert phase == FAILED
+    message = "spec.runtime: unknown runtime 'x'"
     assert _by_type(conds) == {
-        "Ready": Cond("Ready", "False", R.INVALID_SPEC, "spec.runtime: unknown runtime 'x'")
+        "Ready": Cond("Ready", "False", R.INVALID_SPEC, message),
+        "Stalled": Cond("Stalled", "True", R.INVALID_SPEC, message),
     }
 
 

@@ -3,6 +3,13 @@ app.kubernetes.io/name: sandbox-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{- /* The chart's job pods: apart from the operator's (its Deployment selects those). */}}
+{{- define "sandbox-operator.jobLabels" -}}
+app.kubernetes.io/name: sandbox-operator-job
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
 {{- define "sandbox-operator.gatewayLabels" -}}
 app.kubernetes.io/name: sandbox-gateway
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -11,4 +18,56 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "sandbox-operator.mcpLabels" -}}
 app.kubernetes.io/name: sandbox-mcp
 app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- /* priorityClassName, nodeSelector, tolerations, affinity of a pod spec, from
+the values of one component (the operator's or .Values.gateway). */}}
+{{- define "sandbox-operator.placement" -}}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .nodeSelector }}
+nodeSelector: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- /* The pod spec of the chart's jobs (files/chart-jobs.py in the operator's
+image, restricted like the operator), up to the container's args. */}}
+{{- define "sandbox-operator.jobPod" -}}
+{{- $root := .root -}}
+serviceAccountName: {{ .name }}
+restartPolicy: Never
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 65532
+  seccompProfile: {type: RuntimeDefault}
+{{- with include "sandbox-operator.placement" $root.Values | trim }}{{ nindent 0 . }}{{ end }}
+volumes:
+  - name: scripts
+    configMap: {name: {{ .name }}}
+containers:
+  - name: job
+    image: "{{ $root.Values.image.repository }}:{{ $root.Values.image.tag }}"
+    imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+    env:
+      - {name: PYTHONDONTWRITEBYTECODE, value: "1"}
+      {{- with $root.Values.extraEnv }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
+    securityContext:
+      allowPrivilegeEscalation: false
+      readOnlyRootFilesystem: true
+      capabilities: {drop: [ALL]}
+    resources:
+      requests: {cpu: 10m, memory: 32Mi}
+      limits: {cpu: 500m, memory: 128Mi}
+    volumeMounts:
+      - {name: scripts, mountPath: /scripts, readOnly: true}
+    command: [python3]
 {{- end -}}

@@ -55,11 +55,16 @@ TERMINAL_PHASES = frozenset(
 
 
 class ExecutionCondition(StrEnum):
-    """Scheduled and Complete always; Succeeded once the Execution is complete."""
+    """Ready, Scheduled and Complete always; Succeeded once the Execution is
+    complete; Reconciling, Stalled (kstatus) only while True. Ready is True
+    once the command succeeded, as for any kind a GitOps tool waits on."""
 
+    READY = "Ready"
     SCHEDULED = "Scheduled"
     COMPLETE = "Complete"
     SUCCEEDED = "Succeeded"
+    RECONCILING = "Reconciling"
+    STALLED = "Stalled"
 
 
 class ExecutionReason(StrEnum):
@@ -231,7 +236,8 @@ class ExecutionStatus(Model):
     )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Scheduled and Complete always; Succeeded once complete.",
+        description="Ready, Scheduled and Complete always; Succeeded once complete;"
+        " Reconciling or Stalled while true.",
     )
     sandbox: str | None = Field(default=None, description="The sandbox the command runs in.")
     one_shot: bool | None = Field(

@@ -1,4 +1,5 @@
-"""Write (or, with --check, verify) crds/ and the chart's CRD copies.
+"""Write (or, with --check, verify) crds/, the chart's CRD copies and the
+chart's values schema.
 
 Usage: python -m sandbox_operator.api.generate [--check] [--root DIR]
 """
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from sandbox_operator.api import values_schema
 from sandbox_operator.api.crd import all_crds
 
 HEADER = (
@@ -46,6 +48,9 @@ def stale_files(root: Path) -> list[Path]:
                 stale.append(path)
         if directory.exists():
             stale.extend(p for p in directory.glob("*.yaml") if p.name not in wanted)
+    schema = root / values_schema.PATH
+    if not schema.exists() or schema.read_text() != values_schema.render():
+        stale.append(schema)
     return stale
 
 
@@ -59,6 +64,9 @@ def write(root: Path) -> None:
                 path.unlink()
         for name, text in wanted.items():
             (directory / name).write_text(text)
+    schema = root / values_schema.PATH
+    schema.parent.mkdir(parents=True, exist_ok=True)
+    schema.write_text(values_schema.render())
 
 
 def main() -> None:
@@ -69,7 +77,7 @@ def main() -> None:
     if args.check:
         stale = stale_files(args.root)
         if stale:
-            print("stale CRD files (run `make crds`):", *stale, sep="\n  ", file=sys.stderr)
+            print("stale generated files (run `make crds`):", *stale, sep="\n  ", file=sys.stderr)
             sys.exit(1)
         return
     write(args.root)

@@ -54,7 +54,9 @@ class SandboxCondition(StrEnum):
     - PodScheduled, AgentReady, RuntimeReady: a pod exists and the sandbox is
       neither paused nor being restored (AgentReady and RuntimeReady once it is
       scheduled and has not ended);
-    - WorkspaceRestored: `spec.workspace.fromSnapshot` is set.
+    - WorkspaceRestored: `spec.workspace.fromSnapshot` is set;
+    - Reconciling, Stalled (kstatus): only while True, from Ready (see
+      builders.conditions.progress).
     """
 
     READY = "Ready"
@@ -64,6 +66,8 @@ class SandboxCondition(StrEnum):
     POD_SCHEDULED = "PodScheduled"
     AGENT_READY = "AgentReady"
     RUNTIME_READY = "RuntimeReady"
+    RECONCILING = "Reconciling"
+    STALLED = "Stalled"
 
 
 class SandboxReason(StrEnum):

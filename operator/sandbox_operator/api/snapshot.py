@@ -31,10 +31,13 @@ class SnapshotPhase(StrEnum):
 
 
 class SnapshotCondition(StrEnum):
-    """Ready always; Quiesced only when `spec.quiesce` paused running commands."""
+    """Ready always; Quiesced only when `spec.quiesce` paused running commands;
+    Reconciling, Stalled (kstatus) only while True."""
 
     READY = "Ready"
     QUIESCED = "Quiesced"
+    RECONCILING = "Reconciling"
+    STALLED = "Stalled"
 
 
 class SnapshotReason(StrEnum):

@@ -56,5 +56,21 @@ def merge(
     return merged
 
 
+RECONCILING, STALLED = "Reconciling", "Stalled"
+
+
+def progress(ready: Cond, *, stalled: bool, settled: bool = False) -> dict[str, Cond | None]:
+    """Reconciling and Stalled, the kstatus conditions Flux and `kstatus`-based
+    tools read, from the kind's Ready condition. Both are "abnormal-true": present
+    only while True (None removes them). Not Ready means Reconciling, unless the
+    object cannot get further without a change (`stalled`: a bad spec, a final
+    failure) or rests in a state the user asked for (`settled`: paused)."""
+    if ready.status == TRUE or (settled and not stalled):
+        return {RECONCILING: None, STALLED: None}
+    if stalled:
+        return {RECONCILING: None, STALLED: Cond(STALLED, TRUE, ready.reason, ready.message)}
+    return {RECONCILING: Cond(RECONCILING, TRUE, ready.reason, ready.message), STALLED: None}
+
+
 def find(conditions: Sequence[Condition], kind: str) -> Condition | None:
     return next((c for c in conditions if c.type == kind), None)

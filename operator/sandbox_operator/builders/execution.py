@@ -21,7 +21,7 @@ from sandbox_operator.api.execution import (
     ExecutionStatus,
 )
 from sandbox_operator.api.sandbox import SandboxSpec
-from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, merge
+from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, merge, progress
 from sandbox_operator.clock import iso
 from sandbox_operator.resources import (
     EXECUTION_ANNOTATION,
@@ -217,6 +217,14 @@ def succeeded(status: ExecutionStatus) -> Cond | None:
     )
 
 
+def ready(status: ExecutionStatus) -> Cond:
+    """True once the command succeeded; False with the waiting or final reason."""
+    if status.phase == ExecutionPhase.SUCCEEDED:
+        return Cond(ExecutionCondition.READY, TRUE, R.SUCCEEDED, status.message or "")
+    reason = status.reason or status.phase or ExecutionPhase.QUEUED
+    return Cond(ExecutionCondition.READY, FALSE, reason, status.message or "")
+
+
 def build_status(
     old: ExecutionStatus, changes: JSON, generation: int, now: datetime
 ) -> ExecutionStatus:
@@ -224,10 +232,14 @@ def build_status(
     conditions included. The phase is the Execution's recorded state, and the
     conditions follow from it."""
     status = old.evolve(**changes, observed_generation=generation)
+    cond = ready(status)
     conds: dict[str, Cond | None] = {
+        ExecutionCondition.READY: cond,
         ExecutionCondition.SCHEDULED: scheduled(status),
         ExecutionCondition.COMPLETE: complete(status),
         ExecutionCondition.SUCCEEDED: succeeded(status),
+        # A final failure is Stalled: nothing changes it but a new Execution.
+        **progress(cond, stalled=_done(status)),
     }
     return status.evolve(conditions=merge(old.conditions, conds, generation, iso(now)))
 

@@ -14,7 +14,7 @@ from sandbox_operator.api.sandbox import (
     SandboxReason,
     SandboxStatus,
 )
-from sandbox_operator.builders.conditions import FALSE, TRUE, UNKNOWN, Cond, merge
+from sandbox_operator.builders.conditions import FALSE, TRUE, UNKNOWN, Cond, merge, progress
 from sandbox_operator.builders.sandbox import AGENT_CONTAINER, SANDBOX_CONTAINER
 from sandbox_operator.clock import iso, parse_time
 
@@ -286,7 +286,22 @@ def compute(o: Observed) -> dict[str, Cond | None]:
         C.AGENT_READY: agent_ready(o),
         C.RUNTIME_READY: runtime_ready(o),
     }
-    return {**others, C.READY: ready(o, others)}
+    cond = ready(o, others)
+    return {**others, C.READY: cond, **progress(cond, stalled=stalled(cond), settled=settled(cond))}
+
+
+# Ready reasons that no retry of the operator gets past: the spec, the image or
+# the cluster's admission must change.
+_STALLED = (R.INVALID_SPEC, R.CREATE_FAILED, R.RUNTIME_NO_PYTHON, R.RUNTIME_FAILED, R.IMAGE_PULL)
+
+
+def stalled(ready: Cond) -> bool:
+    return ready.reason in _STALLED
+
+
+def settled(ready: Cond) -> bool:
+    """Paused with the pod gone is where the spec asked the sandbox to be."""
+    return ready.reason == R.PAUSED
 
 
 _PHASES: dict[str, SandboxPhase] = {

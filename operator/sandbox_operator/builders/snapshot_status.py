@@ -13,7 +13,7 @@ from sandbox_operator.api.snapshot import (
     SnapshotReason,
     SnapshotStatus,
 )
-from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, merge
+from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, merge, progress
 from sandbox_operator.clock import iso
 
 JSON = dict[str, Any]
@@ -80,7 +80,13 @@ def ready(o: Observed) -> Cond:
 
 
 def compute(o: Observed) -> dict[str, Cond | None]:
-    return {C.QUIESCED: o.quiesce, C.READY: ready(o)}
+    cond = ready(o)
+    return {C.QUIESCED: o.quiesce, C.READY: cond, **progress(cond, stalled=failed(o, cond))}
+
+
+def failed(o: Observed, ready: Cond) -> bool:
+    """For good: the controller gave up, or the CSI side failed or lost the copy."""
+    return bool(o.failure) or ready.reason in (R.SNAPSHOT_FAILED, R.VOLUME_SNAPSHOT_MISSING)
 
 
 def phase_of(o: Observed, conds: dict[str, Cond | None]) -> SnapshotPhase:
@@ -90,7 +96,7 @@ def phase_of(o: Observed, conds: dict[str, Cond | None]) -> SnapshotPhase:
     assert cond is not None
     if cond.status == TRUE:
         return SnapshotPhase.READY
-    if o.failure or cond.reason in (R.SNAPSHOT_FAILED, R.VOLUME_SNAPSHOT_MISSING):
+    if failed(o, cond):
         return SnapshotPhase.FAILED
     return SnapshotPhase.IN_PROGRESS if o.volume_snapshot is not None else SnapshotPhase.PENDING
 

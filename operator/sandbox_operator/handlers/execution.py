@@ -171,7 +171,6 @@ class Run:
         self.name: str = meta["name"]
         self.uid: str = meta["uid"]
         self.created: str = meta.get("creationTimestamp", "")
-        self.generation: int = meta.get("generation", 1)
         self.status = ExecutionStatus.model_validate(body.get("status") or {})
         self.spec: ExecutionSpec | None = None
         self.endpoint: str | None = None
@@ -179,6 +178,12 @@ class Run:
         self.attempt = 0
 
     # -- status ------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        """From the live body: the write that records a cancel (a spec change)
+        has observed the generation that asked for it."""
+        return int(self.body["metadata"].get("generation", 1))
 
     async def write(self, **changes: Any) -> None:
         """Patch status when it changed (`changes` by field name; None clears one).

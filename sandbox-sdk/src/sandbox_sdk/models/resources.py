@@ -177,7 +177,7 @@ class ExecutionStatus(WireModel):
     reason: str | None = Field(default=None, description="Why the Execution waits or how it ended, in one word (ExecutionReason).")
     message: str | None = Field(default=None, description="The same, for people.")
     observed_generation: int | None = Field(default=None, validation_alias="observedGeneration", serialization_alias="observedGeneration", description="The spec generation this status was computed from.")
-    conditions: list[Condition] | None = Field(default=None, description="Scheduled and Complete always; Succeeded once complete.")
+    conditions: list[Condition] | None = Field(default=None, description="Ready, Scheduled and Complete always; Succeeded once complete; Reconciling or Stalled while true.")
     sandbox: str | None = Field(default=None, description="The sandbox the command runs in.")
     one_shot: bool | None = Field(default=None, validation_alias="oneShot", serialization_alias="oneShot", description="The sandbox was created for this run and is deleted after it.")
     sandbox_resumed: bool | None = Field(default=None, validation_alias="sandboxResumed", serialization_alias="sandboxResumed", description="The sandbox was paused and was resumed for this Execution.")

@@ -1,0 +1,225 @@
+"""charts/sandbox-operator/values.schema.json: every value of the chart, so that
+`helm install`, `helm upgrade` and `helm template` refuse a wrong one with the
+path and the reason. The operator's and the gateway's `settings` come from
+their models (config.py, gateway/config.py), like the CRDs come from api/."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sandbox_operator.config import Settings
+from sandbox_operator.gateway.config import GatewaySettings
+
+JSON = dict[str, Any]
+
+PATH = "charts/sandbox-operator/values.schema.json"
+
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_QUANTITY = {
+    "description": 'A Kubernetes quantity such as 0.5, "500m", "512Mi" or "2Gi".',
+    "anyOf": [
+        {"type": "number", "minimum": 0},
+        {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"},
+    ],
+}
+_DURATION = {
+    "type": "string",
+    "description": 'A Prometheus duration such as "30s" or "1m"; empty: the default.',
+    "pattern": r"^$|^([0-9]+(ms|s|m|h))+$",
+}
+
+
+def _obj(description: str, properties: JSON, **extra: Any) -> JSON:
+    """An object that refuses keys it does not know (a typo must not pass)."""
+    return {
+        "type": "object",
+        "description": description,
+        "additionalProperties": False,
+        "properties": properties,
+        **extra,
+    }
+
+
+def _string_map(description: str) -> JSON:
+    return {
+        "type": "object",
+        "description": description,
+        "additionalProperties": {"type": "string"},
+    }
+
+
+def _resource_list(description: str) -> JSON:
+    return {"type": "object", "description": description, "additionalProperties": _QUANTITY}
+
+
+def _placement(component: str) -> JSON:
+    """Scheduling and sizing values, the same for the operator and the gateway."""
+    return {
+        "resources": _obj(
+            f"Requests and limits of the {component} container.",
+            {
+                "requests": _resource_list("cpu, memory, ephemeral-storage, ..."),
+                "limits": _resource_list("cpu, memory, ephemeral-storage, ..."),
+            },
+        ),
+        "priorityClassName": {
+            "type": "string",
+            "description": f"PriorityClass of the {component} pods; empty: none.",
+            "maxLength": 253,
+            "pattern": f"^$|{_DNS_SUBDOMAIN}",
+        },
+        "nodeSelector": _string_map(f"Node labels the {component} pods require."),
+        "tolerations": {
+            "type": "array",
+            "description": f"Taints the {component} pods tolerate.",
+            "items": _obj(
+                "A toleration (core/v1 Toleration).",
+                {
+                    "key": {"type": "string"},
+                    "operator": {"type": "string", "enum": ["Exists", "Equal"]},
+                    "value": {"type": "string"},
+                    "effect": {
+                        "type": "string",
+                        "enum": ["", "NoSchedule", "PreferNoSchedule", "NoExecute"],
+                    },
+                    "tolerationSeconds": {"type": "integer"},
+                },
+            ),
+        },
+        "affinity": _obj(
+            f"Affinity of the {component} pods (core/v1 Affinity).",
+            {
+                "nodeAffinity": {"type": "object"},
+                "podAffinity": {"type": "object"},
+                "podAntiAffinity": {"type": "object"},
+            },
+        ),
+    }
+
+
+def _inline(node: Any, defs: JSON) -> Any:
+    """A model's JSON schema with its $refs resolved in place and pydantic's
+    titles dropped: the subtree stands alone inside the chart's schema."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inline(defs[node["$ref"].rsplit("/", 1)[1]], defs)
+        return {
+            key: _inline(value, defs)
+            for key, value in node.items()
+            if key not in ("title", "$defs", "x-kubernetes-int-or-string")
+        }
+    if isinstance(node, list):
+        return [_inline(item, defs) for item in node]
+    return node
+
+
+def _model(model: type[Settings] | type[GatewaySettings], description: str) -> JSON:
+    schema = model.model_json_schema(mode="validation")
+    return {**_inline(schema, schema.get("$defs", {})), "description": description}
+
+
+def build() -> JSON:
+    gateway = _obj(
+        "sandbox-gateway: authenticated access to sandboxes (README, Access).",
+        {
+            "enabled": {"type": "boolean"},
+            "replicas": {"type": "integer", "minimum": 1},
+            "service": _obj(
+                "The gateway's Service.",
+                {
+                    "type": {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+                    "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+                },
+            ),
+            "previewDomain": {
+                "type": "string",
+                "description": "Preview ports by host under this domain; empty: by path only.",
+                "pattern": f"^$|{_DNS_SUBDOMAIN}",
+            },
+            "url": {
+                "type": "string",
+                "description": "Base URL clients reach the gateway at; empty: the Service's.",
+                "pattern": "^$|^https?://",
+            },
+            **_placement("gateway"),
+            "settings": _model(GatewaySettings, "Gateway settings (gateway/config.py)."),
+        },
+    )
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "sandbox-operator chart values",
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "global": {"type": "object", "description": "Helm's values shared with subcharts."},
+            "image": _obj(
+                "The operator's image (the gateway and the chart's jobs run it too).",
+                {
+                    "repository": {"type": "string", "minLength": 1},
+                    "tag": {"type": "string", "minLength": 1},
+                    "pullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
+                },
+            ),
+            "watchNamespaces": {
+                "type": "array",
+                "description": "Namespaces whose objects are reconciled; empty: all.",
+                "uniqueItems": True,
+                "items": {"type": "string", "maxLength": 63, "pattern": _DNS_LABEL},
+            },
+            "settings": _model(Settings, "Operator settings (sandbox_operator/config.py)."),
+            **_placement("operator"),
+            "gateway": gateway,
+            "extraEnv": {
+                "type": "array",
+                "description": "Extra environment of the operator and gateway containers.",
+                "items": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string", "minLength": 1},
+                        "value": {"type": "string"},
+                        "valueFrom": {"type": "object"},
+                    },
+                    "additionalProperties": False,
+                },
+            },
+            "crds": _obj(
+                "The CustomResourceDefinitions.",
+                {
+                    "upgrade": {
+                        "type": "boolean",
+                        "description": "Apply the chart's CRDs on `helm upgrade` (a hook"
+                        " Job); helm itself installs crds/ once and never updates them.",
+                    }
+                },
+            ),
+            "metrics": _obj(
+                "Prometheus scraping and the Grafana dashboard.",
+                {
+                    "serviceMonitor": _obj(
+                        "A ServiceMonitor (prometheus-operator) for the operator and gateway.",
+                        {
+                            "enabled": {"type": "boolean"},
+                            "interval": _DURATION,
+                            "scrapeTimeout": _DURATION,
+                            "labels": _string_map("Labels your Prometheus selects monitors by."),
+                        },
+                    ),
+                    "dashboard": _obj(
+                        "The Grafana dashboard as a ConfigMap (Grafana's sidecar loads it).",
+                        {
+                            "enabled": {"type": "boolean"},
+                            "labels": _string_map("Labels the sidecar looks for."),
+                            "annotations": _string_map("e.g. the sidecar's folder annotation."),
+                        },
+                    ),
+                },
+            ),
+        },
+    }
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2) + "\n"
