@@ -15,7 +15,12 @@ import pytest
 from devcluster.controlplane import ControlPlane
 from sandbox_operator.api.execution import MAX_INPUT_CHARACTERS
 from sandbox_operator.api.sandbox import MAX_ENV_CHARACTERS
-from sandbox_operator.resources import LABEL_EXECUTION_UID
+from sandbox_operator.resources import (
+    LABEL_EXECUTION_UID,
+    LABEL_MANAGED_BY,
+    LABEL_SANDBOX,
+    MANAGED_BY,
+)
 from tests.executions import Executions
 from tests.integration.conftest import kubectl
 from tests.integration.harness import AgentProcess, wait_for
@@ -280,3 +285,47 @@ def test_kubectl_explain_describes_every_field(control_plane: ControlPlane) -> N
         )
         assert explained.returncode == 0, explained.stderr
         assert "<no description>" not in explained.stdout, f"{field}:\n{explained.stdout}"
+
+
+@pytest.mark.parametrize("copied_labels", [False, True])
+def test_a_pod_the_sandbox_does_not_control_is_left_alone(
+    sandboxes: Sandboxes, kube: KubeJSON, copied_labels: bool
+) -> None:
+    """Someone's pod that has the sandbox's pod name, even with our labels, is
+    never taken for the sandbox's (it would get its commands, files and token)
+    nor deleted: the status says so, and the sandbox starts once it is gone."""
+    ns = sandboxes.namespace
+    name = "taken"
+    meta: JSON = {"name": name}
+    if copied_labels:
+        meta["labels"] = {LABEL_SANDBOX: name, LABEL_MANAGED_BY: MANAGED_BY}
+    foreign = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {"containers": [{"name": "c", "image": "someone/else"}]},
+    }
+    wait_for(
+        lambda: kube.get(core_path("serviceaccounts", ns, "default")) is not None,
+        30,
+        "the namespace's default ServiceAccount (pods need it)",
+    )
+    made = kube.create(core_path("pods", ns), foreign)
+    uid = sandboxes.create(name)["metadata"]["uid"]
+    ready = _create_failed(sandboxes, name)
+    assert "does not control" in ready["message"], ready
+    pod = kube.get(core_path("pods", ns, name))
+    assert pod is not None
+    assert pod["metadata"]["uid"] == made["metadata"]["uid"]
+    assert not pod["metadata"].get("annotations")  # not adopted
+    kube.delete(core_path("pods", ns, name=name))
+    ours = wait_for(
+        lambda: (
+            (p := kube.get(core_path("pods", ns, name))) is not None
+            and p["metadata"]["uid"] != made["metadata"]["uid"]
+            and p
+        ),
+        60,
+        "the sandbox's own pod",
+    )
+    assert [o["uid"] for o in ours["metadata"]["ownerReferences"]] == [uid]

@@ -147,6 +147,56 @@ def build() -> JSON:
             "settings": _model(GatewaySettings, "Gateway settings (gateway/config.py)."),
         },
     )
+    mcp = _obj(
+        "sandbox-mcp over streamable HTTP: the sandbox tools for MCP clients (README, MCP).",
+        {
+            "enabled": {"type": "boolean"},
+            "service": _obj(
+                "The MCP server's Service.",
+                {
+                    "type": {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+                    "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+                },
+            ),
+            "namespace": {
+                "type": "string",
+                "description": "Where sessions' sandboxes are made by default.",
+                "minLength": 1,
+                "maxLength": 63,
+                "pattern": _DNS_LABEL,
+            },
+            "runtime": {
+                "type": "string",
+                "description": "Runtime of a new session's sandbox; empty: the default one.",
+            },
+            "fromSnapshot": {
+                "type": "string",
+                "description": "A Snapshot new sessions' sandboxes start from; empty: none.",
+            },
+            "onEnd": {
+                "type": "string",
+                "enum": ["pause", "destroy"],
+                "description": "What happens to a session's sandbox when the session ends.",
+            },
+            "sessionIdleSeconds": {
+                "type": "integer",
+                "minimum": 1,
+                "description": "A session without requests this long ends.",
+            },
+            "gatewayUrl": {
+                "type": "string",
+                "description": "The gateway's URL for the server's calls and the download"
+                " URLs it hands out; empty: the gateway Service's.",
+                "pattern": "^$|^https?://",
+            },
+            "idleTimeout": {
+                **_DURATION,
+                "description": "spec.lifecycle.idleTimeout of sessions' sandboxes; empty:"
+                " the operator's default.",
+            },
+            **_placement("sandbox-mcp"),
+        },
+    )
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "sandbox-operator chart values",
@@ -171,6 +221,7 @@ def build() -> JSON:
             "settings": _model(Settings, "Operator settings (sandbox_operator/config.py)."),
             **_placement("operator"),
             "gateway": gateway,
+            "mcp": mcp,
             "extraEnv": {
                 "type": "array",
                 "description": "Extra environment of the operator and gateway containers.",

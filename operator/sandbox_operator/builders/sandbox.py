@@ -80,6 +80,15 @@ def labels(sandbox: str) -> dict[str, str]:
     return {LABEL_SANDBOX: sandbox, LABEL_MANAGED_BY: MANAGED_BY}
 
 
+def controlled_by(obj: JSON, ref: SandboxRef) -> bool:
+    """The object's controller is this Sandbox (its UID, not only its name:
+    labels and names can be copied by anyone who may create pods)."""
+    return any(
+        owner.get("controller") and owner.get("uid") == ref.uid
+        for owner in obj["metadata"].get("ownerReferences") or []
+    )
+
+
 def _meta(ref: SandboxRef, name: str) -> JSON:
     return {
         "name": name,

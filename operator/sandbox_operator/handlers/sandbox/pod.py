@@ -21,7 +21,7 @@ from sandbox_operator.builders.conditions import FALSE, find
 from sandbox_operator.clock import parse_time
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers.sandbox.workspace import ClaimState
-from sandbox_operator.kube import newest_warning
+from sandbox_operator.kube import KubeError, Refused, newest_warning
 from sandbox_operator.resources import (
     POD_SPEC_ANNOTATION,
     PODS,
@@ -131,13 +131,18 @@ async def ensure_pod(
     ref = build.ref_of(body)
     path = PODS.path(ref.namespace)
     action = decision.action
+    if pod is not None and not pod["metadata"].get("deletionTimestamp"):
+        _ours_or_refuse(pod, ref)
     if action is PodAction.KEEP:
         return pod
     if action is PodAction.CREATE:
         desired = build.desired_pod(ref, spec, ctx.settings)
         created = await ctx.kube.create(path, desired)
         if created is None:  # a namesake exists that our view has not caught up with
-            return await ctx.kube.get(f"{path}/{desired['metadata']['name']}")
+            namesake = await ctx.kube.get(f"{path}/{desired['metadata']['name']}")
+            if namesake is not None and not namesake["metadata"].get("deletionTimestamp"):
+                _ours_or_refuse(namesake, ref)
+            return namesake
         return created
     assert pod is not None
     name = pod["metadata"]["name"]
@@ -156,6 +161,21 @@ async def ensure_pod(
     ctx.event(body, "warn", reason="PodReplaced", message=message)
     metrics.POD_RECREATIONS.inc()
     return pod
+
+
+def _ours_or_refuse(pod: JSON, ref: build.SandboxRef) -> None:
+    """Never run commands in, adopt or delete a pod this Sandbox does not control:
+    someone's pod that only has the name (or copied labels) would receive the
+    sandbox's commands, files and agent token. Reported like a refused create
+    (CreateFailed) and retried, so removing the namesake lets the sandbox start."""
+    if build.controlled_by(pod, ref):
+        return
+    name = pod["metadata"]["name"]
+    why = (
+        f"a pod named {name} exists that this Sandbox does not control"
+        " (no controller reference to its UID); delete or rename that pod"
+    )
+    raise Refused(KubeError(409, "AlreadyExists", why), "Pod", name)
 
 
 async def with_eviction(ctx: OperatorContext, pod: JSON | None) -> JSON | None:
