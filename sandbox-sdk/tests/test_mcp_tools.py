@@ -10,6 +10,8 @@ import pytest
 from sandbox_mcp import settings, tools
 from sandbox_mcp.sessions import session_label
 
+from sandbox_sdk.errors import CommandLost
+
 
 def test_every_tool_has_a_valid_schema_and_a_description() -> None:
     assert len({t.name for t in tools.TOOLS}) == len(tools.TOOLS) == 14
@@ -67,3 +69,13 @@ def test_settings_come_from_flags_and_environment(monkeypatch: pytest.MonkeyPatc
     assert settings.parse(["--on-end", "pause"]).on_end == "pause"
     with pytest.raises(SystemExit):
         settings.parse(["--on-end", "delete"])
+
+
+def test_a_command_cut_by_a_restart_reads_as_interrupted() -> None:
+    lost = CommandLost(
+        "the command did not run to its end: the agent restarted", code="agent_restarted"
+    )
+    text = tools.failure(lost).text()
+    assert text.startswith("interrupted: ")
+    assert "agent_restarted" in text
+    assert "may have partly run" in text

@@ -14,6 +14,7 @@ import anyio
 from sandbox_sdk import AsyncSandbox
 from sandbox_sdk._async.client import DEFAULT_TIMEOUT, MAX_TIMEOUT
 from sandbox_sdk.errors import (
+    CommandLost,
     CommandTimeout,
     Conflict,
     Forbidden,
@@ -37,7 +38,8 @@ Progress = Callable[[float, str], Awaitable[None]]
 
 class ToolFailure(Exception):
     """A tool's failure, worded for the model: `kind` (timeout, not_found,
-    forbidden, not_ready, command_failed, invalid, conflict...) and what to do."""
+    forbidden, not_ready, command_failed, interrupted, invalid, conflict...) and
+    what to do."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -57,6 +59,14 @@ def failure(exc: SandboxError) -> ToolFailure:
             "timeout",
             f"{exc.message}; run it in the background (`nohup ... &`) or pass a larger"
             f" timeout_seconds (at most {MAX_TIMEOUT:.0f}).\n{output}".rstrip(),
+        )
+    if isinstance(exc, CommandLost):
+        result = exc.result
+        output = _command_text(result) if isinstance(result, CommandResult) else ""
+        return ToolFailure(
+            "interrupted",
+            f"{exc}; it may have partly run: check what it changed before running it"
+            f" again.\n{output}".rstrip(),
         )
     if isinstance(exc, NotFound):
         return ToolFailure("not_found", str(exc))
