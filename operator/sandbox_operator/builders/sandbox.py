@@ -244,6 +244,10 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
         "startupProbe": {
             "httpGet": {"path": "/healthz", "port": "agent"},
             "periodSeconds": 1,
+            # The agent listens first thing: an early probe waits in the
+            # backlog for the rest of its start rather than failing with an
+            # Unhealthy warning (a loaded node's cold start can take seconds).
+            "timeoutSeconds": 5,
             "failureThreshold": 60,
         },
         "readinessProbe": {

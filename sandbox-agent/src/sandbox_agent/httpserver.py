@@ -575,12 +575,18 @@ class Server:
     """Binds, runs the ASGI lifespan, serves until SIGTERM/SIGINT."""
 
     def __init__(
-        self, app: ASGIApp, host: str, port: int, max_connections: int = MAX_CONNECTIONS
+        self,
+        app: ASGIApp,
+        host: str,
+        port: int,
+        max_connections: int = MAX_CONNECTIONS,
+        sock: socket.socket | None = None,
     ) -> None:
         self.app = app
         self.host = host
         self.port = port
         self.max_connections = max_connections
+        self.sock = sock  # already listening (see server.main), else bound here
         self.connections: set[HttpProtocol] = set()
         self.state: dict[str, Any] = {}
         self.started = False
@@ -643,9 +649,12 @@ class Server:
         startup: asyncio.Future[None] = loop.create_future()
         lifespan = loop.create_task(self._lifespan(startup, stop))
         await startup
-        server = await loop.create_server(
-            lambda: HttpProtocol(self), self.host, self.port, reuse_address=True, backlog=1024
-        )
+        if self.sock is not None:
+            server = await loop.create_server(lambda: HttpProtocol(self), sock=self.sock)
+        else:
+            server = await loop.create_server(
+                lambda: HttpProtocol(self), self.host, self.port, reuse_address=True, backlog=1024
+            )
         self.started = True
         log.info("sandbox-agent listening on http://%s:%d", self.host, self.port)
         await stop.wait()
@@ -664,14 +673,20 @@ class Server:
             await asyncio.wait_for(lifespan, 5.0)
 
 
-def run(app: ASGIApp, host: str, port: int, max_connections: int = MAX_CONNECTIONS) -> bool:
+def run(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    max_connections: int = MAX_CONNECTIONS,
+    sock: socket.socket | None = None,
+) -> bool:
     try:
         import uvloop
 
         factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         factory = None
-    server = Server(app, host, port, max_connections)
+    server = Server(app, host, port, max_connections, sock)
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(server.serve())
     return server.started

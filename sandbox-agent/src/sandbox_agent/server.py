@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -109,6 +110,28 @@ def main() -> int:
     )
     try:
         settings = load()
+    except ConfigError as exc:
+        print(f"sandbox-agent: {exc}", file=sys.stderr)
+        return 2
+    builtin = os.environ.get("SANDBOX_AGENT_SERVER", "builtin") != "uvicorn"
+    listener: socket.socket | None = None
+    if builtin:
+        # Listen before the slow part of the start (imports, the runner's
+        # placement): a probe that comes early waits in the backlog for its
+        # answer instead of being refused (which the kubelet reports as an
+        # Unhealthy warning on every cold start it catches).
+        family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+        try:
+            listener = socket.create_server(
+                (settings.host, settings.port), family=family, backlog=1024
+            )
+        except OSError as exc:
+            print(
+                f"sandbox-agent: cannot listen on {settings.host}:{settings.port}: {exc}",
+                file=sys.stderr,
+            )
+            return 1
+    try:
         token = prepare(settings)
     except (ConfigError, StartupError) as exc:
         print(f"sandbox-agent: {exc}", file=sys.stderr)
@@ -117,7 +140,7 @@ def main() -> int:
     from .app import build_app
 
     app = build_app(settings, token)
-    if os.environ.get("SANDBOX_AGENT_SERVER", "builtin") == "uvicorn":
+    if not builtin:
         # Fallback to a mainstream server (pip install 'sandbox-agent[uvicorn]').
         import uvicorn
 
@@ -140,12 +163,4 @@ def main() -> int:
 
     from .httpserver import run
 
-    try:
-        started = run(app, settings.host, settings.port, settings.max_connections)
-    except OSError as exc:
-        print(
-            f"sandbox-agent: cannot listen on {settings.host}:{settings.port}: {exc}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0 if started else 1
+    return 0 if run(app, settings.host, settings.port, settings.max_connections, listener) else 1
