@@ -4,6 +4,9 @@ Sandbox then becomes Ready by itself."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from tests.quotas import SandboxQuotas, quota_exceeded, ready_reason, resource_q
 from tests.sandboxes import Sandboxes
 
 pytestmark = pytest.mark.timeout(1800)
+BIN = Path(sys.executable).parent  # the venv's, where `kubectl-sandbox` lives
 
 
 def test_a_sandbox_quota_holds_a_sandbox_back_until_one_is_deleted(e2e: E2E, repo: Path) -> None:
@@ -38,6 +42,21 @@ def test_a_sandbox_quota_holds_a_sandbox_back_until_one_is_deleted(e2e: E2E, rep
     assert listed.returncode == 0, listed.stderr
     # NAME, SANDBOXES (used), MAX SANDBOXES
     assert listed.stdout.splitlines()[1].split()[:3] == ["one-at-a-time", "1", "1"]
+
+    # `kubectl sandbox create` says why it waits, once, and gives up at its timeout.
+    done = subprocess.run(
+        [str(BIN / "kubectl-sandbox"), "-n", ns, "create", "third", "--timeout", "6"],
+        env={**os.environ, "KUBECONFIG": str(e2e.cluster.kubeconfig)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    waiting = "waiting: QuotaExceeded: exceeded SandboxQuota one-at-a-time: sandboxes limited to 1"
+    assert done.stderr.count(waiting) == 1, done.stderr
+    assert "error: sandbox third not ready in 6s (QuotaExceeded)" in done.stderr, done.stderr
+    sandboxes.delete("third")  # the place that frees goes to "second"
 
     sandboxes.delete("first")
     sandboxes.wait_ready("second")

@@ -22,6 +22,7 @@ import json
 import sys
 import tarfile
 import threading
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any
 import yaml
 
 from sandbox_sdk._sync.client import Sandbox, SandboxClient
-from sandbox_sdk.errors import CommandLost, CommandTimeout, SandboxError
+from sandbox_sdk.errors import CommandLost, CommandTimeout, NotReady, SandboxError
 from sandbox_sdk.models import resources
 from sandbox_sdk.types import OutputEvent
 
@@ -40,6 +41,8 @@ COMMANDS = [
     *("snapshot", "snapshots", "restore", "fork", "pause", "resume", "port", "completion"),
 ]
 PROGRESS_FROM = 1 << 20  # bytes: smaller transfers show no progress bar
+WAIT_SLICE = 3.0  # seconds between looks at why a created sandbox is not ready yet
+SAY_WHY = {"QuotaExceeded"}  # waiting reasons worth a line: someone has to act
 LOST_EXIT = 125  # the command never reached an exit code (as timeout(1) says of itself)
 
 
@@ -183,6 +186,31 @@ def _stream_to_terminal(events: Any) -> int:
 # -- commands -------------------------------------------------------------------------
 
 
+def _wait_ready_saying_why(sandbox: Sandbox, timeout: float) -> None:
+    """Wait for Ready as the SDK does, and say on stderr (once per reason) why a
+    sandbox waits on something a person must change: a quota with no room.
+    The ordinary steps of a start pass in silence."""
+    deadline = time.monotonic() + timeout
+    told = ""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            sandbox.wait_ready(max(0.1, min(WAIT_SLICE, left)))
+            return
+        except NotReady as exc:
+            if exc.code != "timeout":
+                raise
+            why = exc.message.split(f"({exc.reason}): ", 1)[-1]
+            if time.monotonic() >= deadline:
+                raise NotReady(
+                    f"sandbox {sandbox.name} not ready in {timeout:g}s ({exc.reason}): {why}",
+                    reason=exc.reason,
+                ) from None
+            if exc.reason in SAY_WHY and exc.reason != told:
+                told = exc.reason
+                print(f"waiting: {exc.reason}: {why}", file=sys.stderr)
+
+
 def cmd_create(client: SandboxClient, args: argparse.Namespace) -> int:
     sandbox = client.create(
         args.runtime,
@@ -197,9 +225,11 @@ def cmd_create(client: SandboxClient, args: argparse.Namespace) -> int:
         ports=args.port,
         idle_timeout=args.idle_timeout,
         on_idle=args.on_idle,
-        wait=not args.no_wait,
+        wait=False,
         timeout=args.timeout,
     )
+    if not args.no_wait:
+        _wait_ready_saying_why(sandbox, args.timeout)
     if args.output:
         _print_sandboxes([sandbox.refresh()], args.output, False)
     else:
