@@ -383,8 +383,15 @@ def ensure_built(spec: ImageSpec) -> BuiltImage:
 # ---- root filesystems ------------------------------------------------------------
 
 
-def _run(argv: Sequence[str], *, what: str, timeout: float = 1200.0, **kwargs: object) -> str:
-    log.info("%s", what)
+def _run(
+    argv: Sequence[str],
+    *,
+    what: str,
+    timeout: float = 1200.0,
+    level: int = logging.INFO,
+    **kwargs: object,
+) -> str:
+    log.log(level, "%s", what)
     log.debug("%s: %s", what, " ".join(argv))
     try:
         proc = subprocess.run(
@@ -688,8 +695,10 @@ def _write_oci_archive(spec: ImageSpec, rootfs_tar: Path, archive: Path) -> tupl
 def _ctr(address: Path, *args: str, timeout: float = 600.0) -> str:
     return _run(
         ["ctr", "--address", str(address), "--namespace", "k8s.io", *args],
-        what=f"ctr {args[0] if args else ''}",
+        what=f"ctr {' '.join(args[:2])}",
         timeout=timeout,
+        # Quick bookkeeping calls; an import says what it imported when done.
+        level=logging.DEBUG,
     )
 
 
