@@ -54,6 +54,16 @@ def _resource_list(description: str) -> JSON:
     return {"type": "object", "description": description, "additionalProperties": _QUANTITY}
 
 
+def _service(description: str) -> JSON:
+    return _obj(
+        description,
+        {
+            "type": {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+            "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+        },
+    )
+
+
 def _placement(component: str) -> JSON:
     """Scheduling and sizing values, the same for the operator and the gateway."""
     return {
@@ -126,13 +136,7 @@ def build() -> JSON:
         {
             "enabled": {"type": "boolean"},
             "replicas": {"type": "integer", "minimum": 1},
-            "service": _obj(
-                "The gateway's Service.",
-                {
-                    "type": {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
-                    "port": {"type": "integer", "minimum": 1, "maximum": 65535},
-                },
-            ),
+            "service": _service("The gateway's Service."),
             "previewDomain": {
                 "type": "string",
                 "description": "Preview ports by host under this domain; empty: by path only.",
@@ -151,13 +155,7 @@ def build() -> JSON:
         "sandbox-mcp over streamable HTTP: the sandbox tools for MCP clients (README, MCP).",
         {
             "enabled": {"type": "boolean"},
-            "service": _obj(
-                "The MCP server's Service.",
-                {
-                    "type": {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
-                    "port": {"type": "integer", "minimum": 1, "maximum": 65535},
-                },
-            ),
+            "service": _service("The MCP server's Service."),
             "namespace": {
                 "type": "string",
                 "description": "Where sessions' sandboxes are made by default.",

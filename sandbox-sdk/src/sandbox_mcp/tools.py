@@ -50,23 +50,26 @@ class ToolFailure(Exception):
         return f"{self.kind}: {self.message}"
 
 
+def _with_output(kind: str, message: str, result: object) -> ToolFailure:
+    """A failure of a command, followed by what output it left."""
+    output = _command_text(result) if isinstance(result, CommandResult) else ""
+    return ToolFailure(kind, f"{message}\n{output}".rstrip())
+
+
 def failure(exc: SandboxError) -> ToolFailure:
     """The SDK's typed error as the model should read it."""
     if isinstance(exc, CommandTimeout):
-        result = exc.result
-        output = _command_text(result) if isinstance(result, CommandResult) else ""
-        return ToolFailure(
+        return _with_output(
             "timeout",
             f"{exc.message}; run it in the background (`nohup ... &`) or pass a larger"
-            f" timeout_seconds (at most {MAX_TIMEOUT:.0f}).\n{output}".rstrip(),
+            f" timeout_seconds (at most {MAX_TIMEOUT:.0f}).",
+            exc.result,
         )
     if isinstance(exc, CommandLost):
-        result = exc.result
-        output = _command_text(result) if isinstance(result, CommandResult) else ""
-        return ToolFailure(
+        return _with_output(
             "interrupted",
-            f"{exc}; it may have partly run: check what it changed before running it"
-            f" again.\n{output}".rstrip(),
+            f"{exc}; it may have partly run: check what it changed before running it again.",
+            exc.result,
         )
     if isinstance(exc, NotFound):
         return ToolFailure("not_found", str(exc))
