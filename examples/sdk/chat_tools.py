@@ -148,7 +148,10 @@ with client.create("python") as sandbox:
     with tarfile.open(fileobj=archive) as tar:
         names = {n.removeprefix("./") for n in tar.getnames()}
     assert {"calc/ops.py", "tests/test_ops.py"} <= names, names
-    print("download link:", tools.call("sandbox_download_url", path="calc")["result"].split("?")[0])
+    # A link without credentials needs the gateway's own address (SANDBOX_GATEWAY_URL);
+    # through the API server's proxy the tool says so instead.
+    link = tools.call("sandbox_download_url", path="calc")
+    print("download link:", link["result"].split("?")[0] if link["ok"] else link["message"])
 
     # Past its timeout a command is stopped; the sandbox goes on serving.
     slow = tools.call("sandbox_run_command", command="echo begun; sleep 120", timeout=2)["result"]

@@ -30,6 +30,7 @@ from sandbox_sdk import (
     AsyncSandboxClient,
     CommandLost,
     CommandTimeout,
+    ConfigError,
     Conflict,
     Forbidden,
     Invalid,
@@ -469,6 +470,14 @@ def test_discovery_modes(
             assert admin.config is not None
             assert admin.config.certificate_only
             assert admin.connect("box").execute("id -un || true").ok
+        # Through the API server's proxy no link works without credentials:
+        # said, rather than a URL of the API server that nothing serves.
+        monkeypatch.delenv("SANDBOX_GATEWAY_URL")
+        with (
+            SandboxClient(ns, gateway="proxy") as via_proxy,
+            pytest.raises(ConfigError, match="API server's proxy"),
+        ):
+            via_proxy.connect("box").files.download_url("anything")
         account_body = kube.read(core_path("serviceaccounts", ns, "sandbox-sdk"))
         assert account_body["metadata"]["name"] == "sandbox-sdk"
     finally:

@@ -1458,9 +1458,19 @@ class Files:
 
     def download_url(self, path: str, *, ttl: int = 600) -> str:
         """A URL that downloads `path` (a directory: as tar) without credentials
-        until it expires (a signed URL of the gateway, at the gateway's address)."""
+        until it expires (a signed URL of the gateway, at the address this client
+        reaches the gateway by). ConfigError when that is the API server's proxy,
+        which no request without Kubernetes credentials passes."""
+        location = self.sandbox.client.gateway.locate()
+        if location.via_api_server:
+            raise ConfigError(
+                "the gateway is reached through the API server's proxy, which needs"
+                " Kubernetes credentials: a link that works without them needs the"
+                " gateway's own address (gateway_url= or $SANDBOX_GATEWAY_URL, e.g. an"
+                " Ingress to the gateway)"
+            )
         answer = self.sandbox._request("POST", "urls", json_body={"path": path, "ttlSeconds": ttl})
-        return str(answer.json()["url"])
+        return location.base + str(answer.json()["path"])
 
     def download_tar(
         self,
