@@ -174,10 +174,8 @@ def _stream_to_terminal(events: Any) -> int:
             result = event.result
             if result.timed_out:
                 return 124
-            if result.status in ("lost", "failed"):
-                error = result.execution.error
-                why = f"{error.message} ({error.code})" if error else result.status
-                print(f"error: the command did not run to its end: {why}", file=sys.stderr)
+            if result.lost:
+                print(f"error: {CommandLost.of(result)}", file=sys.stderr)
                 return LOST_EXIT
             code = result.exit_code if result.exit_code is not None else 128
     return code

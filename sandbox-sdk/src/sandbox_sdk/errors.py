@@ -91,6 +91,16 @@ class CommandLost(SandboxError):
         super().__init__(message, **kwargs)
         self.result = result
 
+    @classmethod
+    def of(cls, result: Any) -> CommandLost:
+        """The error for a `CommandResult` whose `lost` is true."""
+        error = result.execution.error
+        return cls(
+            f"the command did not run to its end: {error.message if error else result.status}",
+            result=result,
+            code=error.code if error else result.status,
+        )
+
 
 class ServerError(SandboxError):
     """The server failed (5xx other than not-ready), or could not be reached."""

@@ -37,6 +37,12 @@ class CommandResult:
         """The command ran to the end and exited 0."""
         return self.status == "completed" and self.exit_code == 0
 
+    @property
+    def lost(self) -> bool:
+        """The command never reached an exit code (an agent or runner restart
+        under it, or it could not be started): `execution.error` says why."""
+        return self.status in ("lost", "failed")
+
     @classmethod
     def of(cls, execution: agent.Execution) -> CommandResult:
         return cls(

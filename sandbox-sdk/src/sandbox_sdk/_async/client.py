@@ -1169,13 +1169,8 @@ def _checked(result: CommandResult, check: bool) -> CommandResult:
             result=result,
             code="timed_out",
         )
-    if result.status in ("lost", "failed"):
-        error = result.execution.error
-        raise CommandLost(
-            f"the command did not run to its end: {error.message if error else result.status}",
-            result=result,
-            code=error.code if error else result.status,
-        )
+    if result.lost:
+        raise CommandLost.of(result)
     if check and not result.ok:
         raise CommandFailed(
             f"the command failed: status {result.status}, exit code {result.exit_code}:"
