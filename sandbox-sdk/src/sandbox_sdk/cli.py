@@ -198,15 +198,15 @@ def _wait_ready_saying_why(sandbox: Sandbox, timeout: float) -> None:
         except NotReady as exc:
             if exc.code != "timeout":
                 raise
-            why = exc.message.split(f"({exc.reason}): ", 1)[-1]
             if time.monotonic() >= deadline:
                 raise NotReady(
-                    f"sandbox {sandbox.name} not ready in {timeout:g}s ({exc.reason}): {why}",
+                    f"sandbox {sandbox.name} not ready in {timeout:g}s ({exc.reason}): {exc.why}",
                     reason=exc.reason,
+                    why=exc.why,
                 ) from None
             if exc.reason in SAY_WHY and exc.reason != told:
                 told = exc.reason
-                print(f"waiting: {exc.reason}: {why}", file=sys.stderr)
+                print(f"waiting: {exc.reason}: {exc.why}", file=sys.stderr)
 
 
 def cmd_create(client: SandboxClient, args: argparse.Namespace) -> int:

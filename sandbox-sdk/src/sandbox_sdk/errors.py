@@ -39,11 +39,13 @@ class NotFound(SandboxError):
 
 class NotReady(SandboxError):
     """The sandbox cannot serve yet (503 `sandbox_not_ready`, or a wait that ran out):
-    `reason` is the Sandbox's own Ready reason (PodPending, ImagePullFailed, ...)."""
+    `reason` is the Sandbox's own Ready reason (PodPending, ImagePullFailed, ...),
+    `why` its Ready condition's message when the SDK read it."""
 
-    def __init__(self, message: str, *, reason: str = "", **kwargs: Any) -> None:
+    def __init__(self, message: str, *, reason: str = "", why: str = "", **kwargs: Any) -> None:
         super().__init__(message, **kwargs)
         self.reason = reason
+        self.why = why
 
 
 class Paused(SandboxError):

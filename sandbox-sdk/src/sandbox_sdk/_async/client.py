@@ -648,6 +648,7 @@ class AsyncSandbox:
             raise NotReady(
                 f"{exc}; Ready={cond.get('status')} ({cond.get('reason')}): {cond.get('message')}",
                 reason=str(cond.get("reason") or ""),
+                why=str(cond.get("message") or ""),
                 code="timeout",
             ) from exc
         if body is None:

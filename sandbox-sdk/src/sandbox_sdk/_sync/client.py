@@ -639,6 +639,7 @@ class Sandbox:
             raise NotReady(
                 f"{exc}; Ready={cond.get('status')} ({cond.get('reason')}): {cond.get('message')}",
                 reason=str(cond.get("reason") or ""),
+                why=str(cond.get("message") or ""),
                 code="timeout",
             ) from exc
         if body is None:
