@@ -20,6 +20,7 @@ from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers import execution, sandbox
 from sandbox_operator.handlers import quota as quotas
 from sandbox_operator.handlers import snapshot as snapshots
+from sandbox_operator.handlers import template as templates
 from sandbox_operator.kube import Kube
 from sandbox_operator.resources import (
     CLAIMS,
@@ -29,6 +30,7 @@ from sandbox_operator.resources import (
     MANAGED_BY,
     PODS,
     SANDBOX_QUOTAS,
+    SANDBOX_TEMPLATES,
     SANDBOXES,
     SNAPSHOTS,
 )
@@ -39,6 +41,7 @@ SANDBOX = (SANDBOXES.group, SANDBOXES.plural)
 EXECUTION = (EXECUTIONS.group, EXECUTIONS.plural)
 SNAPSHOT = (SNAPSHOTS.group, SNAPSHOTS.plural)
 QUOTA = (SANDBOX_QUOTAS.group, SANDBOX_QUOTAS.plural)
+TEMPLATE = (SANDBOX_TEMPLATES.group, SANDBOX_TEMPLATES.plural)
 POD = (PODS.group, PODS.version, PODS.plural)
 CLAIM = (CLAIMS.group, CLAIMS.version, CLAIMS.plural)
 OWN = {LABEL_MANAGED_BY: MANAGED_BY}
@@ -317,3 +320,28 @@ async def snapshot_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: An
 async def snapshot_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
     async with errors.policy("Snapshot", "delete"):
         await snapshots.release(_ctx(memo), dict(body), logger)
+
+
+# -- SandboxTemplate -------------------------------------------------------------------
+# ClusterSandboxTemplates have no setup (snapshots are namespaced): nothing to reconcile.
+
+
+@kopf.on.create(*TEMPLATE)
+@kopf.on.update(*TEMPLATE)
+@kopf.on.resume(*TEMPLATE)
+async def template_changed(
+    body: kopf.Body, memo: Any, logger: kopf.Logger, reason: str, **_: Any
+) -> None:
+    async with errors.policy("SandboxTemplate", str(reason)):
+        await templates.reconcile(_ctx(memo), dict(body), logger)
+
+
+@kopf.timer(
+    *TEMPLATE,
+    interval=SETTINGS.reconcile_interval_seconds,
+    initial_delay=SETTINGS.reconcile_interval_seconds,
+)
+async def template_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+    with suppress(kopf.PermanentError, kopf.TemporaryError):
+        async with errors.policy("SandboxTemplate", "timer"):
+            await templates.reconcile(_ctx(memo), dict(body), logger)

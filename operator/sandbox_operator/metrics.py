@@ -54,6 +54,11 @@ RESTORES = Counter(
     " a claim replaced).",
     ["kind"],
 )
+TEMPLATE_BUILDS = Counter(
+    "sandbox_operator_template_builds_total",
+    "Base snapshot builds of SandboxTemplates, by event (started, succeeded, failed).",
+    ["event"],
+)
 AGENT_ERRORS = Counter(
     "sandbox_operator_agent_errors_total",
     "Failed calls from the operator to sandbox agents.",

@@ -51,6 +51,8 @@ SANDBOXES = Resource(API_VERSION, "sandboxes")
 EXECUTIONS = Resource(API_VERSION, "executions")
 SNAPSHOTS = Resource(API_VERSION, "snapshots")
 SANDBOX_QUOTAS = Resource(API_VERSION, "sandboxquotas")
+SANDBOX_TEMPLATES = Resource(API_VERSION, "sandboxtemplates")
+CLUSTER_SANDBOX_TEMPLATES = Resource(API_VERSION, "clustersandboxtemplates", namespaced=False)
 
 # Children and the objects they depend on.
 PODS = Resource("v1", "pods")
@@ -81,6 +83,8 @@ LABEL_SANDBOX = f"{GROUP}/sandbox"
 LABEL_EXECUTION_UID = f"{GROUP}/execution-uid"
 LABEL_SNAPSHOT_UID = f"{GROUP}/snapshot-uid"
 LABEL_IDLE = f"{GROUP}/idle-snapshot"
+# On a template's build Sandbox and base Snapshots: the template they belong to.
+LABEL_TEMPLATE = f"{GROUP}/template"
 
 # -- annotations --------------------------------------------------------------------
 # Written by users (or by the operator on their behalf); a new value is a request.

@@ -18,6 +18,11 @@ from sandbox_operator.api.execution import ExecutionSpec, ExecutionStatus
 from sandbox_operator.api.quota import SandboxQuotaSpec, SandboxQuotaStatus
 from sandbox_operator.api.sandbox import SandboxSpec, SandboxStatus
 from sandbox_operator.api.snapshot import SnapshotSpec, SnapshotStatus
+from sandbox_operator.api.template import (
+    ClusterSandboxTemplateSpec,
+    SandboxTemplateSpec,
+    SandboxTemplateStatus,
+)
 
 JSON = dict[str, Any]
 
@@ -35,6 +40,9 @@ class Kind:
     description: str = ""
     # Rules on the whole object, e.g. on metadata.name, which child names derive from.
     rules: list[JSON] = field(default_factory=list)
+    scope: str = "Namespaced"
+    # (specReplicasPath, statusReplicasPath, labelSelectorPath) for the scale subresource.
+    scale: tuple[str, str, str] | None = None
 
 
 def _column(name: str, json_path: str, type_: str = "string", priority: int = 0) -> JSON:
@@ -121,6 +129,36 @@ KINDS: tuple[Kind, ...] = (
             _AGE,
         ],
     ),
+    *(
+        Kind(
+            kind=kind,
+            plural=f"{kind.lower()}s",
+            short_names=[short],
+            spec=spec,
+            status=SandboxTemplateStatus,
+            description=f"{what}: defaults for Sandboxes of one kind, optional setup steps"
+            " whose workspace becomes their base snapshot; together the runtime catalog.",
+            scope=scope,
+            columns=[
+                _column("Description", ".spec.description"),
+                _column("Ready", '.status.conditions[?(@.type=="Ready")].status'),
+                _column("Base Snapshot", ".status.baseSnapshot"),
+                _column("Runtime", ".spec.sandbox.runtime", priority=1),
+                _column("Image", ".spec.sandbox.image", priority=1),
+                _AGE,
+            ],
+        )
+        for kind, short, spec, scope, what in (
+            ("SandboxTemplate", "sbxtpl", SandboxTemplateSpec, "Namespaced", "A template"),
+            (
+                "ClusterSandboxTemplate",
+                "csbxtpl",
+                ClusterSandboxTemplateSpec,
+                "Cluster",
+                "A cluster-wide template",
+            ),
+        )
+    ),
 )
 
 
@@ -156,7 +194,9 @@ def _resolve(schema: JSON, defs: dict[str, JSON]) -> JSON:
             out[key] = _resolve(value, defs)
         elif key == "x-kubernetes-validations":
             out[key] = [*out.get(key, []), *value]
-        elif key == "default" and value is None:
+        elif (
+            key == "default" and (value is None or schema.get("x-operator-default"))
+        ) or key == "x-operator-default":
             continue
         elif key == "additionalProperties" and value is False:
             # Structural schemas forbid it next to `properties`; the server prunes instead.
@@ -177,6 +217,18 @@ def openapi_schema(model: type[BaseModel]) -> JSON:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
     return _resolve(raw, defs)
+
+
+def _subresources(kind: Kind) -> JSON:
+    out: JSON = {"status": {}}
+    if kind.scale:
+        spec_path, status_path, selector_path = kind.scale
+        out["scale"] = {
+            "specReplicasPath": spec_path,
+            "statusReplicasPath": status_path,
+            "labelSelectorPath": selector_path,
+        }
+    return out
 
 
 def crd(kind: Kind) -> JSON:
@@ -204,7 +256,7 @@ def crd(kind: Kind) -> JSON:
         },
         "spec": {
             "group": GROUP,
-            "scope": "Namespaced",
+            "scope": kind.scope,
             "names": {
                 "kind": kind.kind,
                 "listKind": f"{kind.kind}List",
@@ -218,7 +270,7 @@ def crd(kind: Kind) -> JSON:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": _subresources(kind),
                     "additionalPrinterColumns": kind.columns,
                     "schema": {"openAPIV3Schema": schema},
                 }

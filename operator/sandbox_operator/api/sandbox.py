@@ -7,7 +7,7 @@ vocabulary users and scripts match on: phases, condition types and reasons.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
@@ -29,6 +29,11 @@ from sandbox_operator.api.common import (
 # `default: {}` on an optional object makes the API server fill in its fields
 # defaults too, so what `kubectl get -o yaml` shows is what the operator uses.
 _SERVER_DEFAULT: JsonDict = {"default": {}}
+
+# Fields a template may set carry their defaults in the operator, not in the schema:
+# a value the API server filled in would be indistinguishable from one the user
+# wrote, and would always override the template's.
+_OPERATOR_DEFAULT: JsonDict = {"x-operator-default": True}
 
 # The characters all env values of one Sandbox may hold together (see total_size_rule).
 MAX_ENV_CHARACTERS = 65536
@@ -107,6 +112,10 @@ class SandboxReason(StrEnum):
     SNAPSHOT_FAILED = "SnapshotFailed"
     # A SandboxQuota of the namespace, or a Kubernetes ResourceQuota, has no room.
     QUOTA_EXCEEDED = "QuotaExceeded"
+    # spec.templateRef names a template that does not exist (yet).
+    TEMPLATE_NOT_FOUND = "TemplateNotFound"
+    # The template's base snapshot is being built, or its build failed.
+    TEMPLATE_NOT_READY = "TemplateNotReady"
 
 
 class OnIdle(StrEnum):
@@ -168,6 +177,7 @@ class Workspace(Model):
     ephemeral: bool = Field(
         default=False,
         description="Use an emptyDir instead of a PersistentVolumeClaim (lost with the pod).",
+        json_schema_extra=_OPERATOR_DEFAULT,
     )
     size: Annotated[Quantity | None, Bounds.quantity("size", "16Mi", "64Ti")] = Field(
         default=None, description="Workspace size (default: the operator's default_workspace_size)."
@@ -203,20 +213,29 @@ class Lifecycle(Model):
     )
     on_idle: OnIdle = Field(
         default=OnIdle.DELETE,
-        description="What the idle timeout does: Delete the Sandbox, or Pause it (keeps the"
-        " workspace; resume with the sandbox.dev/resume-requested-at annotation).",
+        description="What the idle timeout does: Delete (the default) the Sandbox, or Pause"
+        " it (keeps the workspace; resume with the sandbox.dev/resume-requested-at"
+        " annotation).",
+        json_schema_extra=_OPERATOR_DEFAULT,
     )
     snapshot_on_idle: bool = Field(
         default=False,
         description=(
             "Take a Snapshot of the workspace before the idle policy deletes or pauses the"
-            " sandbox. The Snapshot is not owned by the Sandbox: it outlives it."
+            " sandbox (and before pausedTimeout deletes it). The Snapshot is not owned by the"
+            " Sandbox: it outlives it."
         ),
+        json_schema_extra=_OPERATOR_DEFAULT,
     )
     snapshot_timeout: Annotated[Duration | None, Bounds.duration("snapshotTimeout", "1s")] = Field(
         default=None,
         description="How long the idle policy waits for that Snapshot before it goes ahead"
         " anyway (the operator's idle_snapshot_timeout applies when unset).",
+    )
+    paused_timeout: Annotated[Duration | None, Bounds.duration("pausedTimeout", "1s")] = Field(
+        default=None,
+        description="Delete the Sandbox once it has been paused (by spec.paused or by the"
+        " idle policy) this long; after a Snapshot when snapshotOnIdle is set.",
     )
 
 
@@ -244,14 +263,59 @@ class Network(Model):
 
     egress: EgressPolicy = Field(
         default=EgressPolicy.INTERNET,
-        description="Internet: public addresses only (no cluster-internal or metadata"
-        " access); None: nothing; Cluster: anything, cluster services included.",
+        description="Internet (the default): public addresses only (no cluster-internal or"
+        " metadata access); None: nothing; Cluster: anything, cluster services included.",
+        json_schema_extra=_OPERATOR_DEFAULT,
     )
     exposed_ports: Annotated[list[ExposedPort], Field(max_length=16)] = Field(
         default_factory=list,
         description="Ports of the sandbox container published through a Service.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["port"]},
     )
+
+
+class TemplateKind(StrEnum):
+    NAMESPACED = "SandboxTemplate"
+    CLUSTER = "ClusterSandboxTemplate"
+
+
+class TemplateRef(Model):
+    """The template a Sandbox takes its defaults (and base snapshot) from."""
+
+    kind: TemplateKind = Field(
+        default=TemplateKind.NAMESPACED,
+        description="SandboxTemplate (same namespace) or ClusterSandboxTemplate.",
+    )
+    name: Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)] = Field(
+        description="The template's name."
+    )
+
+
+class Toleration(Model):
+    """Passed through to the pod (core/v1 Toleration)."""
+
+    key: Annotated[str | None, Field(max_length=316)] = Field(
+        default=None, description="Taint key."
+    )
+    operator: Annotated[str | None, Field(pattern="^(Exists|Equal)$")] = Field(
+        default=None, description="Exists or Equal (default Equal)."
+    )
+    value: Annotated[str | None, Field(max_length=63)] = Field(
+        default=None, description="Taint value."
+    )
+    effect: Annotated[str | None, Field(pattern="^(NoSchedule|PreferNoSchedule|NoExecute)$")] = (
+        Field(default=None, description="NoSchedule, PreferNoSchedule or NoExecute.")
+    )
+    toleration_seconds: int | None = Field(
+        default=None, description="How long a NoExecute taint is tolerated."
+    )
+
+
+# Keys the operator sets on its pods; user labels must not take them over.
+_RESERVED_LABEL_RULE = cel(
+    "!self.exists(k, k.startsWith('sandbox.dev/') || k == 'app.kubernetes.io/managed-by')",
+    "keys under sandbox.dev/ and app.kubernetes.io/managed-by are the operator's",
+)
 
 
 class SandboxSpec(Model):
@@ -286,6 +350,14 @@ class SandboxSpec(Model):
         )
     )
 
+    template_ref: TemplateRef | None = Field(
+        default=None,
+        description="A template whose fields are this Sandbox's defaults (its own fields win;"
+        " env, nodeSelector, pod labels and annotations are merged by key) and whose base"
+        " snapshot its workspace starts from. Read once, when the Sandbox first starts:"
+        " later edits of the template reach new Sandboxes only. Immutable.",
+        json_schema_extra=validations(cel("self == oldSelf", "templateRef is immutable")),
+    )
     runtime: Annotated[str | None, Field(pattern=DNS_LABEL_PATTERN, max_length=63)] = Field(
         default=None, description="A runtime from the operator's catalog, e.g. python or node."
     )
@@ -332,6 +404,23 @@ class SandboxSpec(Model):
     node_selector: Annotated[dict[str, str], Field(max_length=32)] = Field(
         default_factory=dict, description="Passed through to the pod."
     )
+    tolerations: Annotated[list[Toleration], Field(max_length=32)] = Field(
+        default_factory=list, description="Passed through to the pod."
+    )
+    pod_labels: Annotated[dict[str, Annotated[str, Field(max_length=63)]], Field(max_length=32)] = (
+        Field(
+            default_factory=dict,
+            description="Extra labels of the pod (not under sandbox.dev/).",
+            json_schema_extra=validations(_RESERVED_LABEL_RULE),
+        )
+    )
+    pod_annotations: Annotated[
+        dict[str, Annotated[str, Field(max_length=4096)]], Field(max_length=32)
+    ] = Field(
+        default_factory=dict,
+        description="Extra annotations of the pod (not under sandbox.dev/).",
+        json_schema_extra=validations(_RESERVED_LABEL_RULE),
+    )
 
     @model_validator(mode="after")
     def _env_fits(self) -> SandboxSpec:
@@ -349,6 +438,24 @@ class PortStatus(Model):
         default=None, description="Its preview URL through the gateway (when one is set up)."
     )
     public: bool = Field(default=False, description="Reachable without credentials.")
+
+
+class TemplateUse(Model):
+    """What a Sandbox took from its template when it first started."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    kind: TemplateKind = Field(description="SandboxTemplate or ClusterSandboxTemplate.")
+    name: str = Field(description="The template's name.")
+    generation: int | None = Field(default=None, description="The template generation read.")
+    base_snapshot: str | None = Field(
+        default=None, description="The template's base snapshot the workspace started from."
+    )
+    defaults: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The template's sandbox fields as read (this Sandbox's own fields win).",
+        json_schema_extra={"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+    )
 
 
 class SandboxStatus(Model):
@@ -421,6 +528,16 @@ class SandboxStatus(Model):
     )
     idle_snapshot_started_at: str | None = Field(
         default=None, description="When the idle policy asked for that Snapshot."
+    )
+    template: TemplateUse | None = Field(
+        default=None, description="The template this Sandbox started from, as read then."
+    )
+    paused_since: str | None = Field(
+        default=None,
+        description="When the pod was stopped for a pause (pausedTimeout counts from it).",
+    )
+    paused_deadline: str | None = Field(
+        default=None, description="When lifecycle.pausedTimeout deletes the paused Sandbox."
     )
     admitted: bool | None = Field(
         default=None,

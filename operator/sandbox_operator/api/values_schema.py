@@ -234,6 +234,11 @@ def build() -> JSON:
                     "additionalProperties": False,
                 },
             },
+            "catalog": _obj(
+                "The runtime catalog: a ClusterSandboxTemplate per runtime in"
+                " settings.runtimes, so `kubectl get clustersandboxtemplates` lists them.",
+                {"enabled": {"type": "boolean"}},
+            ),
             "crds": _obj(
                 "The CustomResourceDefinitions.",
                 {

@@ -14,6 +14,7 @@ from sandbox_operator.api.common import quantity_value
 from sandbox_operator.api.quota import ComputeLimits, QuotaUsage, SandboxQuotaSpec
 from sandbox_operator.api.sandbox import SandboxSpec
 from sandbox_operator.builders.sandbox import SandboxRef, build_pod
+from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.config import Settings
 
 JSON = dict[str, Any]
@@ -159,7 +160,7 @@ def namespace_usage(
         if not admitted(body):
             continue
         try:
-            spec = SandboxSpec.model_validate(body.get("spec") or {})
+            spec = sandbox_spec(body)
         except ValidationError:
             total += Usage(sandboxes=1)
             continue

@@ -347,13 +347,15 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
         pod_spec["runtimeClassName"] = spec.runtime_class_name
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [t.to_wire() for t in spec.tolerations]
+    meta = _meta(ref, child["pod"])
+    # The user's keys first: the operator's own (which CEL keeps them from naming) win.
+    meta["labels"] = {**spec.pod_labels, **meta["labels"]}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {
-            **_meta(ref, child["pod"]),
-            "annotations": {IMAGE_ANNOTATION: image},
-        },
+        "metadata": {**meta, "annotations": {**spec.pod_annotations, IMAGE_ANNOTATION: image}},
         "spec": pod_spec,
     }
 
@@ -468,6 +470,10 @@ def pod_stamp(spec: SandboxSpec) -> JSON:
         "workspace": spec.workspace.model_copy(update={"from_snapshot": None}).to_wire(),
         "runtimeClassName": spec.runtime_class_name,
         "nodeSelector": dict(spec.node_selector),
+        # Newer fields only when set: pods stamped before they existed stay up to date.
+        **({"tolerations": [t.to_wire() for t in spec.tolerations]} if spec.tolerations else {}),
+        **({"podLabels": dict(spec.pod_labels)} if spec.pod_labels else {}),
+        **({"podAnnotations": dict(spec.pod_annotations)} if spec.pod_annotations else {}),
     }
 
 
@@ -494,6 +500,9 @@ def legacy_pod_hash(spec: SandboxSpec) -> str:
     for port in stamped.get("network", {}).get("exposedPorts", []):
         if port.get("public") is False:
             del port["public"]
+    for key in ("tolerations", "podLabels", "podAnnotations"):
+        if not stamped.get(key):
+            stamped.pop(key, None)
     return hashlib.sha256(json.dumps(stamped, sort_keys=True).encode()).hexdigest()[:16]
 
 

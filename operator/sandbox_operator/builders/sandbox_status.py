@@ -48,6 +48,9 @@ class Observed:
     # No room in a quota: a SandboxQuota of the namespace, or a ResourceQuota that
     # refused the pod or the claim (the refusal's message).
     quota: str | None = None
+    # Waiting for something outside the sandbox before anything is created (its
+    # template): (reason, message).
+    held: tuple[str, str] | None = None
     # WorkspaceRestored, when the workspace comes from a Snapshot.
     restore: Cond | None = None
     # The pod is kept stopped while the workspace is restored or rolled back.
@@ -107,6 +110,7 @@ def _runs_pod(o: Observed) -> bool:
         o.invalid is None
         and o.refused is None
         and o.quota is None
+        and o.held is None
         and not o.paused
         and not o.deleting
         and not o.holding
@@ -121,7 +125,7 @@ def _scheduled(o: Observed) -> bool:
 def workspace_ready(o: Observed) -> Cond | None:
     """Judged through the pod while one is scheduled (its claims are bound then),
     else through the claim itself."""
-    if o.invalid is not None or o.quota is not None:
+    if o.invalid is not None or o.quota is not None or o.held is not None:
         return None
     if o.ephemeral:
         return Cond(C.WORKSPACE_READY, TRUE, R.EPHEMERAL, "emptyDir workspace")
@@ -150,7 +154,7 @@ def workspace_restored(o: Observed) -> Cond | None:
 
 
 def paused(o: Observed) -> Cond | None:
-    if o.invalid is not None or o.refused is not None or o.quota is not None:
+    if o.invalid is not None or o.refused is not None or o.quota is not None or o.held:
         return None
     if not o.paused:
         return Cond(C.PAUSED, FALSE, R.NOT_PAUSED)
@@ -225,6 +229,8 @@ def ready(o: Observed, others: Mapping[str, Cond | None]) -> Cond:
         return no(R.CREATE_FAILED, o.refused)
     if o.quota is not None and not o.deleting:
         return no(R.QUOTA_EXCEEDED, o.quota)
+    if o.held is not None and not o.deleting:
+        return no(*o.held)
     if o.deleting:
         return no(R.TERMINATING, "the sandbox is being deleted")
     if o.paused:

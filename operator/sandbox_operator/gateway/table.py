@@ -20,8 +20,8 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
-from sandbox_operator.api.sandbox import SandboxSpec
 from sandbox_operator.builders.sandbox import TOKEN_KEY, effectively_paused
+from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.kube import Kube, KubeError
 from sandbox_operator.resources import (
     LABEL_MANAGED_BY,
@@ -75,7 +75,7 @@ def route_of(body: JSON) -> Route:
         {"status": "False", "reason": "Pending", "message": "not observed yet"},
     )
     try:
-        spec = SandboxSpec.model_validate(body.get("spec") or {})
+        spec = sandbox_spec(body)
         paused, by_spec = effectively_paused(body, spec), spec.paused
         ports = {p.port: Port(p.port, p.name, p.public) for p in spec.network.exposed_ports}
     except ValidationError:

@@ -48,6 +48,7 @@ from sandbox_operator.builders import execution as build
 from sandbox_operator.builders import quota
 from sandbox_operator.builders.conditions import find
 from sandbox_operator.builders.sandbox import effectively_paused
+from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.clock import iso, iso_precise, now_utc, parse_time
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.kube import MERGE_PATCH, Refused, status_patch
@@ -410,7 +411,7 @@ class Run:
             await self.fail(R.SANDBOX_FAILED, f"sandbox {name} failed: {_why_not_ready(sb_status)}")
             return
         try:
-            sb_spec = SandboxSpec.model_validate(sandbox.get("spec") or {})
+            sb_spec = sandbox_spec(sandbox)
         except ValidationError:
             await self.wait(R.SANDBOX_STARTING, f"sandbox {name} has an invalid spec")
             return

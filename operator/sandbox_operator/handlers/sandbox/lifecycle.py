@@ -96,6 +96,51 @@ def decide_lifecycle(
     return LifecycleDecision(IdleAction.IDLE, fields, last)
 
 
+def paused_fields(old: SandboxStatus, spec: SandboxSpec, paused: bool, now: datetime) -> JSON:
+    """When the current pause began and when lifecycle.pausedTimeout ends it. Pure."""
+    if not paused:
+        return {"paused_since": None, "paused_deadline": None}
+    since = old.paused_since or old.idle_paused_at or iso(now)
+    timeout = spec.lifecycle.paused_timeout
+    deadline = iso(parse_time(since) + parse_duration(timeout)) if timeout else None
+    return {"paused_since": since, "paused_deadline": deadline}
+
+
+async def _paused_too_long(
+    ctx: OperatorContext, body: JSON, spec: SandboxSpec, status: SandboxStatus, now: datetime
+) -> JSON:
+    """Delete a sandbox paused past its pausedTimeout; with snapshotOnIdle, after a
+    Snapshot of its workspace (the finalizer waits for it), unless the idle policy
+    took one when it paused the sandbox (nothing has written to it since)."""
+    meta = body["metadata"]
+    fields: JSON = {}
+    if spec.lifecycle.snapshot_on_idle and not status.idle_snapshot:
+        # Named after the deadline, which a restarted operator reads again from status.
+        deadline = parse_time(status.paused_deadline or iso(now))
+        name = snapshot_build.idle_snapshot_name(meta["name"], deadline)
+        await ctx.kube.create(
+            SNAPSHOTS.path(meta["namespace"]),
+            snapshot_build.build_idle_snapshot(meta["name"], meta["namespace"], name),
+        )
+        # idle_paused_at cleared: the finalizer waits only for a snapshot taken at deletion.
+        fields = {
+            "idle_snapshot": name,
+            "idle_snapshot_started_at": iso(now),
+            "idle_paused_at": None,
+        }
+        await write_status(ctx, body, status.evolve(**fields))
+    ctx.event(
+        body,
+        "info",
+        reason="PausedTimeout",
+        message=f"paused since {status.paused_since}, longer than"
+        f" {spec.lifecycle.paused_timeout}: deleting",
+    )
+    metrics.TEARDOWNS.labels("paused_timeout").inc()
+    await ctx.kube.delete(SANDBOXES.path(meta["namespace"], meta["name"]), uid=meta["uid"])
+    return fields
+
+
 async def lifecycle(
     ctx: OperatorContext,
     body: JSON,
@@ -104,8 +149,10 @@ async def lifecycle(
     now: datetime,
     logger: kopf.Logger,
 ) -> JSON:
-    """Idle timeout and max lifetime. Returns status fields to set."""
+    """Idle timeout, paused timeout and max lifetime. Returns status fields to set."""
     meta = body["metadata"]
+    if status.paused_deadline and now >= parse_time(status.paused_deadline):
+        return await _paused_too_long(ctx, body, spec, status, now)
     info = await _agent_info(ctx, body, spec, status, logger)
     resumed = (meta.get("annotations") or {}).get(RESUME_ANNOTATION)
     resumed_at = None

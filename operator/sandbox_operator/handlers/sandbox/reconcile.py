@@ -27,12 +27,17 @@ from sandbox_operator.api.sandbox import (
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.builders import sandbox_status
 from sandbox_operator.builders.sandbox_status import Observed
+from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.clock import now_utc, parse_time
 from sandbox_operator.config import Settings
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers.sandbox.admission import QuotaIndex, SandboxIndex, admit, waiting
 from sandbox_operator.handlers.sandbox.environment import sync_environment
-from sandbox_operator.handlers.sandbox.lifecycle import idle_snapshot_settled, lifecycle
+from sandbox_operator.handlers.sandbox.lifecycle import (
+    idle_snapshot_settled,
+    lifecycle,
+    paused_fields,
+)
 from sandbox_operator.handlers.sandbox.pod import decide_pod, ensure_pod, with_eviction
 from sandbox_operator.handlers.sandbox.status import (
     current,
@@ -41,6 +46,7 @@ from sandbox_operator.handlers.sandbox.status import (
     status_of,
     write_status,
 )
+from sandbox_operator.handlers.sandbox.template import pin_template
 from sandbox_operator.handlers.sandbox.workspace import (
     ClaimState,
     claim_state,
@@ -78,7 +84,7 @@ class Children(Enum):
 def parse_spec(body: JSON, settings: Settings) -> tuple[SandboxSpec | None, str | None]:
     """(spec, None), or (spec or None, why it cannot run)."""
     try:
-        spec = SandboxSpec.model_validate(body.get("spec") or {})
+        spec = sandbox_spec(body)
     except ValidationError as exc:
         return None, readable(exc)
     try:
@@ -125,7 +131,7 @@ async def reconcile(
         if not pod_known:
             pod = next(iter(pods.get((meta["namespace"], meta["name"]), [])), None)
         claim = next(iter(claims.get((meta["namespace"], meta["name"]), [])), None)
-        body = current(ctx, body)
+        body = await pin_template(ctx, current(ctx, body))
         spec, invalid = parse_spec(body, ctx.settings)
         if (
             spec is not None
@@ -188,6 +194,7 @@ async def _reconcile(
     fields: JSON = {**workspace.fields, **spec_fields(body, spec, ctx.settings)}
     if not meta.get("deletionTimestamp"):
         fields["admitted"] = True  # admit() let it through: it holds its share from now on
+    fields.update(paused_fields(old, spec, paused and pod is None, now))
     if not paused:
         fields["idle_paused_at"] = None
         if old.idle_paused_at:

@@ -78,6 +78,7 @@ async def report_blocked(
     invalid: str = "",
     refused: str = "",
     quota: str = "",
+    held: tuple[str, str] | None = None,
 ) -> None:
     """Status and an Event for a Sandbox that cannot go on: its spec is invalid, the
     API server refused one of its children, or a quota has no room for it.
@@ -92,6 +93,7 @@ async def report_blocked(
         invalid=invalid or None,
         refused=refused or None,
         quota=quota or None,
+        held=held,
     )
     fresh = current(ctx, body)
     status = sandbox_status.build_status(
@@ -105,10 +107,17 @@ async def report_blocked(
     await write_status(ctx, fresh, status)
     after = find(status.conditions, SandboxCondition.READY)
     unchanged = before is not None and after is not None and before.message == after.message
-    if quota and unchanged and before is not None and before.reason == R_QUOTA:
+    waited = before is not None and before.reason in (R_QUOTA, *(held or ()))
+    if (quota or held) and unchanged and waited:
         return
-    reason = "InvalidSpec" if invalid else R_QUOTA if quota else "CreateFailed"
-    ctx.event(body, "warn", reason=reason, message=invalid or quota or refused)
+    reason, message = (
+        ("InvalidSpec", invalid)
+        if invalid
+        else (R_QUOTA, quota)
+        if quota
+        else (held if held else ("CreateFailed", refused))
+    )
+    ctx.event(body, "warn", reason=reason, message=message)
 
 
 def current(ctx: OperatorContext, body: JSON) -> JSON:

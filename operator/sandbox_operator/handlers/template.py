@@ -1,0 +1,254 @@
+"""SandboxTemplate builds: the setup steps run in a build Sandbox, then its
+workspace becomes the template's base snapshot.
+
+Level-based: every pass looks at what exists for the current setup digest
+(the Snapshot, the build Sandbox, the step Executions, all named after the
+digest) and takes the next step, so an operator restart resumes a build where
+it stood. A build that failed stays failed until the setup changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import kopf
+from pydantic import ValidationError
+
+from sandbox_operator import metrics
+from sandbox_operator.api.common import readable
+from sandbox_operator.api.execution import ExecutionPhase
+from sandbox_operator.api.sandbox import SandboxPhase
+from sandbox_operator.api.snapshot import SnapshotPhase
+from sandbox_operator.api.template import (
+    SandboxTemplateSpec,
+    SandboxTemplateStatus,
+    TemplateCondition,
+    TemplateReason,
+)
+from sandbox_operator.builders import template as build
+from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, find, merge
+from sandbox_operator.clock import iso, now_utc
+from sandbox_operator.context import OperatorContext
+from sandbox_operator.kube import MERGE_PATCH, status_patch
+from sandbox_operator.resources import (
+    EXECUTIONS,
+    LABEL_TEMPLATE,
+    SANDBOX_TEMPLATES,
+    SANDBOXES,
+    SNAPSHOTS,
+)
+
+JSON = dict[str, Any]
+R = TemplateReason
+READY = TemplateCondition.READY
+# How soon a build in progress is looked at again.
+BUILD_POLL_SECONDS = 2.0
+_FAILED = {R.SETUP_FAILED, R.SNAPSHOT_FAILED}
+_RUNNING = {None, ExecutionPhase.QUEUED.value, ExecutionPhase.RUNNING.value}
+
+
+class Build:
+    """One pass over one template."""
+
+    def __init__(self, ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> None:
+        self.ctx = ctx
+        self.body = body
+        self.logger = logger
+        meta = body["metadata"]
+        self.namespace: str = meta["namespace"]
+        self.name: str = meta["name"]
+        self.old = SandboxTemplateStatus.model_validate(body.get("status") or {})
+
+    async def write(self, cond: Cond, **fields: Any) -> None:
+        """Status with Ready = `cond` and `fields`, patched only when it changed; an
+        Event when Ready's reason changes to a final one."""
+        generation = self.body["metadata"].get("generation", 0)
+        status = self.old.evolve(
+            observed_generation=generation,
+            conditions=merge(self.old.conditions, {READY: cond}, generation, iso(now_utc())),
+            **fields,
+        )
+        before = find(self.old.conditions, READY)
+        patch = status_patch(self.body.get("status") or {}, status.to_wire())
+        if patch is not None:
+            await self.ctx.kube.patch(
+                SANDBOX_TEMPLATES.path(self.namespace, self.name, "status"), patch, MERGE_PATCH
+            )
+        self.body["status"], self.old = status.to_wire(), status
+        if before is None or before.reason != cond.reason:
+            if cond.reason in _FAILED:
+                self.ctx.event(self.body, "warn", reason=cond.reason, message=cond.message)
+            elif cond.reason == R.READY:
+                self.ctx.event(self.body, "info", reason="BaseReady", message=cond.message)
+
+    async def building(self, message: str, **fields: Any) -> NoReturn:
+        await self.write(Cond(READY, FALSE, R.BUILDING, message), **fields)
+        raise kopf.TemporaryError(message, delay=BUILD_POLL_SECONDS)
+
+    async def run(self) -> None:
+        try:
+            spec = SandboxTemplateSpec.model_validate(self.body.get("spec") or {})
+        except ValidationError as exc:
+            await self.write(Cond(READY, FALSE, R.INVALID_SPEC, readable(exc)))
+            raise kopf.PermanentError(readable(exc)) from exc
+        digest = build.setup_hash(spec)
+        if digest is None:
+            await self.write(
+                Cond(
+                    READY,
+                    TRUE,
+                    R.NO_SETUP,
+                    "no setup steps: sandboxes start with an empty workspace",
+                ),
+                setup_hash=None,
+                base_snapshot=None,
+                build_sandbox=None,
+            )
+            return
+        names = build.build_names(self.name, digest)
+        ready = find(self.old.conditions, READY)
+        if self.old.setup_hash == digest and ready is not None and ready.reason in _FAILED:
+            await self.remove_build_sandbox(names["sandbox"])
+            return
+        if await self.snapshot_settled(spec, digest, names):
+            return
+        sandbox = await self.ctx.kube.get(SANDBOXES.path(self.namespace, names["sandbox"]))
+        if sandbox is None:
+            await self.ctx.kube.create(
+                SANDBOXES.path(self.namespace),
+                build.build_sandbox(self.body, spec, names["sandbox"]),
+            )
+            metrics.TEMPLATE_BUILDS.labels("started").inc()
+            await self.building(
+                f"starting build sandbox {names['sandbox']}", build_sandbox=names["sandbox"]
+            )
+        await self.run_steps(spec, digest, names, sandbox or {})
+        await self.ctx.kube.create(
+            SNAPSHOTS.path(self.namespace),
+            build.build_base_snapshot(self.body, names["sandbox"], names["snapshot"]),
+        )
+        await self.building(f"taking base snapshot {names['snapshot']}")
+
+    async def snapshot_settled(
+        self, spec: SandboxTemplateSpec, digest: str, names: dict[str, str]
+    ) -> bool:
+        """Done with this digest's build (its snapshot is ready or failed)? Raises
+        TemporaryError while the snapshot is being taken."""
+        snapshot = await self.ctx.kube.get(SNAPSHOTS.path(self.namespace, names["snapshot"]))
+        if snapshot is None:
+            return False
+        status = snapshot.get("status") or {}
+        phase = status.get("phase")
+        if phase == SnapshotPhase.READY:
+            await self.remove_build_sandbox(names["sandbox"])
+            await self.prune({names["snapshot"], self.old.base_snapshot or ""}, names["sandbox"])
+            if self.old.base_snapshot != names["snapshot"]:
+                metrics.TEMPLATE_BUILDS.labels("succeeded").inc()
+            await self.write(
+                Cond(READY, TRUE, R.READY, f"base snapshot {names['snapshot']} is ready"),
+                setup_hash=digest,
+                base_snapshot=names["snapshot"],
+                build_sandbox=None,
+            )
+            return True
+        if phase == SnapshotPhase.FAILED:
+            why = next(
+                (c.get("message") for c in status.get("conditions") or [] if c["type"] == "Ready"),
+                "",
+            )
+            metrics.TEMPLATE_BUILDS.labels("failed").inc()
+            await self.write(
+                Cond(READY, FALSE, R.SNAPSHOT_FAILED, f"base snapshot {names['snapshot']}: {why}"),
+                setup_hash=digest,
+            )
+            await self.remove_build_sandbox(names["sandbox"])
+            return True
+        await self.building(f"taking base snapshot {names['snapshot']}")
+        return False
+
+    async def run_steps(
+        self, spec: SandboxTemplateSpec, digest: str, names: dict[str, str], sandbox: JSON
+    ) -> None:
+        """Returns once every step succeeded; raises TemporaryError while they run."""
+        sandbox_status = sandbox.get("status") or {}
+        ready: JSON = next(
+            (c for c in sandbox_status.get("conditions") or [] if c.get("type") == "Ready"), {}
+        )
+        if sandbox_status.get("phase") == SandboxPhase.FAILED:
+            await self.fail(
+                digest,
+                names,
+                f"build sandbox {names['sandbox']} failed ({ready.get('reason')}):"
+                f" {ready.get('message')}",
+            )
+        if ready.get("status") != TRUE:
+            why = ready.get("message") or "starting"
+            await self.building(f"waiting for build sandbox {names['sandbox']}: {why}")
+        executions: list[JSON | None] = []
+        for index, step in enumerate(spec.setup):
+            name = build.step_execution_name(names["sandbox"], index)
+            execution = await self.ctx.kube.get(EXECUTIONS.path(self.namespace, name))
+            executions.append(execution)
+            where = f"step {step.name} ({index + 1}/{len(spec.setup)})"
+            log = build.build_log(spec.setup, executions)
+            if execution is None:
+                await self.ctx.kube.create(
+                    EXECUTIONS.path(self.namespace),
+                    build.build_step(self.body, names["sandbox"], index, step),
+                )
+                await self.building(f"{where} queued", build_log=log)
+            status = execution.get("status") or {}
+            phase: str | None = status.get("phase")
+            if phase is None or phase in _RUNNING:
+                await self.building(f"{where} {(phase or 'queued').lower()}", build_log=log)
+            if phase != ExecutionPhase.SUCCEEDED:
+                code = status.get("exitCode")
+                detail = f"exit code {code}" if code is not None else status.get("message")
+                await self.fail(
+                    digest,
+                    names,
+                    f"{where} {phase.lower()} ({detail}); see status.buildLog",
+                    build_log=log,
+                )
+
+    async def fail(
+        self, digest: str, names: dict[str, str], message: str, **fields: Any
+    ) -> NoReturn:
+        metrics.TEMPLATE_BUILDS.labels("failed").inc()
+        await self.write(
+            Cond(READY, FALSE, R.SETUP_FAILED, message),
+            setup_hash=digest,
+            build_sandbox=None,
+            **fields,
+        )
+        await self.remove_build_sandbox(names["sandbox"])
+        raise kopf.PermanentError(message)
+
+    async def remove_build_sandbox(self, name: str) -> None:
+        await self.ctx.kube.delete(SANDBOXES.path(self.namespace, name))
+
+    async def prune(self, keep_snapshots: set[str], build_sandbox: str) -> None:
+        """Base snapshots of older builds (all but the new and the previous one) and
+        the step Executions of other builds."""
+        selector = {"labelSelector": f"{LABEL_TEMPLATE}={self.name}"}
+        for resource, keep in (
+            (SNAPSHOTS, lambda n: n in keep_snapshots),
+            (EXECUTIONS, lambda n: n.startswith(f"{build_sandbox}-step-")),
+        ):
+            listed = await self.ctx.kube.get(resource.path(self.namespace), params=selector)
+            for item in (listed or {}).get("items") or []:
+                meta = item["metadata"]
+                if not keep(meta["name"]) and self._owned(item):
+                    await self.ctx.kube.delete(
+                        resource.path(self.namespace, meta["name"]), uid=meta["uid"]
+                    )
+
+    def _owned(self, item: JSON) -> bool:
+        uid = self.body["metadata"]["uid"]
+        return any(o.get("uid") == uid for o in item["metadata"].get("ownerReferences") or [])
+
+
+async def reconcile(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> None:
+    meta = body["metadata"]
+    async with ctx.lock(meta["namespace"], f"template:{meta['name']}"):
+        await Build(ctx, body, logger).run()
