@@ -198,6 +198,10 @@ def _resolve(schema: JSON, defs: dict[str, JSON]) -> JSON:
             key == "default" and (value is None or schema.get("x-operator-default"))
         ) or key == "x-operator-default":
             continue
+        elif key == "additionalProperties" and value is True:
+            # dict[str, Any]: kept whole by x-kubernetes-preserve-unknown-fields, which
+            # `additionalProperties: true` beside it would turn into pruning below.
+            continue
         elif key == "additionalProperties" and value is False:
             # Structural schemas forbid it next to `properties`; the server prunes instead.
             continue

@@ -61,7 +61,8 @@ class SetupStep(Model):
 
 _TEMPLATE_RULES = (
     cel(
-        "!has(self.sandbox) || (!has(self.sandbox.templateRef) && !has(self.sandbox.paused))",
+        "!has(self.sandbox) || (!has(self.sandbox.templateRef)"
+        " && !(has(self.sandbox.paused) && self.sandbox.paused))",
         "sandbox.templateRef and sandbox.paused cannot be set in a template",
     ),
     cel(
