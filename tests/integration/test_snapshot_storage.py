@@ -19,10 +19,19 @@ from devcluster import build, storage
 from devcluster.controlplane import ControlPlaneError
 from devcluster.storage import StorageControlPlane
 from tests.integration.conftest import OPERATOR_ENV, kubectl
-from tests.integration.harness import Node, OperatorProcess, operator_credentials, wait_for
+from tests.integration.harness import (
+    AgentProcess,
+    Node,
+    OperatorProcess,
+    next_pod_ip,
+    operator_credentials,
+    secret_token,
+    wait_for,
+)
 from tests.kube import JSON, KubeJSON, api_path, core_path
 from tests.sandboxes import Sandboxes
 from tests.snapshots import VOLUME_SNAPSHOTS, Snapshots
+from tests.templates import Templates
 
 # The first test is charged with a cold build of the CSI binaries (minutes).
 pytestmark = pytest.mark.timeout(1800)
@@ -299,3 +308,47 @@ def test_a_driver_without_a_snapshot_class_cannot_snapshot(
     assert cond["reason"] == "SnapshotsUnsupported", cond
     assert storage.DRIVER_NAME in cond["message"]
     assert "cannot take snapshots" in cond["message"]
+
+
+def test_template_setup_becomes_the_base_every_new_sandbox_starts_from(
+    cluster: StorageControlPlane, skube: KubeJSON, sns: str, tmp_path: Path
+) -> None:
+    templates, sandboxes = Templates(skube, sns), Sandboxes(skube, sns)
+    templates.create(
+        "py",
+        {
+            "description": "python with a prepared workspace",
+            "sandbox": {"runtime": "python", "workspace": {"size": "16Mi"}},
+            "setup": [
+                {"name": "deps", "script": "mkdir -p lib && echo 42 > lib/answer"},
+                {"name": "marker", "script": "echo installed > installed.txt; echo done"},
+            ],
+        },
+    )
+    build = wait_for(
+        lambda: (templates.get("py") or {}).get("status", {}).get("buildSandbox"),
+        30,
+        "build sandbox",
+    )
+    wait_for(lambda: skube.get(core_path("pods", sns, build)), 30, f"pod {build}")
+    # The node's part, with the agent working in the build sandbox's real volume.
+    agent = AgentProcess(tmp_path / "agent", next_pod_ip(), 8080, secret_token(skube, sns, build))
+    agent.workspace = workspace_dir(cluster, skube, sns, build)
+    agent.start()
+    try:
+        Node(skube).run_pod(sns, build, agent.ip)
+        ready = templates.wait_ready("py", timeout=120)["status"]
+    finally:
+        agent.stop()
+    assert ready["baseSnapshot"] == build, ready
+    assert "--- marker (Succeeded) ---\ndone" in ready["buildLog"], ready
+    assert Snapshots(skube, sns).read(build)["status"]["readyToUse"] is True
+    wait_for(lambda: sandboxes.get(build) is None, 30, "build sandbox removed")
+
+    # A Sandbox of the template starts from the base: its workspace holds the setup's files.
+    sandboxes.create("app", {"templateRef": {"name": "py"}, "paused": True})
+    volume = workspace_dir(cluster, skube, sns, "app")
+    assert (volume / "installed.txt").read_text() == "installed\n"
+    assert (volume / "lib" / "answer").read_text() == "42\n"
+    used = sandboxes.read("app")["status"]["template"]
+    assert used["baseSnapshot"] == build, used

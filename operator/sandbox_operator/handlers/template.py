@@ -122,12 +122,12 @@ class Build:
             await self.building(
                 f"starting build sandbox {names['sandbox']}", build_sandbox=names["sandbox"]
             )
-        await self.run_steps(spec, digest, names, sandbox or {})
+        log = await self.run_steps(spec, digest, names, sandbox or {})
         await self.ctx.kube.create(
             SNAPSHOTS.path(self.namespace),
             build.build_base_snapshot(self.body, names["sandbox"], names["snapshot"]),
         )
-        await self.building(f"taking base snapshot {names['snapshot']}")
+        await self.building(f"taking base snapshot {names['snapshot']}", build_log=log)
 
     async def snapshot_settled(
         self, spec: SandboxTemplateSpec, digest: str, names: dict[str, str]
@@ -168,8 +168,8 @@ class Build:
 
     async def run_steps(
         self, spec: SandboxTemplateSpec, digest: str, names: dict[str, str], sandbox: JSON
-    ) -> None:
-        """Returns once every step succeeded; raises TemporaryError while they run."""
+    ) -> str | None:
+        """The build log once every step succeeded; raises TemporaryError while they run."""
         sandbox_status = sandbox.get("status") or {}
         ready: JSON = next(
             (c for c in sandbox_status.get("conditions") or [] if c.get("type") == "Ready"), {}
@@ -210,6 +210,7 @@ class Build:
                     f"{where} {phase.lower()} ({detail}); see status.buildLog",
                     build_log=log,
                 )
+        return build.build_log(spec.setup, executions)
 
     async def fail(
         self, digest: str, names: dict[str, str], message: str, **fields: Any
