@@ -29,7 +29,7 @@ from devcluster import build, deploy, helm, hostdeps, versions  # noqa: E402
 from devcluster import images as imagelib  # noqa: E402
 from devcluster.cluster import LocalCluster  # noqa: E402
 from devcluster.progress import Progress, clock_text  # noqa: E402
-from sandbox_operator.resources import LABEL_EXECUTION_UID  # noqa: E402
+from sandbox_operator.resources import LABEL_EXECUTION_UID, LABEL_TEMPLATE  # noqa: E402
 
 NAME = "local"
 DEMO_ACCOUNT = "sandbox-demo"
@@ -139,11 +139,12 @@ def _examples(progress: Progress, cluster: LocalCluster) -> list[str]:
             raise SystemExit(applied.stderr.strip())
         items = _json(cluster, "get", "sandboxes")["items"]
         assert isinstance(items, list)
-        # One-shot sandboxes belong to their Execution and go away with its end.
+        # One-shot sandboxes belong to their Execution and go away with its end; a
+        # template's build sandbox goes once its base snapshot is taken.
         names = [
             item["metadata"]["name"]
             for item in items
-            if LABEL_EXECUTION_UID not in (item["metadata"].get("labels") or {})
+            if not {LABEL_EXECUTION_UID, LABEL_TEMPLATE} & set(item["metadata"].get("labels") or {})
         ]
         for name in names:
             waited = deploy.kubectl(

@@ -6,6 +6,7 @@ The operator runs in-cluster, installed from charts/ like a user would.
 from __future__ import annotations
 
 import base64
+import json
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,11 +39,16 @@ def test_examples_become_ready_and_serve_exec_and_files(e2e: E2E, repo: Path) ->
     ns = e2e.namespace()
     applied = e2e.kubectl("apply", "-n", ns, "-f", str(repo / "examples"))
     assert applied.returncode == 0, applied.stderr
-    documents = [yaml.safe_load(p.read_text()) for p in sorted((repo / "examples").glob("*.yaml"))]
+    documents = [
+        document
+        for path in sorted((repo / "examples").glob("*.yaml"))
+        for document in yaml.safe_load_all(path.read_text())
+    ]
     names = [d["metadata"]["name"] for d in documents if d["kind"] == "Sandbox"]
     for name in names:
+        # A Sandbox of a template with setup steps waits for the base snapshot's build.
         waited = e2e.kubectl(
-            "wait", "-n", ns, "--for=condition=Ready", f"sandbox/{name}", "--timeout=180s"
+            "wait", "-n", ns, "--for=condition=Ready", f"sandbox/{name}", "--timeout=300s"
         )
         assert waited.returncode == 0, waited.stderr + e2e.describe(ns, name)
     runs = Executions(e2e.kube, ns)
@@ -59,6 +65,17 @@ def test_examples_become_ready_and_serve_exec_and_files(e2e: E2E, repo: Path) ->
     assert agent.read("notes/hello.txt") == "hello from the test host\n"
     listed = agent.run(shell="cat notes/hello.txt && id -u")
     assert listed["stdout"] == "hello from the test host\n1000\n"
+
+    # template-python-setup.yaml: the Sandbox starts from the template's base
+    # snapshot, with what the setup steps installed into /workspace.
+    template = e2e.kubectl("get", "-n", ns, "sandboxtemplate", "py-tools", "-o", "json")
+    base = json.loads(template.stdout)["status"]["baseSnapshot"]
+    recorded = (Sandboxes(e2e.kube, ns).get("py-tools-demo") or {})["status"]["template"]
+    assert recorded["baseSnapshot"] == base
+    tools = Agent.of(e2e.kube, ns, "py-tools-demo")
+    assert tools.run(["bin/greet", "e2e"])["stdout"] == "hello, e2e, from the base snapshot\n"
+    imported = tools.run(["python3", "-c", "import greet; print(greet.hello('env'))"])
+    assert imported["stdout"] == "hello, env, from the base snapshot\n", imported
 
 
 def test_runtime_images_provide_their_tools(e2e: E2E) -> None:
