@@ -352,3 +352,81 @@ def test_template_setup_becomes_the_base_every_new_sandbox_starts_from(
     assert (volume / "lib" / "answer").read_text() == "42\n"
     used = sandboxes.read("app")["status"]["template"]
     assert used["baseSnapshot"] == build, used
+
+
+def _run_build(
+    cluster: StorageControlPlane, skube: KubeJSON, sns: str, tmp_path: Path, template: str
+) -> str:
+    """Play the node for the template's current build; its new base snapshot's name."""
+    templates = Templates(skube, sns)
+    build = wait_for(
+        lambda: (templates.get(template) or {}).get("status", {}).get("buildSandbox"),
+        30,
+        "build sandbox",
+    )
+    wait_for(lambda: skube.get(core_path("pods", sns, build)), 30, f"pod {build}")
+    agent = AgentProcess(tmp_path / build, next_pod_ip(), 8080, secret_token(skube, sns, build))
+    agent.workspace = workspace_dir(cluster, skube, sns, build)
+    agent.start()
+    try:
+        Node(skube).run_pod(sns, build, agent.ip)
+        wait_for(
+            lambda: (templates.get(template) or {}).get("status", {}).get("baseSnapshot") == build,
+            120,
+            f"base snapshot {build}",
+        )
+    finally:
+        agent.stop()
+    wait_for(lambda: Sandboxes(skube, sns).get(build) is None, 30, f"{build} removed")
+    return str(build)
+
+
+def _setup(marker: str) -> list[JSON]:
+    return [{"name": "marker", "script": f"echo {marker} > marker.txt"}]
+
+
+def test_a_setup_change_builds_a_new_base_without_touching_existing_sandboxes(
+    cluster: StorageControlPlane, skube: KubeJSON, sns: str, tmp_path: Path
+) -> None:
+    templates, sandboxes = Templates(skube, sns), Sandboxes(skube, sns)
+    snapshots = Snapshots(skube, sns)
+    sandbox = {"runtime": "python", "workspace": {"size": "16Mi"}}
+    templates.create("tools", {"sandbox": sandbox, "setup": _setup("v1")})
+    first = _run_build(cluster, skube, sns, tmp_path, "tools")
+    sandboxes.create("old", {"templateRef": {"name": "tools"}, "paused": True})
+    assert (workspace_dir(cluster, skube, sns, "old") / "marker.txt").read_text() == "v1\n"
+    digest = templates.read("tools")["status"]["setupHash"]
+
+    # New steps: a new build, and a Sandbox created meanwhile waits for it.
+    templates.patch("tools", {"spec": {"setup": _setup("v2")}})
+    wait_for(
+        lambda: templates.read("tools")["status"].get("buildSandbox") not in (None, first),
+        30,
+        "a second build",
+    )
+    sandboxes.create("new", {"templateRef": {"name": "tools"}, "paused": True})
+    held = wait_for(
+        lambda: (
+            (c := sandboxes.condition("new", "Ready")) and c["reason"] == "TemplateNotReady" and c
+        ),
+        20,
+        "new held until the base is built",
+    )
+    assert "SandboxTemplate tools" in held["message"], held
+    second = _run_build(cluster, skube, sns, tmp_path, "tools")
+    assert second != first
+    status = templates.wait_ready("tools")["status"]
+    assert status["setupHash"] != digest
+    assert (workspace_dir(cluster, skube, sns, "new") / "marker.txt").read_text() == "v2\n"
+    assert sandboxes.read("new")["status"]["template"]["baseSnapshot"] == second
+
+    # The Sandbox of the first base keeps its workspace and its record; the first
+    # base is kept as the previous one until a third build replaces it.
+    assert (workspace_dir(cluster, skube, sns, "old") / "marker.txt").read_text() == "v1\n"
+    assert sandboxes.read("old")["status"]["template"]["baseSnapshot"] == first
+    assert snapshots.get(first) is not None
+    templates.patch("tools", {"spec": {"setup": _setup("v3")}})
+    third = _run_build(cluster, skube, sns, tmp_path, "tools")
+    wait_for(lambda: snapshots.get(first) is None, 30, f"the oldest base {first} deleted")
+    assert snapshots.get(second) is not None
+    assert third not in (first, second)
