@@ -59,6 +59,12 @@ TEMPLATE_BUILDS = Counter(
     "Base snapshot builds of SandboxTemplates, by event (started, succeeded, failed).",
     ["event"],
 )
+TEMPLATE_BUILD_SECONDS = Histogram(
+    "sandbox_operator_template_build_seconds",
+    "Time from a base build's start (its build Sandbox's creation) to its base snapshot"
+    " being ready.",
+    buckets=(5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200),
+)
 AGENT_ERRORS = Counter(
     "sandbox_operator_agent_errors_total",
     "Failed calls from the operator to sandbox agents.",

@@ -385,8 +385,16 @@ def _setup(marker: str) -> list[JSON]:
     return [{"name": "marker", "script": f"echo {marker} > marker.txt"}]
 
 
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
 def test_a_setup_change_builds_a_new_base_without_touching_existing_sandboxes(
-    cluster: StorageControlPlane, skube: KubeJSON, sns: str, tmp_path: Path
+    cluster: StorageControlPlane,
+    skube: KubeJSON,
+    sns: str,
+    tmp_path: Path,
+    soperator: OperatorProcess,
 ) -> None:
     templates, sandboxes = Templates(skube, sns), Sandboxes(skube, sns)
     snapshots = Snapshots(skube, sns)
@@ -430,3 +438,8 @@ def test_a_setup_change_builds_a_new_base_without_touching_existing_sandboxes(
     wait_for(lambda: snapshots.get(first) is None, 30, f"the oldest base {first} deleted")
     assert snapshots.get(second) is not None
     assert third not in (first, second)
+    # Three builds here (other tests of the module may have added theirs).
+    text = soperator.metrics()
+    assert _metric(text, "sandbox_operator_template_build_seconds_count") >= 3, text
+    succeeded = 'sandbox_operator_template_builds_total{event="succeeded"}'
+    assert _metric(text, succeeded) >= 3, text

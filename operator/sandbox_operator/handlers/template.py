@@ -27,7 +27,7 @@ from sandbox_operator.api.template import (
 )
 from sandbox_operator.builders import template as build
 from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, find, merge
-from sandbox_operator.clock import iso, now_utc
+from sandbox_operator.clock import iso, now_utc, parse_time
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.kube import MERGE_PATCH, status_patch
 from sandbox_operator.resources import (
@@ -140,6 +140,8 @@ class Build:
         status = snapshot.get("status") or {}
         phase = status.get("phase")
         if phase == SnapshotPhase.READY:
+            if self.old.base_snapshot != names["snapshot"]:
+                await self.observe_duration(names["sandbox"])
             await self.remove_build_sandbox(names["sandbox"])
             await self.prune({names["snapshot"], self.old.base_snapshot or ""}, names["sandbox"])
             if self.old.base_snapshot != names["snapshot"]:
@@ -224,6 +226,14 @@ class Build:
         )
         await self.remove_build_sandbox(names["sandbox"])
         raise kopf.PermanentError(message)
+
+    async def observe_duration(self, build_sandbox: str) -> None:
+        """A finished build's duration, from its build Sandbox's creation (gone after a
+        restart between its removal and the status write: not observed then)."""
+        sandbox = await self.ctx.kube.get(SANDBOXES.path(self.namespace, build_sandbox))
+        if sandbox is not None:
+            started = parse_time(sandbox["metadata"]["creationTimestamp"])
+            metrics.TEMPLATE_BUILD_SECONDS.observe((now_utc() - started).total_seconds())
 
     async def remove_build_sandbox(self, name: str) -> None:
         await self.ctx.kube.delete(SANDBOXES.path(self.namespace, name))
