@@ -310,54 +310,11 @@ def test_a_driver_without_a_snapshot_class_cannot_snapshot(
     assert "cannot take snapshots" in cond["message"]
 
 
-def test_template_setup_becomes_the_base_every_new_sandbox_starts_from(
-    cluster: StorageControlPlane, skube: KubeJSON, sns: str, tmp_path: Path
-) -> None:
-    templates, sandboxes = Templates(skube, sns), Sandboxes(skube, sns)
-    templates.create(
-        "py",
-        {
-            "description": "python with a prepared workspace",
-            "sandbox": {"runtime": "python", "workspace": {"size": "16Mi"}},
-            "setup": [
-                {"name": "deps", "script": "mkdir -p lib && echo 42 > lib/answer"},
-                {"name": "marker", "script": "echo installed > installed.txt; echo done"},
-            ],
-        },
-    )
-    build = wait_for(
-        lambda: (templates.get("py") or {}).get("status", {}).get("buildSandbox"),
-        30,
-        "build sandbox",
-    )
-    wait_for(lambda: skube.get(core_path("pods", sns, build)), 30, f"pod {build}")
-    # The node's part, with the agent working in the build sandbox's real volume.
-    agent = AgentProcess(tmp_path / "agent", next_pod_ip(), 8080, secret_token(skube, sns, build))
-    agent.workspace = workspace_dir(cluster, skube, sns, build)
-    agent.start()
-    try:
-        Node(skube).run_pod(sns, build, agent.ip)
-        ready = templates.wait_ready("py", timeout=120)["status"]
-    finally:
-        agent.stop()
-    assert ready["baseSnapshot"] == build, ready
-    assert "--- marker (Succeeded) ---\ndone" in ready["buildLog"], ready
-    assert Snapshots(skube, sns).read(build)["status"]["readyToUse"] is True
-    wait_for(lambda: sandboxes.get(build) is None, 30, "build sandbox removed")
-
-    # A Sandbox of the template starts from the base: its workspace holds the setup's files.
-    sandboxes.create("app", {"templateRef": {"name": "py"}, "paused": True})
-    volume = workspace_dir(cluster, skube, sns, "app")
-    assert (volume / "installed.txt").read_text() == "installed\n"
-    assert (volume / "lib" / "answer").read_text() == "42\n"
-    used = sandboxes.read("app")["status"]["template"]
-    assert used["baseSnapshot"] == build, used
-
-
 def _run_build(
     cluster: StorageControlPlane, skube: KubeJSON, sns: str, tmp_path: Path, template: str
 ) -> str:
-    """Play the node for the template's current build; its new base snapshot's name."""
+    """Play the node for the template's current build, with the agent working in the
+    build sandbox's real volume; its new base snapshot's name."""
     templates = Templates(skube, sns)
     build = wait_for(
         lambda: (templates.get(template) or {}).get("status", {}).get("buildSandbox"),
@@ -379,6 +336,36 @@ def _run_build(
         agent.stop()
     wait_for(lambda: Sandboxes(skube, sns).get(build) is None, 30, f"{build} removed")
     return str(build)
+
+
+def test_template_setup_becomes_the_base_every_new_sandbox_starts_from(
+    cluster: StorageControlPlane, skube: KubeJSON, sns: str, tmp_path: Path
+) -> None:
+    templates, sandboxes = Templates(skube, sns), Sandboxes(skube, sns)
+    templates.create(
+        "py",
+        {
+            "description": "python with a prepared workspace",
+            "sandbox": {"runtime": "python", "workspace": {"size": "16Mi"}},
+            "setup": [
+                {"name": "deps", "script": "mkdir -p lib && echo 42 > lib/answer"},
+                {"name": "marker", "script": "echo installed > installed.txt; echo done"},
+            ],
+        },
+    )
+    build = _run_build(cluster, skube, sns, tmp_path, "py")
+    ready = templates.wait_ready("py")["status"]
+    assert ready["baseSnapshot"] == build, ready
+    assert "--- marker (Succeeded) ---\ndone" in ready["buildLog"], ready
+    assert Snapshots(skube, sns).read(build)["status"]["readyToUse"] is True
+
+    # A Sandbox of the template starts from the base: its workspace holds the setup's files.
+    sandboxes.create("app", {"templateRef": {"name": "py"}, "paused": True})
+    volume = workspace_dir(cluster, skube, sns, "app")
+    assert (volume / "installed.txt").read_text() == "installed\n"
+    assert (volume / "lib" / "answer").read_text() == "42\n"
+    used = sandboxes.read("app")["status"]["template"]
+    assert used["baseSnapshot"] == build, used
 
 
 def _setup(marker: str) -> list[JSON]:
