@@ -14,11 +14,12 @@ import httpx
 import pytest
 import yaml
 
+from sandbox_operator.api.common import API_VERSION
 from tests.e2e.agent import Agent
 from tests.e2e.conftest import E2E
 from tests.executions import Executions
 from tests.integration.harness import wait_for
-from tests.kube import KubeJSON, core_path
+from tests.kube import KubeJSON, api_path, core_path
 from tests.sandboxes import Sandboxes
 
 # The session fixture's setup (node binaries, CSI builds and images when the
@@ -59,6 +60,18 @@ def test_examples_become_ready_and_serve_exec_and_files(e2e: E2E, repo: Path) ->
     assert agent.read("notes/hello.txt") == "hello from the test host\n"
     listed = agent.run(shell="cat notes/hello.txt && id -u")
     assert listed["stdout"] == "hello from the test host\n1000\n"
+
+    # The template example: its setup ran once, into the base snapshot its Sandbox started from.
+    template = e2e.kube.read(api_path(API_VERSION, "sandboxtemplates", ns, "python-data"))
+    assert template["status"]["baseSnapshot"].startswith("python-data-base-"), template["status"]
+    assert "--- tools (Succeeded) ---" in template["status"]["buildLog"]
+    used = Sandboxes(e2e.kube, ns).read("data-demo")["status"]["template"]
+    assert used["baseSnapshot"] == template["status"]["baseSnapshot"]
+    prepared = Agent.of(e2e.kube, ns, "data-demo").run(
+        shell='cat .setup-done && "$VIRTUAL_ENV/bin/python" -c'
+        ' \'import sys; sys.path.insert(0, "lib"); import greeting; print(greeting.greet("you"))\''
+    )
+    assert prepared["stdout"] == "ready\nhello you\n", prepared
 
 
 def test_runtime_images_provide_their_tools(e2e: E2E) -> None:
