@@ -6,7 +6,6 @@ The operator runs in-cluster, installed from charts/ like a user would.
 from __future__ import annotations
 
 import base64
-import json
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -15,11 +14,12 @@ import httpx
 import pytest
 import yaml
 
+from sandbox_operator.api.common import API_VERSION
 from tests.e2e.agent import Agent
 from tests.e2e.conftest import E2E
 from tests.executions import Executions
 from tests.integration.harness import wait_for
-from tests.kube import KubeJSON, core_path
+from tests.kube import KubeJSON, api_path, core_path
 from tests.sandboxes import Sandboxes
 
 # The session fixture's setup (node binaries, CSI builds and images when the
@@ -66,16 +66,17 @@ def test_examples_become_ready_and_serve_exec_and_files(e2e: E2E, repo: Path) ->
     listed = agent.run(shell="cat notes/hello.txt && id -u")
     assert listed["stdout"] == "hello from the test host\n1000\n"
 
-    # template-python-setup.yaml: the Sandbox starts from the template's base
-    # snapshot, with what the setup steps installed into /workspace.
-    template = e2e.kubectl("get", "-n", ns, "sandboxtemplate", "py-tools", "-o", "json")
-    base = json.loads(template.stdout)["status"]["baseSnapshot"]
-    recorded = (Sandboxes(e2e.kube, ns).get("py-tools-demo") or {})["status"]["template"]
-    assert recorded["baseSnapshot"] == base
-    tools = Agent.of(e2e.kube, ns, "py-tools-demo")
-    assert tools.run(["bin/greet", "e2e"])["stdout"] == "hello, e2e, from the base snapshot\n"
-    imported = tools.run(["python3", "-c", "import greet; print(greet.hello('env'))"])
-    assert imported["stdout"] == "hello, env, from the base snapshot\n", imported
+    # The template example: its setup ran once, into the base snapshot its Sandbox started from.
+    template = e2e.kube.read(api_path(API_VERSION, "sandboxtemplates", ns, "python-data"))
+    assert template["status"]["baseSnapshot"].startswith("python-data-base-"), template["status"]
+    assert "--- tools (Succeeded) ---" in template["status"]["buildLog"]
+    used = Sandboxes(e2e.kube, ns).read("data-demo")["status"]["template"]
+    assert used["baseSnapshot"] == template["status"]["baseSnapshot"]
+    prepared = Agent.of(e2e.kube, ns, "data-demo").run(
+        shell='cat .setup-done && "$VIRTUAL_ENV/bin/python" -c'
+        ' \'import sys; sys.path.insert(0, "lib"); import greeting; print(greeting.greet("you"))\''
+    )
+    assert prepared["stdout"] == "ready\nhello you\n", prepared
 
 
 def test_runtime_images_provide_their_tools(e2e: E2E) -> None:

@@ -407,6 +407,56 @@ def _ca_for_children(control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("SDK_TEST_CA", str(control_plane.ca_cert))
 
 
+def test_sandboxes_from_templates_and_the_catalog(
+    client: SandboxClient, kube: KubeJSON, ns: str, live_sandbox: LiveSandbox
+) -> None:
+    catalog = f"node-{os.urandom(3).hex()}"
+    kube.create(
+        api_path("sandbox.dev/v1alpha1", "clustersandboxtemplates"),
+        {
+            "apiVersion": "sandbox.dev/v1alpha1",
+            "kind": "ClusterSandboxTemplate",
+            "metadata": {"name": catalog},
+            "spec": {"description": "Node.js", "sandbox": {"runtime": "node"}},
+        },
+    )
+    try:
+        kube.create(
+            api_path("sandbox.dev/v1alpha1", "sandboxtemplates", ns),
+            {
+                "apiVersion": "sandbox.dev/v1alpha1",
+                "kind": "SandboxTemplate",
+                "metadata": {"name": "team"},
+                "spec": {
+                    "description": "the team's defaults",
+                    "sandbox": {"runtime": "python", "env": [{"name": "TEAM", "value": "a"}]},
+                },
+            },
+        )
+        listed = {(t.kind, t.name): t for t in client.list_templates()}
+        team = listed[("SandboxTemplate", "team")]
+        assert team.description == "the team's defaults"
+        assert team.runtime == "python"
+        assert listed[("ClusterSandboxTemplate", catalog)].runtime == "node"
+
+        with client.create(template="team", name="teamed", env={"OWN": "b"}, wait=False) as sb:
+            _start(live_sandbox, "teamed")
+            spec = sb.refresh().spec
+            assert spec.template_ref is not None
+            assert spec.template_ref.name == "team"
+            pod = kube.read(core_path("pods", ns, "teamed"))
+            env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+            assert env["TEAM"] == "a"
+            assert env["OWN"] == "b"
+        with client.create(cluster_template=catalog, name="cataloged", wait=False):
+            pod = wait_for(lambda: kube.get(core_path("pods", ns, "cataloged")), 20, "pod")
+            assert pod["spec"]["containers"][0]["image"] == "sandbox-runtime-node:dev"
+        with pytest.raises(ValueError, match="not both"):
+            client.create(template="team", cluster_template=catalog)
+    finally:
+        kube.delete(api_path("sandbox.dev/v1alpha1", "clustersandboxtemplates", name=catalog))
+
+
 def test_discovery_modes(
     control_plane: ControlPlane,
     kube: KubeJSON,

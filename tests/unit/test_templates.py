@@ -1,13 +1,10 @@
-"""Templates: the effective spec of a Sandbox (template defaults under its own
-fields), the setup digest and build names, what a Sandbox takes from a
-template, and the pausedTimeout deadline. Pure functions."""
+"""Templates: the effective spec of a Sandbox, what it takes from a template,
+the setup digest and build log, and the paused deadline. Pure functions."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
-
-import pytest
 
 from sandbox_operator.api.sandbox import (
     EgressPolicy,
@@ -18,317 +15,277 @@ from sandbox_operator.api.sandbox import (
     TemplateRef,
 )
 from sandbox_operator.api.template import SandboxTemplateSpec, SetupStep
-from sandbox_operator.builders.template import (
-    LOG_TAIL,
-    build_log,
-    build_names,
-    effective_spec,
-    sandbox_spec,
-    setup_hash,
-)
+from sandbox_operator.builders import template as build
 from sandbox_operator.handlers.sandbox.lifecycle import paused_fields
 from sandbox_operator.handlers.sandbox.template import use_of
 
 JSON = dict[str, Any]
 
-TEMPLATE_DEFAULTS: JSON = {
-    "runtime": "python",
-    "imagePullPolicy": "IfNotPresent",
-    "resources": {"cpu": "1", "memory": "1Gi"},
-    "env": [{"name": "A", "value": "template"}, {"name": "B", "value": "template"}],
-    "workspace": {"size": "2Gi", "storageClassName": "fast"},
-    "lifecycle": {"idleTimeout": "1h", "onIdle": "Pause", "pausedTimeout": "24h"},
-    "network": {"egress": "None"},
-    "runtimeClassName": "gvisor",
-    "nodeSelector": {"pool": "sandboxes", "zone": "a"},
-    "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
-    "podLabels": {"team": "ml", "tier": "batch"},
-    "podAnnotations": {"note": "template"},
-}
+TEMPLATE = SandboxSpec.model_validate(
+    {
+        "runtime": "node",
+        "resources": {"cpu": "250m", "memory": "256Mi"},
+        "env": [{"name": "A", "value": "t"}, {"name": "B", "value": "t"}],
+        "lifecycle": {"onIdle": "Pause", "idleTimeout": "10m"},
+        "network": {"egress": "None"},
+        "nodeSelector": {"tier": "a", "zone": "z1"},
+        "podLabels": {"team": "x"},
+        "workspace": {"size": "2Gi"},
+    }
+)
 
 
-def _merged(own: JSON, defaults: JSON | None = None) -> SandboxSpec:
-    return effective_spec(
-        SandboxSpec.model_validate(TEMPLATE_DEFAULTS if defaults is None else defaults),
-        SandboxSpec.model_validate(own),
+def own(spec: JSON) -> SandboxSpec:
+    return SandboxSpec.model_validate({"templateRef": {"name": "t"}, **spec})
+
+
+def test_unset_fields_come_from_the_template() -> None:
+    # What the API server stores for a Sandbox that names only its template.
+    spec = build.effective_spec(
+        TEMPLATE, own({"resources": {}, "workspace": {}, "lifecycle": {}, "network": {}})
     )
-
-
-def test_a_sandbox_that_sets_nothing_takes_every_template_field() -> None:
-    spec = _merged({"templateRef": {"name": "t"}})
-    assert spec.runtime == "python"
-    assert spec.image_pull_policy == "IfNotPresent"
-    assert (spec.resources.cpu, spec.resources.memory) == ("1", "1Gi")
-    assert [(v.name, v.value) for v in spec.env] == [("A", "template"), ("B", "template")]
-    assert (spec.workspace.size, spec.workspace.storage_class_name) == ("2Gi", "fast")
-    assert spec.lifecycle.idle_timeout == "1h"
+    assert spec.runtime == "node"
+    assert spec.resources.cpu == "250m"
     assert spec.lifecycle.on_idle is OnIdle.PAUSE
-    assert spec.lifecycle.paused_timeout == "24h"
+    assert spec.lifecycle.idle_timeout == "10m"
     assert spec.network.egress is EgressPolicy.NONE
-    assert spec.runtime_class_name == "gvisor"
-    assert spec.node_selector == {"pool": "sandboxes", "zone": "a"}
-    assert [t.key for t in spec.tolerations] == ["dedicated"]
-    assert spec.pod_labels == {"team": "ml", "tier": "batch"}
-    assert spec.pod_annotations == {"note": "template"}
+    assert spec.workspace.size == "2Gi"
     assert spec.template_ref == TemplateRef(name="t")
 
 
-@pytest.mark.parametrize(
-    ("own", "field", "expected"),
-    [
-        ({"runtimeClassName": "runc"}, "runtime_class_name", "runc"),
-        ({"imagePullPolicy": "Always"}, "image_pull_policy", "Always"),
-        ({"paused": True}, "paused", True),
-    ],
-)
-def test_a_scalar_the_sandbox_sets_wins(own: JSON, field: str, expected: object) -> None:
-    assert getattr(_merged(own), field) == expected
-
-
-def test_choosing_an_image_replaces_the_templates_runtime_and_pull_policy() -> None:
-    spec = _merged({"image": "example.org/tools:1"})
-    assert (spec.image, spec.runtime) == ("example.org/tools:1", None)
-    # The pull policy belonged to the template's image, not to this one.
-    assert spec.image_pull_policy is None
-    spec = _merged({"runtime": "node"})
-    assert (spec.runtime, spec.image) == ("node", None)
-    spec = _merged({"image": "example.org/tools:1"}, {"image": "example.org/base:2"})
-    assert spec.image == "example.org/tools:1"
-
-
-def test_nested_objects_merge_field_by_field() -> None:
-    spec = _merged(
-        {
-            "resources": {"memory": "4Gi"},
-            "workspace": {"size": "8Gi"},
-            "lifecycle": {"onIdle": "Delete", "snapshotOnIdle": True},
-            "network": {"exposedPorts": [{"name": "web", "port": 8080}]},
-        }
+def test_set_fields_win_even_at_their_default_values() -> None:
+    spec = build.effective_spec(
+        TEMPLATE,
+        own(
+            {
+                "resources": {"memory": "1Gi"},
+                "lifecycle": {"onIdle": "Delete"},
+                "network": {"egress": "Internet"},
+            }
+        ),
     )
-    assert (spec.resources.cpu, spec.resources.memory) == ("1", "4Gi")
-    assert (spec.workspace.size, spec.workspace.storage_class_name) == ("8Gi", "fast")
-    lifecycle = spec.lifecycle
-    assert (lifecycle.idle_timeout, lifecycle.paused_timeout) == ("1h", "24h")
-    assert (lifecycle.on_idle, lifecycle.snapshot_on_idle) == (OnIdle.DELETE, True)
-    assert spec.network.egress is EgressPolicy.NONE
-    assert [p.port for p in spec.network.exposed_ports] == [8080]
-
-
-def test_a_field_set_to_its_default_value_still_overrides_the_template() -> None:
-    """Explicit `egress: Internet` / `onIdle: Delete` are choices, not absences."""
-    spec = _merged({"network": {"egress": "Internet"}, "lifecycle": {"onIdle": "Delete"}})
-    assert spec.network.egress is EgressPolicy.INTERNET
+    assert spec.resources.memory == "1Gi"
+    assert spec.resources.cpu == "250m"  # the sibling field still comes from the template
     assert spec.lifecycle.on_idle is OnIdle.DELETE
-    assert spec.lifecycle.idle_timeout == "1h"
+    assert spec.lifecycle.idle_timeout == "10m"
+    assert spec.network.egress is EgressPolicy.INTERNET
 
 
-def test_env_merges_by_name_the_sandbox_winning() -> None:
-    spec = _merged({"env": [{"name": "B", "value": "mine"}, {"name": "C", "value": "mine"}]})
-    assert [(v.name, v.value) for v in spec.env] == [
-        ("A", "template"),
-        ("B", "mine"),
-        ("C", "mine"),
-    ]
-
-
-def test_maps_merge_by_key_the_sandbox_winning() -> None:
-    spec = _merged(
-        {
-            "nodeSelector": {"zone": "b"},
-            "podLabels": {"tier": "interactive", "owner": "ana"},
-            "podAnnotations": {"extra": "1"},
-        }
+def test_env_and_maps_merge_by_key() -> None:
+    spec = build.effective_spec(
+        TEMPLATE,
+        own(
+            {
+                "env": [{"name": "B", "value": "own"}, {"name": "C", "value": "own"}],
+                "nodeSelector": {"zone": "z2"},
+                "podLabels": {"app": "demo"},
+            }
+        ),
     )
-    assert spec.node_selector == {"pool": "sandboxes", "zone": "b"}
-    assert spec.pod_labels == {"team": "ml", "tier": "interactive", "owner": "ana"}
-    assert spec.pod_annotations == {"note": "template", "extra": "1"}
+    assert [(v.name, v.value) for v in spec.env] == [("A", "t"), ("B", "own"), ("C", "own")]
+    assert spec.node_selector == {"tier": "a", "zone": "z2"}
+    assert spec.pod_labels == {"team": "x", "app": "demo"}
 
 
-def test_tolerations_of_the_sandbox_replace_the_templates() -> None:
-    spec = _merged({"tolerations": [{"key": "gpu", "operator": "Exists"}]})
-    assert [t.key for t in spec.tolerations] == ["gpu"]
-    assert [t.key for t in _merged({"tolerations": []}).tolerations] == []
+def test_choosing_an_image_drops_the_template_runtime() -> None:
+    spec = build.effective_spec(TEMPLATE, own({"image": "python:3.12-slim"}))
+    assert spec.image == "python:3.12-slim"
+    assert spec.runtime is None
+    assert build.effective_spec(TEMPLATE, own({"runtime": "python"})).runtime == "python"
 
 
-def test_without_a_template_the_operator_defaults_apply_as_before() -> None:
-    spec = _merged({}, defaults={})
-    assert spec.lifecycle.on_idle is OnIdle.DELETE
-    assert spec.network.egress is EgressPolicy.INTERNET
-    assert spec.workspace.ephemeral is False
-    assert spec == SandboxSpec()
-
-
-def _body(spec: JSON, template: JSON | None) -> JSON:
-    return {"spec": spec, "status": {"template": template} if template else {}}
-
-
-def _use(base: str | None = "t-base-0123456789") -> JSON:
+def body_with(template: JSON | None, spec: JSON) -> JSON:
+    status: JSON = {"template": template} if template is not None else {}
     return {
+        "metadata": {"name": "s"},
+        "spec": {"templateRef": {"name": "t"}, **spec},
+        "status": status,
+    }
+
+
+def test_sandbox_spec_reads_the_recorded_defaults_and_base_snapshot() -> None:
+    recorded: JSON = {
         "kind": "SandboxTemplate",
         "name": "t",
-        "generation": 2,
-        "baseSnapshot": base,
-        "defaults": {"runtime": "python", "lifecycle": {"idleTimeout": "1h"}},
+        "baseSnapshot": "t-base-1",
+        "defaults": TEMPLATE.to_wire(),
     }
+    spec = build.sandbox_spec(body_with(recorded, {}))
+    assert spec.runtime == "node"
+    assert spec.workspace.from_snapshot == "t-base-1"
+    # The Sandbox's own snapshot, or an ephemeral workspace, wins over the base.
+    mine = build.sandbox_spec(body_with(recorded, {"workspace": {"fromSnapshot": "mine"}}))
+    assert mine.workspace.from_snapshot == "mine"
+    scratch = build.sandbox_spec(body_with(recorded, {"workspace": {"ephemeral": True}}))
+    assert scratch.workspace.from_snapshot is None
+    # Not recorded yet: the Sandbox's own spec alone.
+    assert build.sandbox_spec(body_with(None, {})).runtime is None
 
 
-def test_sandbox_spec_reads_the_recorded_defaults_and_starts_from_the_base() -> None:
-    spec = sandbox_spec(_body({"templateRef": {"name": "t"}}, _use()))
-    assert spec.runtime == "python"
-    assert spec.lifecycle.idle_timeout == "1h"
-    assert spec.workspace.from_snapshot == "t-base-0123456789"
+def template(spec: JSON, status: JSON | None = None) -> JSON:
+    return {"metadata": {"name": "t", "generation": 4}, "spec": spec, "status": status or {}}
 
 
-def test_sandbox_spec_keeps_the_sandboxs_own_snapshot_and_ephemeral_workspaces() -> None:
-    own: JSON = {"templateRef": {"name": "t"}, "workspace": {"fromSnapshot": "mine"}}
-    assert sandbox_spec(_body(own, _use())).workspace.from_snapshot == "mine"
-    own = {"templateRef": {"name": "t"}, "workspace": {"ephemeral": True}}
-    assert sandbox_spec(_body(own, _use())).workspace.from_snapshot is None
-    own = {"templateRef": {"name": "t"}}
-    assert sandbox_spec(_body(own, _use(base=None))).workspace.from_snapshot is None
+def test_use_of_a_template_without_setup_needs_no_status() -> None:
+    use, why = use_of(TemplateRef(name="t"), template({"sandbox": {"runtime": "node"}}))
+    assert why == ""
+    assert use is not None
+    assert use.generation == 4
+    assert use.base_snapshot is None
+    assert use.defaults["runtime"] == "node"
 
 
-def test_sandbox_spec_waits_for_the_record_and_ignores_one_without_a_ref() -> None:
-    """Before the template is read there are no defaults to apply; a Sandbox without
-    templateRef is exactly its own spec."""
-    assert sandbox_spec(_body({"templateRef": {"name": "t"}}, None)).runtime is None
-    assert sandbox_spec(_body({"image": "x:1"}, _use())).runtime is None
-
-
-def _template(spec: JSON, status: JSON | None = None, kind: str = "SandboxTemplate") -> JSON:
-    return {
-        "kind": kind,
-        "metadata": {"name": "t", "generation": 4},
-        "spec": spec,
-        **({"status": status} if status else {}),
+def test_use_of_a_template_with_setup_waits_for_its_base() -> None:
+    spec: JSON = {"setup": [{"name": "a", "script": "true"}]}
+    digest = build.setup_hash(SandboxTemplateSpec.model_validate(spec))
+    ref = TemplateRef(name="t")
+    building = {
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "False",
+                "reason": "Building",
+                "message": "step a (1/1) running",
+            }
+        ],
     }
+    use, why = use_of(ref, template(spec, building))
+    assert use is None
+    assert why == "its base snapshot is not ready: step a (1/1) running"
+    ready = {
+        "setupHash": digest,
+        "baseSnapshot": "t-base-x",
+        "conditions": [{"type": "Ready", "status": "True", "reason": "TemplateReady"}],
+    }
+    use, _ = use_of(ref, template(spec, ready))
+    assert use is not None
+    assert use.base_snapshot == "t-base-x"
+    # A base built from older steps is not this template's base.
+    stale, why = use_of(ref, template(spec, {**ready, "setupHash": "older"}))
+    assert stale is None
+    cluster, _ = use_of(TemplateRef(kind=TemplateKind.CLUSTER, name="t"), template({}))
+    assert cluster is not None
 
 
-STEPS: JSON = {"setup": [{"name": "venv", "script": "python3 -m venv /workspace/.venv"}]}
+def test_setup_hash_follows_the_steps_and_what_they_run_with() -> None:
+    steps = [SetupStep(name="a", script="pip install x")]
+    base = SandboxTemplateSpec(setup=steps)
+    assert build.setup_hash(SandboxTemplateSpec()) is None
+    assert build.setup_hash(base) == build.setup_hash(SandboxTemplateSpec(setup=steps))
+    assert build.setup_hash(base) != build.setup_hash(
+        SandboxTemplateSpec(setup=[SetupStep(name="a", script="pip install y")])
+    )
+    other_image = SandboxTemplateSpec(setup=steps, sandbox=SandboxSpec(runtime="node"))
+    assert build.setup_hash(base) != build.setup_hash(other_image)
+    described = SandboxTemplateSpec(setup=steps, description="now with words")
+    assert build.setup_hash(base) == build.setup_hash(described)
 
 
-def test_setup_hash_follows_the_steps_and_the_fields_they_run_with() -> None:
-    def digest(spec: JSON) -> str | None:
-        return setup_hash(SandboxTemplateSpec.model_validate(spec))
-
-    assert digest({"description": "no steps"}) is None
-    first = digest(STEPS)
-    assert first is not None
-    assert digest({**STEPS, "description": "other words"}) == first
-    assert digest({**STEPS, "sandbox": {"lifecycle": {"idleTimeout": "5m"}}}) == first
-    changed = [
-        {"setup": [{"name": "venv", "script": "python3 -m venv /workspace/env"}]},
-        {"setup": [{"name": "venv", "script": STEPS["setup"][0]["script"], "timeout": "1m"}]},
-        {**STEPS, "sandbox": {"image": "example.org/py:3.12"}},
-        {**STEPS, "sandbox": {"env": [{"name": "PIP_INDEX_URL", "value": "http://mirror"}]}},
-        {**STEPS, "sandbox": {"resources": {"memory": "2Gi"}}},
-        {**STEPS, "sandbox": {"workspace": {"size": "4Gi"}}},
-    ]
-    digests = [digest(spec) for spec in changed]
-    assert first not in digests
-    assert len(set(digests)) == len(digests)
-
-
-def test_build_names_fit_a_sandbox_name_and_name_the_digest() -> None:
-    names = build_names("a" * 63, "0123456789abcdef")
-    assert names["sandbox"] == names["snapshot"]
+def test_build_names_fit_a_sandbox_name() -> None:
+    names = build.build_names("t" * 63, "0123456789abcdef")
     assert len(names["sandbox"]) <= 50
     assert names["sandbox"].endswith("-base-0123456789")
-    assert build_names("py", "0123456789")["sandbox"] == "py-base-0123456789"
 
 
 def test_build_log_names_each_step_and_keeps_the_tail() -> None:
-    steps = [SetupStep(name="one", script="true"), SetupStep(name="two", script="false")]
-    done = {"status": {"phase": "Succeeded", "stdout": "installed\n"}}
-    failed = {"status": {"phase": "Failed", "stdout": "no such file\n"}}
-    assert build_log(steps, []) is None
-    log = build_log(steps, [done, failed])
-    assert log == "--- one (Succeeded) ---\ninstalled\n--- two (Failed) ---\nno such file"
-    assert build_log(steps, [done, None]) == "--- one (Succeeded) ---\ninstalled"
-    noisy = {"status": {"phase": "Succeeded", "stdout": "x" * (3 * LOG_TAIL) + "END"}}
-    tail = build_log(steps, [noisy])
-    assert tail is not None
-    assert len(tail) == LOG_TAIL
-    assert tail.endswith("END")
-
-
-def test_use_of_a_template_without_setup_takes_its_fields() -> None:
-    ref = TemplateRef(name="t")
-    use, why = use_of(ref, _template({"sandbox": {"runtime": "node"}}))
-    assert why == ""
-    assert use is not None
-    assert (use.kind, use.name, use.generation) == (TemplateKind.NAMESPACED, "t", 4)
-    assert SandboxSpec.model_validate(use.defaults).runtime == "node"
-    assert use.base_snapshot is None
-
-
-def _ready(status: str, reason: str, message: str, digest: str | None, base: str | None) -> JSON:
-    cond = {"type": "Ready", "status": status, "reason": reason, "message": message}
-    return {"conditions": [cond], "setupHash": digest, "baseSnapshot": base}
-
-
-def test_use_of_a_template_with_setup_waits_for_its_current_base() -> None:
-    ref = TemplateRef(name="t")
-    digest = setup_hash(SandboxTemplateSpec.model_validate(STEPS))
-    assert digest is not None
-
-    use, why = use_of(ref, _template(STEPS))
-    assert use is None
-    assert "not built yet" in why
-
-    building = _ready("False", "Building", "step venv (1/1) running", digest, None)
-    use, why = use_of(ref, _template(STEPS, building))
-    assert use is None
-    assert "step venv (1/1) running" in why
-
-    failed = _ready("False", "SetupFailed", "step venv (1/1) failed (exit code 2)", digest, None)
-    use, why = use_of(ref, _template(STEPS, failed))
-    assert use is None
-    assert "exit code 2" in why
-
-    # Ready, but for older steps: the base of the current ones is not built yet.
-    stale = _ready("True", "TemplateReady", "base snapshot old is ready", "0000000000", "old")
-    use, why = use_of(ref, _template(STEPS, stale))
-    assert use is None
-    assert "not ready" in why
-
-    ready = _ready("True", "TemplateReady", "ready", digest, "t-base-x")
-    use, why = use_of(ref, _template(STEPS, ready))
-    assert use is not None, why
-    assert use.base_snapshot == "t-base-x"
-
-
-def test_use_of_an_invalid_template_says_why() -> None:
-    use, why = use_of(TemplateRef(name="t"), _template({"sandbox": {"runtime": "Not A Label"}}))
-    assert use is None
-    assert why.startswith("its spec is invalid")
-
-
-NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    steps = [SetupStep(name="a", script="x"), SetupStep(name="b", script="y")]
+    done = {"status": {"phase": "Succeeded", "stdout": "ok\n"}}
+    running = {"status": {"phase": "Running", "stdout": "x" * 10000}}
+    log = build.build_log(steps, [done, running])
+    assert log is not None
+    assert len(log) == build.LOG_TAIL
+    assert log.endswith("x")
+    assert build.build_log(steps, [done, None]) == "--- a (Succeeded) ---\nok"
+    assert build.build_log(steps, [None]) is None
 
 
 def test_paused_deadline_counts_from_the_start_of_the_pause() -> None:
-    spec = SandboxSpec.model_validate({"lifecycle": {"pausedTimeout": "2h"}})
-    fresh = paused_fields(SandboxStatus(), spec, paused=True, now=NOW)
+    now = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    spec = SandboxSpec.model_validate({"lifecycle": {"pausedTimeout": "1h"}})
+    fresh = paused_fields(SandboxStatus(), spec, True, now)
     assert fresh == {
-        "paused_since": "2026-01-02T03:04:05Z",
-        "paused_deadline": "2026-01-02T05:04:05Z",
+        "paused_since": "2026-01-01T12:00:00Z",
+        "paused_deadline": "2026-01-01T13:00:00Z",
     }
-    # A later pass keeps the start (the deadline does not move).
-    old = SandboxStatus(paused_since="2026-01-01T00:00:00Z")
-    later = paused_fields(old, spec, paused=True, now=NOW)
-    assert later["paused_deadline"] == "2026-01-01T02:00:00Z"
-    # Paused by the idle policy: counted from then.
-    idle = SandboxStatus(idle_paused_at="2026-01-02T00:00:00Z")
-    assert paused_fields(idle, spec, paused=True, now=NOW)["paused_since"] == "2026-01-02T00:00:00Z"
-
-
-def test_no_paused_deadline_without_a_timeout_or_a_pause() -> None:
-    untimed = paused_fields(SandboxStatus(), SandboxSpec(), paused=True, now=NOW)
-    assert untimed["paused_deadline"] is None
-    spec = SandboxSpec.model_validate({"lifecycle": {"pausedTimeout": "2h"}})
-    old = SandboxStatus(paused_since="2026-01-01T00:00:00Z", paused_deadline="2026-01-01T02:00:00Z")
-    assert paused_fields(old, spec, paused=False, now=NOW) == {
+    later = datetime(2026, 1, 1, 12, 30, tzinfo=UTC)
+    kept = paused_fields(SandboxStatus(paused_since="2026-01-01T12:00:00Z"), spec, True, later)
+    assert kept == fresh
+    by_idle = paused_fields(SandboxStatus(idle_paused_at="2026-01-01T11:00:00Z"), spec, True, now)
+    assert by_idle["paused_deadline"] == "2026-01-01T12:00:00Z"
+    assert paused_fields(SandboxStatus(paused_since="x"), spec, False, now) == {
         "paused_since": None,
         "paused_deadline": None,
     }
+    assert paused_fields(SandboxStatus(), SandboxSpec(), True, now)["paused_deadline"] is None
+
+
+def test_scalars_lists_and_lifecycle_subfields_of_the_sandbox_win() -> None:
+    defaults = TEMPLATE.evolve(
+        image_pull_policy="IfNotPresent",
+        runtime_class_name="gvisor",
+        tolerations=[{"key": "dedicated", "operator": "Exists"}],
+        pod_annotations={"note": "t"},
+    )
+    spec = build.effective_spec(
+        SandboxSpec.model_validate(defaults.to_wire()),
+        own(
+            {
+                "runtimeClassName": "runc",
+                "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                "podAnnotations": {"extra": "1"},
+                "lifecycle": {"pausedTimeout": "1h", "snapshotOnIdle": True},
+                "network": {"exposedPorts": [{"name": "web", "port": 8080}]},
+            }
+        ),
+    )
+    assert spec.runtime_class_name == "runc"
+    assert spec.image_pull_policy == "IfNotPresent"
+    assert [t.key for t in spec.tolerations] == ["gpu"]  # a list is replaced whole
+    assert spec.pod_annotations == {"note": "t", "extra": "1"}
+    lifecycle = spec.lifecycle
+    assert (lifecycle.on_idle, lifecycle.idle_timeout) == (OnIdle.PAUSE, "10m")
+    assert (lifecycle.paused_timeout, lifecycle.snapshot_on_idle) == ("1h", True)
+    assert spec.network.egress is EgressPolicy.NONE
+    assert [p.port for p in spec.network.exposed_ports] == [8080]
+    # The pull policy went with the template's image choice.
+    assert build.effective_spec(defaults, own({"image": "x:1"})).image_pull_policy is None
+
+
+def test_no_template_defaults_leave_the_operator_defaults() -> None:
+    assert build.effective_spec(SandboxSpec(), SandboxSpec()) == SandboxSpec()
+
+
+def test_setup_hash_covers_env_resources_workspace_and_timeouts() -> None:
+    steps = [SetupStep(name="a", script="true")]
+    variants = [
+        SandboxTemplateSpec(setup=steps),
+        SandboxTemplateSpec(setup=[SetupStep(name="a", script="true", timeout="1m")]),
+        SandboxTemplateSpec(setup=steps, sandbox=own({"env": [{"name": "X", "value": "1"}]})),
+        SandboxTemplateSpec(setup=steps, sandbox=own({"resources": {"memory": "1Gi"}})),
+        SandboxTemplateSpec(setup=steps, sandbox=own({"workspace": {"size": "4Gi"}})),
+    ]
+    digests = {build.setup_hash(v) for v in variants}
+    assert len(digests) == len(variants)
+    idle = SandboxTemplateSpec(setup=steps, sandbox=own({"lifecycle": {"idleTimeout": "5m"}}))
+    assert build.setup_hash(idle) == build.setup_hash(variants[0])
+
+
+def test_use_of_a_failed_or_invalid_template_says_why() -> None:
+    spec: JSON = {"setup": [{"name": "a", "script": "false"}]}
+    failed = {
+        "setupHash": build.setup_hash(SandboxTemplateSpec.model_validate(spec)),
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "False",
+                "reason": "SetupFailed",
+                "message": "step a (1/1) failed (exit code 1)",
+            }
+        ],
+    }
+    use, why = use_of(TemplateRef(name="t"), template(spec, failed))
+    assert use is None
+    assert why == "its base snapshot is not ready: step a (1/1) failed (exit code 1)"
+    use, why = use_of(TemplateRef(name="t"), template({"sandbox": {"runtime": "Not A Label"}}))
+    assert use is None
+    assert why.startswith("its spec is invalid")

@@ -126,6 +126,7 @@ class Session:
         sandbox = await self.client.create(
             runtime or (None if image else s.runtime),
             image=image or (None if runtime else s.image),
+            template=s.template,
             from_snapshot=from_snapshot or s.from_snapshot,
             idle_timeout=s.idle_timeout,
             labels={SESSION_LABEL: self.label, "sandbox.dev/created-by": "sandbox-mcp"},

@@ -23,6 +23,7 @@ class Settings:
     namespace: str | None = None
     runtime: str | None = None
     image: str | None = None
+    template: str | None = None
     from_snapshot: str | None = None
     on_end: EndAction = "pause"
     idle_timeout: str | None = None
@@ -60,6 +61,12 @@ def parser() -> argparse.ArgumentParser:
         help="runtime of the catalog a session's sandbox starts from [$SANDBOX_MCP_RUNTIME]",
     )
     p.add_argument("--image", default=_env("SANDBOX_MCP_IMAGE"), help="[$SANDBOX_MCP_IMAGE]")
+    p.add_argument(
+        "--template",
+        default=_env("SANDBOX_MCP_TEMPLATE"),
+        help="a SandboxTemplate of the namespace every session's sandbox starts from"
+        " (its packages and files included) [$SANDBOX_MCP_TEMPLATE]",
+    )
     p.add_argument(
         "--from-snapshot",
         default=_env("SANDBOX_MCP_FROM_SNAPSHOT"),
@@ -133,6 +140,7 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
         namespace=args.namespace,
         runtime=args.runtime,
         image=args.image,
+        template=args.template,
         from_snapshot=args.from_snapshot,
         on_end=args.on_end,
         idle_timeout=args.idle_timeout,

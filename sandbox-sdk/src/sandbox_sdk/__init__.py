@@ -33,7 +33,7 @@ from sandbox_sdk.errors import (
     Timeout,
     Unauthorized,
 )
-from sandbox_sdk.types import CommandResult, Event, OutputEvent, Runtime
+from sandbox_sdk.types import CommandResult, Event, OutputEvent, Runtime, Template
 
 __version__ = "0.1.0.dev0"
 
@@ -62,6 +62,7 @@ __all__ = [
     "SandboxClient",
     "SandboxError",
     "ServerError",
+    "Template",
     "Timeout",
     "Unauthorized",
 ]

@@ -42,7 +42,8 @@ COMMANDS = [
 ]
 PROGRESS_FROM = 1 << 20  # bytes: smaller transfers show no progress bar
 WAIT_SLICE = 3.0  # seconds between looks at why a created sandbox is not ready yet
-SAY_WHY = {"QuotaExceeded"}  # waiting reasons worth a line: someone has to act
+# Waiting reasons worth a line: someone has to act, or something slow is under way.
+SAY_WHY = {"QuotaExceeded", "TemplateNotFound", "TemplateNotReady"}
 LOST_EXIT = 125  # the command never reached an exit code (as timeout(1) says of itself)
 
 
@@ -212,6 +213,8 @@ def _wait_ready_saying_why(sandbox: Sandbox, timeout: float) -> None:
 def cmd_create(client: SandboxClient, args: argparse.Namespace) -> int:
     sandbox = client.create(
         args.runtime,
+        template=args.template,
+        cluster_template=args.cluster_template,
         name=args.name,
         image=args.image,
         env=_env_pairs(args.env),
@@ -556,6 +559,8 @@ def parser() -> argparse.ArgumentParser:
     p = add("create", "create a sandbox (and wait until it is ready)")
     p.add_argument("name", nargs="?")
     p.add_argument("--runtime")
+    p.add_argument("--template", help="a SandboxTemplate of the namespace to start from")
+    p.add_argument("--cluster-template", help="a ClusterSandboxTemplate to start from")
     p.add_argument("--image")
     p.add_argument("--env", "-e", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--cpu")

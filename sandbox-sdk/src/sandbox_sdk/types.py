@@ -83,6 +83,21 @@ class Runtime:
 
 
 @dataclass(frozen=True)
+class Template:
+    """A SandboxTemplate of a namespace or a ClusterSandboxTemplate: an entry of the
+    catalog a sandbox can be created from (`create(template=...)`)."""
+
+    name: str
+    kind: str  # SandboxTemplate or ClusterSandboxTemplate
+    description: str = ""
+    runtime: str | None = None
+    image: str | None = None
+    # Whether sandboxes of it can start now (a base snapshot still building: False).
+    ready: bool = True
+    base_snapshot: str | None = None
+
+
+@dataclass(frozen=True)
 class Event:
     """A Kubernetes Event about a sandbox (Paused, Resumed, PodReplaced, ...)."""
 

@@ -51,6 +51,7 @@ from sandbox_sdk.types import (
     Progress,
     Runtime,
     Sink,
+    Template,
     write_sink,
 )
 
@@ -261,6 +262,8 @@ class SandboxClient:
         self,
         runtime: str | None = None,
         *,
+        template: str | None = None,
+        cluster_template: str | None = None,
         name: str | None = None,
         namespace: str | None = None,
         image: str | None = None,
@@ -282,7 +285,10 @@ class SandboxClient:
     ) -> Sandbox:
         """Create a Sandbox and return its handle (a context manager that destroys it).
 
-        `runtime` is a catalog name (`list_runtimes()`), or pass `image`. `name`
+        `runtime` is a catalog name (`list_runtimes()`), or pass `image`; or start
+        from a template (`list_templates()`): `template` names a SandboxTemplate of
+        the namespace, `cluster_template` a ClusterSandboxTemplate; the other
+        arguments override the template's values. `name`
         defaults to a generated one. With `wait=False` it returns as soon as the
         API server accepted the object: the pod starts meanwhile, and the first
         command waits for it (warm a sandbox without blocking). `spec` gives any
@@ -291,6 +297,12 @@ class SandboxClient:
         kube = self._kube()
         ns = namespace or self.namespace
         body_spec: JSON = spec.to_wire() if spec is not None else {}
+        if template and cluster_template:
+            raise ValueError("give template or cluster_template, not both")
+        if template:
+            body_spec["templateRef"] = {"name": template}
+        if cluster_template:
+            body_spec["templateRef"] = {"kind": "ClusterSandboxTemplate", "name": cluster_template}
         if runtime:
             body_spec["runtime"] = runtime
         if image:
@@ -398,6 +410,34 @@ class SandboxClient:
             )
             for name, entry in sorted((settings.get("runtimes") or {}).items())
         ]
+
+    def list_templates(self, *, namespace: str | None = None) -> builtins.list[Template]:
+        """The templates a sandbox can start from: the namespace's SandboxTemplates,
+        then the ClusterSandboxTemplates (the runtime catalog among them)."""
+        kube = self._kube()
+        ns = namespace or self.namespace
+        found: builtins.list[Template] = []
+        for kind, path in (
+            ("SandboxTemplate", resource_path("sandboxtemplates", ns)),
+            ("ClusterSandboxTemplate", f"/apis/{API_VERSION}/clustersandboxtemplates"),
+        ):
+            for item in sorted(kube.list(path, {}), key=lambda i: i["metadata"]["name"]):
+                spec, status = item.get("spec") or {}, item.get("status") or {}
+                sandbox = spec.get("sandbox") or {}
+                ready = _condition(item, "Ready")
+                found.append(
+                    Template(
+                        name=item["metadata"]["name"],
+                        kind=kind,
+                        description=str(spec.get("description") or ""),
+                        runtime=sandbox.get("runtime"),
+                        image=sandbox.get("image"),
+                        # Without setup steps nothing is built: ready as soon as it exists.
+                        ready=ready is None or ready.get("status") == "True",
+                        base_snapshot=status.get("baseSnapshot"),
+                    )
+                )
+        return found
 
     def run(
         self,
