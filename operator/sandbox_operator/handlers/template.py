@@ -140,11 +140,12 @@ class Build:
         status = snapshot.get("status") or {}
         phase = status.get("phase")
         if phase == SnapshotPhase.READY:
-            if self.old.base_snapshot != names["snapshot"]:
+            finished = self.old.base_snapshot != names["snapshot"]
+            if finished:
                 await self.observe_duration(names["sandbox"])
             await self.remove_build_sandbox(names["sandbox"])
             await self.prune({names["snapshot"], self.old.base_snapshot or ""}, names["sandbox"])
-            if self.old.base_snapshot != names["snapshot"]:
+            if finished:
                 metrics.TEMPLATE_BUILDS.labels("succeeded").inc()
             await self.write(
                 Cond(READY, TRUE, R.READY, f"base snapshot {names['snapshot']} is ready"),
