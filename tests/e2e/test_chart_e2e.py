@@ -19,6 +19,7 @@ from tests.executions import Executions
 from tests.integration.harness import wait_for
 from tests.kube import api_path, core_path
 from tests.sandboxes import Sandboxes
+from tests.templates import cluster_template_path
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -67,6 +68,11 @@ def test_upgrade_from_the_previous_chart_keeps_running_sandboxes(
         assert _schemas(live) == _schemas(shipped), path.name
         managers = {entry["manager"] for entry in live["metadata"]["managedFields"]}
         assert "sandbox-operator-chart" in managers, managers
+
+    # The runtime catalog came with the upgrade, after the CRD it needs.
+    listed = {t["metadata"]["name"]: t["spec"] for t in e2e.kube.list(cluster_template_path())}
+    assert listed["python"] == {"description": "Python 3", "sandbox": {"runtime": "python"}}
+    assert set(listed) == {"python", "node"}, listed
 
     # The sandbox started under the previous chart: same pod, still Ready, its
     # workspace as it was.

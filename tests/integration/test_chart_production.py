@@ -169,6 +169,28 @@ def test_crd_upgrade_hook_applies_every_chart_crd(repo: Path) -> None:
     ]
 
 
+def test_the_catalog_is_applied_after_the_crds(repo: Path) -> None:
+    """One ClusterSandboxTemplate per runtime, as post-install/post-upgrade hooks: a
+    release resource of a kind the previous chart lacked fails the upgrade before
+    the pre-upgrade hook has applied the CRDs."""
+    docs = _render(repo)
+    catalog = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterSandboxTemplate"}
+    assert set(catalog) == {"python", "node"}
+    assert catalog["python"]["spec"] == {
+        "description": "Python 3",
+        "sandbox": {"runtime": "python"},
+    }
+    for template in catalog.values():
+        hooks = template["metadata"]["annotations"]
+        assert hooks["helm.sh/hook"] == "post-install,post-upgrade"
+        assert hooks["helm.sh/hook-delete-policy"] == "before-hook-creation"
+    assert not [
+        d
+        for d in _render(repo, "--set", "catalog.enabled=false")
+        if d["kind"] == "ClusterSandboxTemplate"
+    ]
+
+
 def test_helm_test_hook_is_a_restricted_pod(repo: Path) -> None:
     pod = _named(_render(repo), "Pod", "sbx-test")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
