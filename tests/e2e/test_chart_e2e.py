@@ -71,7 +71,8 @@ def test_upgrade_from_the_previous_chart_keeps_running_sandboxes(
 
     # The runtime catalog came with the upgrade, after the CRD it needs.
     listed = {t["metadata"]["name"]: t["spec"] for t in e2e.kube.list(cluster_template_path())}
-    assert listed["python"] == {"description": "Python 3", "sandbox": {"runtime": "python"}}
+    assert listed["python"]["description"] == "Python 3"
+    assert listed["python"]["sandbox"]["runtime"] == "python"
     assert set(listed) == {"python", "node"}, listed
 
     # The sandbox started under the previous chart: same pod, still Ready, its

@@ -289,3 +289,18 @@ def test_use_of_a_failed_or_invalid_template_says_why() -> None:
     use, why = use_of(TemplateRef(name="t"), template({"sandbox": {"runtime": "Not A Label"}}))
     assert use is None
     assert why.startswith("its spec is invalid")
+
+
+def _snapshot(name: str, created: str, phase: str = "Ready") -> JSON:
+    return {"metadata": {"name": name, "creationTimestamp": created}, "status": {"phase": phase}}
+
+
+def test_the_current_base_and_the_newest_other_ready_one_are_kept() -> None:
+    listed = [
+        _snapshot("t-base-1", "2026-01-01T10:00:00Z"),
+        _snapshot("t-base-2", "2026-01-01T11:00:00Z"),
+        _snapshot("t-base-3", "2026-01-01T12:00:00Z", phase="Failed"),
+        _snapshot("t-base-4", "2026-01-01T13:00:00Z"),
+    ]
+    assert build.bases_to_keep("t-base-4", listed) == {"t-base-4", "t-base-2"}
+    assert build.bases_to_keep("t-base-1", listed[:1]) == {"t-base-1"}

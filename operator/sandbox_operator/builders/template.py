@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from sandbox_operator.api.common import API_VERSION
 from sandbox_operator.api.sandbox import SandboxSpec, TemplateUse
+from sandbox_operator.api.snapshot import SnapshotPhase
 from sandbox_operator.api.template import SandboxTemplateSpec, SetupStep
 from sandbox_operator.resources import LABEL_TEMPLATE
 
@@ -170,6 +171,24 @@ def build_base_snapshot(template: JSON, sandbox: str, name: str) -> JSON:
             "description": f"base of template {template['metadata']['name']} after its setup",
         },
     }
+
+
+def bases_to_keep(current: str, snapshots: list[JSON]) -> set[str]:
+    """The template's base snapshots to keep: the current one and the newest other
+    ready one (a Sandbox that read the template just before the new base was ready
+    may still be restoring from it); the rest can go."""
+    ready = [
+        s
+        for s in snapshots
+        if s["metadata"]["name"] != current
+        and (s.get("status") or {}).get("phase") == SnapshotPhase.READY
+    ]
+    newest = max(
+        ready,
+        key=lambda s: (s["metadata"].get("creationTimestamp") or "", s["metadata"]["name"]),
+        default=None,
+    )
+    return {current} | ({newest["metadata"]["name"]} if newest else set())
 
 
 LOG_TAIL = 4000

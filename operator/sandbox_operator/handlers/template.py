@@ -144,7 +144,7 @@ class Build:
             if finished:
                 await self.observe_duration(names["sandbox"])
             await self.remove_build_sandbox(names["sandbox"])
-            await self.prune({names["snapshot"], self.old.base_snapshot or ""}, names["sandbox"])
+            await self.prune(names["snapshot"], names["sandbox"])
             if finished:
                 metrics.TEMPLATE_BUILDS.labels("succeeded").inc()
             await self.write(
@@ -239,18 +239,21 @@ class Build:
     async def remove_build_sandbox(self, name: str) -> None:
         await self.ctx.kube.delete(SANDBOXES.path(self.namespace, name))
 
-    async def prune(self, keep_snapshots: set[str], build_sandbox: str) -> None:
-        """Base snapshots of older builds (all but the new and the previous one) and
-        the step Executions of other builds."""
+    async def prune(self, base: str, build_sandbox: str) -> None:
+        """Base snapshots of older builds (all but the current and the previous one)
+        and the step Executions of other builds."""
         selector = {"labelSelector": f"{LABEL_TEMPLATE}={self.name}"}
-        for resource, keep in (
-            (SNAPSHOTS, lambda n: n in keep_snapshots),
-            (EXECUTIONS, lambda n: n.startswith(f"{build_sandbox}-step-")),
-        ):
+        for resource in (SNAPSHOTS, EXECUTIONS):
             listed = await self.ctx.kube.get(resource.path(self.namespace), params=selector)
-            for item in (listed or {}).get("items") or []:
+            items = [i for i in (listed or {}).get("items") or [] if self._owned(i)]
+            if resource is SNAPSHOTS:
+                kept = build.bases_to_keep(base, items)
+            else:
+                names = (i["metadata"]["name"] for i in items)
+                kept = {n for n in names if n.startswith(f"{build_sandbox}-step-")}
+            for item in items:
                 meta = item["metadata"]
-                if not keep(meta["name"]) and self._owned(item):
+                if meta["name"] not in kept:
                     await self.ctx.kube.delete(
                         resource.path(self.namespace, meta["name"]), uid=meta["uid"]
                     )
