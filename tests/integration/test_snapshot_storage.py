@@ -422,8 +422,14 @@ def test_a_setup_change_builds_a_new_base_without_touching_existing_sandboxes(
     assert snapshots.get(first) is not None
     templates.patch("tools", {"spec": {"setup": _setup("v3")}})
     third = _run_build(cluster, skube, sns, tmp_path, "tools")
-    wait_for(lambda: snapshots.get(first) is None, 30, f"the oldest base {first} deleted")
-    assert snapshots.get(second) is not None
+
+    def deleted(name: str) -> bool:
+        body = snapshots.get(name)
+        return body is None or bool(body["metadata"].get("deletionTimestamp"))
+
+    # Deleted: gone, or going once the VolumeSnapshot behind it is released.
+    wait_for(lambda: deleted(first), 60, f"the oldest base {first} deleted")
+    assert not deleted(second)
     assert third not in (first, second)
     # Three builds here (other tests of the module may have added theirs).
     text = soperator.metrics()
