@@ -1,0 +1,44 @@
+"""High availability: several replicas, one active, through Kopf peering.
+
+Each replica writes a keep-alive with its priority into the peering object
+(ClusterKopfPeering, or a KopfPeering per watched namespace); a replica that
+sees a live peer of higher priority pauses: it closes its watches and stops its
+daemons and timers. Kopf pauses every peer of *equal* priority, so no two
+replicas may share one.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import kopf
+
+# Start times are taken to the millisecond; the nonce only breaks ties between
+# replicas started within the same millisecond.
+_NONCE_RANGE = 1000
+
+
+def priority(started_ms: int, nonce: int) -> int:
+    """A replica's priority: the earlier it started, the higher.
+
+    A replica that restarts (or a new one of a rolling update) therefore never
+    outranks the one already working, which would otherwise be paused in the
+    middle of its work for nothing; the oldest live replica is the active one,
+    and when it dies the next oldest takes over. Distinct by the nonce, since
+    peers of equal priority pause each other."""
+    return -(started_ms * _NONCE_RANGE + nonce % _NONCE_RANGE)
+
+
+def configure(settings: kopf.OperatorSettings, lifetime_seconds: int) -> None:
+    """Priority and lifetime for peering. Run replicas with `--peering NAME`: that
+    makes the peering mandatory, so a replica starts paused until it has seen its
+    peers (without it Kopf acts before it knows them)."""
+    if settings.peering.standalone:
+        return
+    settings.peering.priority = priority(time.time_ns() // 1_000_000, secrets.randbelow(10**9))
+    # A SIGKILLed replica leaves its last keep-alive behind: the others wait for
+    # it to expire (Kopf refreshes it every 1-5 s at this size, so that it never
+    # lapses while the replica lives). Expiry compares the writer's clock with
+    # the reader's: node clocks must agree to well within this lifetime.
+    settings.peering.lifetime = lifetime_seconds
