@@ -35,7 +35,7 @@ class E2E:
 
     def namespace(self) -> str:
         name = f"e2e-{uuid.uuid4().hex[:8]}"
-        self.kube.create(core_path("namespaces"), {"metadata": {"name": name}})
+        self.kube.create(core_path("namespaces"), deploy.restricted_namespace(name))
         # Pods need the namespace's default ServiceAccount to exist first.
         wait_for(
             lambda: self.kube.get(core_path("serviceaccounts", name, "default")) is not None,
