@@ -106,8 +106,8 @@ def test_the_operator_runs_two_peering_replicas(repo: Path) -> None:
     docs = _render(repo)
     deployment = _kind(docs, "Deployment", "sbx")["spec"]
     assert deployment["replicas"] == 2
-    # A standby starts paused; Recreate would leave no replica during an upgrade.
-    assert deployment["strategy"]["type"] == "RollingUpdate"
+    # An upgrade from a --standalone pod must not overlap with a peering one.
+    assert deployment["strategy"]["type"] == "Recreate"
     pod = deployment["template"]["spec"]
     args = pod["containers"][0]["args"]
     assert "--standalone" not in args

@@ -50,6 +50,8 @@ def test_every_sandbox_pod_shape_is_admitted_as_restricted_without_warnings(
     executions: Executions,
 ) -> None:
     kube.patch(core_path("namespaces", name=ns), {"metadata": {"labels": POD_SECURITY_RESTRICTED}})
+    # No controller manager here makes it; admission looks up a pod's account.
+    kube.create(core_path("serviceaccounts", ns), {"metadata": {"name": "default"}})
     # The control plane does enforce it here, or the checks below would prove nothing.
     privileged: JSON = {
         "metadata": {"name": "privileged"},
@@ -60,7 +62,8 @@ def test_every_sandbox_pod_shape_is_admitted_as_restricted_without_warnings(
         },
     }
     code, said = _admission(control_plane, ns, privileged)
-    assert code != 0 and "restricted" in said, said
+    assert code != 0, said
+    assert "restricted" in said, said
 
     for name, spec in SHAPES.items():
         sandboxes.create(name, spec)
@@ -71,12 +74,13 @@ def test_every_sandbox_pod_shape_is_admitted_as_restricted_without_warnings(
             "script": "true",
         },
     )
+
     # Under enforcement a pod that is not restricted is refused: it never appears.
-    pods = wait_for(
-        lambda: (found := kube.list(core_path("pods", ns))) and len(found) == 4 and found,
-        60,
-        "a pod of every shape",
-    )
+    def every_shape() -> list[JSON] | None:
+        found = kube.list(core_path("pods", ns))
+        return found if len(found) == len(SHAPES) + 1 else None
+
+    pods = wait_for(every_shape, 60, "a pod of every shape")
     for pod in pods:
         code, said = _admission(control_plane, ns, pod)
         assert code == 0, f"{pod['metadata']['name']}: {said}"
