@@ -257,10 +257,18 @@ def peering_crd(kind: str, scope: str) -> JSON:
                             "type": "object",
                             "x-kubernetes-preserve-unknown-fields": True,
                             "properties": {
+                                "spec": {
+                                    "type": "object",
+                                    "description": "Unused: the peering lives in status.",
+                                    "x-kubernetes-preserve-unknown-fields": True,
+                                },
                                 "status": {
                                     "type": "object",
+                                    "description": "Each live replica's keep-alive by its"
+                                    " identity (the pod's name): priority, lifetime, lastseen."
+                                    " The highest live priority is the active replica.",
                                     "x-kubernetes-preserve-unknown-fields": True,
-                                }
+                                },
                             },
                         }
                     },
