@@ -5,6 +5,14 @@ Each replica writes a keep-alive with its priority into the peering object
 sees a live peer of higher priority pauses: it closes its watches and stops its
 daemons and timers. Kopf pauses every peer of *equal* priority, so no two
 replicas may share one.
+
+What the operator keeps in memory (the Execution scheduler's held slots and
+wake-ups, the per-namespace quota admission lock, caches) is used by the
+active replica alone: a standby's watches are closed and it runs no handler,
+daemon or timer. On takeover Kopf lists every object again, so the indexes and
+the resume handlers rebuild that state from the API server. Gauges of a
+replica that was paused keep their last values: only the active one's are
+current.
 """
 
 from __future__ import annotations
