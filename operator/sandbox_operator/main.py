@@ -65,6 +65,7 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
         agents=AgentClient(timeout=SETTINGS.agent_timeout_seconds),
     )
     memo.scheduler = execution.Scheduler()
+    await peering.ensure_objects(memo.ctx.kube, settings, SETTINGS.watch_namespaces)
     if SETTINGS.metrics_port:
         start_http_server(SETTINGS.metrics_port)
 

@@ -22,6 +22,9 @@ import time
 
 import kopf
 
+from sandbox_operator.kube import Kube
+from sandbox_operator.resources import CLUSTER_PEERINGS, PEERINGS
+
 # Start times are taken to the millisecond; the nonce only breaks ties between
 # replicas started within the same millisecond.
 _NONCE_RANGE = 1000
@@ -50,3 +53,23 @@ def configure(settings: kopf.OperatorSettings, lifetime_seconds: int) -> None:
     # lapses while the replica lives). Expiry compares the writer's clock with
     # the reader's: node clocks must agree to well within this lifetime.
     settings.peering.lifetime = lifetime_seconds
+
+
+async def ensure_objects(
+    kube: Kube, settings: kopf.OperatorSettings, namespaces: list[str]
+) -> None:
+    """The peering objects, made by the operator rather than the chart: on a
+    `helm upgrade` from a release without the peering CRDs helm could not map a
+    chart object of theirs (the CRDs arrive with a hook). Kopf writes only
+    their status and never creates one: without it a replica would stay paused."""
+    if settings.peering.standalone:
+        return
+    name = settings.peering.name
+    if settings.peering.clusterwide:
+        body = {"apiVersion": CLUSTER_PEERINGS.api_version, "kind": "ClusterKopfPeering"}
+        await kube.create(CLUSTER_PEERINGS.path(), {**body, "metadata": {"name": name}})
+        return
+    for namespace in namespaces:
+        meta = {"name": name, "namespace": namespace}
+        kind = {"apiVersion": PEERINGS.api_version, "kind": "KopfPeering"}
+        await kube.create(PEERINGS.path(namespace), {**kind, "metadata": meta})

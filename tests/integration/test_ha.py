@@ -44,11 +44,8 @@ def pair(
     """Both replicas in place of the standalone operator (which `running_operator`
     starts again afterwards: a standalone one would act beside them)."""
     running_operator.stop()
+    # The first replica makes the peering object (no chart here).
     peering = f"ha-{uuid.uuid4().hex[:8]}"
-    kube.create(
-        api_path(KOPF, "clusterkopfpeerings"),
-        {"apiVersion": KOPF, "kind": "ClusterKopfPeering", "metadata": {"name": peering}},
-    )
     a = OperatorProcess(operator_kubeconfig, tmp_path, OPERATOR_ENV, peering=peering, name="a")
     b = OperatorProcess(operator_kubeconfig, tmp_path, OPERATOR_ENV, peering=peering, name="b")
     a.start()
