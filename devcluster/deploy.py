@@ -18,6 +18,8 @@ from devcluster.storage import StorageAddon
 REPO = Path(__file__).resolve().parent.parent
 RELEASE = "sandbox-operator"
 NAMESPACE = "sandbox-system"
+# The operator's pods, all replicas (the chart's selector labels).
+OPERATOR_SELECTOR = f"app.kubernetes.io/name=sandbox-operator,app.kubernetes.io/instance={RELEASE}"
 # Pod Security Admission at its strictest, refusing (and warning about) any pod
 # that is not `restricted`: the operator's, the gateway's and every sandbox's.
 POD_SECURITY_RESTRICTED = {

@@ -78,7 +78,13 @@ class E2E:
             self.kubectl("get", "-n", namespace, "sandbox", sandbox, "-o", "yaml").stdout,
             self.kubectl("describe", "-n", namespace, "pod", sandbox).stdout,
             self.kubectl(
-                "logs", "-n", deploy.NAMESPACE, "deploy/" + deploy.RELEASE, "--tail=50"
+                "logs",
+                "-n",
+                deploy.NAMESPACE,
+                "-l",
+                deploy.OPERATOR_SELECTOR,
+                "--prefix",
+                "--tail=50",
             ).stdout,
         ]
         return "\n".join(parts)
