@@ -62,8 +62,8 @@ async def ensure_objects(
     `helm upgrade` from a release without the peering CRDs helm could not map a
     chart object of theirs (the CRDs arrive with a hook). Kopf writes only
     their status and never creates one: without it a replica would stay paused."""
-    if settings.peering.standalone:
-        return
+    if settings.peering.standalone or not settings.peering.mandatory:
+        return  # `--standalone`, or Kopf's guess without `--peering`: nothing to make
     name = settings.peering.name
     if settings.peering.clusterwide:
         body = {"apiVersion": CLUSTER_PEERINGS.api_version, "kind": "ClusterKopfPeering"}
