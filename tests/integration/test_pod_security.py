@@ -50,8 +50,9 @@ def test_every_sandbox_pod_shape_is_admitted_as_restricted_without_warnings(
     executions: Executions,
 ) -> None:
     kube.patch(core_path("namespaces", name=ns), {"metadata": {"labels": POD_SECURITY_RESTRICTED}})
-    # No controller manager here makes it; admission looks up a pod's account.
-    kube.create(core_path("serviceaccounts", ns), {"metadata": {"name": "default"}})
+    # Admission looks up a pod's account, which the controller manager makes.
+    account = core_path("serviceaccounts", ns, "default")
+    wait_for(lambda: kube.get(account), 30, "the namespace's default ServiceAccount")
     # The control plane does enforce it here, or the checks below would prove nothing.
     privileged: JSON = {
         "metadata": {"name": "privileged"},
