@@ -6,6 +6,7 @@ start); CRDs come with the chart; the operator runs in-cluster as a Deployment.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -17,6 +18,35 @@ from devcluster.storage import StorageAddon
 REPO = Path(__file__).resolve().parent.parent
 RELEASE = "sandbox-operator"
 NAMESPACE = "sandbox-system"
+# The operator's pods, all replicas (the chart's selector labels).
+OPERATOR_SELECTOR = f"app.kubernetes.io/name=sandbox-operator,app.kubernetes.io/instance={RELEASE}"
+# Pod Security Admission at its strictest, refusing (and warning about) any pod
+# that is not `restricted`: the operator's, the gateway's and every sandbox's.
+POD_SECURITY_RESTRICTED = {
+    f"pod-security.kubernetes.io/{mode}": "restricted" for mode in ("enforce", "warn", "audit")
+}
+
+
+def restricted_namespace(name: str) -> dict[str, object]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": name, "labels": POD_SECURITY_RESTRICTED},
+    }
+
+
+def restrict_namespace(cluster: LocalCluster, name: str) -> None:
+    """Create `name` (or label it, if it exists) to enforce Pod Security `restricted`."""
+    done = subprocess.run(
+        [str(cluster.kubectl), f"--kubeconfig={cluster.kubeconfig}", "apply", "-f", "-"],
+        input=json.dumps(restricted_namespace(name)),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"namespace {name}: {done.stderr.strip()}")
 
 
 def node_cluster(name: str, *, die_with_parent: bool = False) -> LocalCluster:
@@ -29,6 +59,7 @@ def install_operator(
 ) -> str:
     """`helm upgrade --install` of charts/sandbox-operator (or of `chart`, e.g. an
     earlier version of it), waiting for the Deployment."""
+    restrict_namespace(cluster, NAMESPACE)
     values = ["image.repository=sandbox-operator", "image.tag=dev", "image.pullPolicy=Never"]
     # No extraEnv: kube-proxy on the node makes the `kubernetes` ClusterIP the
     # kubelet injects work, as on any cluster.

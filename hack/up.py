@@ -134,6 +134,8 @@ def _start(progress: Progress, cluster: LocalCluster) -> None:
 def _examples(progress: Progress, cluster: LocalCluster) -> list[str]:
     """Apply examples/ and wait for each Sandbox and Execution; the Sandboxes' names."""
     with progress.step(_step(6, "examples/")) as said:
+        # Where the examples go, as users are told to label theirs (README).
+        deploy.restrict_namespace(cluster, "default")
         applied = deploy.kubectl(cluster, "apply", "-f", str(REPO / "examples"))
         if applied.returncode != 0:
             raise SystemExit(applied.stderr.strip())

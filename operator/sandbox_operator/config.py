@@ -125,6 +125,14 @@ class Settings(BaseModel):
     metrics_port: int = 8000
     max_workers: int = 32
 
+    # High availability (Kopf peering; README, "High availability"). A replica
+    # whose keep-alive is older than this is presumed dead and a standby takes
+    # over, so a killed active replica is replaced within about this long.
+    peering_lifetime_seconds: int = Field(default=10, ge=3, le=600)
+    # The namespaces of `--namespace` (the chart sets them): a KopfPeering is
+    # made in each; with `--all-namespaces` one ClusterKopfPeering.
+    watch_namespaces: list[str] = Field(default_factory=list)
+
 
 def load_model(model: type[M], prefix: str, environ: Mapping[str, str] | None = None) -> M:
     """Settings of `model` from the YAML file named by `<prefix>CONFIG`, then

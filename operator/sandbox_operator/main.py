@@ -1,6 +1,8 @@
 """Kopf registration: wires decorators to the per-kind handler modules. Thin.
 
-Run with `kopf run -m sandbox_operator.main --all-namespaces` (or `--namespace X`).
+Run with `kopf run -m sandbox_operator.main --all-namespaces` (or `--namespace X`),
+and `--peering NAME` for several replicas with one active (peering.py) or
+`--standalone` for exactly one.
 Every handler runs under the one error policy (errors.policy), which also
 counts it in the metrics.
 """
@@ -14,7 +16,7 @@ from typing import Any
 import kopf
 from prometheus_client import start_http_server
 
-from sandbox_operator import bookkeeping, config, errors
+from sandbox_operator import bookkeeping, config, errors, peering
 from sandbox_operator.agent_client import AgentClient
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers import execution, sandbox
@@ -50,6 +52,7 @@ OWN = {LABEL_MANAGED_BY: MANAGED_BY}
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     bookkeeping.configure(settings)
+    peering.configure(settings, SETTINGS.peering_lifetime_seconds)
     # Watch only our own pods and claims, filtered by the API server, not in this process.
     for resource in (POD, CLAIM):
         settings.watching.label_selectors[resource] = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
@@ -65,6 +68,7 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
         agents=AgentClient(timeout=SETTINGS.agent_timeout_seconds),
     )
     memo.scheduler = execution.Scheduler()
+    await peering.ensure_objects(memo.ctx.kube, settings, SETTINGS.watch_namespaces)
     if SETTINGS.metrics_port:
         start_http_server(SETTINGS.metrics_port)
 

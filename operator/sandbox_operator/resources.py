@@ -74,6 +74,10 @@ VOLUME_SNAPSHOT_CLASSES = Resource(
     f"{SNAPSHOT_GROUP}/v1", "volumesnapshotclasses", namespaced=False
 )
 
+# Kopf peering: the replicas' keep-alives (peering.py).
+CLUSTER_PEERINGS = Resource("kopf.dev/v1", "clusterkopfpeerings", namespaced=False)
+PEERINGS = Resource("kopf.dev/v1", "kopfpeerings")
+
 # -- labels (selectable, so values are at most 63 characters) --------------------
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "sandbox-operator"

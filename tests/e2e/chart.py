@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from devcluster import deploy
 from devcluster.cluster import LocalCluster
 from tests.executions import Executions
 from tests.integration.harness import wait_for
@@ -56,7 +57,7 @@ class Before:
 def start_sandbox(cluster: LocalCluster, chart_version: str) -> Before:
     """A Sandbox with a file in its workspace, Ready under the previous chart."""
     with KubeJSON(cluster.kubeconfig) as kube:
-        kube.create(core_path("namespaces"), {"metadata": {"name": NAMESPACE}})
+        kube.create(core_path("namespaces"), deploy.restricted_namespace(NAMESPACE))
         wait_for(
             lambda: kube.get(core_path("serviceaccounts", NAMESPACE, "default")),
             30,

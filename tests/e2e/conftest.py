@@ -35,7 +35,7 @@ class E2E:
 
     def namespace(self) -> str:
         name = f"e2e-{uuid.uuid4().hex[:8]}"
-        self.kube.create(core_path("namespaces"), {"metadata": {"name": name}})
+        self.kube.create(core_path("namespaces"), deploy.restricted_namespace(name))
         # Pods need the namespace's default ServiceAccount to exist first.
         wait_for(
             lambda: self.kube.get(core_path("serviceaccounts", name, "default")) is not None,
@@ -78,7 +78,13 @@ class E2E:
             self.kubectl("get", "-n", namespace, "sandbox", sandbox, "-o", "yaml").stdout,
             self.kubectl("describe", "-n", namespace, "pod", sandbox).stdout,
             self.kubectl(
-                "logs", "-n", deploy.NAMESPACE, "deploy/" + deploy.RELEASE, "--tail=50"
+                "logs",
+                "-n",
+                deploy.NAMESPACE,
+                "-l",
+                deploy.OPERATOR_SELECTOR,
+                "--prefix",
+                "--tail=50",
             ).stdout,
         ]
         return "\n".join(parts)

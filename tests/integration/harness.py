@@ -69,10 +69,20 @@ def _log_tail(path: Path, lines: int = 60) -> str:
 class OperatorProcess:
     """`kopf run -m sandbox_operator.main` as a child process, killable at will."""
 
-    def __init__(self, kubeconfig: Path, log_dir: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        log_dir: Path,
+        env: dict[str, str],
+        peering: str | None = None,
+        name: str = "operator",
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.log_dir = log_dir
         self.env = env
+        # A replica among peers in this ClusterKopfPeering; None: --standalone.
+        self.peering = peering
+        self.name = name
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self.health_port = 0
@@ -80,7 +90,7 @@ class OperatorProcess:
 
     @property
     def log(self) -> Path:
-        return self.log_dir / f"operator-{self.starts}.log"
+        return self.log_dir / f"{self.name}-{self.starts}.log"
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, "already running"
@@ -91,6 +101,8 @@ class OperatorProcess:
             **self.env,
             "KUBECONFIG": str(self.kubeconfig),
             "SANDBOX_OPERATOR_METRICS_PORT": str(self.metrics_port),
+            # The replica's name in the peering object, as the chart sets it.
+            "POD_ID": self.name,
         }
         argv = [
             str(VENV_BIN / "kopf"),
@@ -98,7 +110,7 @@ class OperatorProcess:
             "-m",
             "sandbox_operator.main",
             "--all-namespaces",
-            "--standalone",
+            f"--peering={self.peering}" if self.peering else "--standalone",
             f"--liveness=http://127.0.0.1:{self.health_port}/healthz",
         ]
         with self.log.open("wb") as log:

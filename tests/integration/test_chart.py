@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import yaml
 
 from devcluster.controlplane import ControlPlane
+from devcluster.deploy import restricted_namespace
 from devcluster.helm import helm_binary
 from sandbox_operator import config
 from sandbox_operator.gateway import config as gateway_config
@@ -79,7 +81,7 @@ def test_the_gateway_is_configured_from_the_same_values(repo: Path, tmp_path: Pa
     assert operator.gateway_pod_labels == gateway_pod["labels"]
     assert operator.preview_domain == "preview.example.com"
     assert _kind(docs, "Deployment", "sbx-gateway")["spec"]["replicas"] == 2
-    assert _kind(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    assert _kind(docs, "PodDisruptionBudget", "sbx-gateway")["spec"]["minAvailable"] == 1
     off = _render(repo, "gateway.enabled=false")
     assert not [d for d in off if d["metadata"]["name"].startswith("sbx-gateway")]
 
@@ -98,6 +100,49 @@ def test_watched_namespaces_and_extra_env(repo: Path) -> None:
     assert "--namespace=team-a" in scoped["args"]
     assert "--namespace=team-b" in scoped["args"]
     assert {"name": "X", "value": "hello"} in scoped["env"]
+
+
+def test_the_operator_runs_two_peering_replicas(repo: Path) -> None:
+    docs = _render(repo)
+    deployment = _kind(docs, "Deployment", "sbx")["spec"]
+    assert deployment["replicas"] == 2
+    # An upgrade from a --standalone pod must not overlap with a peering one.
+    assert deployment["strategy"]["type"] == "Recreate"
+    pod = deployment["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert "--standalone" not in args
+    assert "--peering=sbx-sandbox-system" in args
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["POD_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    # The operator makes its peering object: helm could not map one of a kind whose
+    # CRD an upgrade brings only in its hook.
+    assert not [d for d in docs if d["kind"] in ("ClusterKopfPeering", "KopfPeering")]
+    anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert (
+        anti[0]["podAffinityTerm"]["labelSelector"]["matchLabels"]
+        == deployment["selector"]["matchLabels"]
+    )
+    assert _kind(docs, "PodDisruptionBudget", "sbx")["spec"]["maxUnavailable"] == 1
+    # The peering objects are within the operator's rules (which the integration tier runs under).
+    rules = _kind(docs, "ClusterRole", "sbx")["rules"]
+    peering = next(r for r in rules if r["apiGroups"] == ["kopf.dev"])
+    assert set(peering["resources"]) == {"clusterkopfpeerings", "kopfpeerings"}
+    assert {"list", "watch", "patch"} <= set(peering["verbs"])
+    crds = {p.name for p in (repo / "charts/sandbox-operator/crds").glob("*.yaml")}
+    assert {"clusterkopfpeerings.kopf.dev.yaml", "kopfpeerings.kopf.dev.yaml"} <= crds
+
+
+def test_one_replica_and_namespaced_peering(repo: Path) -> None:
+    docs = _render(repo, "replicas=1", "peering.name=ops", "watchNamespaces={team-a,team-b}")
+    deployment = _kind(docs, "Deployment", "sbx")["spec"]
+    assert deployment["replicas"] == 1
+    assert "--peering=ops" in deployment["template"]["spec"]["containers"][0]["args"]
+    # With watched namespaces Kopf peers in a KopfPeering in each, which the
+    # operator makes (in the namespaces its settings name).
+    settings = yaml.safe_load(_kind(docs, "ConfigMap", "sbx-settings")["data"]["settings.yaml"])
+    assert settings["watch_namespaces"] == ["team-a", "team-b"]
+    # One replica can still be drained.
+    assert _kind(docs, "PodDisruptionBudget", "sbx")["spec"]["maxUnavailable"] == 1
 
 
 def test_operator_and_gateway_pods_are_restricted(repo: Path) -> None:
@@ -143,10 +188,20 @@ def test_api_server_accepts_the_rendered_chart(
         if not (doc["kind"] == "Pod" and doc["metadata"]["annotations"]["helm.sh/hook"] == "test")
     ]
     manifest.write_text(yaml.safe_dump_all(docs))
-    namespace = kubectl(control_plane, "create", "namespace", "chart-check")
+    # Pod Security `restricted` warns about a workload's pod template that it would refuse.
+    namespace = kubectl(
+        control_plane, "apply", "-f", "-", input=json.dumps(restricted_namespace("chart-check"))
+    )
     assert namespace.returncode == 0, namespace.stderr
     applied = kubectl(
-        control_plane, "apply", "--dry-run=server", "-n", "chart-check", "-f", str(manifest)
+        control_plane,
+        "apply",
+        "--dry-run=server",
+        "--warnings-as-errors",
+        "-n",
+        "chart-check",
+        "-f",
+        str(manifest),
     )
     assert applied.returncode == 0, applied.stderr
     assert "deployment.apps/sbx created (server dry run)" in applied.stdout

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
+from devcluster.controlplane import ControlPlane
 from tests.executions import Executions
 from tests.integration.harness import AgentProcess, OperatorProcess, wait_for
 from tests.kube import JSON, KubeJSON, core_path
@@ -101,14 +102,22 @@ def test_concurrent_creates_never_overshoot_and_a_restart_keeps_the_count(
     sandboxes: Sandboxes,
     quotas: SandboxQuotas,
     kube: KubeJSON,
+    control_plane: ControlPlane,
     running_operator: OperatorProcess,
 ) -> None:
     ns = sandboxes.namespace
     quotas.create("team", {"sandboxes": 3})
     wait_for(lambda: (quotas.get("team") or {}).get("status"), 20, "the quota's first status")
     names = [f"burst-{i}" for i in range(10)]
+
+    def create(name: str) -> None:
+        # A client per thread: one shared client's TLS handshakes, started from ten
+        # threads at once, were seen to fail (alert decode error) under load.
+        with KubeJSON(control_plane.kubeconfig) as own:
+            Sandboxes(own, ns).create(name)
+
     with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
-        list(pool.map(sandboxes.create, names))
+        list(pool.map(create, names))
     verdicts = _settled(sandboxes, names)
     admitted = sorted(name for name, verdict in verdicts.items() if verdict == "admitted")
     assert len(admitted) == 3, verdicts

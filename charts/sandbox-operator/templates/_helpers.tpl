@@ -71,3 +71,9 @@ containers:
       - {name: scripts, mountPath: /scripts, readOnly: true}
     command: [python3]
 {{- end -}}
+
+{{- /* The peering object the operator's replicas share (ClusterKopfPeering names
+are cluster-wide: the default carries the namespace too). */}}
+{{- define "sandbox-operator.peeringName" -}}
+{{- .Values.peering.name | default (printf "%s-%s" .Release.Name .Release.Namespace) | trunc 253 | trimSuffix "-" -}}
+{{- end -}}

@@ -283,6 +283,62 @@ def crd(kind: Kind) -> JSON:
     }
 
 
+def peering_crd(kind: str, scope: str) -> JSON:
+    """Kopf's peering kinds (peering.py): the replicas' keep-alives in status,
+    one key per replica, which Kopf owns."""
+    plural = f"{kind.lower()}s"
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{plural}.kopf.dev",
+            "labels": {"app.kubernetes.io/part-of": "sandbox-operator"},
+        },
+        "spec": {
+            "group": "kopf.dev",
+            "scope": scope,
+            "names": {
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": kind.lower(),
+            },
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "x-kubernetes-preserve-unknown-fields": True,
+                            "properties": {
+                                "spec": {
+                                    "type": "object",
+                                    "description": "Unused: the peering lives in status.",
+                                    "x-kubernetes-preserve-unknown-fields": True,
+                                },
+                                "status": {
+                                    "type": "object",
+                                    "description": "Each live replica's keep-alive by its"
+                                    " identity (the pod's name): priority, lifetime, lastseen."
+                                    " The highest live priority is the active replica.",
+                                    "x-kubernetes-preserve-unknown-fields": True,
+                                },
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
 def all_crds() -> dict[str, JSON]:
-    """File name -> CRD object, for every kind."""
-    return {f"{kind.plural}.{GROUP}.yaml": crd(kind) for kind in KINDS}
+    """File name -> CRD object, for every kind and Kopf's peering kinds."""
+    ours = {f"{kind.plural}.{GROUP}.yaml": crd(kind) for kind in KINDS}
+    peerings = [
+        peering_crd("ClusterKopfPeering", "Cluster"),
+        peering_crd("KopfPeering", "Namespaced"),
+    ]
+    return ours | {f"{p['metadata']['name']}.yaml": p for p in peerings}

@@ -217,6 +217,23 @@ def build() -> JSON:
                 "items": {"type": "string", "maxLength": 63, "pattern": _DNS_LABEL},
             },
             "settings": _model(Settings, "Operator settings (sandbox_operator/config.py)."),
+            "replicas": {
+                "type": "integer",
+                "minimum": 1,
+                "description": "Operator replicas; one is active, the others stand by"
+                " (Kopf peering; README, High availability).",
+            },
+            "peering": _obj(
+                "The peering object the replicas elect the active one in.",
+                {
+                    "name": {
+                        "type": "string",
+                        "maxLength": 253,
+                        "pattern": r"^$|" + _DNS_SUBDOMAIN[1:],
+                        "description": "Its name; empty: <release>-<namespace>.",
+                    }
+                },
+            ),
             **_placement("operator"),
             "gateway": gateway,
             "mcp": mcp,

@@ -1,0 +1,75 @@
+"""High availability: several replicas, one active, through Kopf peering.
+
+Each replica writes a keep-alive with its priority into the peering object
+(ClusterKopfPeering, or a KopfPeering per watched namespace); a replica that
+sees a live peer of higher priority pauses: it closes its watches and stops its
+daemons and timers. Kopf pauses every peer of *equal* priority, so no two
+replicas may share one.
+
+What the operator keeps in memory (the Execution scheduler's held slots and
+wake-ups, the per-namespace quota admission lock, caches) is used by the
+active replica alone: a standby's watches are closed and it runs no handler,
+daemon or timer. On takeover Kopf lists every object again, so the indexes and
+the resume handlers rebuild that state from the API server. Gauges of a
+replica that was paused keep their last values: only the active one's are
+current.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import kopf
+
+from sandbox_operator.kube import Kube
+from sandbox_operator.resources import CLUSTER_PEERINGS, PEERINGS
+
+# Start times are taken to the millisecond; the nonce only breaks ties between
+# replicas started within the same millisecond.
+_NONCE_RANGE = 1000
+
+
+def priority(started_ms: int, nonce: int) -> int:
+    """A replica's priority: the earlier it started, the higher.
+
+    A replica that restarts (or a new one of a rolling update) therefore never
+    outranks the one already working, which would otherwise be paused in the
+    middle of its work for nothing; the oldest live replica is the active one,
+    and when it dies the next oldest takes over. Distinct by the nonce, since
+    peers of equal priority pause each other."""
+    return -(started_ms * _NONCE_RANGE + nonce % _NONCE_RANGE)
+
+
+def configure(settings: kopf.OperatorSettings, lifetime_seconds: int) -> None:
+    """Priority and lifetime for peering. Run replicas with `--peering NAME`: that
+    makes the peering mandatory, so a replica starts paused until it has seen its
+    peers (without it Kopf acts before it knows them)."""
+    if settings.peering.standalone:
+        return
+    settings.peering.priority = priority(time.time_ns() // 1_000_000, secrets.randbelow(10**9))
+    # A SIGKILLed replica leaves its last keep-alive behind: the others wait for
+    # it to expire (Kopf refreshes it every 1-5 s at this size, so that it never
+    # lapses while the replica lives). Expiry compares the writer's clock with
+    # the reader's: node clocks must agree to well within this lifetime.
+    settings.peering.lifetime = lifetime_seconds
+
+
+async def ensure_objects(
+    kube: Kube, settings: kopf.OperatorSettings, namespaces: list[str]
+) -> None:
+    """The peering objects, made by the operator rather than the chart: on a
+    `helm upgrade` from a release without the peering CRDs helm could not map a
+    chart object of theirs (the CRDs arrive with a hook). Kopf writes only
+    their status and never creates one: without it a replica would stay paused."""
+    if settings.peering.standalone or not settings.peering.mandatory:
+        return  # `--standalone`, or Kopf's guess without `--peering`: nothing to make
+    name = settings.peering.name
+    if settings.peering.clusterwide:
+        body = {"apiVersion": CLUSTER_PEERINGS.api_version, "kind": "ClusterKopfPeering"}
+        await kube.create(CLUSTER_PEERINGS.path(), {**body, "metadata": {"name": name}})
+        return
+    for namespace in namespaces:
+        meta = {"name": name, "namespace": namespace}
+        kind = {"apiVersion": PEERINGS.api_version, "kind": "KopfPeering"}
+        await kube.create(PEERINGS.path(namespace), {**kind, "metadata": meta})
