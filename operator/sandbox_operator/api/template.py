@@ -100,11 +100,6 @@ class SandboxTemplateSpec(Model):
         " starts from. Changing them (or the sandbox fields they run with) builds a new"
         " base. Namespaced SandboxTemplates only: snapshots do not cross namespaces.",
     )
-    default_pool: Annotated[str | None, Field(pattern=DNS_LABEL_PATTERN, max_length=63)] = Field(
-        default=None,
-        description="A SandboxPool of the Sandbox's namespace that Sandboxes of this"
-        " template claim a warm member from when they name no pool.",
-    )
 
 
 class ClusterSandboxTemplateSpec(SandboxTemplateSpec):
