@@ -82,10 +82,15 @@ def test_production_values_reach_both_deployments(repo: Path) -> None:
         assert pod["priorityClassName"] == own["priorityClassName"]
         assert pod["nodeSelector"] == own["nodeSelector"]
         assert pod["tolerations"] == own["tolerations"]
-        assert pod.get("affinity") == own.get("affinity")
+        if own.get("affinity") or name != "sbx":
+            assert pod.get("affinity") == own.get("affinity")
+        else:
+            # None given: the operator's replicas prefer different nodes.
+            assert set(pod["affinity"]) == {"podAntiAffinity"}
         assert pod["containers"][0]["resources"] == own["resources"]
     default = _named(_render(repo), "Deployment", "sbx")["spec"]["template"]["spec"]
-    assert not {"priorityClassName", "nodeSelector", "tolerations", "affinity"} & set(default)
+    assert not {"priorityClassName", "nodeSelector", "tolerations"} & set(default)
+    assert set(default["affinity"]) == {"podAntiAffinity"}
 
 
 def _exported_metrics() -> set[str]:
