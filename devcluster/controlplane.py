@@ -121,16 +121,23 @@ def run_kubectl(
     return proc.stdout
 
 
+# Ports this process handed out: a cluster chooses its control plane's and its
+# node's ports in separate calls before anything binds them, so a port free at
+# the second call may already be promised to the first (seen: the controller
+# manager and kube-proxy's healthz given the same port).
+_HANDED_OUT: set[int] = set()
+
+
 def free_ports(count: int) -> list[int]:
     """Free TCP ports below the ephemeral range, so no outgoing connection takes
-    one between choosing and binding it."""
+    one between choosing and binding it; never one this process handed out before."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     high = max(low - 1, _PORT_RANGE_START + 1000)
     taken = processes.listening_ports()
     chosen: list[int] = []
     while len(chosen) < count:
         port = random.randint(_PORT_RANGE_START, high)
-        if port in taken or port in chosen:
+        if port in taken or port in chosen or port in _HANDED_OUT:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
@@ -138,6 +145,7 @@ def free_ports(count: int) -> list[int]:
             except OSError:
                 continue
         chosen.append(port)
+    _HANDED_OUT.update(chosen)
     return chosen
 
 

@@ -17,7 +17,7 @@ from kubernetes import client, config
 from kubernetes.client import ApiException
 
 from devcluster import versions
-from devcluster.controlplane import ControlPlane
+from devcluster.controlplane import ControlPlane, free_ports
 from tests.devcluster.support import kubectl, wait_for
 
 pytestmark = pytest.mark.integration
@@ -244,3 +244,12 @@ def test_service_account_controllers_populate_new_namespace(
         return {"token", "ca.crt", "namespace"} <= set(data)
 
     wait_for(token_filled, "the token controller to fill the Secret", WAIT)
+
+
+def test_free_ports_never_hands_out_a_port_twice() -> None:
+    # A cluster takes its control plane's and its node's ports in separate calls,
+    # before anything binds them: the two sets must not overlap.
+    first = free_ports(200)
+    second = free_ports(200)
+    assert len(set(first)) == 200
+    assert not set(first) & set(second)
