@@ -72,7 +72,11 @@ def _client_pod(e2e: E2E, ns: str, name: str, account: str, args: list[str]) -> 
             "spec": {
                 "serviceAccountName": account,
                 "restartPolicy": "Never",
-                "securityContext": {"runAsNonRoot": True, "runAsUser": 1000},
+                "securityContext": {
+                    "runAsNonRoot": True,
+                    "runAsUser": 1000,
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
                 "containers": [
                     {
                         "name": "client",
