@@ -251,35 +251,35 @@ def crd(kind: Kind) -> JSON:
             "status": status_schema,
         },
     }
+    names = {
+        "kind": kind.kind,
+        "listKind": f"{kind.kind}List",
+        "plural": kind.plural,
+        "singular": kind.kind.lower(),
+        "shortNames": kind.short_names,
+        "categories": [CATEGORY],
+    }
+    version = {
+        "name": VERSION,
+        "served": True,
+        "storage": True,
+        "subresources": _subresources(kind),
+        "additionalPrinterColumns": kind.columns,
+        "schema": {"openAPIV3Schema": schema},
+    }
+    return _definition(GROUP, kind.scope, names, version)
+
+
+def _definition(group: str, scope: str, names: JSON, version: JSON) -> JSON:
+    """A CustomResourceDefinition of one version, labelled as the project's."""
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
-            "name": f"{kind.plural}.{GROUP}",
+            "name": f"{names['plural']}.{group}",
             "labels": {"app.kubernetes.io/part-of": "sandbox-operator"},
         },
-        "spec": {
-            "group": GROUP,
-            "scope": kind.scope,
-            "names": {
-                "kind": kind.kind,
-                "listKind": f"{kind.kind}List",
-                "plural": kind.plural,
-                "singular": kind.kind.lower(),
-                "shortNames": kind.short_names,
-                "categories": [CATEGORY],
-            },
-            "versions": [
-                {
-                    "name": VERSION,
-                    "served": True,
-                    "storage": True,
-                    "subresources": _subresources(kind),
-                    "additionalPrinterColumns": kind.columns,
-                    "schema": {"openAPIV3Schema": schema},
-                }
-            ],
-        },
+        "spec": {"group": group, "scope": scope, "names": names, "versions": [version]},
     }
 
 
@@ -287,51 +287,33 @@ def peering_crd(kind: str, scope: str) -> JSON:
     """Kopf's peering kinds (peering.py): the replicas' keep-alives in status,
     one key per replica, which Kopf owns."""
     plural = f"{kind.lower()}s"
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {
-            "name": f"{plural}.kopf.dev",
-            "labels": {"app.kubernetes.io/part-of": "sandbox-operator"},
-        },
-        "spec": {
-            "group": "kopf.dev",
-            "scope": scope,
-            "names": {
-                "kind": kind,
-                "listKind": f"{kind}List",
-                "plural": plural,
-                "singular": kind.lower(),
-            },
-            "versions": [
-                {
-                    "name": "v1",
-                    "served": True,
-                    "storage": True,
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "x-kubernetes-preserve-unknown-fields": True,
-                            "properties": {
-                                "spec": {
-                                    "type": "object",
-                                    "description": "Unused: the peering lives in status.",
-                                    "x-kubernetes-preserve-unknown-fields": True,
-                                },
-                                "status": {
-                                    "type": "object",
-                                    "description": "Each live replica's keep-alive by its"
-                                    " identity (the pod's name): priority, lifetime, lastseen."
-                                    " The highest live priority is the active replica.",
-                                    "x-kubernetes-preserve-unknown-fields": True,
-                                },
-                            },
-                        }
+    names = {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": kind.lower()}
+    version = {
+        "name": "v1",
+        "served": True,
+        "storage": True,
+        "schema": {
+            "openAPIV3Schema": {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+                "properties": {
+                    "spec": {
+                        "type": "object",
+                        "description": "Unused: the peering lives in status.",
+                        "x-kubernetes-preserve-unknown-fields": True,
                     },
-                }
-            ],
+                    "status": {
+                        "type": "object",
+                        "description": "Each live replica's keep-alive by its"
+                        " identity (the pod's name): priority, lifetime, lastseen."
+                        " The highest live priority is the active replica.",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    },
+                },
+            }
         },
     }
+    return _definition("kopf.dev", scope, names, version)
 
 
 def all_crds() -> dict[str, JSON]:

@@ -100,21 +100,29 @@ def sandbox_spec(body: JSON) -> SandboxSpec:
     return spec
 
 
-def _owned_by(template: JSON, labels: dict[str, str]) -> JSON:
+def _child(template: JSON, kind: str, name: str, spec: JSON) -> JSON:
+    """An object of the template's build, labelled with and owned by the template
+    (deleting the template takes its builds and bases with it)."""
     meta = template["metadata"]
     return {
-        "namespace": meta["namespace"],
-        "labels": labels,
-        "ownerReferences": [
-            {
-                "apiVersion": template["apiVersion"],
-                "kind": template["kind"],
-                "name": meta["name"],
-                "uid": meta["uid"],
-                "controller": True,
-                "blockOwnerDeletion": True,
-            }
-        ],
+        "apiVersion": API_VERSION,
+        "kind": kind,
+        "metadata": {
+            "name": name,
+            "namespace": meta["namespace"],
+            "labels": {LABEL_TEMPLATE: meta["name"]},
+            "ownerReferences": [
+                {
+                    "apiVersion": template["apiVersion"],
+                    "kind": template["kind"],
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": spec,
     }
 
 
@@ -124,15 +132,7 @@ def build_sandbox(template: JSON, spec: SandboxTemplateSpec, name: str) -> JSON:
     sandbox = spec.sandbox.model_copy(
         update={"lifecycle": spec.sandbox.lifecycle.model_copy(update={"idle_timeout": "3h"})}
     )
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "Sandbox",
-        "metadata": {
-            "name": name,
-            **_owned_by(template, {LABEL_TEMPLATE: template["metadata"]["name"]}),
-        },
-        "spec": sandbox.to_wire(),
-    }
+    return _child(template, "Sandbox", name, sandbox.to_wire())
 
 
 def step_execution_name(sandbox: str, index: int) -> str:
@@ -141,36 +141,22 @@ def step_execution_name(sandbox: str, index: int) -> str:
 
 def build_step(template: JSON, sandbox: str, index: int, step: SetupStep) -> JSON:
     """The Execution of one setup step in the build Sandbox."""
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "Execution",
-        "metadata": {
-            "name": step_execution_name(sandbox, index),
-            **_owned_by(template, {LABEL_TEMPLATE: template["metadata"]["name"]}),
-        },
-        "spec": {
-            "sandboxRef": {"name": sandbox},
-            "script": step.script,
-            "timeout": step.timeout,
-            "combinedOutput": True,
-        },
+    spec = {
+        "sandboxRef": {"name": sandbox},
+        "script": step.script,
+        "timeout": step.timeout,
+        "combinedOutput": True,
     }
+    return _child(template, "Execution", step_execution_name(sandbox, index), spec)
 
 
 def build_base_snapshot(template: JSON, sandbox: str, name: str) -> JSON:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "Snapshot",
-        "metadata": {
-            "name": name,
-            **_owned_by(template, {LABEL_TEMPLATE: template["metadata"]["name"]}),
-        },
-        "spec": {
-            "sandboxRef": {"name": sandbox},
-            "tag": "base",
-            "description": f"base of template {template['metadata']['name']} after its setup",
-        },
+    spec = {
+        "sandboxRef": {"name": sandbox},
+        "tag": "base",
+        "description": f"base of template {template['metadata']['name']} after its setup",
     }
+    return _child(template, "Snapshot", name, spec)
 
 
 def bases_to_keep(current: str, snapshots: list[JSON]) -> set[str]:
