@@ -34,13 +34,15 @@ def test_spec_defaults_and_bounds() -> None:
 def test_choose_takes_oldest_ready_of_current_template() -> None:
     members = [m("c", at="3"), m("a", C, at="1"), m("b", at="2"), m("old", gen=0, at="0")]
     chosen = choose_member(members, template_generation=1)
-    assert chosen is not None and chosen.name == "b"
+    assert chosen is not None
+    assert chosen.name == "b"
 
 
 def test_choose_skips_dead_pod_and_lost_races() -> None:
     members = [m("a", alive=False), m("b"), m("c")]
     chosen = choose_member(members, 1, skip=["b"])
-    assert chosen is not None and chosen.name == "c"
+    assert chosen is not None
+    assert chosen.name == "c"
 
 
 def test_choose_on_empty_pool_is_none() -> None:
@@ -90,8 +92,12 @@ def test_counts() -> None:
     [
         ({"template_found": False}, "False", PoolReason.TEMPLATE_NOT_FOUND, "py"),
         ({"template_has_python": False}, "False", PoolReason.TEMPLATE_WITHOUT_PYTHON, "python3"),
-        ({"failing_member": "pool-x1", "failure": "ImagePullBackOff"}, "False",
-         PoolReason.MEMBER_FAILING, "pool-x1"),
+        (
+            {"failing_member": "pool-x1", "failure": "ImagePullBackOff"},
+            "False",
+            PoolReason.MEMBER_FAILING,
+            "pool-x1",
+        ),
         ({"ready": 1}, "False", PoolReason.FILLING, "1/2"),
         ({"ready": 2}, "True", PoolReason.FULL, "2/2"),
     ],

@@ -57,9 +57,7 @@ def choose_member(
     """The member a claim takes: the first claimable one not in `skip` (members a
     concurrent claim already won, seen as a conflict on the compare-and-swap)."""
     taken = set(skip)
-    return next(
-        (m for m in claimable(members, template_generation) if m.name not in taken), None
-    )
+    return next((m for m in claimable(members, template_generation) if m.name not in taken), None)
 
 
 def refill_plan(
@@ -102,7 +100,9 @@ def refill_plan(
     delete.extend(m.name for m in stale_to_delete)
 
     missing = max(0, replicas - len(current))
-    in_flight = sum(1 for m in stale if m.state is MemberState.CREATING and m not in stale_to_delete)
+    in_flight = sum(
+        1 for m in stale if m.state is MemberState.CREATING and m not in stale_to_delete
+    )
     create = max(0, min(missing, max_creating - creating - in_flight))
     return RefillPlan(create=create, delete=tuple(delete))
 
