@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import kopf
 
-from sandbox_operator.resources import FINALIZER, KOPF_PREFIX, LEGACY_KOPF_PREFIX
+from sandbox_operator.resources import FINALIZER, KOPF_PREFIX, LABEL_POOL, LEGACY_KOPF_PREFIX
 
 DIGEST_KEY = "last-handled-digest"
 # What Kopf wrote under the old prefix: its marker, diff base, touch key and the
@@ -56,7 +56,11 @@ def digest(essence: Any) -> str:
 
 
 def _without_bookkeeping(body: Any, prefix: str) -> JSON:
-    """The body without Kopf's annotations, old or new, so they never count as changes."""
+    """The body without Kopf's annotations, old or new, so they never count as changes.
+
+    A pool member's pool label goes too: a claim removes it, and the member's
+    own handlers have nothing to do about that (the claim is one write, and no
+    handler run or digest write of the member follows it)."""
     raw: JSON = dict(body)
     meta: JSON = dict(raw.get("metadata") or {})
     annotations = {
@@ -64,7 +68,8 @@ def _without_bookkeeping(body: Any, prefix: str) -> JSON:
         for key, value in (meta.get("annotations") or {}).items()
         if key not in LEGACY_KEYS and not key.startswith(f"{prefix}/")
     }
-    raw["metadata"] = {**meta, "annotations": annotations}
+    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k != LABEL_POOL}
+    raw["metadata"] = {**meta, "annotations": annotations, "labels": labels}
     return raw
 
 

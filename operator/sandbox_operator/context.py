@@ -16,7 +16,7 @@ from typing import Any, cast
 import kopf
 
 from sandbox_operator.agent_client import AgentClient
-from sandbox_operator.builders.sandbox import TOKEN_KEY, names
+from sandbox_operator.builders.sandbox import TOKEN_KEY, children_ref, names
 from sandbox_operator.config import Settings
 from sandbox_operator.kube import Api
 from sandbox_operator.resources import SECRETS
@@ -46,11 +46,24 @@ class OperatorContext:
     binding_modes: dict[str, str] = field(default_factory=dict)
     # The spec env (as JSON) each sandbox pod's agent was given (by pod UID).
     environments: dict[str, str] = field(default_factory=dict)
+    # Pool members a claim of this process is taking or took, and when (monotonic
+    # seconds): concurrent claims skip them instead of racing for the same one
+    # until the index shows the claim.
+    reserved: dict[Key, float] = field(default_factory=dict)
+    # Per SandboxPool: set to have its loop make a pass now (handlers.pool).
+    pool_wakeups: dict[Key, asyncio.Event] = field(default_factory=dict)
     # Where Events go: Kopf's poster in the operator, a list in unit tests.
     post: Callable[[JSON, str, str, str], None] = field(default_factory=lambda: post_event)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+    def pool_wakeup(self, namespace: str, name: str) -> asyncio.Event:
+        return self.pool_wakeups.setdefault((namespace, name), asyncio.Event())
+
+    def wake_pool(self, namespace: str, name: str) -> None:
+        """Ask a SandboxPool's loop for a pass now (a member changed or was claimed)."""
+        self.pool_wakeup(namespace, name).set()
 
     def namespace_lock(self, namespace: str) -> asyncio.Lock:
         return self.namespace_locks.setdefault(namespace, asyncio.Lock())
@@ -78,13 +91,14 @@ class OperatorContext:
             self.tokens.pop((namespace, uid), None)
 
     async def agent_token(self, sandbox: JSON) -> str | None:
-        """The bearer token of a sandbox's agent, read from its Secret once."""
-        meta = sandbox["metadata"]
-        key = (meta["namespace"], meta["uid"])
+        """The bearer token of a sandbox's agent, read from its Secret once (a pool
+        member's, for a Sandbox that claimed one)."""
+        ref = children_ref(sandbox)
+        key = (ref.namespace, ref.uid)
         token = self.tokens.get(key)
         if token:
             return token
-        path = SECRETS.path(meta["namespace"], names(meta["name"])["secret"])
+        path = SECRETS.path(ref.namespace, names(ref.name)["secret"])
         encoded = ((await self.kube.get(path)) or {}).get("data", {}).get(TOKEN_KEY)
         if not encoded:
             return None
@@ -94,8 +108,8 @@ class OperatorContext:
 
     def drop_token(self, sandbox: JSON) -> None:
         """Forget a token the agent refused (read again next time)."""
-        meta = sandbox["metadata"]
-        self.tokens.pop((meta["namespace"], meta["uid"]), None)
+        ref = children_ref(sandbox)
+        self.tokens.pop((ref.namespace, ref.uid), None)
 
     def event(self, body: JSON, kind: str, reason: str, message: str) -> None:
         """A Kubernetes Event on one of our objects: `kind` is "info" or "warn"."""

@@ -18,8 +18,10 @@ from prometheus_client import start_http_server
 
 from sandbox_operator import bookkeeping, config, errors, peering
 from sandbox_operator.agent_client import AgentClient
+from sandbox_operator.builders import pool as pools
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers import execution, sandbox
+from sandbox_operator.handlers import pool as pool_controller
 from sandbox_operator.handlers import quota as quotas
 from sandbox_operator.handlers import snapshot as snapshots
 from sandbox_operator.handlers import template as templates
@@ -28,9 +30,11 @@ from sandbox_operator.resources import (
     CLAIMS,
     EXECUTIONS,
     LABEL_MANAGED_BY,
+    LABEL_POOL,
     LABEL_SANDBOX,
     MANAGED_BY,
     PODS,
+    SANDBOX_POOLS,
     SANDBOX_QUOTAS,
     SANDBOX_TEMPLATES,
     SANDBOXES,
@@ -44,6 +48,7 @@ EXECUTION = (EXECUTIONS.group, EXECUTIONS.plural)
 SNAPSHOT = (SNAPSHOTS.group, SNAPSHOTS.plural)
 QUOTA = (SANDBOX_QUOTAS.group, SANDBOX_QUOTAS.plural)
 TEMPLATE = (SANDBOX_TEMPLATES.group, SANDBOX_TEMPLATES.plural)
+POOL = (SANDBOX_POOLS.group, SANDBOX_POOLS.plural)
 POD = (PODS.group, PODS.version, PODS.plural)
 CLAIM = (CLAIMS.group, CLAIMS.version, CLAIMS.plural)
 OWN = {LABEL_MANAGED_BY: MANAGED_BY}
@@ -186,6 +191,11 @@ async def _child_changed(
     name = (meta.get("labels") or {}).get(LABEL_SANDBOX)
     bodies = kwargs["sandbox_bodies"].get((meta["namespace"], name), []) if name else []
     owner = next(iter(bodies), None)
+    claimer = pools.claimed_by(owner) if owner is not None else None
+    if claimer is not None:
+        # A claimed pool member's child: the Sandbox that claimed it is served by it.
+        bodies = kwargs["sandbox_bodies"].get((meta["namespace"], claimer["name"]), [])
+        owner = next(iter(bodies), None)
     if owner is None or owner["metadata"].get("deletionTimestamp"):
         return
     ctx = _ctx(memo)
@@ -349,3 +359,26 @@ async def template_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: An
     with suppress(kopf.PermanentError, kopf.TemporaryError):
         async with errors.policy("SandboxTemplate", "timer"):
             await templates.reconcile(_ctx(memo), dict(body), logger)
+
+
+# -- SandboxPool -----------------------------------------------------------------------
+
+
+@kopf.daemon(*POOL, cancellation_timeout=2.0)
+async def pool_loop(
+    body: kopf.Body, memo: Any, logger: kopf.Logger, stopped: kopf.DaemonStopped, **kwargs: Any
+) -> None:
+    # `body` is kept current by Kopf: each pass reads the pool as it stands.
+    await pool_controller.run(_ctx(memo), body, kwargs, logger, stopped)
+
+
+@kopf.on.event(*POOL)
+async def pool_event(body: kopf.Body, memo: Any, **_: Any) -> None:
+    """A spec change (replicas from `kubectl scale`, say): a pass now, not at the next tick."""
+    _ctx(memo).wake_pool(body["metadata"]["namespace"], body["metadata"]["name"])
+
+
+@kopf.on.event(*SANDBOX, labels={LABEL_POOL: kopf.PRESENT})
+async def pool_member_event(body: kopf.Body, memo: Any, labels: kopf.Labels, **_: Any) -> None:
+    """A waiting member changed (got ready, failed, went): its pool recounts."""
+    _ctx(memo).wake_pool(body["metadata"]["namespace"], str(labels[LABEL_POOL]))

@@ -65,6 +65,21 @@ TEMPLATE_BUILD_SECONDS = Histogram(
     " being ready.",
     buckets=(5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200),
 )
+POOL_CLAIMS = Counter(
+    "sandbox_operator_pool_claims_total",
+    "Sandboxes naming a SandboxPool, by outcome (claimed a member, cold: started a new"
+    " pod, waited: the pool was empty and waits).",
+    ["outcome"],
+)
+POOL_CLAIM_CONFLICTS = Counter(
+    "sandbox_operator_pool_claim_conflicts_total",
+    "Claims that lost a member to a concurrent claim (or write) and tried another.",
+)
+POOL_MEMBERS = Counter(
+    "sandbox_operator_pool_members_total",
+    "Pool members created and deleted by SandboxPools, by event (created, deleted).",
+    ["event"],
+)
 AGENT_ERRORS = Counter(
     "sandbox_operator_agent_errors_total",
     "Failed calls from the operator to sandbox agents.",

@@ -53,6 +53,7 @@ SNAPSHOTS = Resource(API_VERSION, "snapshots")
 SANDBOX_QUOTAS = Resource(API_VERSION, "sandboxquotas")
 SANDBOX_TEMPLATES = Resource(API_VERSION, "sandboxtemplates")
 CLUSTER_SANDBOX_TEMPLATES = Resource(API_VERSION, "clustersandboxtemplates", namespaced=False)
+SANDBOX_POOLS = Resource(API_VERSION, "sandboxpools")
 
 # Children and the objects they depend on.
 PODS = Resource("v1", "pods")
@@ -89,6 +90,10 @@ LABEL_SNAPSHOT_UID = f"{GROUP}/snapshot-uid"
 LABEL_IDLE = f"{GROUP}/idle-snapshot"
 # On a template's build Sandbox and base Snapshots: the template they belong to.
 LABEL_TEMPLATE = f"{GROUP}/template"
+# On a pool's members while they wait to be claimed (removed by the claim).
+LABEL_POOL = f"{GROUP}/pool"
+# On a member: the template generation the pool made it from (until it pins its own).
+GENERATION_ANNOTATION = f"{GROUP}/template-generation"
 
 # -- annotations --------------------------------------------------------------------
 # Written by users (or by the operator on their behalf); a new value is a request.

@@ -54,7 +54,8 @@ def test_every_kind_has_status_subresource_columns_and_category() -> None:
     for kind in KINDS:
         crd = all_crds()[f"{kind.plural}.sandbox.dev.yaml"]
         version = crd["spec"]["versions"][0]
-        assert version["subresources"] == {"status": {}}
+        assert version["subresources"]["status"] == {}
+        assert ("scale" in version["subresources"]) == (kind.scale is not None), kind.kind
         assert version["additionalPrinterColumns"]
         assert crd["spec"]["names"]["categories"] == ["sandbox-all"]
         assert crd["spec"]["names"]["shortNames"]

@@ -64,7 +64,9 @@ def controller_of(module: str) -> str | None:
 
 def test_no_controller_imports_another() -> None:
     controllers = {controller_of(name) for name in modules()} - {None}
-    assert controllers == {"sandbox", "execution", "snapshot", "quota", "template"}, controllers
+    assert controllers == {"sandbox", "execution", "snapshot", "quota", "template", "pool"}, (
+        controllers
+    )
     for name, targets in graph().items():
         mine = controller_of(name)
         if mine is None:

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from sandbox_operator.api.common import CATEGORY, GROUP, VERSION, cel
 from sandbox_operator.api.execution import ExecutionSpec, ExecutionStatus
+from sandbox_operator.api.pool import SandboxPoolSpec, SandboxPoolStatus
 from sandbox_operator.api.quota import SandboxQuotaSpec, SandboxQuotaStatus
 from sandbox_operator.api.sandbox import SandboxSpec, SandboxStatus
 from sandbox_operator.api.snapshot import SnapshotSpec, SnapshotStatus
@@ -128,6 +129,32 @@ KINDS: tuple[Kind, ...] = (
             _column("Storage", ".status.used.workspaceStorage", priority=1),
             _AGE,
         ],
+    ),
+    Kind(
+        kind="SandboxPool",
+        plural="sandboxpools",
+        short_names=["sbxpool"],
+        spec=SandboxPoolSpec,
+        status=SandboxPoolStatus,
+        description="Warm, started Sandboxes of one template that new Sandboxes claim"
+        " (spec.poolRef) instead of starting a pod.",
+        columns=[
+            _column("Template", ".spec.templateRef.name"),
+            _column("Desired", ".spec.replicas", "integer"),
+            _column("Ready", ".status.ready", "integer"),
+            _column("Creating", ".status.creating", "integer"),
+            _column("Claimed", ".status.claimed", "integer"),
+            _column("Status", '.status.conditions[?(@.type=="Ready")].reason'),
+            _AGE,
+        ],
+        rules=[
+            cel(
+                "size(self.metadata.name) <= 44",
+                "a SandboxPool name may have at most 44 characters (its members are named"
+                " after it, with a 6-character suffix, within a Sandbox name's 50)",
+            )
+        ],
+        scale=(".spec.replicas", ".status.replicas", ".status.selector"),
     ),
     *(
         Kind(

@@ -71,7 +71,12 @@ class SandboxPoolStatus(Model):
     replicas: int = Field(default=0, description="Unclaimed members (ready or being created).")
     ready: int = Field(default=0, description="Members ready to be claimed.")
     creating: int = Field(default=0, description="Members being started.")
-    claimed: int = Field(default=0, description="Claims served since the pool was created.")
+    claimed: int = Field(
+        default=0, description="Members now serving a Sandbox (they no longer count as replicas)."
+    )
+    template_generation: int | None = Field(
+        default=None, description="The template generation new members are made from."
+    )
     selector: str = Field(
         default="", description="Label selector of the unclaimed members (for an HPA)."
     )

@@ -116,6 +116,10 @@ class SandboxReason(StrEnum):
     TEMPLATE_NOT_FOUND = "TemplateNotFound"
     # The template's base snapshot is being built, or its build failed.
     TEMPLATE_NOT_READY = "TemplateNotReady"
+    # spec.poolRef names a SandboxPool that does not exist.
+    POOL_NOT_FOUND = "PoolNotFound"
+    # The pool has no ready member and its whenEmpty is Wait.
+    POOL_EMPTY = "PoolEmpty"
 
 
 class OnIdle(StrEnum):
@@ -291,6 +295,43 @@ class TemplateRef(Model):
     )
 
 
+class PoolRef(Model):
+    """The SandboxPool (same namespace) a Sandbox takes a warm member from."""
+
+    name: Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)] = Field(
+        description="The pool's name."
+    )
+
+
+class PoolOutcome(StrEnum):
+    """How a Sandbox naming a pool got its pod."""
+
+    CLAIMED = "Claimed"
+    COLD_START = "ColdStart"
+    WAITING = "Waiting"
+
+
+class PoolUse(Model):
+    """What a Sandbox naming a pool got from it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(description="The pool's name.")
+    outcome: PoolOutcome = Field(
+        description="Claimed (a warm member serves it), ColdStart (started the ordinary"
+        " way: the pool was empty or the Sandbox asks for what its members lack) or"
+        " Waiting (the pool is empty and waits for a member)."
+    )
+    template_ref: TemplateRef = Field(description="The pool's template, as read.")
+    member: str | None = Field(
+        default=None,
+        description="The claimed member: a Sandbox this one now owns, whose pod, workspace"
+        " and token serve it.",
+    )
+    member_uid: str | None = Field(default=None, description="The claimed member's UID.")
+    message: str | None = Field(default=None, description="Why a cold start, in words.")
+
+
 class Toleration(Model):
     """Passed through to the pod (core/v1 Toleration)."""
 
@@ -328,6 +369,10 @@ class SandboxSpec(Model):
                 "set at most one of runtime or image",
             ),
             cel(
+                "!(has(self.poolRef) && has(self.templateRef))",
+                "set at most one of poolRef or templateRef (a pool has its template)",
+            ),
+            cel(
                 "!(has(self.workspace) && has(self.workspace.ephemeral) && self.workspace.ephemeral"
                 " && has(self.lifecycle) && has(self.lifecycle.onIdle)"
                 " && self.lifecycle.onIdle == 'Pause')",
@@ -357,6 +402,15 @@ class SandboxSpec(Model):
         " snapshot its workspace starts from. Read once, when the Sandbox first starts:"
         " later edits of the template reach new Sandboxes only. Immutable.",
         json_schema_extra=validations(cel("self == oldSelf", "templateRef is immutable")),
+    )
+    pool_ref: PoolRef | None = Field(
+        default=None,
+        description="A SandboxPool of this namespace: the Sandbox takes one of its warm"
+        " members (Ready at once) and the pool's template gives its defaults. When the pool"
+        " is empty, or this Sandbox asks for what only a new pod gives (another image,"
+        " resources, workspace), it starts cold or waits, per the pool's whenEmpty;"
+        " status.pool says which. Immutable.",
+        json_schema_extra=validations(cel("self == oldSelf", "poolRef is immutable")),
     )
     runtime: Annotated[str | None, Field(pattern=DNS_LABEL_PATTERN, max_length=63)] = Field(
         default=None, description="A runtime from the operator's catalog, e.g. python or node."
@@ -538,6 +592,9 @@ class SandboxStatus(Model):
     )
     paused_deadline: str | None = Field(
         default=None, description="When lifecycle.pausedTimeout deletes the paused Sandbox."
+    )
+    pool: PoolUse | None = Field(
+        default=None, description="What this Sandbox got from spec.poolRef's pool."
     )
     admitted: bool | None = Field(
         default=None,

@@ -15,6 +15,7 @@ from pydantic import ConfigDict, Field
 
 from sandbox_operator.api.common import (
     DNS_LABEL_PATTERN,
+    DNS_SUBDOMAIN_PATTERN,
     Bounds,
     Condition,
     Duration,
@@ -61,9 +62,9 @@ class SetupStep(Model):
 
 _TEMPLATE_RULES = (
     cel(
-        "!has(self.sandbox) || (!has(self.sandbox.templateRef)"
+        "!has(self.sandbox) || (!has(self.sandbox.templateRef) && !has(self.sandbox.poolRef)"
         " && !(has(self.sandbox.paused) && self.sandbox.paused))",
-        "sandbox.templateRef and sandbox.paused cannot be set in a template",
+        "sandbox.templateRef, sandbox.poolRef and sandbox.paused cannot be set in a template",
     ),
     cel(
         "!has(self.sandbox) || !has(self.sandbox.workspace)"
@@ -91,6 +92,14 @@ class SandboxTemplateSpec(Model):
         default_factory=SandboxSpec,
         description="Defaults for the spec of Sandboxes of this template; a Sandbox's own"
         " fields win (env, nodeSelector, pod labels and annotations are merged by key).",
+    )
+    default_pool: Annotated[str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)] = (
+        Field(
+            default=None,
+            description="A SandboxPool, in the namespace of each Sandbox of this template, that"
+            " such Sandboxes claim a warm member from, as if they named it in spec.poolRef."
+            " Where no such pool of this template exists, they start cold.",
+        )
     )
     setup: Annotated[list[SetupStep], Field(max_length=MAX_SETUP_STEPS)] = Field(
         default_factory=list,

@@ -3,12 +3,21 @@ or delete next, and the pool's status."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
-from sandbox_operator.api.pool import PoolCondition, PoolReason
-from sandbox_operator.builders.conditions import FALSE, TRUE, Cond
+from sandbox_operator.api.common import API_VERSION, Condition
+from sandbox_operator.api.pool import PoolCondition, PoolReason, SandboxPoolSpec
+from sandbox_operator.api.sandbox import SandboxCondition, SandboxReason
+from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, find
+from sandbox_operator.builders.sandbox_status import pod_condition
+from sandbox_operator.resources import GENERATION_ANNOTATION, LABEL_POOL
+
+JSON = dict[str, Any]
+Key = tuple[str, str]
+Index = Mapping[Key, Any]
 
 
 class MemberState(StrEnum):
@@ -64,30 +73,25 @@ def refill_plan(
     members: Sequence[Member], replicas: int, max_creating: int, template_generation: int
 ) -> RefillPlan:
     """What to do next so the pool holds `replicas` unclaimed members of the current
-    template, never more than `max_creating` in flight.
+    template, never more than `max_creating` started and not yet ready.
 
-    Failed members and dead-pod ready members are deleted. Members of an older
-    template generation are deleted only as current ones become ready, one for each,
-    so rolling a template never empties the pool. Surplus goes newest-first, creating
-    ones before ready ones."""
+    A failed member is kept, not replaced: it is a Sandbox, whose controller
+    keeps retrying its pod, and replacing it would only churn pods that fail the
+    same way (the pool's condition names the failure). Members of an older
+    template generation go only as current ones become ready, one for each, so
+    rolling a template never empties the pool. Surplus goes newest first,
+    unready ones before ready ones."""
     unclaimed = [m for m in members if m.state is not MemberState.CLAIMED]
-    broken = [
-        m
-        for m in unclaimed
-        if m.state is MemberState.FAILED or (m.state is MemberState.READY and not m.pod_alive)
-    ]
-    healthy = [m for m in unclaimed if m not in broken]
-    current = [m for m in healthy if m.template_generation == template_generation]
-    stale = [m for m in healthy if m.template_generation != template_generation]
-    creating = sum(1 for m in current if m.state is MemberState.CREATING)
-    ready_current = len(current) - creating
+    current = [m for m in unclaimed if m.template_generation == template_generation]
+    stale = [m for m in unclaimed if m.template_generation != template_generation]
+    unready = sum(1 for m in unclaimed if m.state is not MemberState.READY)
+    ready_current = sum(1 for m in current if m.state is MemberState.READY)
 
-    delete = [m.name for m in broken]
+    delete: list[str] = []
     surplus = len(current) - replicas
     if surplus > 0:
-        # Creating members go first (no claim can take them yet), then the newest ready.
         newest_first = sorted(current, key=lambda m: (m.created, m.name), reverse=True)
-        by_cost = [m for m in newest_first if m.state is MemberState.CREATING] + [
+        by_cost = [m for m in newest_first if m.state is not MemberState.READY] + [
             m for m in newest_first if m.state is MemberState.READY
         ]
         delete.extend(m.name for m in by_cost[:surplus])
@@ -98,12 +102,9 @@ def refill_plan(
         stale_sorted = sorted(stale, key=lambda m: (m.created, m.name))
         stale_to_delete = stale_sorted[: max(0, len(stale) - keep_stale)]
     delete.extend(m.name for m in stale_to_delete)
-
+    in_flight = unready - sum(1 for m in stale_to_delete if m.state is not MemberState.READY)
     missing = max(0, replicas - len(current))
-    in_flight = sum(
-        1 for m in stale if m.state is MemberState.CREATING and m not in stale_to_delete
-    )
-    create = max(0, min(missing, max_creating - creating - in_flight))
+    create = max(0, min(missing, max_creating - in_flight))
     return RefillPlan(create=create, delete=tuple(delete))
 
 
@@ -115,15 +116,141 @@ class PoolCounts:
 
 
 def counts(members: Iterable[Member], template_generation: int) -> PoolCounts:
-    unclaimed = [
-        m
-        for m in members
-        if m.state in (MemberState.READY, MemberState.CREATING)
-        and (m.state is MemberState.CREATING or m.pod_alive)
-    ]
+    """Unclaimed members (what `kubectl scale` compares with spec.replicas), the
+    claimable ones, and the ones still starting (or failing to)."""
+    unclaimed = [m for m in members if m.state is not MemberState.CLAIMED]
     ready = len(claimable(unclaimed, template_generation))
-    creating = sum(1 for m in unclaimed if m.state is MemberState.CREATING)
+    creating = sum(1 for m in unclaimed if m.state is not MemberState.READY)
     return PoolCounts(replicas=len(unclaimed), ready=ready, creating=creating)
+
+
+# A member whose Ready condition has one of these reasons will not get ready by
+# waiting: the pool reports it rather than counting it as starting.
+FAILING_REASONS = frozenset(
+    {
+        SandboxReason.INVALID_SPEC,
+        SandboxReason.CREATE_FAILED,
+        SandboxReason.RUNTIME_NO_PYTHON,
+        SandboxReason.RUNTIME_FAILED,
+        SandboxReason.IMAGE_PULL,
+        SandboxReason.POD_FAILED,
+        SandboxReason.TEMPLATE_NOT_FOUND,
+        SandboxReason.TEMPLATE_NOT_READY,
+        SandboxReason.QUOTA_EXCEEDED,
+    }
+)
+
+
+def claimed_by(member: JSON) -> JSON | None:
+    """The owner reference of the Sandbox that claimed `member`, if one did."""
+    return next(
+        (
+            owner
+            for owner in member["metadata"].get("ownerReferences") or []
+            if owner.get("controller") and owner.get("kind") == "Sandbox"
+        ),
+        None,
+    )
+
+
+def member_generation(member: JSON) -> int:
+    """The template generation a member was made from: the one it pinned, else the
+    one the pool saw when it created the member."""
+    pinned = ((member.get("status") or {}).get("template") or {}).get("generation")
+    if pinned is not None:
+        return int(pinned)
+    annotations = member["metadata"].get("annotations") or {}
+    return int(annotations.get(GENERATION_ANNOTATION, "0") or 0)
+
+
+def member_of(member: JSON, pod_alive: bool = True) -> Member:
+    """A member Sandbox as the pool's decisions see it."""
+    meta = member["metadata"]
+    ready = find(
+        [Condition.model_validate(c) for c in (member.get("status") or {}).get("conditions") or []],
+        SandboxCondition.READY,
+    )
+    if claimed_by(member) is not None:
+        state = MemberState.CLAIMED
+    elif ready is not None and ready.status == TRUE:
+        state = MemberState.READY
+    elif ready is not None and ready.reason in FAILING_REASONS:
+        state = MemberState.FAILED
+    else:
+        state = MemberState.CREATING
+    return Member(
+        name=meta["name"],
+        state=state,
+        template_generation=member_generation(member),
+        pod_alive=pod_alive,
+        created=meta.get("creationTimestamp", ""),
+    )
+
+
+def failure_of(member: JSON) -> tuple[str, str]:
+    """(reason, message) of a failing member's Ready condition."""
+    ready: JSON = next(
+        (
+            c
+            for c in (member.get("status") or {}).get("conditions") or []
+            if c.get("type") == SandboxCondition.READY
+        ),
+        {},
+    )
+    return str(ready.get("reason") or ""), str(ready.get("message") or "")
+
+
+def build_member(pool: JSON, spec: SandboxPoolSpec, template_generation: int) -> JSON:
+    """A new member: a Sandbox of the pool's template, named after the pool, owned by
+    it (deleting the pool deletes its unclaimed members) and labelled as waiting."""
+    meta = pool["metadata"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "Sandbox",
+        "metadata": {
+            "generateName": f"{meta['name']}-",
+            "namespace": meta["namespace"],
+            "labels": {LABEL_POOL: meta["name"]},
+            "annotations": {GENERATION_ANNOTATION: str(template_generation)},
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "SandboxPool",
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {"templateRef": spec.template_ref.to_wire()},
+    }
+
+
+def claim_patch(member: JSON, claimer: JSON) -> JSON:
+    """The one write that hands `member` to `claimer`: the Sandbox becomes its only
+    owner and the pool label goes. It carries the member's resourceVersion, so of
+    two claims of the same member the API server lets exactly one through.
+
+    Only metadata the operator's change detection ignores (owners, and a label
+    Kopf's digest leaves out) changes: no handler of the member runs for it."""
+    cmeta = claimer["metadata"]
+    return {
+        "metadata": {
+            "resourceVersion": member["metadata"]["resourceVersion"],
+            "labels": {LABEL_POOL: None},
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "Sandbox",
+                    "name": cmeta["name"],
+                    "uid": cmeta["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        }
+    }
 
 
 def ready_condition(
@@ -165,14 +292,66 @@ def ready_condition(
     return Cond(PoolCondition.READY, FALSE, PoolReason.FILLING, f"{ready}/{replicas} members ready")
 
 
+def pod_alive(pods: Index, namespace: str, member: str) -> bool:
+    """The member's pod, as last seen, is there and ready: a member whose pod just
+    died is skipped even while its own status still says Ready."""
+    pod = next(iter(pods.get((namespace, member), [])), None)
+    if pod is None or pod["metadata"].get("deletionTimestamp"):
+        return False
+    ready = pod_condition(pod, "Ready") or {}
+    return ready.get("status") == "True"
+
+
+def members_of(sandboxes: Index, pool: JSON) -> list[JSON]:
+    """The pool's unclaimed members (by its label and its UID as their owner)."""
+    meta = pool["metadata"]
+    return [
+        body
+        for (ns, _), store in sandboxes.items()
+        if ns == meta["namespace"]
+        for body in store
+        if (body["metadata"].get("labels") or {}).get(LABEL_POOL) == meta["name"]
+        and not body["metadata"].get("deletionTimestamp")
+        and any(
+            o.get("controller") and o.get("uid") == meta["uid"]
+            for o in body["metadata"].get("ownerReferences") or []
+        )
+    ]
+
+
+def owned_member(sandboxes: Index, body: JSON) -> JSON | None:
+    """A member this Sandbox already claimed (its status write was lost)."""
+    meta = body["metadata"]
+    return next(
+        (
+            member
+            for (ns, _), store in sandboxes.items()
+            if ns == meta["namespace"]
+            for member in store
+            if (claimed_by(member) or {}).get("uid") == meta["uid"]
+        ),
+        None,
+    )
+
+
 __all__ = [
+    "FAILING_REASONS",
     "Member",
     "MemberState",
     "PoolCounts",
     "RefillPlan",
+    "build_member",
     "choose_member",
+    "claim_patch",
     "claimable",
+    "claimed_by",
     "counts",
+    "failure_of",
+    "member_generation",
+    "member_of",
+    "members_of",
+    "owned_member",
+    "pod_alive",
     "ready_condition",
     "refill_plan",
 ]

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from sandbox_operator.api.common import quantity_value
 from sandbox_operator.api.quota import ComputeLimits, QuotaUsage, SandboxQuotaSpec
 from sandbox_operator.api.sandbox import SandboxSpec
+from sandbox_operator.builders.pool import claimed_by
 from sandbox_operator.builders.sandbox import SandboxRef, build_pod
 from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.config import Settings
@@ -157,7 +158,8 @@ def namespace_usage(
     their pod and claim are not gone yet), plus the running Executions."""
     total = Usage(running_executions=running_executions)
     for body in bodies:
-        if not admitted(body):
+        # A claimed pool member's share is its claimer's now: counted once, there.
+        if not admitted(body) or claimed_by(body) is not None:
             continue
         try:
             spec = sandbox_spec(body)

@@ -65,6 +65,18 @@ def ref_of(body: JSON) -> SandboxRef:
     return SandboxRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
 
 
+def children_ref(body: JSON) -> SandboxRef:
+    """The Sandbox whose children (pod, workspace claim, token, policy, service) serve
+    this one: a pool member it claimed (status.pool), or itself. A claim moves no
+    child: the member keeps owning them, and this Sandbox owns the member."""
+    pool = (body.get("status") or {}).get("pool") or {}
+    if pool.get("member") and pool.get("memberUid"):
+        return SandboxRef(
+            name=pool["member"], namespace=body["metadata"]["namespace"], uid=pool["memberUid"]
+        )
+    return ref_of(body)
+
+
 def names(sandbox: str) -> dict[str, str]:
     """Deterministic child names; the CRD caps sandbox names so these stay valid."""
     return {

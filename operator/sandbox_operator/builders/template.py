@@ -10,10 +10,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from sandbox_operator.api.common import API_VERSION
-from sandbox_operator.api.sandbox import SandboxSpec, TemplateUse
+from sandbox_operator.api.sandbox import SandboxSpec, TemplateKind, TemplateRef, TemplateUse
 from sandbox_operator.api.snapshot import SnapshotPhase
 from sandbox_operator.api.template import SandboxTemplateSpec, SetupStep
-from sandbox_operator.resources import LABEL_TEMPLATE
+from sandbox_operator.resources import CLUSTER_SANDBOX_TEMPLATES, LABEL_TEMPLATE, SANDBOX_TEMPLATES
 
 JSON = dict[str, Any]
 
@@ -58,6 +58,17 @@ def effective_spec(defaults: SandboxSpec, own: SandboxSpec) -> SandboxSpec:
     return SandboxSpec.model_validate(merged)
 
 
+def template_path(ref: TemplateRef, namespace: str) -> str:
+    if ref.kind is TemplateKind.CLUSTER:
+        return CLUSTER_SANDBOX_TEMPLATES.path(None, ref.name)
+    return SANDBOX_TEMPLATES.path(namespace, ref.name)
+
+
+def describe(ref: TemplateRef, namespace: str) -> str:
+    where = "" if ref.kind is TemplateKind.CLUSTER else f" in namespace {namespace}"
+    return f"{ref.kind.value} {ref.name}{where}"
+
+
 def setup_hash(spec: SandboxTemplateSpec) -> str | None:
     """What a base snapshot is built from: the steps and the sandbox fields they run
     with (image, resources, env, workspace). None when there is nothing to build."""
@@ -90,7 +101,7 @@ def sandbox_spec(body: JSON) -> SandboxSpec:
     the Sandbox names a snapshot of its own."""
     own = SandboxSpec.model_validate(body.get("spec") or {})
     recorded = (body.get("status") or {}).get("template")
-    if own.template_ref is None or not recorded:
+    if not recorded:  # no template: named in spec.templateRef or through a pool
         return own
     use = TemplateUse.model_validate(recorded)
     spec = effective_spec(SandboxSpec.model_validate(use.defaults), own)

@@ -221,6 +221,16 @@ class Gateway:
     async def _serving(self, route: Route) -> tuple[Route, str]:
         """The route of a sandbox ready for calls, and its agent token: resumed first
         when its idle policy paused it, waited for (bounded) while it starts."""
+        if route.pool or route.claimed_by:
+            # A warm member is for whoever claims it next: nobody may leave files
+            # or processes in it first. A claimed one is reached by its claimer's name.
+            where = f"waits in SandboxPool {route.pool}" if route.pool else "serves another Sandbox"
+            raise Refusal(
+                409,
+                "pool_member",
+                f"sandbox {route.name} is a pool member and {where}: create a Sandbox with"
+                " spec.poolRef to claim one, and use that Sandbox's name",
+            )
         if route.paused_by_spec:
             raise Refusal(
                 409,

@@ -25,6 +25,7 @@ from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.kube import Kube, KubeError
 from sandbox_operator.resources import (
     LABEL_MANAGED_BY,
+    LABEL_POOL,
     LABEL_SANDBOX,
     MANAGED_BY,
     RESUME_ANNOTATION,
@@ -65,6 +66,12 @@ class Route:
     paused_by_spec: bool
     ports: dict[int, Port] = field(default_factory=dict)
     resume_requested: str = ""
+    # (name, UID) of the pool member whose pod and token serve this sandbox.
+    served_by: tuple[str, str] | None = None
+    # The UID of the Sandbox that claimed this one (a pool member), if any.
+    claimed_by: str = ""
+    # The SandboxPool this one waits in, unclaimed, if any.
+    pool: str = ""
 
 
 def route_of(body: JSON) -> Route:
@@ -80,6 +87,16 @@ def route_of(body: JSON) -> Route:
         ports = {p.port: Port(p.port, p.name, p.public) for p in spec.network.exposed_ports}
     except ValidationError:
         paused, by_spec, ports = False, False, {}
+    pool = status.get("pool") or {}
+    member = (pool["member"], pool["memberUid"]) if pool.get("memberUid") else None
+    claimer = next(
+        (
+            str(o.get("uid"))
+            for o in meta.get("ownerReferences") or []
+            if o.get("controller") and o.get("kind") == "Sandbox"
+        ),
+        "",
+    )
     return Route(
         namespace=meta["namespace"],
         name=meta["name"],
@@ -94,6 +111,9 @@ def route_of(body: JSON) -> Route:
         paused_by_spec=by_spec,
         ports=ports,
         resume_requested=(meta.get("annotations") or {}).get(RESUME_ANNOTATION, ""),
+        served_by=member,
+        claimed_by=claimer,
+        pool=(meta.get("labels") or {}).get(LABEL_POOL, ""),
     )
 
 
@@ -125,9 +145,19 @@ class RouteTable:
         return self.routes.get((namespace, name))
 
     def token(self, route: Route) -> str | None:
-        """The agent token of exactly this Sandbox object (never a namesake's)."""
-        owner, token = self.tokens.get((route.namespace, route.name), ("", ""))
-        return token if owner == route.uid and token else None
+        """The agent token of exactly this Sandbox object (never a namesake's); for
+        one served by a pool member, the member's, once the member is seen to be
+        this Sandbox's (its controller) and not only named in its status."""
+        name, uid = route.name, route.uid
+        if route.served_by is not None:
+            member = self.get(route.namespace, route.served_by[0])
+            if member is None or member.uid != route.served_by[1]:
+                return None
+            if member.claimed_by != route.uid:
+                return None
+            name, uid = member.name, member.uid
+        owner, token = self.tokens.get((route.namespace, name), ("", ""))
+        return token if owner == uid and token else None
 
     async def wait(
         self, namespace: str, name: str, test: Callable[[Route | None], bool], seconds: float

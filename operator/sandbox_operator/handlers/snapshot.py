@@ -175,7 +175,7 @@ async def _prepare(
             f"this cluster has no VolumeSnapshot API ({VOLUME_SNAPSHOTS.api_version}): install"
             " the CSI external-snapshotter CRDs and snapshot controller to take snapshots",
         )
-    claim_name = sandbox_build.names(source)["claim"]
+    claim_name = sandbox_build.names(sandbox_build.children_ref(sandbox).name)["claim"]
     claim = await ctx.kube.get(CLAIMS.path(namespace, claim_name))
     if claim is None or (claim.get("status") or {}).get("phase") != "Bound":
         raise Wait(R.WORKSPACE_PENDING, f"claim {claim_name} is not bound yet")

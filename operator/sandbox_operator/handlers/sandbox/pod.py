@@ -128,7 +128,7 @@ async def ensure_pod(
     logger: kopf.Logger,
 ) -> JSON | None:
     """Carry out `decision`. Returns the pod as it now stands (None if absent)."""
-    ref = build.ref_of(body)
+    ref = build.children_ref(body)
     path = PODS.path(ref.namespace)
     action = decision.action
     if pod is not None and not pod["metadata"].get("deletionTimestamp"):

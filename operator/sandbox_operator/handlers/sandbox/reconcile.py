@@ -26,6 +26,7 @@ from sandbox_operator.api.sandbox import (
 )
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.builders import sandbox_status
+from sandbox_operator.builders.pool import claimed_by
 from sandbox_operator.builders.sandbox_status import Observed
 from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.clock import now_utc, parse_time
@@ -39,6 +40,7 @@ from sandbox_operator.handlers.sandbox.lifecycle import (
     paused_fields,
 )
 from sandbox_operator.handlers.sandbox.pod import decide_pod, ensure_pod, with_eviction
+from sandbox_operator.handlers.sandbox.pool import take_member
 from sandbox_operator.handlers.sandbox.status import (
     current,
     report_blocked,
@@ -128,14 +130,29 @@ async def reconcile(
     admission counts with."""
     meta = body["metadata"]
     async with ctx.lock(meta["namespace"], meta["name"]):
+        body = current(ctx, body)
+        if claimed_by(body) is not None:
+            return  # a pool member another Sandbox claimed: that one looks after it now
+        recorded = (body.get("status") or {}).get("pool")
+        body = await take_member(ctx, body, sandboxes, pods)
+        kids = build.children_ref(body)
+        just_claimed = (
+            kids.uid != meta["uid"] and (body.get("status") or {}).get("pool") != recorded
+        )
+        if just_claimed and children is Children.ENSURE:
+            # The member's children exist, converged to the pool's template: only
+            # a network of this Sandbox's own changes them.
+            own_network = bool((body.get("spec") or {}).get("network"))
+            children = Children.CONVERGE if own_network else Children.POD
         if not pod_known:
-            pod = next(iter(pods.get((meta["namespace"], meta["name"]), [])), None)
-        claim = next(iter(claims.get((meta["namespace"], meta["name"]), [])), None)
-        body = await pin_template(ctx, current(ctx, body))
+            pod = next(iter(pods.get((kids.namespace, kids.name), [])), None)
+        claim = next(iter(claims.get((kids.namespace, kids.name), [])), None)
+        body = await pin_template(ctx, body)
         spec, invalid = parse_spec(body, ctx.settings)
         if (
             spec is not None
             and invalid is None
+            and kids.uid == meta["uid"]  # a claimed member keeps the share it was admitted with
             and not await admit(ctx, body, spec, sandboxes, quotas)
         ):
             raise waiting(ctx, meta["namespace"])
@@ -160,7 +177,7 @@ async def _reconcile(
         await report_blocked(ctx, body, spec, invalid=invalid)
         raise kopf.PermanentError(invalid)
     assert spec is not None
-    ref = build.ref_of(body)
+    ref = build.children_ref(body)
     workspace = await plan_workspace(ctx, body, spec)
     if children is not Children.POD:
         await ensure_children(
@@ -236,7 +253,7 @@ async def teardown(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> Non
     """Finalizer: wait for the idle policy's snapshot (bounded), stop the pod (no
     writes in flight), then let GC take the rest. Snapshots are not owned by
     the Sandbox: they stay."""
-    ref = build.ref_of(body)
+    ref = build.children_ref(body)
     status = status_of(body)
     if status.idle_snapshot and not status.idle_paused_at:
         spec, _ = parse_spec(body, ctx.settings)
@@ -246,8 +263,10 @@ async def teardown(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> Non
         )
         if not settled:
             raise kopf.TemporaryError(f"waiting for snapshot {status.idle_snapshot}", delay=2)
-    metrics.PHASES.forget(ref.namespace, ref.name)
-    ctx.forget(ref.namespace, ref.name, ref.uid)
+    own = build.ref_of(body)
+    metrics.PHASES.forget(own.namespace, own.name)
+    ctx.forget(own.namespace, own.name, own.uid)
+    ctx.tokens.pop((ref.namespace, ref.uid), None)
     path = PODS.path(ref.namespace, build.names(ref.name)["pod"])
     pod = await ctx.kube.get(path)
     if pod is None:

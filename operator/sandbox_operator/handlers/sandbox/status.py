@@ -60,7 +60,8 @@ def spec_fields(body: JSON, spec: SandboxSpec | None, settings: Settings) -> JSO
     if lifetime:
         created = parse_time(body["metadata"]["creationTimestamp"])
         expires = iso(created + parse_duration(lifetime))
-    claim = None if spec.workspace.ephemeral else build.names(body["metadata"]["name"])["claim"]
+    served_by = build.children_ref(body).name
+    claim = None if spec.workspace.ephemeral else build.names(served_by)["claim"]
     ports = build.port_statuses(build.ref_of(body), spec, settings)
     return {
         "image": build.image_of(spec, settings),

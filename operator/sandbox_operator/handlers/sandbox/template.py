@@ -21,7 +21,7 @@ from sandbox_operator.api.template import (
     TemplateCondition,
 )
 from sandbox_operator.builders.conditions import TRUE, find
-from sandbox_operator.builders.template import setup_hash
+from sandbox_operator.builders.template import describe, setup_hash, template_path
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers.sandbox.status import (
     current,
@@ -29,23 +29,11 @@ from sandbox_operator.handlers.sandbox.status import (
     status_of,
     write_status,
 )
-from sandbox_operator.resources import CLUSTER_SANDBOX_TEMPLATES, SANDBOX_TEMPLATES
 
 JSON = dict[str, Any]
 
 # How often a Sandbox waiting for its template looks again.
 TEMPLATE_RETRY_SECONDS = 3.0
-
-
-def template_path(ref: TemplateRef, namespace: str) -> str:
-    if ref.kind is TemplateKind.CLUSTER:
-        return CLUSTER_SANDBOX_TEMPLATES.path(None, ref.name)
-    return SANDBOX_TEMPLATES.path(namespace, ref.name)
-
-
-def describe(ref: TemplateRef, namespace: str) -> str:
-    where = "" if ref.kind is TemplateKind.CLUSTER else f" in namespace {namespace}"
-    return f"{ref.kind.value} {ref.name}{where}"
 
 
 def use_of(ref: TemplateRef, template: JSON) -> tuple[TemplateUse | None, str]:
@@ -78,8 +66,12 @@ async def pin_template(ctx: OperatorContext, body: JSON) -> JSON:
     """`body` with `status.template` recorded; a Sandbox without a template as it is.
     Until its template exists (and its base snapshot is built) the Sandbox waits,
     with a status that says for what."""
-    raw_ref = (body.get("spec") or {}).get("templateRef")
-    if not raw_ref or (body.get("status") or {}).get("template"):
+    status = body.get("status") or {}
+    # Named in the spec, or the template of the pool the Sandbox could not claim from.
+    raw_ref = (body.get("spec") or {}).get("templateRef") or (status.get("pool") or {}).get(
+        "templateRef"
+    )
+    if not raw_ref or status.get("template"):
         return body
     try:
         ref = TemplateRef.model_validate(raw_ref)

@@ -90,7 +90,7 @@ async def plan_workspace(ctx: OperatorContext, body: JSON, spec: SandboxSpec) ->
         request,
     ):
         return WorkspacePlan(condition=_restored(wanted))  # the steady state: no reads
-    claim_name = build.names(meta["name"])["claim"]
+    claim_name = build.names(build.children_ref(body).name)["claim"]
     claim = await ctx.kube.get(CLAIMS.path(meta["namespace"], claim_name))
     going = claim is not None and bool(claim["metadata"].get("deletionTimestamp"))
     if claim is not None and not going:

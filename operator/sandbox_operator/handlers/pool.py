@@ -1,0 +1,197 @@
+"""The SandboxPool controller: keep `replicas` warm members of the pool's template.
+
+Members are Sandboxes of the template, owned by the pool and labelled with its
+name; the Sandbox controller starts them like any other. This controller
+only decides how many to create or delete (builders.pool.refill_plan, paced
+by maxCreating) and reports counts and a Ready condition. It runs as one loop
+per pool, woken by its members' events and by claims (`OperatorContext.wake_pool`), so a burst of
+claims costs one pass, not one per claim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from sandbox_operator import metrics
+from sandbox_operator.api.common import readable
+from sandbox_operator.api.pool import PoolCondition, SandboxPoolSpec, SandboxPoolStatus
+from sandbox_operator.api.sandbox import PoolOutcome, SandboxReason
+from sandbox_operator.builders import pool as pools
+from sandbox_operator.builders.conditions import FALSE, Cond, merge
+from sandbox_operator.builders.template import describe, template_path
+from sandbox_operator.clock import iso, now_utc
+from sandbox_operator.context import OperatorContext
+from sandbox_operator.kube import MERGE_PATCH, status_patch
+from sandbox_operator.resources import LABEL_POOL, SANDBOX_POOLS, SANDBOXES
+
+JSON = dict[str, Any]
+Key = tuple[str, str]
+Index = Mapping[Key, Any]
+
+# How long a pass waits for the index to show the members it created or deleted.
+INDEX_WAIT_STEP = 0.05
+INDEX_WAIT_STEPS = 100
+
+
+def claimed_count(sandboxes: Index, namespace: str, pool: str) -> int:
+    """Sandboxes of the namespace now served by a member of `pool`."""
+    return sum(
+        1
+        for (ns, _), store in sandboxes.items()
+        if ns == namespace
+        for body in store
+        if ((body.get("status") or {}).get("pool") or {}).get("name") == pool
+        and ((body.get("status") or {}).get("pool") or {}).get("outcome") == PoolOutcome.CLAIMED
+    )
+
+
+async def reconcile(
+    ctx: OperatorContext, body: JSON, sandboxes: Index, pods: Index, logger: kopf.Logger
+) -> None:
+    """One pass: read the template, create or delete members, write status."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    old = SandboxPoolStatus.model_validate(body.get("status") or {})
+    try:
+        spec = SandboxPoolSpec.model_validate(body.get("spec") or {})
+    except ValidationError as exc:
+        why = f"invalid spec: {readable(exc)}"
+        cond = Cond(PoolCondition.READY, FALSE, SandboxReason.INVALID_SPEC, why)
+        await _write(ctx, body, old, _with(old, cond, meta))
+        return
+    template = await ctx.kube.get(template_path(spec.template_ref, namespace))
+    generation = int((template or {}).get("metadata", {}).get("generation") or 0)
+    members = pools.members_of(sandboxes, body)
+    observed = [
+        pools.member_of(m, pools.pod_alive(pods, namespace, m["metadata"]["name"])) for m in members
+    ]
+    if template is not None:
+        plan = pools.refill_plan(observed, spec.replicas, spec.max_creating, generation)
+        await _carry_out(ctx, body, spec, plan, generation, sandboxes, logger)
+        members = pools.members_of(sandboxes, body)
+        observed = [
+            pools.member_of(m, pools.pod_alive(pods, namespace, m["metadata"]["name"]))
+            for m in members
+        ]
+    counted = pools.counts(observed, generation)
+    failing = next(
+        (m for m in members if pools.member_of(m).state is pools.MemberState.FAILED), None
+    )
+    reason, message = pools.failure_of(failing) if failing is not None else ("", "")
+    cond = pools.ready_condition(
+        template_found=template is not None,
+        template_name=describe(spec.template_ref, namespace),
+        template_has_python=reason != SandboxReason.RUNTIME_NO_PYTHON,
+        replicas=spec.replicas,
+        ready=counted.ready,
+        failing_member=failing["metadata"]["name"] if failing is not None else None,
+        failure=message,
+    )
+    new = _with(old, cond, meta).model_copy(
+        update={
+            "replicas": counted.replicas,
+            "ready": counted.ready,
+            "creating": counted.creating,
+            "claimed": claimed_count(sandboxes, namespace, name),
+            "selector": f"{LABEL_POOL}={name}",
+            "template_generation": generation or None,
+        }
+    )
+    await _write(ctx, body, old, new)
+
+
+async def _carry_out(
+    ctx: OperatorContext,
+    body: JSON,
+    spec: SandboxPoolSpec,
+    plan: pools.RefillPlan,
+    generation: int,
+    sandboxes: Index,
+    logger: kopf.Logger,
+) -> None:
+    namespace = body["metadata"]["namespace"]
+    for member in plan.delete:
+        if await ctx.kube.delete(SANDBOXES.path(namespace, member)):
+            metrics.POOL_MEMBERS.labels("deleted").inc()
+            logger.info("deleted member %s", member)
+    made: list[str] = []
+    for _ in range(plan.create):
+        created = await ctx.kube.create(
+            SANDBOXES.path(namespace), pools.build_member(body, spec, generation)
+        )
+        if created is not None:
+            metrics.POOL_MEMBERS.labels("created").inc()
+            made.append(created["metadata"]["name"])
+    # The next pass counts from the index: let it show what this one did, or
+    # that pass would create the same members again.
+    await _until_indexed(sandboxes, namespace, made, plan.delete)
+
+
+async def _until_indexed(
+    sandboxes: Index, namespace: str, created: list[str], deleted: tuple[str, ...]
+) -> None:
+    for _ in range(INDEX_WAIT_STEPS):
+        seen = all(sandboxes.get((namespace, name)) for name in created)
+        gone = all(
+            not store or next(iter(store))["metadata"].get("deletionTimestamp")
+            for store in (sandboxes.get((namespace, name)) for name in deleted)
+        )
+        if seen and gone:
+            return
+        await asyncio.sleep(INDEX_WAIT_STEP)
+
+
+def _with(old: SandboxPoolStatus, cond: Cond, meta: JSON) -> SandboxPoolStatus:
+    generation = meta.get("generation", 0)
+    return old.model_copy(
+        update={
+            "conditions": merge(
+                old.conditions, {PoolCondition.READY: cond}, generation, iso(now_utc())
+            ),
+            "observed_generation": generation,
+        }
+    )
+
+
+async def _write(
+    ctx: OperatorContext, body: JSON, old: SandboxPoolStatus, new: SandboxPoolStatus
+) -> None:
+    patch = status_patch(old.to_wire(), new.to_wire())
+    if patch is None:
+        return
+    meta = body["metadata"]
+    await ctx.kube.patch(
+        SANDBOX_POOLS.path(meta["namespace"], meta["name"], "status"), patch, MERGE_PATCH
+    )
+    body["status"] = new.to_wire()
+
+
+async def run(
+    ctx: OperatorContext,
+    body: Mapping[str, Any],
+    indexes: Mapping[str, Index],
+    logger: kopf.Logger,
+    stopped: Any,
+) -> None:
+    """The pool's loop: a pass whenever woken, and every reconcile interval."""
+    meta = body["metadata"]
+    woken = ctx.pool_wakeup(meta["namespace"], meta["name"])
+    interval = ctx.settings.reconcile_interval_seconds
+    while not stopped:
+        woken.clear()
+        try:
+            await reconcile(
+                ctx, dict(body), indexes["sandbox_bodies"], indexes["sandbox_pods"], logger
+            )
+        except Exception:
+            logger.exception("pool pass failed; trying again")
+            await asyncio.sleep(1)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(woken.wait(), timeout=interval)
+    ctx.pool_wakeups.pop((meta["namespace"], meta["name"]), None)

@@ -1,0 +1,211 @@
+"""A Sandbox that names a pool takes one of its warm members.
+
+The claim is one write: the member Sandbox gets this Sandbox as its only
+owner, conditioned on the member's resourceVersion, so of two claims of one
+member exactly one succeeds and the other takes the next member. Nothing
+else moves: the member keeps its pod, workspace claim, token and policy, and
+this Sandbox is served by them (`builders.sandbox.children_ref`) from then on.
+The outcome is recorded in `status.pool`; until it is, a restart finds the
+member by its owner reference and takes it up again, so a crash between the
+claim and the status write neither leaks nor doubles a member.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from pydantic import ValidationError
+
+from sandbox_operator import metrics
+from sandbox_operator.api.pool import SandboxPoolSpec, WhenEmpty
+from sandbox_operator.api.sandbox import (
+    PoolOutcome,
+    PoolUse,
+    SandboxReason,
+    TemplateKind,
+    TemplateRef,
+)
+from sandbox_operator.builders import pool as pools
+from sandbox_operator.builders import sandbox as build
+from sandbox_operator.builders.template import sandbox_spec
+from sandbox_operator.context import OperatorContext
+from sandbox_operator.handlers.sandbox.status import report_blocked
+from sandbox_operator.kube import KubeError
+from sandbox_operator.resources import SANDBOX_POOLS, SANDBOX_TEMPLATES, SANDBOXES
+
+JSON = dict[str, Any]
+Key = tuple[str, str]
+Index = Mapping[Key, Any]
+
+# How often a Sandbox waiting for a pool (missing, or empty with whenEmpty: Wait) looks again.
+POOL_RETRY_SECONDS = 1.0
+# Claims that lose the race for a member try the next one; after this many
+# losses in one pass they start cold (or wait) rather than spin.
+MAX_CONFLICTS = 8
+# Long enough for the index to show a claim (the member leaves the pool's
+# members then); a member a failed claim reserved is free again after it.
+RESERVATION_SECONDS = 30.0
+
+
+def pool_ref_of(body: JSON) -> str | None:
+    """The pool a Sandbox names in spec.poolRef (its template's default pool is
+    looked up separately: it needs a read)."""
+    return ((body.get("spec") or {}).get("poolRef") or {}).get("name")
+
+
+async def default_pool(ctx: OperatorContext, body: JSON) -> str | None:
+    """The defaultPool of a new Sandbox's namespaced template, if it has one."""
+    raw = (body.get("spec") or {}).get("templateRef")
+    if not raw or (body.get("status") or {}).get("template"):
+        return None
+    try:
+        ref = TemplateRef.model_validate(raw)
+    except ValidationError:
+        return None
+    if ref.kind is not TemplateKind.NAMESPACED:
+        return None
+    template = await ctx.kube.get(SANDBOX_TEMPLATES.path(body["metadata"]["namespace"], ref.name))
+    pool = ((template or {}).get("spec") or {}).get("defaultPool")
+    return str(pool) if pool else None
+
+
+def incompatible(body: JSON, member: JSON) -> str | None:
+    """Why a member cannot serve this Sandbox (it asks for what only a new pod
+    gives), or None. Pure."""
+    pinned = (member.get("status") or {}).get("template")
+    try:
+        mine = sandbox_spec({"spec": body.get("spec") or {}, "status": {"template": pinned}})
+        theirs = sandbox_spec(member)
+    except ValidationError:
+        return "the spec is invalid"
+    wanted, has = build.pod_stamp(mine), build.pod_stamp(theirs)
+    fields = sorted(k for k in wanted.keys() | has.keys() if wanted.get(k) != has.get(k))
+    if not fields:
+        return None
+    return ", ".join(f"spec.{name}" for name in fields) + " differs from the pool's members"
+
+
+def _bound(body: JSON, use: PoolUse, member: JSON | None) -> JSON:
+    """`body` with the outcome in its status (in memory: the reconciliation writes it)."""
+    status = dict(body.get("status") or {})
+    status["pool"] = use.to_wire()
+    if member is not None:
+        status["template"] = (member.get("status") or {}).get("template")
+    return {**body, "status": status}
+
+
+async def take_member(ctx: OperatorContext, body: JSON, sandboxes: Index, pods: Index) -> JSON:
+    """`body` with `status.pool` decided when it names a pool: a member claimed, a
+    cold start, or (raised) a wait. Sandboxes without a pool, and ones whose
+    outcome is recorded, come back as they are."""
+    recorded = (body.get("status") or {}).get("pool") or {}
+    if recorded.get("outcome") in (PoolOutcome.CLAIMED, PoolOutcome.COLD_START):
+        return body
+    if (body.get("status") or {}).get("podUID") or body["metadata"].get("deletionTimestamp"):
+        return body
+    name = pool_ref_of(body)
+    explicit = name is not None
+    if name is None:
+        name = await default_pool(ctx, body)
+        if name is None:
+            return body
+    namespace = body["metadata"]["namespace"]
+    pool = await ctx.kube.get(SANDBOX_POOLS.path(namespace, name))
+    if pool is None:
+        if not explicit:
+            return body  # a template's default pool that this namespace lacks: start cold
+        why = f"SandboxPool {name} does not exist in namespace {namespace}"
+        await report_blocked(ctx, body, None, held=(SandboxReason.POOL_NOT_FOUND.value, why))
+        raise kopf.TemporaryError(why, delay=POOL_RETRY_SECONDS)
+    spec = SandboxPoolSpec.model_validate(pool.get("spec") or {})
+    if not explicit and (body.get("spec") or {}).get("templateRef") != spec.template_ref.to_wire():
+        return body  # a pool of another template under the default's name
+    use = PoolUse(name=name, outcome=PoolOutcome.CLAIMED, template_ref=spec.template_ref)
+
+    mine = pools.owned_member(sandboxes, body)
+    if mine is not None:
+        return _bound(body, _claimed(use, mine), mine)
+
+    generation = int((pool.get("status") or {}).get("templateGeneration") or 0)
+    candidates = [
+        m
+        for m in pools.members_of(sandboxes, pool)
+        if pools.member_of(m, pools.pod_alive(pods, namespace, m["metadata"]["name"])).state
+        is pools.MemberState.READY
+    ]
+    by_name = {m["metadata"]["name"]: m for m in candidates}
+    members = [pools.member_of(m) for m in candidates]
+    now = time.monotonic()
+    for key, since in list(ctx.reserved.items()):
+        if now - since > RESERVATION_SECONDS:
+            del ctx.reserved[key]
+    lost = [m for (ns, m) in ctx.reserved if ns == namespace]
+    for _ in range(MAX_CONFLICTS):
+        choice = pools.choose_member(members, generation or _newest(members), skip=lost)
+        if choice is None:
+            break
+        member = by_name[choice.name]
+        mismatch = incompatible(body, member)
+        if mismatch is not None:
+            return await _cold(ctx, body, use, mismatch, pool)
+        ctx.reserved[(namespace, choice.name)] = time.monotonic()
+        claimed = await _claim(ctx, body, member)
+        if claimed is not None:
+            metrics.POOL_CLAIMS.labels("claimed").inc()
+            ctx.wake_pool(namespace, name)  # a member left: refill
+            message = f"took member {choice.name} of pool {name}"
+            ctx.event(body, "info", reason="Claimed", message=message)
+            return _bound(body, _claimed(use, claimed), claimed)
+        metrics.POOL_CLAIM_CONFLICTS.inc()
+        lost.append(choice.name)
+    if spec.when_empty is WhenEmpty.WAIT:
+        metrics.POOL_CLAIMS.labels("waited").inc()
+        why = f"SandboxPool {name} has no ready member; waiting for one (whenEmpty: Wait)"
+        waiting = use.model_copy(update={"outcome": PoolOutcome.WAITING})
+        held_body = _bound(body, waiting, None)
+        await report_blocked(ctx, held_body, None, held=(SandboxReason.POOL_EMPTY.value, why))
+        raise kopf.TemporaryError(why, delay=POOL_RETRY_SECONDS)
+    return await _cold(ctx, body, use, f"SandboxPool {name} had no ready member", pool)
+
+
+def _newest(members: list[pools.Member]) -> int:
+    return max((m.template_generation for m in members), default=0)
+
+
+def _claimed(use: PoolUse, member: JSON) -> PoolUse:
+    meta = member["metadata"]
+    return use.model_copy(update={"member": meta["name"], "member_uid": meta["uid"]})
+
+
+async def _cold(ctx: OperatorContext, body: JSON, use: PoolUse, why: str, pool: JSON) -> JSON:
+    metrics.POOL_CLAIMS.labels("cold").inc()
+    message = f"{why}: starting a new pod"
+    ctx.event(body, "info", reason="PoolColdStart", message=message)
+    ctx.event(pool, "info", reason="ColdStart", message=f"{body['metadata']['name']}: {message}")
+    cold = use.model_copy(update={"outcome": PoolOutcome.COLD_START, "message": message})
+    return _bound(body, cold, None)
+
+
+async def _claim(ctx: OperatorContext, body: JSON, member: JSON) -> JSON | None:
+    """Compare-and-swap the member's owner. The member as written, or None when
+    another claim got there first (or it is no longer a ready member)."""
+    meta = member["metadata"]
+    path = SANDBOXES.path(meta["namespace"], meta["name"])
+    # The member's own reconciliation, if one is running, finishes first; the
+    # next one sees the claim and stands down (see reconcile).
+    async with ctx.lock(meta["namespace"], meta["name"]):
+        for _ in range(3):
+            try:
+                return await ctx.kube.patch(path, pools.claim_patch(member, body))
+            except KubeError as exc:
+                if exc.status != 409:
+                    raise
+            # Our copy was stale (its status was written since, say): read it again.
+            fresh = await ctx.kube.get(path)
+            if fresh is None or pools.member_of(fresh).state is not pools.MemberState.READY:
+                return None
+            member = fresh
+    return None

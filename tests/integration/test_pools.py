@@ -1,0 +1,393 @@
+"""SandboxPools against a real API server, with the node played by the test (pods
+get a loopback IP; where commands run, a real agent serves them): fill, claim,
+refill, scale, concurrent claims, an operator killed mid-claim, a member whose
+pod died, a template change, claim-time env, and the conditions of bad input."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from devcluster.controlplane import ControlPlane
+from tests.integration.conftest import kubectl
+from tests.integration.harness import (
+    AgentProcess,
+    Node,
+    OperatorProcess,
+    next_pod_ip,
+    secret_token,
+    wait_for,
+)
+from tests.kube import JSON, ApiError, KubeJSON, core_path
+from tests.pools import Kubelet, Pools, controller, members
+from tests.sandboxes import Sandboxes
+from tests.templates import Templates
+
+TEMPLATE: JSON = {
+    "description": "python, ephemeral",
+    "sandbox": {"runtime": "python", "workspace": {"ephemeral": True}},
+}
+
+
+@pytest.fixture
+def templates(kube: KubeJSON, ns: str) -> Templates:
+    return Templates(kube, ns)
+
+
+@pytest.fixture
+def pools(kube: KubeJSON, ns: str) -> Pools:
+    return Pools(kube, ns)
+
+
+@pytest.fixture
+def kubelet(kube: KubeJSON, ns: str, node: Node) -> Iterator[Kubelet]:
+    """Runs every pod of the namespace (no agent behind it)."""
+
+    def start(namespace: str, pod: str) -> str:
+        ip = next_pod_ip()
+        node.run_pod(namespace, pod, ip)
+        return ip
+
+    with Kubelet(kube, ns, start) as running:
+        yield running
+
+
+def pool_use(sandboxes: Sandboxes, name: str, timeout: float = 30) -> JSON:
+    """status.pool once the Sandbox's pool outcome is decided."""
+    body = sandboxes.wait_object(
+        name, "a pool outcome", lambda s: bool((s.get("pool") or {}).get("outcome")), timeout
+    )
+    use: JSON = body["status"]["pool"]
+    return use
+
+
+def claimers_of(kube: KubeJSON, ns: str) -> dict[str, list[str]]:
+    """Every Sandbox owned by another Sandbox (a claimed member), with its owners."""
+    owned: dict[str, list[str]] = {}
+    for body in kube.list(Sandboxes(kube, ns).path()):
+        owners = [o["name"] for o in body["metadata"].get("ownerReferences") or []]
+        if any(o.get("kind") == "Sandbox" for o in body["metadata"].get("ownerReferences") or []):
+            owned[body["metadata"]["name"]] = owners
+    return owned
+
+
+def test_pool_fills_serves_a_claim_refills_and_scales(
+    kube: KubeJSON,
+    ns: str,
+    control_plane: ControlPlane,
+    sandboxes: Sandboxes,
+    templates: Templates,
+    pools: Pools,
+    kubelet: Kubelet,
+) -> None:
+    templates.create("py", TEMPLATE)
+    pools.create("warm", {"templateRef": {"name": "py"}, "replicas": 3})
+    filled = pools.wait_counts("warm", ready=3, replicas=3)
+    ready = next(c for c in filled["status"]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "PoolFull"), ready
+    assert filled["status"]["selector"] == "sandbox.dev/pool=warm"
+    waiting = {m["metadata"]["name"] for m in members(kube, ns, "warm")}
+    assert len(waiting) == 3
+
+    sandboxes.create("agent-1", {"poolRef": {"name": "warm"}})
+    body = sandboxes.wait_ready("agent-1", timeout=20)
+    use = body["status"]["pool"]
+    assert use["outcome"] == "Claimed", use
+    member = use["member"]
+    assert member in waiting
+    # The claimed member serves it: its pod, its endpoint, its workspace.
+    assert body["status"]["podName"] == member
+    claimed = sandboxes.read(member)
+    owner = controller(claimed)
+    assert owner is not None
+    assert (owner["kind"], owner["name"], owner["uid"]) == (
+        "Sandbox",
+        "agent-1",
+        body["metadata"]["uid"],
+    )
+    assert "sandbox.dev/pool" not in (claimed["metadata"].get("labels") or {})
+
+    # The pool makes a new member in its place; the claimed one never comes back.
+    refilled = pools.wait_counts("warm", ready=3, replicas=3)
+    assert refilled["status"]["claimed"] == 1
+    assert member not in {m["metadata"]["name"] for m in members(kube, ns, "warm")}
+
+    # `kubectl scale` through the scale subresource.
+    scaled = kubectl(control_plane, "-n", ns, "scale", "sandboxpool/warm", "--replicas=1")
+    assert scaled.returncode == 0, scaled.stderr
+    pools.wait_counts("warm", ready=1, replicas=1)
+    wait_for(lambda: len(members(kube, ns, "warm")) == 1, 30, "surplus members deleted")
+    listed = kubectl(control_plane, "-n", ns, "get", "sandboxpools")
+    assert "warm" in listed.stdout, listed.stdout
+    assert "PoolFull" in listed.stdout, listed.stdout
+
+    # Deleting the claimer takes its member with it (owner reference), not the pool's.
+    sandboxes.delete("agent-1")
+    wait_for(lambda: sandboxes.get(member) is None, 60, f"member {member} deleted")
+    assert len(members(kube, ns, "warm")) == 1
+
+
+def test_fifty_concurrent_claims_on_a_pool_of_twenty(
+    kube: KubeJSON,
+    ns: str,
+    sandboxes: Sandboxes,
+    templates: Templates,
+    pools: Pools,
+    kubelet: Kubelet,
+) -> None:
+    templates.create("py", TEMPLATE)
+    pools.create("warm", {"templateRef": {"name": "py"}, "replicas": 20, "maxCreating": 20})
+    pools.wait_counts("warm", ready=20, replicas=20, timeout=120)
+    # No refill during the burst: the 30 that find no member must start cold.
+    pools.patch("warm", {"spec": {"replicas": 0}})
+    names = [f"burst-{i:02d}" for i in range(50)]
+    with ThreadPoolExecutor(max_workers=10) as pool:
+        list(pool.map(lambda n: sandboxes.create(n, {"poolRef": {"name": "warm"}}), names))
+    uses = {n: pool_use(sandboxes, n, timeout=120) for n in names}
+    claimed = {n: u["member"] for n, u in uses.items() if u["outcome"] == "Claimed"}
+    cold = [n for n, u in uses.items() if u["outcome"] == "ColdStart"]
+    assert len(claimed) == 20, uses
+    assert len(cold) == 30, uses
+    assert len(set(claimed.values())) == 20, "a member was claimed twice"
+    owners = claimers_of(kube, ns)
+    for sandbox, member in claimed.items():
+        assert owners[member] == [sandbox], (member, owners[member])
+    assert len(owners) == 20
+    for name in cold:
+        assert "no ready member" in uses[name]["message"], uses[name]
+    for name in names:
+        sandboxes.wait_ready(name, timeout=120)
+
+
+def test_operator_killed_in_the_middle_of_claims(
+    kube: KubeJSON,
+    ns: str,
+    sandboxes: Sandboxes,
+    templates: Templates,
+    pools: Pools,
+    kubelet: Kubelet,
+    running_operator: OperatorProcess,
+) -> None:
+    templates.create("py", TEMPLATE)
+    pools.create("warm", {"templateRef": {"name": "py"}, "replicas": 10, "maxCreating": 10})
+    pools.wait_counts("warm", ready=10, replicas=10, timeout=90)
+    pools.patch("warm", {"spec": {"replicas": 0}})
+    names = [f"claim-{i}" for i in range(10)]
+    with ThreadPoolExecutor(max_workers=10) as pool:
+        list(pool.map(lambda n: sandboxes.create(n, {"poolRef": {"name": "warm"}}), names))
+    # Some claims are done, some not started: the operator dies with them in flight.
+    wait_for(lambda: claimers_of(kube, ns), 30, "a first claim", interval=0.01)
+    running_operator.kill()
+    before = claimers_of(kube, ns)
+    running_operator.start()
+    uses = {n: pool_use(sandboxes, n, timeout=60) for n in names}
+    owners = claimers_of(kube, ns)
+    claimed = {n: u["member"] for n, u in uses.items() if u["outcome"] == "Claimed"}
+    # Every member claimed before the kill still serves the Sandbox that claimed it.
+    for member, owner in before.items():
+        assert owners[member] == owner
+        assert claimed[owner[0]] == member, (owner, uses[owner[0]])
+    # No member has two claimers; no claimed member is unaccounted for.
+    assert len(set(claimed.values())) == len(claimed)
+    assert {m: [s] for s, m in claimed.items()} == owners
+    assert len(claimed) == 10, uses
+    for name in names:
+        sandboxes.wait_ready(name, timeout=60)
+
+
+def test_an_empty_pool_that_waits_then_serves(
+    ns: str, sandboxes: Sandboxes, templates: Templates, pools: Pools, kubelet: Kubelet
+) -> None:
+    templates.create("py", TEMPLATE)
+    pools.create("slow", {"templateRef": {"name": "py"}, "replicas": 0, "whenEmpty": "Wait"})
+    sandboxes.create("patient", {"poolRef": {"name": "slow"}})
+    body = sandboxes.wait_object(
+        "patient",
+        "waiting for the pool",
+        lambda s: any(c.get("reason") == "PoolEmpty" for c in s.get("conditions", [])),
+    )
+    assert body["status"]["pool"]["outcome"] == "Waiting"
+    assert sandboxes.get("patient-workspace") is None
+    assert not [p for p in [sandboxes.kube.get(core_path("pods", ns, "patient"))] if p]
+    pools.patch("slow", {"spec": {"replicas": 1}})
+    ready = sandboxes.wait_ready("patient", timeout=30)
+    assert ready["status"]["pool"]["outcome"] == "Claimed"
+
+
+def test_a_claim_skips_a_member_whose_pod_died(
+    kube: KubeJSON,
+    ns: str,
+    sandboxes: Sandboxes,
+    templates: Templates,
+    pools: Pools,
+    kubelet: Kubelet,
+) -> None:
+    templates.create("py", TEMPLATE)
+    pools.create("warm", {"templateRef": {"name": "py"}, "replicas": 2})
+    pools.wait_counts("warm", ready=2)
+    oldest = sorted(
+        members(kube, ns, "warm"),
+        key=lambda m: (m["metadata"]["creationTimestamp"], m["metadata"]["name"]),
+    )[0]["metadata"]["name"]
+    # The node stops running new pods, and the oldest member's pod dies: its
+    # Sandbox makes a new pod that stays Pending.
+    kubelet.paused.set()
+    kube.delete(core_path("pods", ns, oldest))
+    wait_for(
+        lambda: (
+            (kube.get(core_path("pods", ns, oldest)) or {}).get("status", {}).get("phase")
+            in (None, "Pending")
+        ),
+        20,
+        "the replacement pod",
+    )
+    sandboxes.create("lucky", {"poolRef": {"name": "warm"}})
+    use = pool_use(sandboxes, "lucky")
+    assert use["outcome"] == "Claimed"
+    assert use["member"] != oldest
+    kubelet.paused.clear()
+    sandboxes.wait_ready("lucky", timeout=20)
+
+
+def test_template_change_rolls_waiting_members(
+    kube: KubeJSON,
+    ns: str,
+    sandboxes: Sandboxes,
+    templates: Templates,
+    pools: Pools,
+    kubelet: Kubelet,
+) -> None:
+    templates.create("py", TEMPLATE)
+    pools.create("warm", {"templateRef": {"name": "py"}, "replicas": 2})
+    pools.wait_counts("warm", ready=2)
+    old = {m["metadata"]["name"] for m in members(kube, ns, "warm")}
+    templates.patch("py", {"spec": {"sandbox": {"env": [{"name": "V", "value": "2"}]}}})
+
+    def rolled() -> bool:
+        now = {m["metadata"]["name"] for m in members(kube, ns, "warm")}
+        return len(now) == 2 and not (now & old)
+
+    wait_for(rolled, 60, "members of the new template generation")
+    pools.wait_counts("warm", ready=2, replicas=2)
+    sandboxes.create("fresh", {"poolRef": {"name": "warm"}})
+    use = pool_use(sandboxes, "fresh")
+    assert use["outcome"] == "Claimed"
+    pod = kube.read(core_path("pods", ns, use["member"]))
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env", [])}
+    assert env.get("V") == "2"
+
+
+def test_claim_time_env_reaches_commands_before_ready(
+    kube: KubeJSON,
+    ns: str,
+    node: Node,
+    sandboxes: Sandboxes,
+    templates: Templates,
+    pools: Pools,
+    agents: Callable[[str], AgentProcess],
+) -> None:
+    by_pod: dict[str, AgentProcess] = {}
+
+    def start(namespace: str, pod: str) -> str:
+        agent = agents(secret_token(kube, namespace, pod))
+        by_pod[pod] = agent
+        node.run_pod(namespace, pod, agent.ip)
+        return agent.ip
+
+    templates.create("py", TEMPLATE)
+    with Kubelet(kube, ns, start):
+        pools.create("warm", {"templateRef": {"name": "py"}, "replicas": 1})
+        pools.wait_counts("warm", ready=1, timeout=60)
+        sandboxes.create(
+            "tuned",
+            {"poolRef": {"name": "warm"}, "env": [{"name": "GREETING", "value": "claimed"}]},
+        )
+        body = sandboxes.wait_ready("tuned", timeout=20)
+    use = body["status"]["pool"]
+    assert use["outcome"] == "Claimed"
+    # Ready means the member's agent already holds the env (no second look needed).
+    current = by_pod[use["member"]].call("GET", "/v1/environment")
+    assert current["env"] == {"GREETING": "claimed"}, current
+
+
+def test_what_a_pool_cannot_do_is_named(
+    ns: str,
+    sandboxes: Sandboxes,
+    templates: Templates,
+    pools: Pools,
+    node: Node,
+    kube: KubeJSON,
+) -> None:
+    sandboxes.create("orphan", {"poolRef": {"name": "nope"}})
+    body = sandboxes.wait_object(
+        "orphan",
+        "PoolNotFound",
+        lambda s: any(c.get("reason") == "PoolNotFound" for c in s.get("conditions", [])),
+    )
+    ready = next(c for c in body["status"]["conditions"] if c["type"] == "Ready")
+    assert "SandboxPool nope does not exist" in ready["message"]
+
+    pools.create("lost", {"templateRef": {"name": "missing"}, "replicas": 1})
+    cond = pools.wait_reason("lost", "TemplateNotFound")
+    assert "missing" in str(cond["status"]["conditions"])
+
+    # A template whose image has no python3: its member's runtime cannot start.
+    templates.create("bare", {"sandbox": {"image": "busybox:1", "workspace": {"ephemeral": True}}})
+    pools.create("bare", {"templateRef": {"name": "bare"}, "replicas": 1})
+    member = wait_for(lambda: members(kube, ns, "bare"), 30, "a member")[0]["metadata"]["name"]
+    wait_for(lambda: kube.get(core_path("pods", ns, member)), 20, "its pod")
+    node.crash_runtime(ns, member, 'exec: "python3": executable file not found in $PATH')
+    failed = pools.wait_reason("bare", "TemplateWithoutPython")
+    message = next(c for c in failed["status"]["conditions"] if c["type"] == "Ready")["message"]
+    assert "python3" in message, message
+    assert "bare" in message, message
+
+    # A Sandbox asking for what only a new pod gives starts cold, and says why.
+    templates.create("py", TEMPLATE)
+    pools.create("warm", {"templateRef": {"name": "py"}, "replicas": 1})
+    member = wait_for(lambda: members(kube, ns, "warm"), 30, "a member")[0]["metadata"]["name"]
+    wait_for(lambda: kube.get(core_path("pods", ns, member)), 20, "its pod")
+    node.run_pod(ns, member, next_pod_ip())
+    pools.wait_counts("warm", ready=1)
+    sandboxes.create("big", {"poolRef": {"name": "warm"}, "resources": {"memory": "2Gi"}})
+    use = pool_use(sandboxes, "big")
+    assert use["outcome"] == "ColdStart"
+    assert "spec.resources differs" in use["message"], use
+    with pytest.raises(ApiError) as refused:
+        sandboxes.create("both", {"poolRef": {"name": "warm"}, "templateRef": {"name": "py"}})
+    assert "at most one of poolRef or templateRef" in str(refused.value)
+    sandboxes.create("fixed", {"poolRef": {"name": "warm"}})
+    with pytest.raises(ApiError) as immutable:
+        sandboxes.patch("fixed", {"spec": {"poolRef": {"name": "other"}}})
+    assert "poolRef is immutable" in str(immutable.value)
+
+
+def test_a_template_default_pool(
+    ns: str, sandboxes: Sandboxes, templates: Templates, pools: Pools, kubelet: Kubelet
+) -> None:
+    templates.create("py", {**TEMPLATE, "defaultPool": "py-warm"})
+    pools.create("py-warm", {"templateRef": {"name": "py"}, "replicas": 1})
+    pools.wait_counts("py-warm", ready=1)
+    sandboxes.create("by-template", {"templateRef": {"name": "py"}})
+    use = pool_use(sandboxes, "by-template")
+    assert use["outcome"] == "Claimed", use
+    sandboxes.wait_ready("by-template", timeout=20)
+    # A template whose default pool this namespace lacks starts cold, as if it had none.
+    templates.create("lonely", {**TEMPLATE, "defaultPool": "absent"})
+    sandboxes.create("cold", {"templateRef": {"name": "lonely"}})
+    body = sandboxes.wait_ready("cold", timeout=20)
+    assert "pool" not in body["status"]
+
+
+def test_pool_members_are_paced(
+    ns: str, kube: KubeJSON, templates: Templates, pools: Pools
+) -> None:
+    """No node: members never get ready, so no more than maxCreating exist."""
+    templates.create("py", TEMPLATE)
+    pools.create("paced", {"templateRef": {"name": "py"}, "replicas": 10, "maxCreating": 3})
+    pools.wait_object("paced", "3 creating", lambda s: s.get("creating") == 3)
+    time.sleep(2)
+    assert len(members(kube, ns, "paced")) == 3
