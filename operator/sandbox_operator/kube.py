@@ -121,6 +121,7 @@ class Api(Protocol):
         grace_seconds: int | None = None,
         propagation: str = "Background",
         uid: str | None = None,
+        resource_version: str | None = None,
     ) -> bool: ...
 
     async def close(self) -> None: ...
@@ -274,13 +275,20 @@ class Kube:
         grace_seconds: int | None = None,
         propagation: str = "Background",
         uid: str | None = None,
+        resource_version: str | None = None,
     ) -> bool:
-        """Delete; False when it was already gone. `uid` guards against a namesake."""
+        """Delete; False when it was already gone (or, with preconditions, changed).
+        `uid` guards against a namesake; `resource_version` against any write since."""
         body: JSON = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": propagation}
         if grace_seconds is not None:
             body["gracePeriodSeconds"] = grace_seconds
-        if uid:
-            body["preconditions"] = {"uid": uid}
+        preconditions = {
+            key: value
+            for key, value in (("uid", uid), ("resourceVersion", resource_version))
+            if value
+        }
+        if preconditions:
+            body["preconditions"] = preconditions
         response = await self.request("DELETE", path, body=body)
         if response.status_code in (404, 409):
             return False

@@ -141,8 +141,9 @@ def test_fifty_concurrent_claims_on_a_pool_of_twenty(
     templates.create("py", TEMPLATE)
     pools.create("warm", {"templateRef": {"name": "py"}, "replicas": 20, "maxCreating": 20})
     pools.wait_counts("warm", ready=20, replicas=20, timeout=120)
-    # No refill during the burst: the 30 that find no member must start cold.
-    pools.patch("warm", {"spec": {"replicas": 0}})
+    # New members do not get ready during the burst: the 30 that find no ready
+    # member must start cold.
+    kubelet.paused.set()
     names = [f"burst-{i:02d}" for i in range(50)]
     with ThreadPoolExecutor(max_workers=10) as pool:
         list(pool.map(lambda n: sandboxes.create(n, {"poolRef": {"name": "warm"}}), names))
@@ -158,6 +159,7 @@ def test_fifty_concurrent_claims_on_a_pool_of_twenty(
     assert len(owners) == 20
     for name in cold:
         assert "no ready member" in uses[name]["message"], uses[name]
+    kubelet.paused.clear()
     for name in names:
         sandboxes.wait_ready(name, timeout=120)
 
@@ -174,7 +176,7 @@ def test_operator_killed_in_the_middle_of_claims(
     templates.create("py", TEMPLATE)
     pools.create("warm", {"templateRef": {"name": "py"}, "replicas": 10, "maxCreating": 10})
     pools.wait_counts("warm", ready=10, replicas=10, timeout=90)
-    pools.patch("warm", {"spec": {"replicas": 0}})
+    kubelet.paused.set()  # refilled members stay unready: only the first ten can be claimed
     names = [f"claim-{i}" for i in range(10)]
     with ThreadPoolExecutor(max_workers=10) as pool:
         list(pool.map(lambda n: sandboxes.create(n, {"poolRef": {"name": "warm"}}), names))
@@ -194,6 +196,7 @@ def test_operator_killed_in_the_middle_of_claims(
     assert len(set(claimed.values())) == len(claimed)
     assert {m: [s] for s, m in claimed.items()} == owners
     assert len(claimed) == 10, uses
+    kubelet.paused.clear()
     for name in names:
         sandboxes.wait_ready(name, timeout=60)
 

@@ -81,6 +81,7 @@ class MemoryKube:
         grace_seconds: int | None = None,
         propagation: str = "Background",
         uid: str | None = None,
+        resource_version: str | None = None,
     ) -> bool:
         self.calls.append(("DELETE", path))
         obj = self.objects.get(path)

@@ -27,7 +27,7 @@ from sandbox_operator.builders.conditions import FALSE, Cond, merge
 from sandbox_operator.builders.template import describe, template_path
 from sandbox_operator.clock import iso, now_utc
 from sandbox_operator.context import OperatorContext
-from sandbox_operator.kube import MERGE_PATCH, status_patch
+from sandbox_operator.kube import MERGE_PATCH, KubeError, status_patch
 from sandbox_operator.resources import LABEL_POOL, SANDBOX_POOLS, SANDBOXES
 
 JSON = dict[str, Any]
@@ -37,6 +37,8 @@ Index = Mapping[Key, Any]
 # How long a pass waits for the index to show the members it created or deleted.
 INDEX_WAIT_STEP = 0.05
 INDEX_WAIT_STEPS = 100
+# After the API server refused a pass's writes.
+REFUSED_RETRY_SECONDS = 5.0
 
 
 def claimed_count(sandboxes: Index, namespace: str, pool: str) -> int:
@@ -71,7 +73,7 @@ async def reconcile(
     observed = [
         pools.member_of(m, pools.pod_alive(pods, namespace, m["metadata"]["name"])) for m in members
     ]
-    if template is not None:
+    if template is not None and not meta.get("deletionTimestamp"):
         plan = pools.refill_plan(observed, spec.replicas, spec.max_creating, generation)
         await _carry_out(ctx, body, spec, plan, generation, sandboxes, logger)
         members = pools.members_of(sandboxes, body)
@@ -117,7 +119,17 @@ async def _carry_out(
 ) -> None:
     namespace = body["metadata"]["namespace"]
     for member in plan.delete:
-        if await ctx.kube.delete(SANDBOXES.path(namespace, member)):
+        seen = next(iter(sandboxes.get((namespace, member), [])), None)
+        if seen is None:
+            continue
+        # Conditioned on the member as seen: one claimed since is not deleted.
+        meta = seen["metadata"]
+        deleted = await ctx.kube.delete(
+            SANDBOXES.path(namespace, member),
+            uid=meta["uid"],
+            resource_version=meta["resourceVersion"],
+        )
+        if deleted:
             metrics.POOL_MEMBERS.labels("deleted").inc()
             logger.info("deleted member %s", member)
     made: list[str] = []
@@ -172,6 +184,13 @@ async def _write(
     body["status"] = new.to_wire()
 
 
+async def _report_refusal(ctx: OperatorContext, body: JSON, why: str) -> None:
+    old = SandboxPoolStatus.model_validate(body.get("status") or {})
+    cond = Cond(PoolCondition.READY, FALSE, SandboxReason.CREATE_FAILED, why)
+    with contextlib.suppress(KubeError):
+        await _write(ctx, body, old, _with(old, cond, body["metadata"]))
+
+
 async def run(
     ctx: OperatorContext,
     body: Mapping[str, Any],
@@ -189,9 +208,12 @@ async def run(
             await reconcile(
                 ctx, dict(body), indexes["sandbox_bodies"], indexes["sandbox_pods"], logger
             )
-        except Exception:
-            logger.exception("pool pass failed; trying again")
-            await asyncio.sleep(1)
+        except KubeError as exc:
+            # Refused (a ResourceQuota, a namespace being deleted) or unreachable:
+            # said in the pool's status and tried again, never the end of the loop.
+            logger.warning("pool pass failed: %s", exc)
+            await _report_refusal(ctx, dict(body), str(exc))
+            await asyncio.sleep(REFUSED_RETRY_SECONDS)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(woken.wait(), timeout=interval)
     ctx.pool_wakeups.pop((meta["namespace"], meta["name"]), None)

@@ -142,9 +142,11 @@ async def take_member(ctx: OperatorContext, body: JSON, sandboxes: Index, pods: 
     for key, since in list(ctx.reserved.items()):
         if now - since > RESERVATION_SECONDS:
             del ctx.reserved[key]
-    lost = [m for (ns, m) in ctx.reserved if ns == namespace]
+    lost: list[str] = []
     for _ in range(MAX_CONFLICTS):
-        choice = pools.choose_member(members, generation or _newest(members), skip=lost)
+        # Read again at every try: other claims of this process reserve as they go.
+        skip = [*lost, *(m for (ns, m) in ctx.reserved if ns == namespace)]
+        choice = pools.choose_member(members, generation or _newest(members), skip=skip)
         if choice is None:
             break
         member = by_name[choice.name]
@@ -205,7 +207,11 @@ async def _claim(ctx: OperatorContext, body: JSON, member: JSON) -> JSON | None:
                     raise
             # Our copy was stale (its status was written since, say): read it again.
             fresh = await ctx.kube.get(path)
-            if fresh is None or pools.member_of(fresh).state is not pools.MemberState.READY:
+            if (
+                fresh is None
+                or fresh["metadata"].get("deletionTimestamp")
+                or pools.member_of(fresh).state is not pools.MemberState.READY
+            ):
                 return None
             member = fresh
     return None
