@@ -124,6 +124,9 @@ class Settings(BaseModel):
     agent_timeout_seconds: float = 5.0
     metrics_port: int = 8000
     max_workers: int = 32
+    # How long Kopf gathers an object's events before handling them (its default
+    # is 0.1 s): every event round of a claim or a start waits this long.
+    batch_window_seconds: float = Field(default=0.01, ge=0.0, le=1.0)
 
     # High availability (Kopf peering; README, "High availability"). A replica
     # whose keep-alive is older than this is presumed dead and a standby takes

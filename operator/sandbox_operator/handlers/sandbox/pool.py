@@ -157,9 +157,8 @@ async def take_member(ctx: OperatorContext, body: JSON, sandboxes: Index, pods: 
         claimed = await _claim(ctx, body, member)
         if claimed is not None:
             metrics.POOL_CLAIMS.labels("claimed").inc()
+            # No Event: status.pool says it, and a claim is kept to its few writes.
             ctx.wake_pool(namespace, name)  # a member left: refill
-            message = f"took member {choice.name} of pool {name}"
-            ctx.event(body, "info", reason="Claimed", message=message)
             return _bound(body, _claimed(use, claimed), claimed)
         metrics.POOL_CLAIM_CONFLICTS.inc()
         lost.append(choice.name)

@@ -249,6 +249,14 @@ async def _reconcile(
         raise kopf.TemporaryError("restoring the workspace from a snapshot", delay=1)
 
 
+def forget(ctx: OperatorContext, body: JSON) -> None:
+    """Drop what this process holds for a Sandbox that is going."""
+    own, served_by = build.ref_of(body), build.children_ref(body)
+    metrics.PHASES.forget(own.namespace, own.name)
+    ctx.forget(own.namespace, own.name, own.uid)
+    ctx.tokens.pop((served_by.namespace, served_by.uid), None)
+
+
 async def teardown(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> None:
     """Finalizer: wait for the idle policy's snapshot (bounded), stop the pod (no
     writes in flight), then let GC take the rest. Snapshots are not owned by
@@ -263,10 +271,7 @@ async def teardown(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> Non
         )
         if not settled:
             raise kopf.TemporaryError(f"waiting for snapshot {status.idle_snapshot}", delay=2)
-    own = build.ref_of(body)
-    metrics.PHASES.forget(own.namespace, own.name)
-    ctx.forget(own.namespace, own.name, own.uid)
-    ctx.tokens.pop((ref.namespace, ref.uid), None)
+    forget(ctx, body)
     path = PODS.path(ref.namespace, build.names(ref.name)["pod"])
     pod = await ctx.kube.get(path)
     if pod is None:
