@@ -1,0 +1,294 @@
+"""Warm pools on the real local node, side by side with cold starts of the same template.
+
+    python benchmarks/pool_bench.py [--count 50] [--burst 100] [--parallel 20]
+
+1. One at a time, alternating, `--count` each: a Sandbox claimed from a pool and a
+   cold Sandbox of the pool's template, create -> Ready condition seen by a
+   watch. Each is deleted once Ready (a claimed one takes its member along).
+2. Refill: the pool scaled to `--burst` members; the time until all are ready.
+3. Burst: `--burst` claims, `--parallel` creates in flight, against the full
+   pool: per-claim create -> Ready, and first create -> last Ready.
+4. API writes by the operator (the kube-apiserver's audit log): per claim, on
+   the claim's path (the claiming Sandbox and the member it took) and, apart,
+   everything else in the same time (the refill making new members).
+
+The template has an ephemeral workspace and small requests, so that 100
+members fit the node (maxPods 110, 2 cores): the cold start it is compared
+with has no volume to provision either, which is its fastest case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import (  # noqa: E402
+    Watcher,
+    audit_flags,
+    create_namespace,
+    latency_row,
+    percentile,
+    wait_until,
+    write_results,
+)
+from devcluster import deploy  # noqa: E402
+from devcluster.cluster import LocalCluster  # noqa: E402
+from devcluster.storage import StorageAddon  # noqa: E402
+from tests.kube import JSON, KubeJSON, api_path  # noqa: E402
+
+NS = "poolbench"
+GROUP = "sandbox.dev/v1alpha1"
+OPERATOR_USER = f"system:serviceaccount:{deploy.NAMESPACE}:sandbox-operator"
+WRITES = {"create", "update", "patch", "delete"}
+# Small enough that a hundred members and their agents fit one 2-core node.
+VALUES = [
+    "settings.agent_memory=96Mi",
+    "settings.agent_cpu_request=5m",
+    "settings.sandbox_cpu_request=10m",
+]
+TEMPLATE = {
+    "description": "python, ephemeral workspace, small",
+    "sandbox": {
+        "runtime": "python",
+        "resources": {"memory": "64Mi"},
+        "workspace": {"ephemeral": True},
+    },
+}
+
+
+def sandboxes_path(name: str | None = None) -> str:
+    return api_path(GROUP, "sandboxes", NS, name)
+
+
+def pool_path(name: str | None = None) -> str:
+    return api_path(GROUP, "sandboxpools", NS, name)
+
+
+def ready_state(obj: JSON) -> str | None:
+    conds = (obj.get("status") or {}).get("conditions") or []
+    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+    return "ready" if ready else None
+
+
+def create_sandbox(kube: KubeJSON, name: str, spec: JSON) -> float:
+    """Create; the moment just before the request (monotonic)."""
+    started = time.monotonic()
+    kube.create(
+        sandboxes_path(),
+        {"apiVersion": GROUP, "kind": "Sandbox", "metadata": {"name": name}, "spec": spec},
+    )
+    return started
+
+
+def pool_status(kube: KubeJSON, name: str) -> JSON:
+    return (kube.get(pool_path(name)) or {}).get("status") or {}
+
+
+def wait_pool_ready(kube: KubeJSON, name: str, ready: int, timeout: float = 900) -> None:
+    wait_until(lambda: pool_status(kube, name).get("ready", 0) >= ready, timeout)
+
+
+def audit_writes(log: Path, since: float, until: float) -> list[JSON]:
+    """The operator's write requests from `since` to `until` (epoch seconds)."""
+    seen: set[str] = set()
+    found: list[JSON] = []
+    for line in log.read_text().splitlines():
+        event = json.loads(line)
+        if event["user"]["username"] != OPERATOR_USER or event["auditID"] in seen:
+            continue
+        if event["verb"] not in WRITES:
+            continue
+        received = datetime.fromisoformat(event["requestReceivedTimestamp"]).timestamp()
+        if since <= received <= until:
+            seen.add(event["auditID"])
+            found.append(event)
+    return found
+
+
+def describe(event: JSON) -> str:
+    ref = event.get("objectRef") or {}
+    sub = ref.get("subresource")
+    return f"{event['verb']} {ref.get('resource', '?')}{'/' + sub if sub else ''}"
+
+
+def split_writes(writes: list[JSON], claim_path: set[str]) -> tuple[list[JSON], list[JSON]]:
+    """(on a claim's path: the claimers and the members they took; the rest)."""
+    mine = [w for w in writes if (w.get("objectRef") or {}).get("name") in claim_path]
+    return mine, [w for w in writes if w not in mine]
+
+
+@contextmanager
+def cluster_with_audit(work: Path) -> Any:
+    flags, log = audit_flags(work, [OPERATOR_USER])
+    cluster = LocalCluster(
+        f"bench-pool-{os.getpid()}", addons=[StorageAddon()], apiserver_args=flags
+    )
+    cluster.start()
+    try:
+        deploy.install_operator(cluster, extra_values=VALUES)
+        deploy.wait_for_crds(cluster)
+        yield cluster, log
+    finally:
+        cluster.stop(remove_state=True)
+
+
+def sequential(
+    kube: KubeJSON, watch: Watcher, count: int
+) -> tuple[list[float], list[float], set[str]]:
+    """Claims and cold starts, alternating; (claim seconds, cold seconds, claim path names)."""
+    claims: list[float] = []
+    colds: list[float] = []
+    path: set[str] = set()
+    for i in range(count):
+        wait_pool_ready(kube, "warm", 1)
+        name = f"claim-{i}"
+        started = create_sandbox(kube, name, {"poolRef": {"name": "warm"}})
+        _, seen = watch.wait(name, {"ready"}, timeout=120)
+        claims.append(seen - started)
+        use = (watch.last[name].get("status") or {}).get("pool") or {}
+        if use.get("outcome") != "Claimed":
+            raise SystemExit(f"{name} was not served by the pool: {use}")
+        path |= {name, use["member"]}
+        kube.delete(sandboxes_path(name))
+        cold = f"cold-{i}"
+        started = create_sandbox(kube, cold, {"templateRef": {"name": "py"}})
+        _, seen = watch.wait(cold, {"ready"}, timeout=300)
+        colds.append(seen - started)
+        kube.delete(sandboxes_path(cold))
+    return claims, colds, path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--count", type=int, default=50)
+    parser.add_argument("--burst", type=int, default=100)
+    parser.add_argument("--parallel", type=int, default=20)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="pool-bench-"))
+    with cluster_with_audit(work) as (cluster, log):
+        kube = KubeJSON(cluster.kubeconfig)
+        create_namespace(kube, NS, deploy.POD_SECURITY_RESTRICTED)
+        kube.create(
+            api_path(GROUP, "sandboxtemplates", NS),
+            {
+                "apiVersion": GROUP,
+                "kind": "SandboxTemplate",
+                "metadata": {"name": "py"},
+                "spec": TEMPLATE,
+            },
+        )
+        kube.create(
+            pool_path(),
+            {
+                "apiVersion": GROUP,
+                "kind": "SandboxPool",
+                "metadata": {"name": "warm"},
+                "spec": {"templateRef": {"name": "py"}, "replicas": 10, "maxCreating": 5},
+            },
+        )
+        wait_pool_ready(kube, "warm", 10)
+        with Watcher(cluster.kubeconfig, sandboxes_path(), ready_state) as watch:
+            t0 = time.time()
+            claims, colds, seq_path = sequential(kube, watch, args.count)
+            seq_writes = audit_writes(log, t0, time.time() + 1)
+
+            # Refill: from 10 to `burst` ready members.
+            started = time.monotonic()
+            kube.patch(pool_path("warm"), {"spec": {"replicas": args.burst, "maxCreating": 20}})
+            wait_pool_ready(kube, "warm", args.burst)
+            refill_s = time.monotonic() - started
+            # From now on the refill goes one member at a time: the node holds
+            # 110 pods, and the burst is measured, not the refill.
+            kube.patch(pool_path("warm"), {"spec": {"maxCreating": 1}})
+
+            names = [f"burst-{i:03d}" for i in range(args.burst)]
+            wall0, first = time.time(), time.monotonic()
+            with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+                starts = dict(
+                    zip(
+                        names,
+                        pool.map(
+                            lambda n: create_sandbox(
+                                KubeJSON(cluster.kubeconfig), n, {"poolRef": {"name": "warm"}}
+                            ),
+                            names,
+                        ),
+                        strict=True,
+                    )
+                )
+            seen_at = {n: watch.wait(n, {"ready"}, timeout=300)[1] for n in names}
+            wall1 = time.time()
+            burst = [seen_at[n] - starts[n] for n in names]
+            all_ready_s = max(seen_at.values()) - first
+            outcomes = collections.Counter(
+                ((watch.last[n].get("status") or {}).get("pool") or {}).get("outcome")
+                for n in names
+            )
+            burst_path = set(names) | {
+                ((watch.last[n].get("status") or {}).get("pool") or {}).get("member", "")
+                for n in names
+            }
+        time.sleep(2)  # the audit backend flushes
+        burst_writes = audit_writes(log, wall0, wall1 + 0.5)
+        seq_mine, seq_rest = split_writes(seq_writes, seq_path)
+        burst_mine, burst_rest = split_writes(burst_writes, burst_path)
+
+    ratio = statistics.median(colds) / statistics.median(claims)
+    print(f"\nSequential, {args.count} each (create -> Ready seen by a watch):")
+    print(latency_row("claim from a pool", claims))
+    print(latency_row("cold start, same template", colds))
+    print(f"  cold / claim (p50)                   {ratio:8.1f}x")
+    print("  (targets: claim p50 <= 50 ms, p90 <= 150 ms)")
+    print(f"\nRefill from 10 to {args.burst} ready members: {refill_s:.1f} s")
+    print(f"\nBurst: {args.burst} claims, {args.parallel} creates in flight, pool of {args.burst}:")
+    print(latency_row("claim", burst))
+    print(f"  first create -> last Ready           {all_ready_s * 1000:8.1f} ms   (target <= 1 s)")
+    print(f"  outcomes                             {dict(outcomes)}")
+    per_seq = len(seq_mine) / args.count
+    per_burst = len(burst_mine) / args.burst
+    print("\nOperator API writes on the claim path (the claimer and its member; target <= 3):")
+    for label, per, mine in (("sequential", per_seq, seq_mine), ("burst", per_burst, burst_mine)):
+        kinds = dict(collections.Counter(map(describe, mine)))
+        print(f"  {label + ':':<11} {per:.2f} per claim   {kinds}")
+    print("Other operator writes in the same time (refill, pool status, the cold Sandboxes):")
+    print(f"  sequential: {dict(collections.Counter(map(describe, seq_rest)))}")
+    print(f"  burst:      {dict(collections.Counter(map(describe, burst_rest)))}")
+    write_results(
+        "pool",
+        {
+            "count": args.count,
+            "claim_p50_ms": statistics.median(claims) * 1000,
+            "claim_p90_ms": percentile(claims, 0.9) * 1000,
+            "cold_p50_ms": statistics.median(colds) * 1000,
+            "cold_p90_ms": percentile(colds, 0.9) * 1000,
+            "refill_s": refill_s,
+            "burst": args.burst,
+            "parallel": args.parallel,
+            "burst_p50_ms": statistics.median(burst) * 1000,
+            "burst_p90_ms": percentile(burst, 0.9) * 1000,
+            "burst_all_ready_ms": all_ready_s * 1000,
+            "burst_outcomes": dict(outcomes),
+            "writes_per_claim_sequential": per_seq,
+            "writes_per_claim_burst": per_burst,
+            "claim_path_writes": dict(collections.Counter(map(describe, seq_mine + burst_mine))),
+            "other_writes": dict(collections.Counter(map(describe, seq_rest + burst_rest))),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
