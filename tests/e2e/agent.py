@@ -25,7 +25,9 @@ class Agent:
 
         body = kube.read(f"/apis/sandbox.dev/v1alpha1/namespaces/{namespace}/sandboxes/{sandbox}")
         endpoint = body["status"]["agentEndpoint"]
-        secret = kube.read(core_path("secrets", namespace, f"{sandbox}-agent-token"))
+        # A Sandbox that claimed a pool member is served by the member's pod and token.
+        served_by = (body["status"].get("pool") or {}).get("member") or sandbox
+        secret = kube.read(core_path("secrets", namespace, f"{served_by}-agent-token"))
         return cls(endpoint, base64.b64decode(secret["data"]["token"]).decode())
 
     def run(self, argv: list[str] | None = None, *, shell: str | None = None, **extra: Any) -> JSON:

@@ -19,11 +19,15 @@ from tests.integration.conftest import RELEASE
 from tests.integration.harness import (
     AgentProcess,
     GatewayProcess,
+    Node,
+    secret_token,
     service_account_token,
     wait_for,
 )
 from tests.kube import KubeJSON, api_path, core_path
+from tests.pools import Kubelet, Pools, members
 from tests.sandboxes import Sandboxes
+from tests.templates import Templates
 
 LiveSandbox = Callable[..., AgentProcess]
 
@@ -505,3 +509,41 @@ def test_a_gibibyte_streams_both_ways_and_a_quiet_command_is_not_cut(
     assert output == "start\nend\n"
     assert events[-1]["type"] == "finished"
     assert events[-1]["execution"]["exitCode"] == 0
+
+
+def test_a_claimed_sandbox_is_served_and_its_pool_members_are_not(
+    gateway: GatewayProcess,
+    kube: KubeJSON,
+    ns: str,
+    node: Node,
+    agents: Callable[[str], AgentProcess],
+) -> None:
+    """A Sandbox that claimed a pool member is reached by its own name (the member's
+    pod and token serve it); nobody reaches a waiting member, or the claimed one
+    by the member's name, so no one can leave anything in a sandbox before its
+    claimer gets it."""
+
+    def start(namespace: str, pod: str) -> str:
+        agent = agents(secret_token(kube, namespace, pod))
+        node.run_pod(namespace, pod, agent.ip)
+        return agent.ip
+
+    templates, pools, sandboxes = Templates(kube, ns), Pools(kube, ns), Sandboxes(kube, ns)
+    templates.create("py", {"sandbox": {"runtime": "python", "workspace": {"ephemeral": True}}})
+    token = caller(kube, ns, "alice", "user")
+    with Kubelet(kube, ns, start):
+        pools.create("warm", {"templateRef": {"name": "py"}, "replicas": 2})
+        pools.wait_counts("warm", ready=2, timeout=60)
+        sandboxes.create("mine", {"poolRef": {"name": "warm"}})
+        member = sandboxes.wait_ready("mine", timeout=20)["status"]["pool"]["member"]
+        pools.wait_counts("warm", ready=2, timeout=60)
+        waiting = members(kube, ns, "warm")[0]["metadata"]["name"]
+    with client(gateway, ns, "mine", token) as http:
+        ran = http.post("/executions", json={"command": "echo served"})
+        assert ran.status_code == 200, ran.text
+        assert ran.json()["stdout"] == "served\n"
+    for other in (member, waiting):
+        with client(gateway, ns, other, token) as http:
+            refused = http.post("/executions", json={"command": "touch /workspace/planted"})
+            assert refused.status_code == 409, refused.text
+            assert code(refused) == "pool_member"

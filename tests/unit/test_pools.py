@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import ValidationError
 
@@ -10,10 +12,17 @@ from sandbox_operator.builders.pool import (
     Member,
     MemberState,
     choose_member,
+    claim_patch,
+    claimed_by,
     counts,
+    member_of,
+    pod_alive,
     ready_condition,
     refill_plan,
 )
+from sandbox_operator.builders.sandbox import children_ref
+
+JSON = dict[str, Any]
 
 R, C, F, X = MemberState.READY, MemberState.CREATING, MemberState.FAILED, MemberState.CLAIMED
 
@@ -115,3 +124,81 @@ def test_ready_condition(kwargs: dict[str, object], status: str, reason: str, na
     cond = ready_condition(**{**base, **kwargs})  # type: ignore[arg-type]
     assert (cond.status, cond.reason) == (status, reason)
     assert names in cond.message
+
+
+def member_body(
+    name: str,
+    *,
+    ready: str | None = "True",
+    reason: str = "SandboxReady",
+    owner_kind: str = "SandboxPool",
+    pinned: int | None = None,
+    annotated: int = 4,
+) -> JSON:
+    status: JSON = {}
+    if ready is not None:
+        status["conditions"] = [{"type": "Ready", "status": ready, "reason": reason}]
+    if pinned is not None:
+        status["template"] = {"kind": "SandboxTemplate", "name": "py", "generation": pinned}
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "uid": f"uid-{name}",
+            "resourceVersion": "41",
+            "creationTimestamp": "2026-11-26T00:00:00Z",
+            "labels": {"sandbox.dev/pool": "warm"} if owner_kind == "SandboxPool" else {},
+            "annotations": {"sandbox.dev/template-generation": str(annotated)},
+            "ownerReferences": [
+                {"kind": owner_kind, "name": "o", "uid": "uid-owner", "controller": True}
+            ],
+        },
+        "status": status,
+    }
+
+
+def test_member_state_from_its_sandbox() -> None:
+    assert member_of(member_body("a")).state is R
+    assert member_of(member_body("b", ready=None)).state is C
+    assert member_of(member_body("c", ready="False", reason="PodPending")).state is C
+    failing = member_body("d", ready="False", reason="RuntimeMissingPython")
+    assert member_of(failing).state is F
+    assert member_of(member_body("e", owner_kind="Sandbox")).state is X
+    # Pinned generation wins over the one the pool annotated at creation.
+    assert member_of(member_body("f", pinned=7)).template_generation == 7
+    assert member_of(member_body("g")).template_generation == 4
+
+
+def test_the_claim_is_one_conditional_write_of_the_owner() -> None:
+    member = member_body("warm-abc12")
+    claimer = {"metadata": {"name": "agent-1", "namespace": "ns", "uid": "uid-agent"}}
+    patch = claim_patch(member, claimer)
+    assert patch["metadata"]["resourceVersion"] == "41"
+    assert patch["metadata"]["labels"] == {"sandbox.dev/pool": None}
+    (owner,) = patch["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == ("Sandbox", "uid-agent", True)
+    assert set(patch) == {"metadata"}, "no spec or status change: no handler of the member runs"
+    assert claimed_by({**member, **patch}) is not None
+
+
+def test_children_ref_follows_the_claimed_member() -> None:
+    body: JSON = {"metadata": {"name": "agent-1", "namespace": "ns", "uid": "uid-agent"}}
+    assert children_ref(body).name == "agent-1"
+    body["status"] = {"pool": {"name": "warm", "outcome": "ColdStart"}}
+    assert children_ref(body).uid == "uid-agent"
+    body["status"]["pool"] |= {"outcome": "Claimed", "member": "warm-abc12", "memberUid": "m"}
+    assert (children_ref(body).name, children_ref(body).uid) == ("warm-abc12", "m")
+
+
+def test_a_member_is_ready_to_claim_only_with_a_ready_pod() -> None:
+    pods = {
+        ("ns", "a"): [
+            {"metadata": {}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+        ],
+        ("ns", "b"): [{"metadata": {"deletionTimestamp": "x"}, "status": {}}],
+        ("ns", "c"): [{"metadata": {}, "status": {"phase": "Pending"}}],
+    }
+    assert pod_alive(pods, "ns", "a")
+    assert not pod_alive(pods, "ns", "b")
+    assert not pod_alive(pods, "ns", "c")
+    assert not pod_alive(pods, "ns", "missing")

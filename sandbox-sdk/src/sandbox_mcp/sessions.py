@@ -123,10 +123,13 @@ class Session:
         self, runtime: str | None = None, image: str | None = None, from_snapshot: str | None = None
     ) -> AsyncSandbox:
         s = self.settings
+        # A pool's members are of its template: runtime and image only when asked for.
+        pooled = s.pool is not None and not (runtime or image)
         sandbox = await self.client.create(
-            runtime or (None if image else s.runtime),
-            image=image or (None if runtime else s.image),
-            template=s.template,
+            runtime or (None if image or pooled else s.runtime),
+            image=image or (None if runtime or pooled else s.image),
+            template=None if pooled else s.template,
+            pool=s.pool if pooled else None,
             from_snapshot=from_snapshot or s.from_snapshot,
             idle_timeout=s.idle_timeout,
             labels={SESSION_LABEL: self.label, "sandbox.dev/created-by": "sandbox-mcp"},

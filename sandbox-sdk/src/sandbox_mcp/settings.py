@@ -24,6 +24,7 @@ class Settings:
     runtime: str | None = None
     image: str | None = None
     template: str | None = None
+    pool: str | None = None
     from_snapshot: str | None = None
     on_end: EndAction = "pause"
     idle_timeout: str | None = None
@@ -66,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
         default=_env("SANDBOX_MCP_TEMPLATE"),
         help="a SandboxTemplate of the namespace every session's sandbox starts from"
         " (its packages and files included) [$SANDBOX_MCP_TEMPLATE]",
+    )
+    p.add_argument(
+        "--pool",
+        default=_env("SANDBOX_MCP_POOL"),
+        help="a SandboxPool of the namespace: every session's sandbox is a warm member of it,"
+        " ready in milliseconds (instead of --template) [$SANDBOX_MCP_POOL]",
     )
     p.add_argument(
         "--from-snapshot",
@@ -141,6 +148,7 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
         runtime=args.runtime,
         image=args.image,
         template=args.template,
+        pool=args.pool,
         from_snapshot=args.from_snapshot,
         on_end=args.on_end,
         idle_timeout=args.idle_timeout,

@@ -43,7 +43,7 @@ COMMANDS = [
 PROGRESS_FROM = 1 << 20  # bytes: smaller transfers show no progress bar
 WAIT_SLICE = 3.0  # seconds between looks at why a created sandbox is not ready yet
 # Waiting reasons worth a line: someone has to act, or something slow is under way.
-SAY_WHY = {"QuotaExceeded", "TemplateNotFound", "TemplateNotReady"}
+SAY_WHY = {"QuotaExceeded", "TemplateNotFound", "TemplateNotReady", "PoolNotFound", "PoolEmpty"}
 LOST_EXIT = 125  # the command never reached an exit code (as timeout(1) says of itself)
 
 
@@ -215,6 +215,7 @@ def cmd_create(client: SandboxClient, args: argparse.Namespace) -> int:
         args.runtime,
         template=args.template,
         cluster_template=args.cluster_template,
+        pool=args.pool,
         name=args.name,
         image=args.image,
         env=_env_pairs(args.env),
@@ -561,6 +562,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runtime")
     p.add_argument("--template", help="a SandboxTemplate of the namespace to start from")
     p.add_argument("--cluster-template", help="a ClusterSandboxTemplate to start from")
+    p.add_argument("--pool", help="a SandboxPool of the namespace to take a warm sandbox from")
     p.add_argument("--image")
     p.add_argument("--env", "-e", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--cpu")

@@ -264,6 +264,7 @@ class SandboxClient:
         *,
         template: str | None = None,
         cluster_template: str | None = None,
+        pool: str | None = None,
         name: str | None = None,
         namespace: str | None = None,
         image: str | None = None,
@@ -288,7 +289,10 @@ class SandboxClient:
         `runtime` is a catalog name (`list_runtimes()`), or pass `image`; or start
         from a template (`list_templates()`): `template` names a SandboxTemplate of
         the namespace, `cluster_template` a ClusterSandboxTemplate; the other
-        arguments override the template's values. `name`
+        arguments override the template's values. `pool` names a SandboxPool of
+        the namespace: the sandbox takes one of its warm members and is Ready in
+        milliseconds (`status.pool` says whether it was served by the pool or
+        started cold); `env` is applied to the member before Ready. `name`
         defaults to a generated one. With `wait=False` it returns as soon as the
         API server accepted the object: the pod starts meanwhile, and the first
         command waits for it (warm a sandbox without blocking). `spec` gives any
@@ -297,8 +301,10 @@ class SandboxClient:
         kube = self._kube()
         ns = namespace or self.namespace
         body_spec: JSON = spec.to_wire() if spec is not None else {}
-        if template and cluster_template:
-            raise ValueError("give template or cluster_template, not both")
+        if sum(1 for ref in (template, cluster_template, pool) if ref) > 1:
+            raise ValueError("give one of template, cluster_template or pool")
+        if pool:
+            body_spec["poolRef"] = {"name": pool}
         if template:
             body_spec["templateRef"] = {"name": template}
         if cluster_template:

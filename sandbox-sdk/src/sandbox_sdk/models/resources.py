@@ -21,6 +21,12 @@ class TemplateRef(WireModel):
     name: str = Field(description="The template's name.")
 
 
+class PoolRef(WireModel):
+    "A SandboxPool of this namespace: the Sandbox takes one of its warm members (Ready at once) and the pool's template gives its defaults. When the pool is empty, or this Sandbox asks for what only a new pod gives (another image, resources, workspace), it starts cold or waits, per the pool's whenEmpty; status.pool says which. Immutable."
+
+    name: str = Field(description="The pool's name.")
+
+
 class Resources(WireModel):
     "CPU, memory and scratch-space limits of the sandbox container."
 
@@ -100,6 +106,7 @@ class SandboxSpec(WireModel):
     "Desired state of a Sandbox."
 
     template_ref: TemplateRef | None = Field(default=None, validation_alias="templateRef", serialization_alias="templateRef", description="A template whose fields are this Sandbox's defaults (its own fields win; env, nodeSelector, pod labels and annotations are merged by key) and whose base snapshot its workspace starts from. Read once, when the Sandbox first starts: later edits of the template reach new Sandboxes only. Immutable.")
+    pool_ref: PoolRef | None = Field(default=None, validation_alias="poolRef", serialization_alias="poolRef", description="A SandboxPool of this namespace: the Sandbox takes one of its warm members (Ready at once) and the pool's template gives its defaults. When the pool is empty, or this Sandbox asks for what only a new pod gives (another image, resources, workspace), it starts cold or waits, per the pool's whenEmpty; status.pool says which. Immutable.")
     runtime: str | None = Field(default=None, description="A runtime from the operator's catalog, e.g. python or node.")
     image: str | None = Field(default=None, description="A container image with python3 >= 3.9 (instead of runtime).")
     image_pull_policy: str | None = Field(default=None, validation_alias="imagePullPolicy", serialization_alias="imagePullPolicy", description="Always, IfNotPresent or Never (default: the operator's setting).")
@@ -146,6 +153,17 @@ class Template(WireModel):
     defaults: dict[str, Any] | None = Field(default=None, description="The template's sandbox fields as read (this Sandbox's own fields win).")
 
 
+class Pool(WireModel):
+    "What this Sandbox got from spec.poolRef's pool."
+
+    name: str = Field(description="The pool's name.")
+    outcome: str = Field(description="Claimed (a warm member serves it), ColdStart (started the ordinary way: the pool was empty or the Sandbox asks for what its members lack) or Waiting (the pool is empty and waits for a member). One of: Claimed, ColdStart, Waiting.")
+    template_ref: TemplateRef = Field(validation_alias="templateRef", serialization_alias="templateRef", description="The pool's template, as read.")
+    member: str | None = Field(default=None, description="The claimed member: a Sandbox this one now owns, whose pod, workspace and token serve it.")
+    member_uid: str | None = Field(default=None, validation_alias="memberUid", serialization_alias="memberUid", description="The claimed member's UID.")
+    message: str | None = Field(default=None, description="Why a cold start, in words.")
+
+
 class SandboxStatus(WireModel):
     "Observed state, written only by the operator."
 
@@ -173,6 +191,7 @@ class SandboxStatus(WireModel):
     template: Template | None = Field(default=None, description="The template this Sandbox started from, as read then.")
     paused_since: str | None = Field(default=None, validation_alias="pausedSince", serialization_alias="pausedSince", description="When the pod was stopped for a pause (pausedTimeout counts from it).")
     paused_deadline: str | None = Field(default=None, validation_alias="pausedDeadline", serialization_alias="pausedDeadline", description="When lifecycle.pausedTimeout deletes the paused Sandbox.")
+    pool: Pool | None = Field(default=None, description="What this Sandbox got from spec.poolRef's pool.")
     admitted: bool | None = Field(default=None, description="Counted against the namespace's SandboxQuotas: set once the sandbox fitted them; it holds its share until it is deleted.")
 
 
@@ -308,4 +327,4 @@ class Snapshot(WireModel):
     spec: SnapshotSpec
     status: SnapshotStatus | None = Field(default=None)
 
-__all__ = ["Condition", "EnvVar", "EnvVarSource", "Execution", "ExecutionSpec", "ExecutionStatus", "ExposedPort", "InputFile", "Lifecycle", "LocalObjectReference", "Network", "ObjectMeta", "PortStatus", "Resources", "Sandbox", "SandboxSpec", "SandboxStatus", "SecretKeySelector", "Snapshot", "SnapshotSpec", "SnapshotStatus", "Template", "TemplateRef", "Toleration", "Workspace"]
+__all__ = ["Condition", "EnvVar", "EnvVarSource", "Execution", "ExecutionSpec", "ExecutionStatus", "ExposedPort", "InputFile", "Lifecycle", "LocalObjectReference", "Network", "ObjectMeta", "Pool", "PoolRef", "PortStatus", "Resources", "Sandbox", "SandboxSpec", "SandboxStatus", "SecretKeySelector", "Snapshot", "SnapshotSpec", "SnapshotStatus", "Template", "TemplateRef", "Toleration", "Workspace"]
