@@ -77,6 +77,8 @@ class ExecutionReason(StrEnum):
     SANDBOX_RESUMING = "SandboxResuming"
     SANDBOX_FAILED = "SandboxFailed"
     SANDBOX_DELETED = "SandboxDeleted"
+    # The named Sandbox is a SandboxPool's member: only the Sandbox claiming it runs commands.
+    POOL_MEMBER = "PoolMember"
     SECRET_NOT_FOUND = "SecretNotFound"
     CONCURRENCY_LIMIT = "ConcurrencyLimit"
     # A SandboxQuota (running executions, or the one-shot sandbox) or a ResourceQuota.

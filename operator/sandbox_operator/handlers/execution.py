@@ -47,12 +47,13 @@ from sandbox_operator.api.sandbox import (
 from sandbox_operator.builders import execution as build
 from sandbox_operator.builders import quota
 from sandbox_operator.builders.conditions import find
+from sandbox_operator.builders.pool import claimed_by
 from sandbox_operator.builders.sandbox import effectively_paused
 from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.clock import iso, iso_precise, now_utc, parse_time
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.kube import MERGE_PATCH, Refused, status_patch
-from sandbox_operator.resources import EXECUTIONS, RESUME_ANNOTATION, SANDBOXES
+from sandbox_operator.resources import EXECUTIONS, LABEL_POOL, RESUME_ANNOTATION, SANDBOXES
 
 JSON = dict[str, Any]
 T = TypeVar("T")
@@ -405,6 +406,14 @@ class Run:
                 await self.wait(R.SANDBOX_STARTING, f"creating sandbox {name}")
             else:
                 await self.wait(R.SANDBOX_NOT_FOUND, f"sandbox {name} does not exist")
+            return
+        if (sandbox["metadata"].get("labels") or {}).get(LABEL_POOL) or claimed_by(sandbox):
+            # Nothing may be left in a warm member before (or behind) its claimer.
+            why = (
+                f"sandbox {name} is a SandboxPool member: run commands in the Sandbox that"
+                " claims it (spec.poolRef)"
+            )
+            await self.fail(R.POOL_MEMBER, why)
             return
         sb_status = SandboxStatus.model_validate(sandbox.get("status") or {})
         if sb_status.phase == SandboxPhase.FAILED:
