@@ -57,6 +57,7 @@ WRITES = {"create", "update", "patch", "delete"}
 # Small enough that a hundred members and their agents fit one 2-core node.
 VALUES = [
     "settings.agent_memory=96Mi",
+    "settings.agent_ephemeral_storage=256Mi",
     "settings.agent_cpu_request=5m",
     "settings.sandbox_cpu_request=10m",
 ]
@@ -64,7 +65,7 @@ TEMPLATE = {
     "description": "python, ephemeral workspace, small",
     "sandbox": {
         "runtime": "python",
-        "resources": {"memory": "64Mi"},
+        "resources": {"memory": "64Mi", "ephemeralStorage": "256Mi"},
         "workspace": {"ephemeral": True},
     },
 }
@@ -205,6 +206,8 @@ def main() -> None:
             t0 = time.time()
             claims, colds, seq_path = sequential(kube, watch, args.count)
             seq_writes = audit_writes(log, t0, time.time() + 1)
+            print(latency_row("claim from a pool", claims), flush=True)
+            print(latency_row("cold start, same template", colds), flush=True)
 
             # Refill: from 10 to `burst` ready members.
             started = time.monotonic()

@@ -74,6 +74,9 @@ def test_failed_members_are_kept_and_pace_the_refill() -> None:
     plan = refill_plan([m("a", F), m("b", alive=False), m("c")], 5, 2, 1)
     assert plan.delete == ()
     assert plan.create == 1
+    # One failed member of three is replaced; once maxCreating have failed, no more.
+    assert refill_plan([m("a", F), m("b"), m("c")], 3, 5, 1).create == 1
+    assert refill_plan([m("a", F), m("b", F)], 3, 2, 1).create == 0
 
 
 def test_scale_down_removes_creating_then_newest_ready() -> None:

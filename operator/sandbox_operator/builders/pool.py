@@ -75,9 +75,10 @@ def refill_plan(
     """What to do next so the pool holds `replicas` unclaimed members of the current
     template, never more than `max_creating` started and not yet ready.
 
-    A failed member is kept, not replaced: it is a Sandbox, whose controller
-    keeps retrying its pod, and replacing it would only churn pods that fail the
-    same way (the pool's condition names the failure). Members of an older
+    A failed member is kept, not deleted: it is a Sandbox, whose controller keeps
+    retrying its pod (the pool's condition names the failure). Another member
+    takes its place, within the maxCreating budget that failed members use up,
+    so members that all fail the same way are not churned. Members of an older
     template generation go only as current ones become ready, one for each, so
     rolling a template never empties the pool. Surplus goes newest first,
     unready ones before ready ones."""
@@ -103,7 +104,9 @@ def refill_plan(
         stale_to_delete = stale_sorted[: max(0, len(stale) - keep_stale)]
     delete.extend(m.name for m in stale_to_delete)
     in_flight = unready - sum(1 for m in stale_to_delete if m.state is not MemberState.READY)
-    missing = max(0, replicas - len(current))
+    # A failed member holds no place: it is replaced, but it counts as in flight,
+    # so a template whose members all fail stops at maxCreating of them.
+    missing = max(0, replicas - sum(1 for m in current if m.state is not MemberState.FAILED))
     create = max(0, min(missing, max_creating - in_flight))
     return RefillPlan(create=create, delete=tuple(delete))
 

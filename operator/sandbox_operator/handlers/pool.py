@@ -3,9 +3,10 @@
 Members are Sandboxes of the template, owned by the pool and labelled with its
 name; the Sandbox controller starts them like any other. This controller
 only decides how many to create or delete (builders.pool.refill_plan, paced
-by maxCreating) and reports counts and a Ready condition. It runs as one loop
-per pool, woken by its members' events and by claims (`OperatorContext.wake_pool`), so a burst of
-claims costs one pass, not one per claim.
+by maxCreating) and reports counts and a Ready condition. It runs as one
+loop per pool, woken by its members' events and by claims
+(`OperatorContext.wake_pool`), so a burst of claims costs one pass, not one
+per claim.
 """
 
 from __future__ import annotations

@@ -106,36 +106,73 @@ async def take_member(ctx: OperatorContext, body: JSON, sandboxes: Index, pods: 
         return body
     if (body.get("status") or {}).get("podUID") or body["metadata"].get("deletionTimestamp"):
         return body
+    found = await _pool_of(ctx, body)
+    if found is None:
+        return body
+    pool, spec = found
+    use = PoolUse(
+        name=pool["metadata"]["name"], outcome=PoolOutcome.CLAIMED, template_ref=spec.template_ref
+    )
+    mine = pools.owned_member(sandboxes, body)
+    if mine is not None:
+        return _bound(body, _claimed(use, mine), mine)
+    claimed, mismatch = await _race(ctx, body, pool, _ready_members(pool, sandboxes, pods))
+    if claimed is not None:
+        return _bound(body, _claimed(use, claimed), claimed)
+    if mismatch is not None:
+        return await _cold(ctx, body, use, mismatch, pool)
+    if spec.when_empty is WhenEmpty.WAIT:
+        metrics.POOL_CLAIMS.labels("waited").inc()
+        why = f"SandboxPool {use.name} has no ready member; waiting for one (whenEmpty: Wait)"
+        waiting = use.model_copy(update={"outcome": PoolOutcome.WAITING})
+        held_body = _bound(body, waiting, None)
+        await report_blocked(ctx, held_body, None, held=(SandboxReason.POOL_EMPTY.value, why))
+        raise kopf.TemporaryError(why, delay=POOL_RETRY_SECONDS)
+    return await _cold(ctx, body, use, f"SandboxPool {use.name} had no ready member", pool)
+
+
+async def _pool_of(ctx: OperatorContext, body: JSON) -> tuple[JSON, SandboxPoolSpec] | None:
+    """The pool a Sandbox names (or its template's default pool), or None to start
+    as if it named none; a named pool that does not exist makes it wait."""
     name = pool_ref_of(body)
     explicit = name is not None
     if name is None:
         name = await default_pool(ctx, body)
         if name is None:
-            return body
+            return None
     namespace = body["metadata"]["namespace"]
     pool = await ctx.kube.get(SANDBOX_POOLS.path(namespace, name))
     if pool is None:
         if not explicit:
-            return body  # a template's default pool that this namespace lacks: start cold
+            return None  # a template's default pool that this namespace lacks: start cold
         why = f"SandboxPool {name} does not exist in namespace {namespace}"
         await report_blocked(ctx, body, None, held=(SandboxReason.POOL_NOT_FOUND.value, why))
         raise kopf.TemporaryError(why, delay=POOL_RETRY_SECONDS)
     spec = SandboxPoolSpec.model_validate(pool.get("spec") or {})
     if not explicit and (body.get("spec") or {}).get("templateRef") != spec.template_ref.to_wire():
-        return body  # a pool of another template under the default's name
-    use = PoolUse(name=name, outcome=PoolOutcome.CLAIMED, template_ref=spec.template_ref)
+        return None  # a pool of another template under the default's name
+    return pool, spec
 
-    mine = pools.owned_member(sandboxes, body)
-    if mine is not None:
-        return _bound(body, _claimed(use, mine), mine)
 
-    generation = int((pool.get("status") or {}).get("templateGeneration") or 0)
-    candidates = [
+def _ready_members(pool: JSON, sandboxes: Index, pods: Index) -> list[JSON]:
+    """The pool's members ready to claim now (their pods included)."""
+    namespace = pool["metadata"]["namespace"]
+    return [
         m
         for m in pools.members_of(sandboxes, pool)
         if pools.member_of(m, pools.pod_alive(pods, namespace, m["metadata"]["name"])).state
         is pools.MemberState.READY
     ]
+
+
+async def _race(
+    ctx: OperatorContext, body: JSON, pool: JSON, candidates: list[JSON]
+) -> tuple[JSON | None, str | None]:
+    """(the member this claim won, None) or (None, why no member can serve it, if
+    that is the reason): tries members in order, skipping those other claims of
+    this process are taking, until one compare-and-swap succeeds."""
+    namespace = pool["metadata"]["namespace"]
+    generation = int((pool.get("status") or {}).get("templateGeneration") or 0)
     by_name = {m["metadata"]["name"]: m for m in candidates}
     members = [pools.member_of(m) for m in candidates]
     now = time.monotonic()
@@ -152,24 +189,17 @@ async def take_member(ctx: OperatorContext, body: JSON, sandboxes: Index, pods: 
         member = by_name[choice.name]
         mismatch = incompatible(body, member)
         if mismatch is not None:
-            return await _cold(ctx, body, use, mismatch, pool)
+            return None, mismatch
         ctx.reserved[(namespace, choice.name)] = time.monotonic()
         claimed = await _claim(ctx, body, member)
         if claimed is not None:
             metrics.POOL_CLAIMS.labels("claimed").inc()
             # No Event: status.pool says it, and a claim is kept to its few writes.
-            ctx.wake_pool(namespace, name)  # a member left: refill
-            return _bound(body, _claimed(use, claimed), claimed)
+            ctx.wake_pool(namespace, pool["metadata"]["name"])  # a member left: refill
+            return claimed, None
         metrics.POOL_CLAIM_CONFLICTS.inc()
         lost.append(choice.name)
-    if spec.when_empty is WhenEmpty.WAIT:
-        metrics.POOL_CLAIMS.labels("waited").inc()
-        why = f"SandboxPool {name} has no ready member; waiting for one (whenEmpty: Wait)"
-        waiting = use.model_copy(update={"outcome": PoolOutcome.WAITING})
-        held_body = _bound(body, waiting, None)
-        await report_blocked(ctx, held_body, None, held=(SandboxReason.POOL_EMPTY.value, why))
-        raise kopf.TemporaryError(why, delay=POOL_RETRY_SECONDS)
-    return await _cold(ctx, body, use, f"SandboxPool {name} had no ready member", pool)
+    return None, None
 
 
 def _newest(members: list[pools.Member]) -> int:
