@@ -180,26 +180,40 @@ async def sandbox_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs
             )
 
 
-def _finalized(spec: kopf.Spec, **_: Any) -> bool:
-    """Whether a Sandbox gets the finalizer: all but those naming a pool. A claim is
-    then one write fewer and one event round sooner; deleting such a Sandbox lets
-    the garbage collector take its member (whose own finalizer stops the pod) or,
-    after a cold start, its pod (gracefully) and its claim (after the pod)."""
-    return not spec.get("poolRef")
-
-
-@kopf.on.delete(*SANDBOX, when=_finalized)
+@kopf.on.delete(*SANDBOX)
 async def sandbox_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
     async with errors.policy("Sandbox", "delete"):
         await sandbox.teardown(_ctx(memo), dict(body), logger)
 
 
 @kopf.on.event(*SANDBOX)
-async def sandbox_gone(type: str, body: kopf.Body, memo: Any, **_: Any) -> None:
-    """What this process holds for a Sandbox, dropped once it is gone (the
-    finalizer does it too; Sandboxes naming a pool have none)."""
+async def sandbox_event(
+    type: str, body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs: Any
+) -> None:
+    """Gone: drop what this process holds for it (the finalizer does too, when it
+    ran). New and naming a pool: claim a member now, in the round of the event
+    that announced it, before Kopf adds its finalizer, so the Sandbox is Ready
+    after two writes (the claim, its status); the change handler that follows
+    finds it decided."""
+    ctx = _ctx(memo)
     if type == "DELETED":
-        sandbox.forget(_ctx(memo), dict(body))
+        sandbox.forget(ctx, dict(body))
+        return
+    if type not in (None, "ADDED") or not pools.awaits_claim(dict(body)):
+        return
+    # The change handler retries whatever this pass could not do.
+    with suppress(kopf.PermanentError, kopf.TemporaryError):
+        async with errors.policy("Sandbox", "claim", sandbox.refused(ctx, dict(body))):
+            await sandbox.reconcile(
+                ctx,
+                dict(body),
+                logger,
+                children=sandbox.Children.POD,
+                pods=kwargs["sandbox_pods"],
+                claims=kwargs["sandbox_claims"],
+                sandboxes=kwargs["sandbox_bodies"],
+                quotas=kwargs["sandbox_quotas"],
+            )
 
 
 async def _child_changed(

@@ -144,6 +144,17 @@ FAILING_REASONS = frozenset(
 )
 
 
+def awaits_claim(sandbox: JSON) -> bool:
+    """A Sandbox that names a pool and has no outcome yet (nor a pod of its own)."""
+    status = sandbox.get("status") or {}
+    return bool(
+        ((sandbox.get("spec") or {}).get("poolRef") or {}).get("name")
+        and not (status.get("pool") or {}).get("outcome")
+        and not status.get("podUID")
+        and not sandbox["metadata"].get("deletionTimestamp")
+    )
+
+
 def claimed_by(member: JSON) -> JSON | None:
     """The owner reference of the Sandbox that claimed `member`, if one did."""
     return next(
@@ -343,6 +354,7 @@ __all__ = [
     "MemberState",
     "PoolCounts",
     "RefillPlan",
+    "awaits_claim",
     "build_member",
     "choose_member",
     "claim_patch",

@@ -136,14 +136,13 @@ async def reconcile(
         recorded = (body.get("status") or {}).get("pool")
         body = await take_member(ctx, body, sandboxes, pods)
         kids = build.children_ref(body)
-        just_claimed = (
-            kids.uid != meta["uid"] and (body.get("status") or {}).get("pool") != recorded
-        )
-        if just_claimed and children is Children.ENSURE:
-            # The member's children exist, converged to the pool's template: only
-            # a network of this Sandbox's own changes them.
+        if kids.uid != meta["uid"] and children is not Children.CONVERGE:
+            # Served by a claimed member, whose children exist, converged to the
+            # pool's template: only a network of this Sandbox's own changes them,
+            # once, when just claimed (later spec updates converge as usual).
+            just_claimed = (body.get("status") or {}).get("pool") != recorded
             own_network = bool((body.get("spec") or {}).get("network"))
-            children = Children.CONVERGE if own_network else Children.POD
+            children = Children.CONVERGE if just_claimed and own_network else Children.POD
         if not pod_known:
             pod = next(iter(pods.get((kids.namespace, kids.name), [])), None)
         claim = next(iter(claims.get((kids.namespace, kids.name), [])), None)
