@@ -120,6 +120,8 @@ class SandboxReason(StrEnum):
     POOL_NOT_FOUND = "PoolNotFound"
     # The pool has no ready member and its whenEmpty is Wait.
     POOL_EMPTY = "PoolEmpty"
+    # The claimed member that served this Sandbox was deleted (its pod and workspace with it).
+    POOL_MEMBER_LOST = "PoolMemberLost"
 
 
 class OnIdle(StrEnum):

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sandbox_operator.api.common import API_VERSION, Condition
+from sandbox_operator.api.common import API_VERSION
 from sandbox_operator.api.pool import PoolCondition, PoolReason, SandboxPoolSpec
 from sandbox_operator.api.sandbox import SandboxCondition, SandboxReason
-from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, find
+from sandbox_operator.builders.conditions import FALSE, TRUE, Cond
 from sandbox_operator.builders.sandbox_status import pod_condition
 from sandbox_operator.resources import GENERATION_ANNOTATION, LABEL_POOL
 
@@ -177,18 +177,28 @@ def member_generation(member: JSON) -> int:
     return int(annotations.get(GENERATION_ANNOTATION, "0") or 0)
 
 
+def _ready_of(member: JSON) -> JSON:
+    """The member's Ready condition as stored ({} when it has none): read on every
+    claim for every member, so the plain dict, not a model."""
+    return next(
+        (
+            c
+            for c in (member.get("status") or {}).get("conditions") or []
+            if c.get("type") == SandboxCondition.READY
+        ),
+        {},
+    )
+
+
 def member_of(member: JSON, pod_alive: bool = True) -> Member:
     """A member Sandbox as the pool's decisions see it."""
     meta = member["metadata"]
-    ready = find(
-        [Condition.model_validate(c) for c in (member.get("status") or {}).get("conditions") or []],
-        SandboxCondition.READY,
-    )
+    ready = _ready_of(member)
     if claimed_by(member) is not None:
         state = MemberState.CLAIMED
-    elif ready is not None and ready.status == TRUE:
+    elif ready.get("status") == TRUE:
         state = MemberState.READY
-    elif ready is not None and ready.reason in FAILING_REASONS:
+    elif ready.get("reason") in FAILING_REASONS:
         state = MemberState.FAILED
     else:
         state = MemberState.CREATING
@@ -203,14 +213,7 @@ def member_of(member: JSON, pod_alive: bool = True) -> Member:
 
 def failure_of(member: JSON) -> tuple[str, str]:
     """(reason, message) of a failing member's Ready condition."""
-    ready: JSON = next(
-        (
-            c
-            for c in (member.get("status") or {}).get("conditions") or []
-            if c.get("type") == SandboxCondition.READY
-        ),
-        {},
-    )
+    ready = _ready_of(member)
     return str(ready.get("reason") or ""), str(ready.get("message") or "")
 
 

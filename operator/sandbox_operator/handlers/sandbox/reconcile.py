@@ -22,6 +22,7 @@ from sandbox_operator import metrics
 from sandbox_operator.api.common import parse_duration, readable
 from sandbox_operator.api.sandbox import (
     SandboxPhase,
+    SandboxReason,
     SandboxSpec,
 )
 from sandbox_operator.builders import sandbox as build
@@ -130,12 +131,22 @@ async def reconcile(
     admission counts with."""
     meta = body["metadata"]
     async with ctx.lock(meta["namespace"], meta["name"]):
+        if not _present(sandboxes, build.ref_of(body)):
+            return  # gone since this pass was scheduled (a timer of a deleted Sandbox)
         body = current(ctx, body)
         if claimed_by(body) is not None:
             return  # a pool member another Sandbox claimed: that one looks after it now
         recorded = (body.get("status") or {}).get("pool")
         body = await take_member(ctx, body, sandboxes, pods)
         kids = build.children_ref(body)
+        if kids.uid != meta["uid"] and not _present(sandboxes, kids):
+            # Its children went with the member: nothing to rebuild them from.
+            why = (
+                f"the pool member {kids.name} that served this Sandbox was deleted, with its"
+                " pod and workspace; delete this Sandbox and create it again"
+            )
+            await report_blocked(ctx, body, None, held=(SandboxReason.POOL_MEMBER_LOST.value, why))
+            return
         if kids.uid != meta["uid"] and children is not Children.CONVERGE:
             # Served by a claimed member, whose children exist, converged to the
             # pool's template: only a network of this Sandbox's own changes them,
@@ -156,6 +167,13 @@ async def reconcile(
         ):
             raise waiting(ctx, meta["namespace"])
         await _reconcile(ctx, body, logger, children=children, pod=pod, claim=claim)
+
+
+def _present(sandboxes: SandboxIndex, ref: build.SandboxRef) -> bool:
+    """The Sandbox (this very object, by UID) is in the index: it exists."""
+    return any(
+        b["metadata"].get("uid") == ref.uid for b in sandboxes.get((ref.namespace, ref.name), [])
+    )
 
 
 async def _reconcile(
