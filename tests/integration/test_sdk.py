@@ -451,8 +451,10 @@ def test_sandboxes_from_templates_and_the_catalog(
         with client.create(cluster_template=catalog, name="cataloged", wait=False):
             pod = wait_for(lambda: kube.get(core_path("pods", ns, "cataloged")), 20, "pod")
             assert pod["spec"]["containers"][0]["image"] == "sandbox-runtime-node:dev"
-        with pytest.raises(ValueError, match="not both"):
+        with pytest.raises(ValueError, match="one of template, cluster_template or pool"):
             client.create(template="team", cluster_template=catalog)
+        with pytest.raises(ValueError, match="one of template, cluster_template or pool"):
+            client.create(template="team", pool="warm")
     finally:
         kube.delete(api_path("sandbox.dev/v1alpha1", "clustersandboxtemplates", name=catalog))
 

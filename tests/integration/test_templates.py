@@ -175,7 +175,10 @@ def test_cluster_templates_are_the_catalog(
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ({"sandbox": {"paused": True}}, "sandbox.templateRef and sandbox.paused cannot be set"),
+        (
+            {"sandbox": {"paused": True}},
+            "sandbox.templateRef, sandbox.poolRef and sandbox.paused cannot be set",
+        ),
         (
             {"sandbox": {"workspace": {"fromSnapshot": "x"}}},
             "fromSnapshot cannot be set in a template",
