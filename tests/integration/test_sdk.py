@@ -455,6 +455,22 @@ def test_sandboxes_from_templates_and_the_catalog(
             client.create(template="team", cluster_template=catalog)
         with pytest.raises(ValueError, match="one of template, cluster_template or pool"):
             client.create(template="team", pool="warm")
+        with client.create(pool="absent", name="pooled", wait=False):
+            path = api_path("sandbox.dev/v1alpha1", "sandboxes", ns, "pooled")
+            assert kube.read(path)["spec"]["poolRef"] == {"name": "absent"}
+            waiting = wait_for(
+                lambda: next(
+                    (
+                        c
+                        for c in (kube.read(path).get("status") or {}).get("conditions", [])
+                        if c.get("reason") == "PoolNotFound"
+                    ),
+                    None,
+                ),
+                20,
+                "PoolNotFound",
+            )
+            assert "SandboxPool absent does not exist" in waiting["message"]
     finally:
         kube.delete(api_path("sandbox.dev/v1alpha1", "clustersandboxtemplates", name=catalog))
 
