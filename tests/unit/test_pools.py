@@ -77,6 +77,11 @@ def test_failed_members_are_kept_and_pace_the_refill() -> None:
     # One failed member of three is replaced; once maxCreating have failed, no more.
     assert refill_plan([m("a", F), m("b"), m("c")], 3, 5, 1).create == 1
     assert refill_plan([m("a", F), m("b", F)], 3, 2, 1).create == 0
+    # The replacement of a failed member is not surplus (whatever the creation
+    # order); the failed one goes once healthy members fill the pool.
+    starting = refill_plan([m("x", F, at="1"), m("k", C, at="1")], 1, 5, 1)
+    assert (starting.create, starting.delete) == (0, ())
+    assert refill_plan([m("x", F), m("k")], 1, 5, 1).delete == ("x",)
 
 
 def test_scale_down_removes_creating_then_newest_ready() -> None:

@@ -75,23 +75,25 @@ def refill_plan(
     """What to do next so the pool holds `replicas` unclaimed members of the current
     template, never more than `max_creating` started and not yet ready.
 
-    A failed member is kept, not deleted: it is a Sandbox, whose controller keeps
-    retrying its pod (the pool's condition names the failure). Another member
-    takes its place, within the maxCreating budget that failed members use up,
-    so members that all fail the same way are not churned. Members of an older
+    A failed member is kept while the pool needs it: it is a Sandbox, whose
+    controller keeps retrying its pod (the pool's condition names the failure).
+    Another member takes its place, within the maxCreating budget that failed
+    members use up, so members that all fail the same way are not churned; once
+    ready members fill the pool, failed ones are deleted. Members of an older
     template generation go only as current ones become ready, one for each, so
     rolling a template never empties the pool. Surplus goes newest first,
     unready ones before ready ones."""
     unclaimed = [m for m in members if m.state is not MemberState.CLAIMED]
     current = [m for m in unclaimed if m.template_generation == template_generation]
     stale = [m for m in unclaimed if m.template_generation != template_generation]
-    unready = sum(1 for m in unclaimed if m.state is not MemberState.READY)
-    ready_current = sum(1 for m in current if m.state is MemberState.READY)
+    failed = [m for m in current if m.state is MemberState.FAILED]
+    healthy = [m for m in current if m.state is not MemberState.FAILED]
+    ready_current = sum(1 for m in healthy if m.state is MemberState.READY)
 
     delete: list[str] = []
-    surplus = len(current) - replicas
+    surplus = len(healthy) - replicas
     if surplus > 0:
-        newest_first = sorted(current, key=lambda m: (m.created, m.name), reverse=True)
+        newest_first = sorted(healthy, key=lambda m: (m.created, m.name), reverse=True)
         by_cost = [m for m in newest_first if m.state is not MemberState.READY] + [
             m for m in newest_first if m.state is MemberState.READY
         ]
@@ -103,10 +105,14 @@ def refill_plan(
         stale_sorted = sorted(stale, key=lambda m: (m.created, m.name))
         stale_to_delete = stale_sorted[: max(0, len(stale) - keep_stale)]
     delete.extend(m.name for m in stale_to_delete)
-    in_flight = unready - sum(1 for m in stale_to_delete if m.state is not MemberState.READY)
-    # A failed member holds no place: it is replaced, but it counts as in flight,
-    # so a template whose members all fail stops at maxCreating of them.
-    missing = max(0, replicas - sum(1 for m in current if m.state is not MemberState.FAILED))
+    # Failed members go once ready ones fill the pool without them.
+    failed_to_delete = failed if ready_current >= replicas else []
+    delete.extend(m.name for m in failed_to_delete)
+    going = {*delete}
+    in_flight = sum(
+        1 for m in unclaimed if m.state is not MemberState.READY and m.name not in going
+    )
+    missing = max(0, replicas - len(healthy))
     create = max(0, min(missing, max_creating - in_flight))
     return RefillPlan(create=create, delete=tuple(delete))
 
