@@ -93,6 +93,16 @@ def _ctx(memo: Any) -> OperatorContext:
     return ctx
 
 
+def _indexes(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The Kopf indexes a Sandbox reconciliation reads, from a handler's kwargs."""
+    return {
+        "pods": kwargs["sandbox_pods"],
+        "claims": kwargs["sandbox_claims"],
+        "sandboxes": kwargs["sandbox_bodies"],
+        "quotas": kwargs["sandbox_quotas"],
+    }
+
+
 def _trim(body: kopf.Body) -> dict[str, Any]:
     """A body to keep in an index: managedFields are most of its size and never read."""
     meta = {k: v for k, v in body["metadata"].items() if k != "managedFields"}
@@ -148,10 +158,7 @@ async def sandbox_changed(
             dict(body),
             logger,
             children=children,
-            pods=kwargs["sandbox_pods"],
-            claims=kwargs["sandbox_claims"],
-            sandboxes=kwargs["sandbox_bodies"],
-            quotas=kwargs["sandbox_quotas"],
+            **_indexes(kwargs),
         )
 
 
@@ -173,10 +180,7 @@ async def sandbox_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs
                 dict(body),
                 logger,
                 children=sandbox.Children.POD,
-                pods=kwargs["sandbox_pods"],
-                claims=kwargs["sandbox_claims"],
-                sandboxes=kwargs["sandbox_bodies"],
-                quotas=kwargs["sandbox_quotas"],
+                **_indexes(kwargs),
             )
 
 
@@ -209,10 +213,7 @@ async def sandbox_event(
                 dict(body),
                 logger,
                 children=sandbox.Children.POD,
-                pods=kwargs["sandbox_pods"],
-                claims=kwargs["sandbox_claims"],
-                sandboxes=kwargs["sandbox_bodies"],
-                quotas=kwargs["sandbox_quotas"],
+                **_indexes(kwargs),
             )
 
 
@@ -241,10 +242,7 @@ async def _child_changed(
                 owner,
                 logger,
                 children=sandbox.Children.POD,
-                pods=kwargs["sandbox_pods"],
-                claims=kwargs["sandbox_claims"],
-                sandboxes=kwargs["sandbox_bodies"],
-                quotas=kwargs["sandbox_quotas"],
+                **_indexes(kwargs),
                 pod=dict(body) if is_pod and type != "DELETED" else None,
                 pod_known=is_pod,
             )
