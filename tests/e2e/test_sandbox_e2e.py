@@ -82,18 +82,19 @@ def test_examples_become_ready_and_serve_exec_and_files(e2e: E2E, repo: Path) ->
     # had none ready yet); the next claim takes a warm member with the setup's files.
     warm = Sandboxes(e2e.kube, ns).read("data-warm-demo")["status"]["pool"]
     assert warm["outcome"] in ("Claimed", "ColdStart"), warm
-    task = Agent.of(e2e.kube, ns, "data-warm-demo").run(shell="echo $TASK")
-    assert task["stdout"] == "warm-start\n", task
+    task = Agent.of(e2e.kube, ns, "data-warm-demo").run(shell="echo $TASK; cat task/prompt.md")
+    assert task["stdout"] == "warm-start\nSummarise the data in data/", task
     pools = api_path(API_VERSION, "sandboxpools", ns, "python-data-warm")
     wait_for(
         lambda: (e2e.kube.read(pools).get("status") or {}).get("ready") == 1, 300, "a warm member"
     )
     sandboxes = Sandboxes(e2e.kube, ns)
-    sandboxes.create("data-warm-2", {"poolRef": {"name": "python-data-warm"}})
+    turn = [{"path": "turn.txt", "content": "2"}]
+    sandboxes.create("data-warm-2", {"poolRef": {"name": "python-data-warm"}, "files": turn})
     claimed = sandboxes.wait_ready("data-warm-2", timeout=30)["status"]["pool"]
     assert claimed["outcome"] == "Claimed", claimed
-    warmed = Agent.of(e2e.kube, ns, "data-warm-2").run(shell="cat .setup-done")
-    assert warmed["stdout"] == "ready\n", warmed
+    warmed = Agent.of(e2e.kube, ns, "data-warm-2").run(shell="cat .setup-done turn.txt")
+    assert warmed["stdout"] == "ready\n2", warmed
 
 
 def test_runtime_images_provide_their_tools(e2e: E2E) -> None:

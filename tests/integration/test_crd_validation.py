@@ -48,6 +48,27 @@ BAD: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
         {},
         "size must be a quantity from 16Mi",
     ),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"files": [{"path": "../outside", "content": "x"}]},
+        {},
+        "must be a path relative to the workspace",
+    ),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"files": [{"path": f"f{i}", "content": "x" * 70_000} for i in range(2)]},
+        {},
+        "the contents of files (files) may hold at most 131072 characters",
+    ),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"files": [{"path": "a", "content": "x"}, {"path": "a", "content": "y"}]},
+        {},
+        "Duplicate value",
+    ),
     # Accepted once, never able to run: one byte of memory, a thousand cores.
     ("Sandbox", "sandboxes", {"resources": {"memory": 1}}, {}, "memory must be a quantity from"),
     ("Sandbox", "sandboxes", {"resources": {"cpu": "1e3"}}, {}, "cpu must be a quantity from"),

@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable
 
 from devcluster.controlplane import ControlPlane
-from sandbox_operator.api.execution import MAX_INPUT_CHARACTERS, TERMINAL_PHASES
+from sandbox_operator.api.common import MAX_INPUT_CHARACTERS
+from sandbox_operator.api.execution import TERMINAL_PHASES
 from tests.executions import Executions
 from tests.integration.conftest import kubectl
 from tests.integration.harness import AgentProcess, Node, OperatorProcess, wait_for

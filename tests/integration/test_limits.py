@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from devcluster.controlplane import ControlPlane
-from sandbox_operator.api.execution import MAX_INPUT_CHARACTERS
+from sandbox_operator.api.common import MAX_INPUT_CHARACTERS
 from sandbox_operator.api.sandbox import MAX_ENV_CHARACTERS
 from sandbox_operator.resources import (
     LABEL_EXECUTION_UID,

@@ -283,7 +283,7 @@ def test_template_change_rolls_waiting_members(
     assert env.get("V") == "2"
 
 
-def test_claim_time_env_reaches_commands_before_ready(
+def test_claim_time_env_and_files_reach_the_member_before_ready(
     kube: KubeJSON,
     ns: str,
     node: Node,
@@ -306,14 +306,26 @@ def test_claim_time_env_reaches_commands_before_ready(
         pools.wait_counts("warm", ready=1, timeout=60)
         sandboxes.create(
             "tuned",
-            {"poolRef": {"name": "warm"}, "env": [{"name": "GREETING", "value": "claimed"}]},
+            {
+                "poolRef": {"name": "warm"},
+                "env": [{"name": "GREETING", "value": "claimed"}],
+                "files": [
+                    {"path": "task/prompt.md", "content": "# turn 1\n"},
+                    {"path": "run.sh", "content": "echo hi\n", "mode": 0o750},
+                ],
+            },
         )
         body = sandboxes.wait_ready("tuned", timeout=20)
     use = body["status"]["pool"]
     assert use["outcome"] == "Claimed"
-    # Ready means the member's agent already holds the env (no second look needed).
-    current = by_pod[use["member"]].call("GET", "/v1/environment")
+    # Ready means the member's agent already holds the env and the files (no
+    # second look needed).
+    member = by_pod[use["member"]]
+    current = member.call("GET", "/v1/environment")
     assert current["env"] == {"GREETING": "claimed"}, current
+    assert (member.workspace / "task/prompt.md").read_text() == "# turn 1\n"
+    assert (member.workspace / "run.sh").stat().st_mode & 0o777 == 0o750
+    assert body["status"]["filesWritten"]
 
 
 def test_what_a_pool_cannot_do_is_named(

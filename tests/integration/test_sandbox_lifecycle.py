@@ -196,6 +196,43 @@ def test_env_and_ports_change_without_a_new_pod(
     _wait_event(kube, ns, "oscar", "EnvironmentUpdated")
 
 
+def test_files_are_in_the_workspace_at_ready_and_a_bad_one_is_named(
+    sandboxes: Sandboxes, kube: KubeJSON, node: Node, agents: Callable[[str], AgentProcess]
+) -> None:
+    """spec.files goes through the agent before Ready; one the agent refuses holds
+    Ready with its path and the agent's words, until the spec is fixed."""
+    ns = sandboxes.namespace
+    clash = [{"path": "notes", "content": "x"}, {"path": "notes/a.txt", "content": "y"}]
+    sandboxes.create("fiona", {"files": clash})
+    wait_for(lambda: _exists(kube, _pod(ns, "fiona")), 20, "pod fiona")
+    agent = agents(secret_token(kube, ns, "fiona"))
+    node.run_pod(ns, "fiona", agent.ip)
+
+    def held(status: JSON) -> bool:
+        return any(c.get("reason") == "FilesNotWritten" for c in status.get("conditions", []))
+
+    body = sandboxes.wait_object("fiona", "FilesNotWritten", held, timeout=20)
+    ready = next(c for c in body["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False"
+    assert "notes/a.txt" in ready["message"], ready
+    assert "not a directory" in ready["message"].lower(), ready
+    assert body["status"]["phase"] == "Starting"
+    assert not body["status"].get("filesWritten")
+
+    fixed = [clash[0], {"path": "data/a.txt", "content": "y", "mode": 0o600}]
+    sandboxes.patch("fiona", {"spec": {"files": fixed}})
+    body = sandboxes.wait_ready("fiona", timeout=20)
+    assert body["status"]["filesWritten"]
+    assert (agent.workspace / "notes").read_text() == "x"
+    assert (agent.workspace / "data/a.txt").read_text() == "y"
+    assert (agent.workspace / "data/a.txt").stat().st_mode & 0o777 == 0o600
+    # Written once: a user's later edit stays through the operator's next passes.
+    (agent.workspace / "notes").write_text("edited")
+    sandboxes.patch("fiona", {"metadata": {"annotations": {"touch": "1"}}})
+    time.sleep(2)
+    assert (agent.workspace / "notes").read_text() == "edited"
+
+
 def test_a_claim_that_cannot_bind_is_explained_and_nothing_churns(
     sandboxes: Sandboxes, kube: KubeJSON
 ) -> None:

@@ -439,8 +439,11 @@ def test_sandboxes_from_templates_and_the_catalog(
         assert team.runtime == "python"
         assert listed[("ClusterSandboxTemplate", catalog)].runtime == "node"
 
-        with client.create(template="team", name="teamed", env={"OWN": "b"}, wait=False) as sb:
+        with client.create(
+            template="team", name="teamed", env={"OWN": "b"}, files={"task.md": "hi"}, wait=False
+        ) as sb:
             _start(live_sandbox, "teamed")
+            assert sb.files.read("task.md") == "hi"  # the first call waits for Ready
             spec = sb.refresh().spec
             assert spec.template_ref is not None
             assert spec.template_ref.name == "team"

@@ -203,6 +203,7 @@ def test_env_ports_and_lifecycle_never_need_a_new_pod() -> None:
             "env": [{"name": "A", "value": "1"}],
             "network": {"exposedPorts": [{"name": "web", "port": 8000}], "egress": "None"},
             "lifecycle": {"idleTimeout": "5m", "onIdle": "Pause"},
+            "files": [{"path": "a.txt", "content": "x"}],
         }
     )
     assert build.changed_fields(pod, changed) == []
@@ -211,6 +212,18 @@ def test_env_ports_and_lifecycle_never_need_a_new_pod() -> None:
     # No containerPort: exposing a port is the Service's business.
     sandbox = next(c for c in pod["spec"]["containers"] if c["name"] == "sandbox")
     assert "ports" not in sandbox
+
+
+def test_files_digest_follows_the_files_and_an_ephemeral_workspace_s_pod() -> None:
+    one = [{"path": "a.txt", "content": "x"}]
+    kept = SandboxSpec.model_validate({"files": one})
+    assert build.files_digest(SandboxSpec(), "pod-1") is None
+    assert build.files_digest(kept, "pod-1") == build.files_digest(kept, "pod-2")
+    edited = SandboxSpec.model_validate({"files": [{**one[0], "mode": 0o600}]})
+    assert build.files_digest(edited, "pod-1") != build.files_digest(kept, "pod-1")
+    # An emptyDir starts empty in every pod: a new pod gets the files again.
+    scratch = SandboxSpec.model_validate({"files": one, "workspace": {"ephemeral": True}})
+    assert build.files_digest(scratch, "pod-1") != build.files_digest(scratch, "pod-2")
 
 
 def test_a_pod_of_an_older_operator_is_kept_while_its_digest_matches() -> None:

@@ -79,6 +79,17 @@ def test_ready_when_pod_and_agent_are_ready() -> None:
     )
 
 
+def test_files_not_written_hold_ready_and_say_why() -> None:
+    why = "writing spec.files 'a/b' failed: not a directory"
+    phase, conds = _compute(_observed(_pod(ready=True, agent_ready=True), files_problem=why))
+    assert phase == STARTING
+    assert _by_type(conds)["Ready"] == Cond("Ready", "False", R.FILES_NOT_WRITTEN, why)
+    assert _by_type(conds)["AgentReady"].status == "True"
+    # Only a serving sandbox writes files: before that, its own reason stands.
+    _, conds = _compute(_observed(_pod(ready=False), files_problem=why))
+    assert _by_type(conds)["Ready"].reason == R.AGENT_NOT_READY
+
+
 def test_a_stopping_pod_is_not_ready_though_its_containers_still_are() -> None:
     pod = _pod(ready=True, agent_ready=True)
     pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"

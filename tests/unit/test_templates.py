@@ -87,6 +87,24 @@ def test_env_and_maps_merge_by_key() -> None:
     assert spec.pod_labels == {"team": "x", "app": "demo"}
 
 
+def test_files_merge_by_path() -> None:
+    defaults = TEMPLATE.model_copy(
+        update={
+            "files": own(
+                {"files": [{"path": "a", "content": "t"}, {"path": "b", "content": "t"}]}
+            ).files
+        }
+    )
+    spec = build.effective_spec(
+        defaults, own({"files": [{"path": "b", "content": "own", "mode": 0o755}]})
+    )
+    assert [(f.path, f.content, f.mode) for f in spec.files] == [
+        ("a", "t", None),
+        ("b", "own", 0o755),
+    ]
+    assert [f.path for f in build.effective_spec(defaults, own({})).files] == ["a", "b"]
+
+
 def test_choosing_an_image_drops_the_template_runtime() -> None:
     spec = build.effective_spec(TEMPLATE, own({"image": "python:3.12-slim"}))
     assert spec.image == "python:3.12-slim"

@@ -222,6 +222,40 @@ ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 
 ObjectName = Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, min_length=1, max_length=253)]
 
+# The characters a command's inputs (script or command, stdin, files, env values)
+# may hold together (see api.common.total_size_rule).
+MAX_INPUT_CHARACTERS = 131072
+
+
+# Paths are relative to the workspace; the agent refuses escapes at run time,
+# the schema refuses the obvious ones at admission.
+RelativePath = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=4096,
+        json_schema_extra=validations(
+            cel(
+                "!self.startsWith('/') && !self.split('/').exists(p, p == '..')",
+                "must be a path relative to the workspace, without '..'",
+            )
+        ),
+    ),
+]
+
+
+class InputFile(Model):
+    """A file written into the workspace (before a command starts, or before a sandbox is
+    Ready)."""
+
+    path: RelativePath = Field(description="Where, relative to /workspace.")
+    content: Annotated[str, Field(max_length=MAX_INPUT_CHARACTERS)] = Field(
+        description="The file's text."
+    )
+    mode: Annotated[int | None, Field(ge=0, le=0o777)] = Field(
+        default=None, description="File mode as a decimal integer, e.g. 493 for 0755."
+    )
+
 
 class LocalObjectReference(Model):
     """A reference to an object of a known kind in the same namespace."""

@@ -12,12 +12,15 @@ from typing import Annotated
 from pydantic import ConfigDict, Field, model_validator
 
 from sandbox_operator.api.common import (
+    MAX_INPUT_CHARACTERS,
     Bounds,
     Condition,
     Duration,
     EnvVar,
+    InputFile,
     LocalObjectReference,
     Model,
+    RelativePath,
     cel,
     immutable,
     total_size_rule,
@@ -28,9 +31,6 @@ from sandbox_operator.api.sandbox import SandboxSpec
 # The longest command the sandbox agent accepts (its SANDBOX_AGENT_MAX_TIMEOUT,
 # which the operator sets from this value).
 MAX_TIMEOUT = "1h"
-# The characters a command's inputs (script or command, stdin, files, env values)
-# may hold together (see api.common.total_size_rule).
-MAX_INPUT_CHARACTERS = 131072
 
 
 class ExecutionPhase(StrEnum):
@@ -94,35 +94,6 @@ class ExecutionReason(StrEnum):
     LOST = "Lost"
     START_FAILED = "StartFailed"
     INVALID_SPEC = "InvalidSpec"
-
-
-# Paths are relative to the workspace; the agent refuses escapes at run time,
-# the schema refuses the obvious ones at admission.
-RelativePath = Annotated[
-    str,
-    Field(
-        min_length=1,
-        max_length=4096,
-        json_schema_extra=validations(
-            cel(
-                "!self.startsWith('/') && !self.split('/').exists(p, p == '..')",
-                "must be a path relative to the workspace, without '..'",
-            )
-        ),
-    ),
-]
-
-
-class InputFile(Model):
-    """A file written into the workspace before the command starts."""
-
-    path: RelativePath = Field(description="Where, relative to /workspace.")
-    content: Annotated[str, Field(max_length=MAX_INPUT_CHARACTERS)] = Field(
-        description="The file's text."
-    )
-    mode: Annotated[int | None, Field(ge=0, le=0o777)] = Field(
-        default=None, description="File mode as a decimal integer, e.g. 493 for 0755."
-    )
 
 
 class ExecutionSpec(Model):

@@ -15,10 +15,12 @@ from pydantic.config import JsonDict
 from sandbox_operator.api.common import (
     DNS_LABEL_PATTERN,
     DNS_SUBDOMAIN_PATTERN,
+    MAX_INPUT_CHARACTERS,
     Bounds,
     Condition,
     Duration,
     EnvVar,
+    InputFile,
     Model,
     Quantity,
     cel,
@@ -122,6 +124,8 @@ class SandboxReason(StrEnum):
     POOL_EMPTY = "PoolEmpty"
     # The claimed member that served this Sandbox was deleted (its pod and workspace with it).
     POOL_MEMBER_LOST = "PoolMemberLost"
+    # spec.files could not be written into the workspace (the agent's answer says why).
+    FILES_NOT_WRITTEN = "FilesNotWritten"
 
 
 class OnIdle(StrEnum):
@@ -394,6 +398,11 @@ class SandboxSpec(Model):
                 },
                 "the values of env",
             ),
+            total_size_rule(
+                MAX_INPUT_CHARACTERS,
+                {"files": "has(self.files) ? self.files.map(f, size(f.content)).sum() : 0"},
+                "the contents of files",
+            ),
         )
     )
 
@@ -443,6 +452,15 @@ class SandboxSpec(Model):
         " commands started afterwards, without restarting the pod.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
+    files: Annotated[list[InputFile], Field(max_length=64)] = Field(
+        default_factory=list,
+        description="Files written into the workspace through the agent before the Sandbox"
+        " is first Ready (a claimed pool member's too), and again when this list changes:"
+        " a file the user edited since is overwritten then, one left out is not deleted."
+        " An ephemeral workspace gets them again in every new pod. Merged with the"
+        " template's by path.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["path"]},
+    )
     paused: bool = Field(default=False, description="Delete the pod, keep the workspace.")
     lifecycle: Lifecycle = Field(
         default_factory=Lifecycle,
@@ -479,9 +497,13 @@ class SandboxSpec(Model):
     )
 
     @model_validator(mode="after")
-    def _env_fits(self) -> SandboxSpec:
+    def _inputs_fit(self) -> SandboxSpec:
         if sum(len(var.value or "") for var in self.env) > MAX_ENV_CHARACTERS:
             raise ValueError(f"the values of env may hold at most {MAX_ENV_CHARACTERS} characters")
+        if sum(len(file.content) for file in self.files) > MAX_INPUT_CHARACTERS:
+            raise ValueError(
+                f"the contents of files may hold at most {MAX_INPUT_CHARACTERS} characters"
+            )
         return self
 
 
@@ -597,6 +619,11 @@ class SandboxStatus(Model):
     )
     pool: PoolUse | None = Field(
         default=None, description="What this Sandbox got from spec.poolRef's pool."
+    )
+    files_written: str | None = Field(
+        default=None,
+        description="A digest of spec.files as last written into the workspace (and of the"
+        " pod, for an ephemeral workspace).",
     )
     admitted: bool | None = Field(
         default=None,

@@ -489,6 +489,18 @@ def pod_stamp(spec: SandboxSpec) -> JSON:
     }
 
 
+def files_digest(spec: SandboxSpec, pod_uid: str | None) -> str | None:
+    """What `status.filesWritten` holds once spec.files is in the workspace (None: no
+    files). An ephemeral workspace starts empty in every pod, so its pod counts too."""
+    if not spec.files:
+        return None
+    essence: JSON = {"files": [file.to_wire() for file in spec.files]}
+    if spec.workspace.ephemeral:
+        essence["pod"] = pod_uid
+    text = json.dumps(essence, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def stamp_annotation(spec: SandboxSpec) -> str:
     return json.dumps(pod_stamp(spec), sort_keys=True, separators=(",", ":"))
 
@@ -512,7 +524,7 @@ def legacy_pod_hash(spec: SandboxSpec) -> str:
     for port in stamped.get("network", {}).get("exposedPorts", []):
         if port.get("public") is False:
             del port["public"]
-    for key in ("tolerations", "podLabels", "podAnnotations"):
+    for key in ("tolerations", "podLabels", "podAnnotations", "files"):
         if not stamped.get(key):
             stamped.pop(key, None)
     return hashlib.sha256(json.dumps(stamped, sort_keys=True).encode()).hexdigest()[:16]

@@ -57,6 +57,8 @@ class Observed:
     holding: bool = False
     # The pod is not created before the claim is bound (see the controller).
     awaiting_claim: bool = False
+    # Why spec.files is not in the workspace yet (the agent's answer), when writing failed.
+    files_problem: str | None = None
 
 
 def pod_condition(pod: JSON, kind: str) -> JSON | None:
@@ -265,6 +267,8 @@ def ready(o: Observed, others: Mapping[str, Cond | None]) -> Cond:
     agent = others.get(C.AGENT_READY)
     pod_ready = (pod_condition(pod, "Ready") or {}).get("status") == TRUE
     if pod_ready and agent is not None and agent.status == TRUE:
+        if o.files_problem is not None:
+            return no(R.FILES_NOT_WRITTEN, o.files_problem)
         return Cond(C.READY, TRUE, R.READY, "agent and runner are serving")
     return no(R.AGENT_NOT_READY, "waiting for agent and runner")
 
@@ -323,6 +327,7 @@ _PHASES: dict[str, SandboxPhase] = {
     R.POD_FAILED: SandboxPhase.STARTING,
     R.POD_TERMINATING: SandboxPhase.STARTING,
     R.AGENT_NOT_READY: SandboxPhase.STARTING,
+    R.FILES_NOT_WRITTEN: SandboxPhase.STARTING,
 }
 
 

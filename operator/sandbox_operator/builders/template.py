@@ -49,6 +49,9 @@ def effective_spec(defaults: SandboxSpec, own: SandboxSpec) -> SandboxSpec:
         elif name == "env":
             names = {var.name for var in mine}
             merged[name] = [*(var for var in theirs if var.name not in names), *mine]
+        elif name == "files":
+            paths = {file.path for file in mine}
+            merged[name] = [*(file for file in theirs if file.path not in paths), *mine]
         elif name in _IMAGE:
             chose = own.runtime is not None or own.image is not None
             merged[name] = mine if chose or name in own.model_fields_set else theirs

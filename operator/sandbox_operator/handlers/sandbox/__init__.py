@@ -4,7 +4,7 @@ reconcile.py  the entry points (reconcile, teardown) and the order of things
 workspace.py  the claim, restores and rollbacks, the other children
 pod.py        what to do with the pod, and doing it
 pool.py       taking a warm member of a SandboxPool
-environment.py  env of new commands, through the agent
+environment.py  env of new commands and spec.files, through the agent
 lifecycle.py  idleness and lifetime
 status.py     the status model, written only when it changed
 """

@@ -1,4 +1,5 @@
-"""The environment of commands started in a running sandbox, without a new pod."""
+"""What reaches a running sandbox through its agent, without a new pod: the
+environment of commands started from now on, and spec.files."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ from typing import Any
 
 from sandbox_operator import envvars, metrics
 from sandbox_operator.agent_client import AgentError, environment_hash
-from sandbox_operator.api.sandbox import (
-    SandboxSpec,
-)
+from sandbox_operator.api.sandbox import SandboxSpec, SandboxStatus
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.context import OperatorContext
 
@@ -72,3 +71,32 @@ async def sync_environment(
             ctx.drop_token(body)
         return  # the next pass tries again
     ctx.environments[uid] = applied
+
+
+async def sync_files(
+    ctx: OperatorContext, body: JSON, spec: SandboxSpec, status: SandboxStatus
+) -> tuple[str | None, str | None]:
+    """Write spec.files into the workspace unless `status` says they are there:
+    (the digest now written, None) or (the one before, why writing failed).
+
+    Written before the Sandbox is Ready, so the first command finds them; a
+    claimed pool member gets its claimer's files this way too."""
+    wanted = build.files_digest(spec, status.pod_uid)
+    if wanted is None:
+        return None, None  # no files (or no longer any: the written ones stay)
+    if wanted == status.files_written or not status.agent_endpoint:
+        return status.files_written, None
+    token = await ctx.agent_token(body)
+    if not token:
+        return status.files_written, "waiting for the agent's token to write spec.files"
+    for file in spec.files:
+        try:
+            await ctx.agents.write_file(
+                status.agent_endpoint, token, file.path, file.content.encode(), file.mode
+            )
+        except AgentError as exc:
+            metrics.AGENT_ERRORS.inc()
+            if exc.status in (401, 403):
+                ctx.drop_token(body)
+            return status.files_written, f"writing spec.files {file.path!r} failed: {exc}"
+    return wanted, None

@@ -11,6 +11,7 @@ the calls that carry them out.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import timedelta
 from enum import Enum
 from typing import Any
@@ -34,7 +35,7 @@ from sandbox_operator.clock import now_utc, parse_time
 from sandbox_operator.config import Settings
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers.sandbox.admission import QuotaIndex, SandboxIndex, admit, waiting
-from sandbox_operator.handlers.sandbox.environment import sync_environment
+from sandbox_operator.handlers.sandbox.environment import sync_environment, sync_files
 from sandbox_operator.handlers.sandbox.lifecycle import (
     idle_snapshot_settled,
     lifecycle,
@@ -248,8 +249,14 @@ async def _reconcile(
     )
     status = sandbox_status.build_status(old, observed, ctx.settings.agent_port, now, **fields)
     if status.phase == SandboxPhase.RUNNING:
-        status = status.evolve(ready_pod_uid=status.pod_uid)
         await sync_environment(ctx, body, spec, pod, status.agent_endpoint)
+        written, problem = await sync_files(ctx, body, spec, status)
+        if problem is not None:
+            observed = replace(observed, files_problem=problem)
+            status = sandbox_status.build_status(
+                old, observed, ctx.settings.agent_port, now, **fields
+            )
+        status = status.evolve(ready_pod_uid=status.pod_uid, files_written=written)
     if old.phase == SandboxPhase.PAUSED and not paused:
         ctx.event(body, "info", reason="Resumed", message="starting the pod on the kept workspace")
     if not observed.deleting:

@@ -268,6 +268,7 @@ class AsyncSandboxClient:
         namespace: str | None = None,
         image: str | None = None,
         env: Mapping[str, str] | None = None,
+        files: Mapping[str, str] | None = None,
         cpu: str | None = None,
         memory: str | None = None,
         workspace_size: str | None = None,
@@ -291,7 +292,9 @@ class AsyncSandboxClient:
         arguments override the template's values. `pool` names a SandboxPool of
         the namespace: the sandbox takes one of its warm members and is Ready in
         milliseconds (`status.pool` says whether it was served by the pool or
-        started cold); `env` is applied to the member before Ready. `name`
+        started cold); `env` and `files` are applied to the member before Ready.
+        `files` maps paths in the workspace to text written there before the
+        sandbox is Ready (`spec.files`). `name`
         defaults to a generated one. With `wait=False` it returns as soon as the
         API server accepted the object: the pod starts meanwhile, and the first
         command waits for it (warm a sandbox without blocking). `spec` gives any
@@ -314,6 +317,8 @@ class AsyncSandboxClient:
             body_spec["image"] = image
         if env:
             body_spec["env"] = _env_list(env)
+        if files:
+            body_spec["files"] = [{"path": path, "content": text} for path, text in files.items()]
         limits = {k: v for k, v in (("cpu", cpu), ("memory", memory)) if v}
         if limits:
             body_spec["resources"] = {**body_spec.get("resources", {}), **limits}

@@ -65,6 +65,14 @@ class EnvVar(WireModel):
     value_from: EnvVarSource | None = Field(default=None, validation_alias="valueFrom", serialization_alias="valueFrom", description="A value read from a Secret when the command starts.")
 
 
+class InputFile(WireModel):
+    "A file written into the workspace (before a command starts, or before a sandbox is Ready)."
+
+    path: str = Field(description="Where, relative to /workspace.")
+    content: str = Field(description="The file's text.")
+    mode: int | None = Field(default=None, description="File mode as a decimal integer, e.g. 493 for 0755.")
+
+
 class Lifecycle(WireModel):
     "Idle timeout, maximum lifetime and what happens when idle."
 
@@ -113,6 +121,7 @@ class SandboxSpec(WireModel):
     resources: Resources | None = Field(default=None, description="CPU, memory and scratch-space limits of the sandbox container.")
     workspace: Workspace | None = Field(default=None, description="The working directory at /workspace: a claim (kept while paused) or an emptyDir.")
     env: list[EnvVar] | None = Field(default=None, description="Environment of the commands run in the sandbox. Changing it reaches commands started afterwards, without restarting the pod.")
+    files: list[InputFile] | None = Field(default=None, description="Files written into the workspace through the agent before the Sandbox is first Ready (a claimed pool member's too), and again when this list changes: a file the user edited since is overwritten then, one left out is not deleted. An ephemeral workspace gets them again in every new pod. Merged with the template's by path.")
     paused: bool = Field(default=False, description="Delete the pod, keep the workspace.")
     lifecycle: Lifecycle | None = Field(default=None, description="Idle timeout, maximum lifetime and what happens when idle.")
     network: Network | None = Field(default=None, description="Egress policy and exposed ports.")
@@ -192,6 +201,7 @@ class SandboxStatus(WireModel):
     paused_since: str | None = Field(default=None, validation_alias="pausedSince", serialization_alias="pausedSince", description="When the pod was stopped for a pause (pausedTimeout counts from it).")
     paused_deadline: str | None = Field(default=None, validation_alias="pausedDeadline", serialization_alias="pausedDeadline", description="When lifecycle.pausedTimeout deletes the paused Sandbox.")
     pool: Pool | None = Field(default=None, description="What this Sandbox got from spec.poolRef's pool.")
+    files_written: str | None = Field(default=None, validation_alias="filesWritten", serialization_alias="filesWritten", description="A digest of spec.files as last written into the workspace (and of the pod, for an ephemeral workspace).")
     admitted: bool | None = Field(default=None, description="Counted against the namespace's SandboxQuotas: set once the sandbox fitted them; it holds its share until it is deleted.")
 
 
@@ -199,14 +209,6 @@ class LocalObjectReference(WireModel):
     "The Sandbox to run in (same namespace)."
 
     name: str = Field(description="The object's name, in the same namespace.")
-
-
-class InputFile(WireModel):
-    "A file written into the workspace before the command starts."
-
-    path: str = Field(description="Where, relative to /workspace.")
-    content: str = Field(description="The file's text.")
-    mode: int | None = Field(default=None, description="File mode as a decimal integer, e.g. 493 for 0755.")
 
 
 class ExecutionSpec(WireModel):
