@@ -260,8 +260,10 @@ def test_a_failing_setup_step_is_named_and_holds_its_sandboxes(
     # Held from the start (the build was queued); the message follows the build
     # within the Sandbox's retry delay.
     wait_for(
-        lambda: "step install (2/3) failed"
-        in (sandboxes.condition("of-broken", "Ready") or {}).get("message", ""),
+        lambda: (
+            "step install (2/3) failed"
+            in (sandboxes.condition("of-broken", "Ready") or {}).get("message", "")
+        ),
         20,
         "the failed step named",
     )
