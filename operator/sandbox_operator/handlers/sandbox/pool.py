@@ -93,8 +93,16 @@ def _bound(body: JSON, use: PoolUse, member: JSON | None) -> JSON:
     status = dict(body.get("status") or {})
     status["pool"] = use.to_wire()
     if member is not None:
-        status["template"] = (member.get("status") or {}).get("template")
+        # What the member's workspace is (its template, the Snapshot it was restored
+        # from) is now this Sandbox's: no read to find it out again.
+        theirs = member.get("status") or {}
+        for key in _INHERITED:
+            if theirs.get(key) is not None:
+                status[key] = theirs[key]
     return {**body, "status": status}
+
+
+_INHERITED = ("template", "workspaceSnapshot", "workspaceLineage", "workspaceRestoreRequest")
 
 
 async def take_member(ctx: OperatorContext, body: JSON, sandboxes: Index, pods: Index) -> JSON:
