@@ -100,6 +100,7 @@ def _indexes(kwargs: dict[str, Any]) -> dict[str, Any]:
         "claims": kwargs["sandbox_claims"],
         "sandboxes": kwargs["sandbox_bodies"],
         "quotas": kwargs["sandbox_quotas"],
+        "pools": kwargs["sandbox_pools"],
     }
 
 
@@ -393,6 +394,12 @@ async def template_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: An
 
 
 # -- SandboxPool -----------------------------------------------------------------------
+
+
+@kopf.index(*POOL)
+def sandbox_pools(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    """SandboxPools by (namespace, name): a claim reads its pool without a GET."""
+    return {(namespace, name): _trim(body)}
 
 
 @kopf.daemon(*POOL, cancellation_timeout=2.0)

@@ -34,7 +34,7 @@ from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers.sandbox.status import report_blocked
 from sandbox_operator.kube import KubeError
-from sandbox_operator.resources import SANDBOX_POOLS, SANDBOX_TEMPLATES, SANDBOXES
+from sandbox_operator.resources import SANDBOX_TEMPLATES, SANDBOXES
 
 JSON = dict[str, Any]
 Key = tuple[str, str]
@@ -105,7 +105,9 @@ def _bound(body: JSON, use: PoolUse, member: JSON | None) -> JSON:
 _INHERITED = ("template", "workspaceSnapshot", "workspaceLineage", "workspaceRestoreRequest")
 
 
-async def take_member(ctx: OperatorContext, body: JSON, sandboxes: Index, pods: Index) -> JSON:
+async def take_member(
+    ctx: OperatorContext, body: JSON, sandboxes: Index, pods: Index, pools_index: Index
+) -> JSON:
     """`body` with `status.pool` decided when it names a pool: a member claimed, a
     cold start, or (raised) a wait. Sandboxes without a pool, and ones whose
     outcome is recorded, come back as they are."""
@@ -114,7 +116,7 @@ async def take_member(ctx: OperatorContext, body: JSON, sandboxes: Index, pods: 
         return body
     if (body.get("status") or {}).get("podUID") or body["metadata"].get("deletionTimestamp"):
         return body
-    found = await _pool_of(ctx, body)
+    found = await _pool_of(ctx, body, pools_index)
     if found is None:
         return body
     pool, spec = found
@@ -139,7 +141,9 @@ async def take_member(ctx: OperatorContext, body: JSON, sandboxes: Index, pods: 
     return await _cold(ctx, body, use, f"SandboxPool {use.name} had no ready member", pool)
 
 
-async def _pool_of(ctx: OperatorContext, body: JSON) -> tuple[JSON, SandboxPoolSpec] | None:
+async def _pool_of(
+    ctx: OperatorContext, body: JSON, pools_index: Index
+) -> tuple[JSON, SandboxPoolSpec] | None:
     """The pool a Sandbox names (or its template's default pool), or None to start
     as if it named none; a named pool that does not exist makes it wait."""
     name = pool_ref_of(body)
@@ -149,7 +153,7 @@ async def _pool_of(ctx: OperatorContext, body: JSON) -> tuple[JSON, SandboxPoolS
         if name is None:
             return None
     namespace = body["metadata"]["namespace"]
-    pool = await ctx.kube.get(SANDBOX_POOLS.path(namespace, name))
+    pool = next(iter(pools_index.get((namespace, name), [])), None)
     if pool is None:
         if not explicit:
             return None  # a template's default pool that this namespace lacks: start cold

@@ -123,13 +123,14 @@ async def reconcile(
     claims: ChildIndex,
     sandboxes: SandboxIndex,
     quotas: QuotaIndex,
+    pools: ChildIndex,
     pod: JSON | None = None,
     pod_known: bool = False,
 ) -> None:
     """Converge one Sandbox. `children` says how far beyond the pod to look;
     `pod_known` means `pod` is the pod as it stands (None: there is none);
     otherwise the pod index is asked. `sandboxes` and `quotas` are what quota
-    admission counts with."""
+    admission counts with; `pools` is where a claim finds its pool."""
     meta = body["metadata"]
     async with ctx.lock(meta["namespace"], meta["name"]):
         if not _present(sandboxes, build.ref_of(body)):
@@ -138,7 +139,7 @@ async def reconcile(
         if claimed_by(body) is not None:
             return  # a pool member another Sandbox claimed: that one looks after it now
         recorded = (body.get("status") or {}).get("pool")
-        body = await take_member(ctx, body, sandboxes, pods)
+        body = await take_member(ctx, body, sandboxes, pods, pools)
         kids = build.children_ref(body)
         if kids.uid != meta["uid"] and not _present(sandboxes, kids):
             # Its children went with the member: nothing to rebuild them from.
