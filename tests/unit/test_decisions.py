@@ -333,7 +333,7 @@ def test_lifecycle_decisions() -> None:
 
 def test_idleness_counts_from_readiness_at_the_earliest() -> None:
     """A sandbox that just became Ready is not idle, however old its agent is."""
-    idle = {"lifecycle": {"idleTimeout": "10s"}}
+    spec = {"lifecycle": {"idleTimeout": "10s"}}
     just_ready = {
         "conditions": [
             {
@@ -344,10 +344,26 @@ def test_idleness_counts_from_readiness_at_the_earliest() -> None:
             }
         ]
     }
-    assert lifecycle(idle, _info(60)).action is IdleAction.IDLE
-    decision = lifecycle(idle, _info(60), status=just_ready)
+    assert lifecycle(spec, _info(60)).action is IdleAction.IDLE
+    decision = lifecycle(spec, _info(60), status=just_ready)
     assert decision.action is IdleAction.NONE
     assert decision.fields["idle_deadline"] == iso(NOW + timedelta(seconds=10))
+    # So the pass that makes it Ready needs no word from the agent (a claim writes
+    # Ready without that round trip), and the deadline is the same.
+    assert idle.became_ready(SandboxStatus.model_validate(just_ready), NOW)
+    asked = lifecycle(spec, None, status=just_ready)
+    assert asked.action is IdleAction.NONE
+    assert asked.fields == {
+        "last_activity": iso(NOW),
+        "idle_deadline": iso(NOW + timedelta(seconds=10)),
+    }
+    earlier = {
+        "conditions": [
+            {**just_ready["conditions"][0], "lastTransitionTime": iso(NOW - timedelta(seconds=5))}
+        ]
+    }
+    assert not idle.became_ready(SandboxStatus.model_validate(earlier), NOW)
+    assert lifecycle(spec, None, status=earlier).fields == {}
 
 
 def test_the_idle_snapshot_comes_first() -> None:

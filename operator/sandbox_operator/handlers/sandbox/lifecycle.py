@@ -65,6 +65,15 @@ def decide_lifecycle(
     if status.expires_at and now >= parse_time(status.expires_at):
         return LifecycleDecision(IdleAction.DELETE)
     idle_timeout = spec.lifecycle.idle_timeout or settings.default_idle_timeout
+    if idle_timeout and became_ready(status, now):
+        # Idleness counts from Ready at the earliest, which is now: nothing the agent
+        # could report moves the deadline, so the first Ready is written without asking.
+        last = now.replace(microsecond=0)
+        fields: JSON = {
+            "last_activity": iso(last),
+            "idle_deadline": iso(last + parse_duration(idle_timeout)),
+        }
+        return LifecycleDecision(IdleAction.NONE, fields, last)
     if info is None or not idle_timeout:
         return LifecycleDecision(IdleAction.NONE)
     reported = now if info.active_executions else info.last_activity.replace(microsecond=0)
@@ -79,7 +88,7 @@ def decide_lifecycle(
     if resumed_at is not None:
         last = max(last, resumed_at.replace(microsecond=0))
     deadline = last + parse_duration(idle_timeout)
-    fields: JSON = {
+    fields = {
         "last_activity": iso(last),
         "idle_deadline": iso(deadline),
         "active_executions": info.active_executions,
@@ -94,6 +103,12 @@ def decide_lifecycle(
         if spec.lifecycle.on_idle is OnIdle.PAUSE:
             return LifecycleDecision(IdleAction.WAIT_SNAPSHOT, fields, last)
     return LifecycleDecision(IdleAction.IDLE, fields, last)
+
+
+def became_ready(status: SandboxStatus, now: datetime) -> bool:
+    """`status` (computed at `now`) is Ready, since this very pass. Pure."""
+    ready = find(status.conditions, SandboxCondition.READY)
+    return ready is not None and ready.status == TRUE and ready.last_transition_time == iso(now)
 
 
 def paused_fields(old: SandboxStatus, spec: SandboxSpec, paused: bool, now: datetime) -> JSON:
@@ -153,7 +168,7 @@ async def lifecycle(
     meta = body["metadata"]
     if status.paused_deadline and now >= parse_time(status.paused_deadline):
         return await _paused_too_long(ctx, body, spec, status, now)
-    info = await _agent_info(ctx, body, spec, status, logger)
+    info = None if became_ready(status, now) else await _agent_info(ctx, body, spec, status, logger)
     resumed = (meta.get("annotations") or {}).get(RESUME_ANNOTATION)
     resumed_at = None
     with suppress(ValueError):
