@@ -356,6 +356,7 @@ def test_idleness_counts_from_readiness_at_the_earliest() -> None:
     assert asked.fields == {
         "last_activity": iso(NOW),
         "idle_deadline": iso(NOW + timedelta(seconds=10)),
+        "active_executions": 0,  # as the next pass hears from the agent: no second write
     }
     earlier = {
         "conditions": [

@@ -72,6 +72,10 @@ def decide_lifecycle(
         fields: JSON = {
             "last_activity": iso(last),
             "idle_deadline": iso(last + parse_duration(idle_timeout)),
+            # A pod that just got Ready runs nothing yet (nobody could reach it;
+            # a pool member is refused to all but its claimer); one Ready again
+            # after an agent blip keeps what was last reported.
+            "active_executions": status.active_executions or 0,
         }
         return LifecycleDecision(IdleAction.NONE, fields, last)
     if info is None or not idle_timeout:
