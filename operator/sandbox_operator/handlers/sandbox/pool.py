@@ -207,7 +207,7 @@ async def _race(
         if claimed is not None:
             metrics.POOL_CLAIMS.labels("claimed").inc()
             # No Event: status.pool says it, and a claim is kept to its few writes.
-            ctx.wake_pool(namespace, pool["metadata"]["name"])  # a member left: refill
+            # The pool is woken once that status is written (see reconcile).
             return claimed, None
         metrics.POOL_CLAIM_CONFLICTS.inc()
         lost.append(choice.name)

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from sandbox_operator import metrics
 from sandbox_operator.api.common import parse_duration, readable
 from sandbox_operator.api.sandbox import (
+    PoolOutcome,
     SandboxPhase,
     SandboxReason,
     SandboxSpec,
@@ -169,6 +170,11 @@ async def reconcile(
         ):
             raise waiting(ctx, meta["namespace"])
         await _reconcile(ctx, body, logger, children=children, pod=pod, claim=claim)
+        use = (body.get("status") or {}).get("pool") or {}
+        if use != (recorded or {}) and use.get("outcome") == PoolOutcome.CLAIMED:
+            # A member left the pool, and the claim is in status (the pool counts its
+            # claimed members from there): refill and count now.
+            ctx.wake_pool(meta["namespace"], use["name"])
 
 
 def _present(sandboxes: SandboxIndex, ref: build.SandboxRef) -> bool:
