@@ -19,6 +19,7 @@ from sandbox_operator.builders.pool import (
     pod_alive,
     ready_condition,
     refill_plan,
+    stuck_member,
 )
 from sandbox_operator.builders.sandbox import children_ref
 
@@ -118,6 +119,12 @@ def test_counts() -> None:
             "pool-x1",
         ),
         ({"ready": 1}, "False", PoolReason.FILLING, "1/2"),
+        (
+            {"ready": 1, "stuck": "member w-1: Unschedulable: cpu"},
+            "False",
+            PoolReason.FILLING,
+            "w-1",
+        ),
         ({"ready": 2}, "True", PoolReason.FULL, "2/2"),
     ],
 )
@@ -210,3 +217,14 @@ def test_a_member_is_ready_to_claim_only_with_a_ready_pod() -> None:
     assert not pod_alive(pods, "ns", "b")
     assert not pod_alive(pods, "ns", "c")
     assert not pod_alive(pods, "ns", "missing")
+
+
+def test_a_member_the_cluster_holds_back_is_named() -> None:
+    """A member waiting on the node, a quota or a claim: Filling says which and why."""
+    starting = member_body("w-1", ready="False", reason="AgentNotReady")
+    assert stuck_member([member_body("w-0"), starting]) == ""
+    held = member_body("w-2", ready="False", reason="Unschedulable")
+    held["status"]["conditions"][0]["message"] = "0/1 nodes are available: 1 Insufficient cpu."
+    assert stuck_member([member_body("w-0"), starting, held]) == (
+        "member w-2: Unschedulable: 0/1 nodes are available: 1 Insufficient cpu."
+    )

@@ -217,6 +217,28 @@ def member_of(member: JSON, pod_alive: bool = True) -> Member:
     )
 
 
+# Why a member that is not failing can still wait indefinitely: the cluster, not
+# the member, must change. Named in the pool's Filling message.
+STUCK_REASONS = frozenset(
+    {
+        SandboxReason.UNSCHEDULABLE,
+        SandboxReason.QUOTA_EXCEEDED,
+        SandboxReason.WORKSPACE_PENDING,
+        SandboxReason.TEMPLATE_NOT_READY,
+    }
+)
+
+
+def stuck_member(members: list[JSON]) -> str:
+    """'member NAME: Reason: message' for the first starting member held by the
+    cluster (no room on a node, a quota, an unbound claim), or ''. Pure."""
+    for member in members:
+        reason, message = failure_of(member)
+        if member_of(member).state is MemberState.CREATING and reason in STUCK_REASONS:
+            return f"member {member['metadata']['name']}: {reason}: {message}"
+    return ""
+
+
 def failure_of(member: JSON) -> tuple[str, str]:
     """(reason, message) of a failing member's Ready condition."""
     ready = _ready_of(member)
@@ -285,9 +307,11 @@ def ready_condition(
     ready: int,
     failing_member: str | None = None,
     failure: str = "",
+    stuck: str = "",
 ) -> Cond:
     """Ready: the pool holds `replicas` claimable members. A missing template, one
-    without python3 and a member that fails to start are named in the reason."""
+    without python3 and a member that fails to start are named in the reason; a
+    member the cluster holds back (`stuck`) in the Filling message."""
     if not template_found:
         return Cond(
             PoolCondition.READY,
@@ -312,7 +336,10 @@ def ready_condition(
         )
     if ready >= replicas:
         return Cond(PoolCondition.READY, TRUE, PoolReason.FULL, f"{ready}/{replicas} members ready")
-    return Cond(PoolCondition.READY, FALSE, PoolReason.FILLING, f"{ready}/{replicas} members ready")
+    held = f"; {stuck}" if stuck else ""
+    return Cond(
+        PoolCondition.READY, FALSE, PoolReason.FILLING, f"{ready}/{replicas} members ready{held}"
+    )
 
 
 def pod_alive(pods: Index, namespace: str, member: str) -> bool:

@@ -95,6 +95,7 @@ async def reconcile(
         ready=counted.ready,
         failing_member=failing["metadata"]["name"] if failing is not None else None,
         failure=message,
+        stuck=pools.stuck_member(members),
     )
     new = _with(old, cond, meta).model_copy(
         update={
