@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import tempfile
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -29,7 +30,7 @@ from devcluster import build, deploy, helm, hostdeps, versions  # noqa: E402
 from devcluster import images as imagelib  # noqa: E402
 from devcluster.cluster import LocalCluster  # noqa: E402
 from devcluster.progress import Progress, clock_text  # noqa: E402
-from sandbox_operator.resources import LABEL_EXECUTION_UID, LABEL_TEMPLATE  # noqa: E402
+from sandbox_operator.resources import RESUME_ANNOTATION  # noqa: E402
 
 NAME = "local"
 DEMO_ACCOUNT = "sandbox-demo"
@@ -136,18 +137,29 @@ def _examples(progress: Progress, cluster: LocalCluster) -> list[str]:
     with progress.step(_step(6, "examples/")) as said:
         # Where the examples go, as users are told to label theirs (README).
         deploy.restrict_namespace(cluster, "default")
-        applied = deploy.kubectl(cluster, "apply", "-f", str(REPO / "examples"))
+        applied = deploy.kubectl(cluster, "apply", "-o", "name", "-f", str(REPO / "examples"))
         if applied.returncode != 0:
             raise SystemExit(applied.stderr.strip())
+        # The examples' own Sandboxes: not what else the namespace holds (pool
+        # members, a user's), which this run has no business waiting for.
+        names = sorted(
+            line.split("/", 1)[1]
+            for line in applied.stdout.split()
+            if line.startswith("sandbox.sandbox.dev/")
+        )
         items = _json(cluster, "get", "sandboxes")["items"]
         assert isinstance(items, list)
-        # One-shot sandboxes belong to their Execution and go away with its end; a
-        # template's build sandbox goes once its base snapshot is taken.
-        names = [
-            item["metadata"]["name"]
-            for item in items
-            if not {LABEL_EXECUTION_UID, LABEL_TEMPLATE} & set(item["metadata"].get("labels") or {})
-        ]
+        for item in items:
+            if item["metadata"]["name"] in names and (item.get("status") or {}).get("idlePausedAt"):
+                # Paused by its idle policy since an earlier run: resumed as the
+                # README tells users to.
+                deploy.kubectl(
+                    cluster,
+                    "annotate",
+                    "--overwrite",
+                    f"sandbox/{item['metadata']['name']}",
+                    f"{RESUME_ANNOTATION}={datetime.now(UTC).strftime('%Y-%m-%dT%H:%M:%SZ')}",
+                )
         for name in names:
             waited = deploy.kubectl(
                 cluster, "wait", "--for=condition=Ready", f"sandbox/{name}", "--timeout=300s"
