@@ -205,8 +205,15 @@ def test_an_empty_pool_that_waits_then_serves(
     ns: str, sandboxes: Sandboxes, templates: Templates, pools: Pools, kubelet: Kubelet
 ) -> None:
     templates.create("py", TEMPLATE)
-    pools.create("slow", {"templateRef": {"name": "py"}, "replicas": 0, "whenEmpty": "Wait"})
+    # Named before the pool exists: it waits for the pool, then for a member, and its
+    # status says which at each step.
     sandboxes.create("patient", {"poolRef": {"name": "slow"}})
+    sandboxes.wait_object(
+        "patient",
+        "waiting for the pool to exist",
+        lambda s: any(c.get("reason") == "PoolNotFound" for c in s.get("conditions", [])),
+    )
+    pools.create("slow", {"templateRef": {"name": "py"}, "replicas": 0, "whenEmpty": "Wait"})
     body = sandboxes.wait_object(
         "patient",
         "waiting for the pool",

@@ -34,7 +34,7 @@ from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers.sandbox.status import report_blocked
 from sandbox_operator.kube import KubeError
-from sandbox_operator.resources import SANDBOX_TEMPLATES, SANDBOXES
+from sandbox_operator.resources import SANDBOX_POOLS, SANDBOX_TEMPLATES, SANDBOXES
 
 JSON = dict[str, Any]
 Key = tuple[str, str]
@@ -135,8 +135,10 @@ async def take_member(
         metrics.POOL_CLAIMS.labels("waited").inc()
         why = f"SandboxPool {use.name} has no ready member; waiting for one (whenEmpty: Wait)"
         waiting = use.model_copy(update={"outcome": PoolOutcome.WAITING})
-        held_body = _bound(body, waiting, None)
-        await report_blocked(ctx, held_body, None, held=(SandboxReason.POOL_EMPTY.value, why))
+        # As a field: the status written builds on the one this process last wrote.
+        await report_blocked(
+            ctx, body, None, held=(SandboxReason.POOL_EMPTY.value, why), fields={"pool": waiting}
+        )
         raise kopf.TemporaryError(why, delay=POOL_RETRY_SECONDS)
     return await _cold(ctx, body, use, f"SandboxPool {use.name} had no ready member", pool)
 
@@ -154,6 +156,10 @@ async def _pool_of(
             return None
     namespace = body["metadata"]["namespace"]
     pool = next(iter(pools_index.get((namespace, name), [])), None)
+    if pool is None:
+        # Not in the index: gone, or created a moment ago and not seen yet. Ask, so
+        # that a pool and its first Sandbox applied together never read PoolNotFound.
+        pool = await ctx.kube.get(SANDBOX_POOLS.path(namespace, name))
     if pool is None:
         if not explicit:
             return None  # a template's default pool that this namespace lacks: start cold

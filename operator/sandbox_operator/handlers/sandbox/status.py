@@ -80,11 +80,13 @@ async def report_blocked(
     refused: str = "",
     quota: str = "",
     held: tuple[str, str] | None = None,
+    fields: JSON | None = None,
 ) -> None:
     """Status and an Event for a Sandbox that cannot go on: its spec is invalid, the
     API server refused one of its children, or a quota has no room for it.
-    Nothing of the pod is observed. The Event is posted when the reason or the
-    message is new, not at every retry."""
+    Nothing of the pod is observed; `fields` are status fields to set as well (by
+    model field name). The Event is posted when the reason or the message is
+    new, not at every retry."""
     observed = Observed(
         generation=body["metadata"].get("generation", 0),
         paused=False,
@@ -103,6 +105,7 @@ async def report_blocked(
         ctx.settings.agent_port,
         now_utc(),
         **spec_fields(body, None if invalid else spec, ctx.settings),
+        **(fields or {}),
     )
     before = find(status_of(fresh).conditions, SandboxCondition.READY)
     await write_status(ctx, fresh, status)
