@@ -21,6 +21,9 @@ JSON = dict[str, Any]
 _NESTED = ("resources", "workspace", "lifecycle", "network")
 # Maps merged by key, the Sandbox's keys winning.
 _MAPS = ("node_selector", "pod_labels", "pod_annotations")
+# Lists merged by an item's key field (as their schema's list-map-keys), the Sandbox's
+# items winning.
+_KEYED_LISTS = {"env": "name", "files": "path"}
 # Where the image comes from: the Sandbox's choice of either replaces the template's.
 _IMAGE = ("runtime", "image", "image_pull_policy")
 
@@ -46,12 +49,10 @@ def effective_spec(defaults: SandboxSpec, own: SandboxSpec) -> SandboxSpec:
             merged[name] = _merge_model(theirs, mine)
         elif name in _MAPS:
             merged[name] = {**theirs, **mine}
-        elif name == "env":
-            names = {var.name for var in mine}
-            merged[name] = [*(var for var in theirs if var.name not in names), *mine]
-        elif name == "files":
-            paths = {file.path for file in mine}
-            merged[name] = [*(file for file in theirs if file.path not in paths), *mine]
+        elif name in _KEYED_LISTS:
+            key = _KEYED_LISTS[name]
+            own_keys = {getattr(item, key) for item in mine}
+            merged[name] = [*(i for i in theirs if getattr(i, key) not in own_keys), *mine]
         elif name in _IMAGE:
             chose = own.runtime is not None or own.image is not None
             merged[name] = mine if chose or name in own.model_fields_set else theirs
