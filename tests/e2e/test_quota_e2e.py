@@ -38,6 +38,8 @@ def test_a_sandbox_quota_holds_a_sandbox_back_until_one_is_deleted(e2e: E2E, rep
     # The example's usage counts the admitted one, through `kubectl get`.
     used = quotas.wait_used("tenant-limits", "the first sandbox", "sandboxes", 1, timeout=120)
     assert used["used"]["requests"]["cpu"] == "150m"
+    # Each quota refreshes at its own interval: wait for this one's too.
+    quotas.wait_used("one-at-a-time", "the first sandbox", "sandboxes", 1, timeout=120)
     listed = e2e.kubectl("get", "sandboxquota", "-n", ns, "one-at-a-time")
     assert listed.returncode == 0, listed.stderr
     # NAME, SANDBOXES (used), MAX SANDBOXES

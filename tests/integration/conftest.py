@@ -115,6 +115,19 @@ def running_operator(operator: OperatorProcess) -> Iterator[OperatorProcess]:
     assert operator.errors() == [], f"handler tracebacks in {operator.log}"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report carries what the operator logged about its
+    namespace: a rare failure in CI is explained by the run that had it."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    funcargs = getattr(item, "funcargs", {})
+    operator, namespace = funcargs.get("running_operator"), funcargs.get("ns")
+    if report.when == "call" and report.failed and operator is not None and namespace:
+        mentions = [line for line in operator.log_lines() if namespace in line]
+        report.sections.append((f"operator log about {namespace}", "\n".join(mentions[-300:])))
+
+
 @pytest.fixture
 def ns(kube: KubeJSON, running_operator: OperatorProcess) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"

@@ -148,9 +148,13 @@ class OperatorProcess:
             text: str = response.read().decode()
             return text
 
+    def log_lines(self) -> list[str]:
+        """The current log (since the last start), line by line."""
+        return _log_tail(self.log, 100000).splitlines()
+
     def errors(self) -> list[str]:
         """Tracebacks in the current log: a handler crashed somewhere."""
-        return [line for line in _log_tail(self.log, 100000).splitlines() if "Traceback" in line]
+        return [line for line in self.log_lines() if "Traceback" in line]
 
 
 class GatewayProcess:
