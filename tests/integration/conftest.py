@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -115,17 +115,19 @@ def running_operator(operator: OperatorProcess) -> Iterator[OperatorProcess]:
     assert operator.errors() == [], f"handler tracebacks in {operator.log}"
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A failed test's report carries what the operator logged about its
     namespace: a rare failure in CI is explained by the run that had it."""
-    outcome = yield
-    report: pytest.TestReport = outcome.get_result()
+    report = yield
     funcargs = getattr(item, "funcargs", {})
     operator, namespace = funcargs.get("running_operator"), funcargs.get("ns")
     if report.when == "call" and report.failed and operator is not None and namespace:
         mentions = [line for line in operator.log_lines() if namespace in line]
         report.sections.append((f"operator log about {namespace}", "\n".join(mentions[-300:])))
+    return report
 
 
 @pytest.fixture
