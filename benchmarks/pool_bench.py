@@ -133,7 +133,9 @@ def audit_writes(log: Path, since: float, until: float) -> list[JSON]:
 def describe(event: JSON) -> str:
     ref = event.get("objectRef") or {}
     sub = ref.get("subresource")
-    return f"{event['verb']} {ref.get('resource', '?')}{'/' + sub if sub else ''}"
+    code = (event.get("responseStatus") or {}).get("code", 200)
+    refused = f" ({code})" if code >= 300 else ""
+    return f"{event['verb']} {ref.get('resource', '?')}{'/' + sub if sub else ''}{refused}"
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,16 @@ class DigestDiffBaseStorage(kopf.DiffBaseStorage):
             patch.metadata.annotations[key] = None
 
 
+def mark_handled(body: kopf.Body, patch: kopf.Patch) -> None:
+    """Record `body` as handled by its change handlers, in `patch`, when it has no
+    diff base yet. For a Sandbox that an event handler converged completely (a
+    claim): Kopf applies this patch together with its finalizer, so no creation
+    handler runs after it and no second write stores the diff base."""
+    storage = DigestDiffBaseStorage()
+    if storage.fetch(body=body) is None:
+        storage.store(body=body, patch=patch, essence=storage.build(body=body))
+
+
 def configure(settings: kopf.OperatorSettings) -> None:
     """Kopf's persistence: finalizer, progress and diff base (see the module docstring)."""
     settings.persistence.finalizer = FINALIZER

@@ -198,8 +198,9 @@ async def sandbox_event(
     """Gone: drop what this process holds for it (the finalizer does too, when it
     ran). New and naming a pool: claim a member now, in the round of the event
     that announced it, before Kopf adds its finalizer, so the Sandbox is Ready
-    after two writes (the claim, its status); the change handler that follows
-    finds it decided."""
+    after two writes (the claim, its status). A claim converges the Sandbox
+    completely, so it is marked handled in the patch that adds the finalizer:
+    no creation handler and no diff-base write follow (three writes in all)."""
     ctx = _ctx(memo)
     if type == "DELETED":
         sandbox.forget(ctx, dict(body))
@@ -216,6 +217,8 @@ async def sandbox_event(
                 children=sandbox.Children.POD,
                 **_indexes(kwargs),
             )
+            if pools.claimed(ctx.current(dict(body))):
+                bookkeeping.mark_handled(body, kwargs["patch"])
 
 
 async def _child_changed(

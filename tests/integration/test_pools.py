@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from devcluster.controlplane import ControlPlane
+from sandbox_operator.bookkeeping import DIGEST_KEY
+from sandbox_operator.resources import FINALIZER, KOPF_PREFIX
 from tests.integration.conftest import kubectl
 from tests.integration.harness import (
     AgentProcess,
@@ -77,6 +79,7 @@ def claimers_of(kube: KubeJSON, ns: str) -> dict[str, list[str]]:
 def test_pool_fills_serves_a_claim_refills_and_scales(
     kube: KubeJSON,
     ns: str,
+    running_operator: OperatorProcess,
     control_plane: ControlPlane,
     sandboxes: Sandboxes,
     templates: Templates,
@@ -109,6 +112,19 @@ def test_pool_fills_serves_a_claim_refills_and_scales(
         body["metadata"]["uid"],
     )
     assert "sandbox.dev/pool" not in (claimed["metadata"].get("labels") or {})
+
+    # The claim converged the claimer: Kopf's finalizer and diff base arrive in
+    # one patch, and no creation handler runs after it (no more writes).
+    def finalized() -> JSON | None:
+        body = sandboxes.read("agent-1")
+        return body if body["metadata"].get("finalizers") else None
+
+    marked = wait_for(finalized, 20, "Kopf's finalizer on agent-1")
+    assert marked["metadata"]["finalizers"] == [FINALIZER]
+    assert f"{KOPF_PREFIX}/{DIGEST_KEY}" in marked["metadata"]["annotations"]
+    handled = [line for line in running_operator.log_lines() if f"[{ns}/agent-1]" in line]
+    assert any("'sandbox_event' succeeded" in line for line in handled), handled
+    assert not any("sandbox_changed" in line for line in handled), handled
 
     # The pool makes a new member in its place; the claimed one never comes back.
     refilled = pools.wait_counts("warm", ready=3, replicas=3)

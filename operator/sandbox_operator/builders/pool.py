@@ -10,7 +10,7 @@ from typing import Any
 
 from sandbox_operator.api.common import API_VERSION
 from sandbox_operator.api.pool import PoolCondition, PoolReason, SandboxPoolSpec
-from sandbox_operator.api.sandbox import SandboxCondition, SandboxReason
+from sandbox_operator.api.sandbox import PoolOutcome, SandboxCondition, SandboxReason
 from sandbox_operator.builders.conditions import FALSE, TRUE, Cond
 from sandbox_operator.builders.sandbox_status import pod_condition
 from sandbox_operator.resources import GENERATION_ANNOTATION, LABEL_POOL
@@ -159,6 +159,12 @@ def awaits_claim(sandbox: JSON) -> bool:
         and not status.get("podUID")
         and not sandbox["metadata"].get("deletionTimestamp")
     )
+
+
+def claimed(sandbox: JSON) -> bool:
+    """A Sandbox whose status records that it claimed a member."""
+    use = (sandbox.get("status") or {}).get("pool") or {}
+    return bool(use.get("outcome") == PoolOutcome.CLAIMED and use.get("member"))
 
 
 def claimed_by(member: JSON) -> JSON | None:
