@@ -109,13 +109,25 @@ class DigestDiffBaseStorage(kopf.DiffBaseStorage):
 
 
 def mark_handled(body: kopf.Body, patch: kopf.Patch) -> None:
-    """Record `body` as handled by its change handlers, in `patch`, when it has no
-    diff base yet. For a Sandbox that an event handler converged completely (a
-    claim): Kopf applies this patch together with its finalizer, so no creation
-    handler runs after it and no second write stores the diff base."""
+    """Record `body` as handled by its change handlers, when it has no diff base
+    yet: for a Sandbox that an event handler converged completely (a claim).
+
+    The diff base goes in as a transformation, like Kopf's finalizer: Kopf
+    sends both in one JSON patch, so no creation handler runs after it and no
+    second write stores the diff base. (As a merge patch it would be a write of
+    its own, and Kopf would then test its finalizer patch against a stale
+    resourceVersion.)"""
     storage = DigestDiffBaseStorage()
-    if storage.fetch(body=body) is None:
-        storage.store(body=body, patch=patch, essence=storage.build(body=body))
+    if storage.fetch(body=body) is not None:
+        return
+    digest_value = storage.build(body=body)["digest"]
+
+    def annotate(raw: Any) -> None:
+        raw.setdefault("metadata", {}).setdefault("annotations", {})[storage.annotation] = (
+            digest_value
+        )
+
+    patch.fns.append(annotate)
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
