@@ -15,8 +15,8 @@
    the claim's path (the claiming Sandbox and the member it took) and, apart,
    everything else in the same time (the refill making new members).
 
-The template has an ephemeral workspace and small requests, so that 100
-members fit the node (maxPods 110, 2 cores): the cold start it is compared
+The template has an ephemeral workspace and the dense resource profile, so
+that 100 members fit the node (maxPods 110, 2 cores): the cold start it is compared
 with has no volume to provision either, which is its fastest case.
 """
 
@@ -60,18 +60,12 @@ GROUP = "sandbox.dev/v1alpha1"
 WARM = 10
 OPERATOR_USER = f"system:serviceaccount:{deploy.NAMESPACE}:sandbox-operator"
 WRITES = {"create", "update", "patch", "delete"}
-# Small enough that a hundred members and their agents fit one 2-core node.
-VALUES = [
-    "settings.agent_memory=96Mi",
-    "settings.agent_ephemeral_storage=256Mi",
-    "settings.agent_cpu_request=5m",
-    "settings.sandbox_cpu_request=10m",
-]
+# The dense resource profile: a hundred members and their agents fit one 2-core node.
 TEMPLATE = {
-    "description": "python, ephemeral workspace, small",
+    "description": "python, ephemeral workspace, dense",
     "sandbox": {
         "runtime": "python",
-        "resources": {"memory": "64Mi", "ephemeralStorage": "256Mi"},
+        "resources": {"profile": "dense"},
         "workspace": {"ephemeral": True},
     },
 }
@@ -175,7 +169,7 @@ def cluster_with_audit(work: Path) -> Any:
     )
     cluster.start()
     try:
-        deploy.install_operator(cluster, extra_values=VALUES)
+        deploy.install_operator(cluster)
         deploy.wait_for_crds(cluster)
         yield cluster, log
     finally:
@@ -275,10 +269,10 @@ def main() -> None:
                 starts = dict(
                     zip(
                         names,
+                        # One client for all (httpx pools its connections), as a
+                        # backend keeps one: a TLS handshake per create is not a claim's.
                         pool.map(
-                            lambda n: create_sandbox(
-                                KubeJSON(cluster.kubeconfig), n, {"poolRef": {"name": "warm"}}
-                            ),
+                            lambda n: create_sandbox(kube, n, {"poolRef": {"name": "warm"}}),
                             names,
                         ),
                         strict=True,

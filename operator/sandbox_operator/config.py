@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sandbox_operator.api.common import Duration, Quantity
 
@@ -28,6 +28,58 @@ class Runtime(BaseModel):
 
     image: str
     description: str = ""
+
+
+class Requests(BaseModel):
+    """What one container requests of a node; unset: its limit (the node never
+    promises what it lacks). Each is capped at the container's limit."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpu: Quantity | None = None
+    memory: Quantity | None = None
+    ephemeral_storage: Quantity | None = None
+
+    def to_wire(self) -> dict[str, str]:
+        named = {
+            "cpu": self.cpu,
+            "memory": self.memory,
+            "ephemeral-storage": self.ephemeral_storage,
+        }
+        return {key: value for key, value in named.items() if value is not None}
+
+
+class ResourceProfile(BaseModel):
+    """What a sandbox's two containers request of a node, under their limits.
+
+    Requests decide how many sandboxes a node holds; limits (the Sandbox's
+    resources, the agent's settings) what each may use. A memory request under
+    the limit makes the pod Burstable: more idle sandboxes fit, and under
+    memory or disk pressure the kubelet evicts first the pods furthest above
+    their requests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    description: str = ""
+    sandbox: Requests
+    agent: Requests
+
+
+# An idle sandbox measured on the local node: agent 20.5 MiB, runner 8.5 MiB,
+# no CPU to speak of (benchmarks/density_bench.py measures it again).
+DEFAULT_PROFILES = {
+    "standard": ResourceProfile(
+        description="Memory and disk reserved up to their limits, 150m CPU: sandboxes at work",
+        sandbox=Requests(cpu="100m"),
+        agent=Requests(cpu="50m"),
+    ),
+    "dense": ResourceProfile(
+        description="About what an idle sandbox uses (10m CPU, 64Mi, 128Mi of disk),"
+        " Burstable: many mostly idle sandboxes",
+        sandbox=Requests(cpu="5m", memory="32Mi", ephemeral_storage="64Mi"),
+        agent=Requests(cpu="5m", memory="32Mi", ephemeral_storage="64Mi"),
+    ),
+}
 
 
 class Settings(BaseModel):
@@ -44,9 +96,8 @@ class Settings(BaseModel):
     default_runtime: str = "python"
 
     # Defaults for fields a Sandbox leaves unset.
-    # The CPU limit; the request is `sandbox_cpu_request` (capped at the limit).
+    # The CPU limit; requests come from the resource profile (capped at the limits).
     default_cpu: Quantity = "1"
-    sandbox_cpu_request: Quantity = "100m"
     default_memory: Quantity = "1Gi"
     default_ephemeral_storage: Quantity = "2Gi"
     default_workspace_size: Quantity = "1Gi"
@@ -57,8 +108,13 @@ class Settings(BaseModel):
     # The agent sidecar.
     agent_port: Annotated[int, Field(ge=1, le=65535)] = 8080
     agent_cpu: Quantity = "250m"
-    agent_cpu_request: Quantity = "50m"
     agent_memory: Quantity = "256Mi"
+    # What sandboxes request of a node, by name; a Sandbox or template picks one
+    # with spec.resources.profile.
+    resource_profiles: dict[str, ResourceProfile] = Field(
+        default_factory=lambda: dict(DEFAULT_PROFILES)
+    )
+    default_resource_profile: str = "standard"
     agent_ephemeral_storage: Quantity = "512Mi"
     # Distinct UIDs: user code must not be able to act as the agent.
     sandbox_uid: int = 1000
@@ -135,6 +191,16 @@ class Settings(BaseModel):
     # The namespaces of `--namespace` (the chart sets them): a KopfPeering is
     # made in each; with `--all-namespaces` one ClusterKopfPeering.
     watch_namespaces: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _default_profile_is_offered(self) -> Settings:
+        if self.default_resource_profile not in self.resource_profiles:
+            offered = ", ".join(sorted(self.resource_profiles)) or "none"
+            raise ValueError(
+                f"default_resource_profile {self.default_resource_profile!r} is not one of"
+                f" resource_profiles ({offered})"
+            )
+        return self
 
 
 def load_model(model: type[M], prefix: str, environ: Mapping[str, str] | None = None) -> M:

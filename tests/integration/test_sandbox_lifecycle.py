@@ -406,6 +406,17 @@ def test_invalid_spec_is_explained_and_blocks_nobody(sandboxes: Sandboxes) -> No
     # Fixing the spec heals it.
     sandboxes.patch("juliet", {"spec": {"runtime": "python"}})
     sandboxes.wait_phase("juliet", "Pending")
+    # A resource profile the operator does not offer, the same way.
+    sandboxes.create("mike", {"resources": {"profile": "roomy"}})
+    body = sandboxes.wait_phase("mike", "Failed")
+    ready = next(c for c in body["status"]["conditions"] if c["type"] == "Ready")
+    assert (ready["reason"], ready["message"]) == (
+        "InvalidSpec",
+        "spec.resources.profile: unknown resource profile 'roomy'; this cluster offers:"
+        " dense, standard",
+    )
+    sandboxes.patch("mike", {"spec": {"resources": {"profile": "dense"}}})
+    sandboxes.wait_phase("mike", "Pending")
 
 
 def test_runtime_without_python_is_not_ready_with_a_reason(

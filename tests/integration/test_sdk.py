@@ -451,9 +451,11 @@ def test_sandboxes_from_templates_and_the_catalog(
             env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
             assert env["TEAM"] == "a"
             assert env["OWN"] == "b"
-        with client.create(cluster_template=catalog, name="cataloged", wait=False):
+        with client.create(cluster_template=catalog, name="cataloged", profile="dense", wait=False):
             pod = wait_for(lambda: kube.get(core_path("pods", ns, "cataloged")), 20, "pod")
             assert pod["spec"]["containers"][0]["image"] == "sandbox-runtime-node:dev"
+            # The dense resource profile's requests.
+            assert pod["spec"]["containers"][0]["resources"]["requests"]["memory"] == "32Mi"
         with pytest.raises(ValueError, match="one of template, cluster_template or pool"):
             client.create(template="team", cluster_template=catalog)
         with pytest.raises(ValueError, match="one of template, cluster_template or pool"):

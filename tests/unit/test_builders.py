@@ -83,6 +83,56 @@ def test_runtime_catalog_and_image_override() -> None:
         _pod(runtime="ruby")
 
 
+def test_resource_profiles_set_requests_under_the_limits() -> None:
+    def requests(pod: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+        spec = pod["spec"]
+        return (
+            spec["containers"][0]["resources"]["requests"],
+            spec["initContainers"][0]["resources"]["requests"],
+        )
+
+    # The default profile is `standard`, and naming it changes nothing.
+    assert requests(_pod()) == requests(_pod(resources={"profile": "standard"}))
+    sandbox, agent = requests(_pod(resources={"profile": "dense"}))
+    assert sandbox == {"cpu": "5m", "memory": "32Mi", "ephemeral-storage": "64Mi"}
+    assert agent == {"cpu": "5m", "memory": "32Mi", "ephemeral-storage": "64Mi"}
+    dense = _pod(resources={"profile": "dense"})["spec"]["containers"][0]["resources"]
+    assert dense["limits"] == {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "2Gi"}
+    # A request never passes its limit.
+    small = _pod(resources={"profile": "standard", "memory": "32Mi", "cpu": "50m"})
+    assert requests(small)[0] == {"cpu": "50m", "memory": "32Mi", "ephemeral-storage": "2Gi"}
+    greedy = Settings.model_validate(
+        {
+            "resource_profiles": {"big": {"sandbox": {"memory": "2Gi"}, "agent": {}}},
+            "default_resource_profile": "big",
+        }
+    )
+    capped = build.build_pod(REF, SandboxSpec.model_validate({}), greedy)
+    assert requests(capped)[0]["memory"] == "1Gi"
+    # An operator's own profile; the default can be any of them.
+    # (As the chart's settings file gives them.)
+    custom = Settings.model_validate(
+        {
+            "resource_profiles": {
+                "tiny": {"sandbox": {"cpu": "1m"}, "agent": {"cpu": "1m", "memory": "16Mi"}}
+            },
+            "default_resource_profile": "tiny",
+        }
+    )
+    pod = build.build_pod(REF, SandboxSpec.model_validate({}), custom)
+    assert requests(pod)[0] == {"cpu": "1m", "memory": "1Gi", "ephemeral-storage": "2Gi"}
+    assert requests(pod)[1]["memory"] == "16Mi"
+    with pytest.raises(
+        ValueError, match="unknown resource profile 'huge'; this cluster offers: dense, standard"
+    ):
+        _pod(resources={"profile": "huge"})
+    with pytest.raises(ValueError, match="default_resource_profile 'dense' is not one of"):
+        Settings(
+            resource_profiles={"tiny": custom.resource_profiles["tiny"]},
+            default_resource_profile="dense",
+        )
+
+
 def test_passthroughs_and_user_env() -> None:
     pod = _pod(
         runtimeClassName="gvisor",

@@ -146,9 +146,8 @@ class EgressPolicy(StrEnum):
 
 
 class Resources(Model):
-    """Limits of the sandbox container. Memory and ephemeral storage are also its
-    requests; CPU is requested at the operator's `sandbox_cpu_request` (idle sandboxes
-    should not hold whole cores). Changing them restarts the pod."""
+    """Limits of the sandbox container, and the profile its requests come from.
+    Changing them restarts the pod."""
 
     cpu: Annotated[Quantity | None, Bounds.quantity("cpu", "10m", "512")] = Field(
         default=None, description="CPU limit (default: the operator's default_cpu)."
@@ -165,6 +164,14 @@ class Resources(Model):
         description="Scratch space outside the workspace (the container's writable layer);"
         " the kubelet evicts the pod beyond it (default: the operator's"
         " default_ephemeral_storage).",
+    )
+    profile: Annotated[str | None, Field(pattern=DNS_LABEL_PATTERN, max_length=63)] = Field(
+        default=None,
+        description="The operator's resource profile (resource_profiles; `standard` and"
+        " `dense` unless configured otherwise): what the sandbox and its agent request"
+        " of a node under their limits, so how many fit one. `standard` reserves"
+        " memory up to the limit and 150m CPU; `dense` about what an idle sandbox"
+        " uses (default: the operator's default_resource_profile).",
     )
 
 

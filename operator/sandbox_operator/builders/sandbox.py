@@ -16,7 +16,7 @@ from sandbox_operator.api.common import API_VERSION, parse_duration, quantity_va
 from sandbox_operator.api.execution import MAX_TIMEOUT
 from sandbox_operator.api.sandbox import EgressPolicy, SandboxSpec
 from sandbox_operator.clock import parse_time
-from sandbox_operator.config import Settings
+from sandbox_operator.config import Requests, ResourceProfile, Settings
 from sandbox_operator.resources import (
     IMAGE_ANNOTATION,
     LABEL_MANAGED_BY,
@@ -145,6 +145,15 @@ def image_of(spec: SandboxSpec, settings: Settings) -> str:
     return settings.runtimes[runtime].image
 
 
+def profile_of(spec: SandboxSpec, settings: Settings) -> ResourceProfile:
+    """The resource profile; raises ValueError naming the offered ones when unknown."""
+    name = spec.resources.profile or settings.default_resource_profile
+    if name not in settings.resource_profiles:
+        known = ", ".join(sorted(settings.resource_profiles)) or "none"
+        raise ValueError(f"unknown resource profile {name!r}; this cluster offers: {known}")
+    return settings.resource_profiles[name]
+
+
 def build_secret(ref: SandboxRef, token: str) -> JSON:
     return {
         "apiVersion": "v1",
@@ -176,14 +185,20 @@ def build_claim(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON 
     return claim
 
 
-def _resources(cpu: str, cpu_request: str, memory: str, ephemeral: str) -> JSON:
-    """Memory and disk: requests = limits, so a node never promises what it lacks.
-    CPU: a small request under the limit. Sandboxes idle most of their life;
-    reserving their full CPU would fit a fraction of them on a node."""
+def _resources(cpu: str, memory: str, ephemeral: str, requests: Requests) -> JSON:
+    """The limits, and the resource profile's requests (each capped at its limit;
+    unset: the limit). Sandboxes idle most of their life: reserving their full
+    CPU would fit a fraction of them on a node, so every profile asks for less."""
     limits = {"cpu": cpu, "memory": memory, "ephemeral-storage": ephemeral}
-    if quantity_value(cpu_request) > quantity_value(cpu):
-        cpu_request = cpu
-    return {"requests": {**limits, "cpu": cpu_request}, "limits": limits}
+    asked = requests.to_wire()
+    return {
+        "requests": {key: _at_most(asked.get(key, limit), limit) for key, limit in limits.items()},
+        "limits": limits,
+    }
+
+
+def _at_most(request: str, limit: str) -> str:
+    return limit if quantity_value(request) > quantity_value(limit) else request
 
 
 def _restricted(uid: int, read_only_root: bool) -> JSON:
@@ -205,6 +220,7 @@ def _env(spec: SandboxSpec) -> list[JSON]:
 def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
     child = names(ref.name)
     image = image_of(spec, settings)
+    profile = profile_of(spec, settings)
     pull_policy = spec.image_pull_policy or settings.image_pull_policy
     agent_http = {"path": READINESS_PATH, "port": "agent"}
 
@@ -279,9 +295,9 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
         },
         "resources": _resources(
             settings.agent_cpu,
-            settings.agent_cpu_request,
             settings.agent_memory,
             settings.agent_ephemeral_storage,
+            profile.agent,
         ),
         "volumeMounts": [
             {"name": "workspace", "mountPath": WORKSPACE_PATH},
@@ -309,9 +325,9 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
         },
         "resources": _resources(
             spec.resources.cpu or settings.default_cpu,
-            settings.sandbox_cpu_request,
             spec.resources.memory or settings.default_memory,
             spec.resources.ephemeral_storage or settings.default_ephemeral_storage,
+            profile.sandbox,
         ),
         "volumeMounts": [
             {"name": "workspace", "mountPath": WORKSPACE_PATH},

@@ -221,6 +221,7 @@ def cmd_create(client: SandboxClient, args: argparse.Namespace) -> int:
         env=_env_pairs(args.env),
         cpu=args.cpu,
         memory=args.memory,
+        profile=args.profile,
         workspace_size=args.workspace_size,
         ephemeral=args.ephemeral,
         from_snapshot=args.from_snapshot,
@@ -567,6 +568,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--env", "-e", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--cpu")
     p.add_argument("--memory")
+    p.add_argument("--profile", help="a resource profile: what it requests of its node (dense)")
     p.add_argument("--workspace-size")
     p.add_argument("--ephemeral", action="store_true")
     p.add_argument("--from-snapshot")

@@ -96,6 +96,10 @@ def parse_spec(body: JSON, settings: Settings) -> tuple[SandboxSpec | None, str 
         build.image_of(spec, settings)
     except ValueError as exc:
         return spec, f"spec.runtime: {exc}"
+    try:
+        build.profile_of(spec, settings)
+    except ValueError as exc:
+        return spec, f"spec.resources.profile: {exc}"
     return spec, None
 
 

@@ -272,6 +272,7 @@ class SandboxClient:
         files: Mapping[str, str] | None = None,
         cpu: str | None = None,
         memory: str | None = None,
+        profile: str | None = None,
         workspace_size: str | None = None,
         ephemeral: bool = False,
         from_snapshot: str | None = None,
@@ -295,7 +296,8 @@ class SandboxClient:
         milliseconds (`status.pool` says whether it was served by the pool or
         started cold); `env` and `files` are applied to the member before Ready.
         `files` maps paths in the workspace to text written there before the
-        sandbox is Ready (`spec.files`). `name`
+        sandbox is Ready (`spec.files`). `profile` names the operator's resource
+        profile (`standard`, `dense`): what the sandbox requests of its node. `name`
         defaults to a generated one. With `wait=False` it returns as soon as the
         API server accepted the object: the pod starts meanwhile, and the first
         command waits for it (warm a sandbox without blocking). `spec` gives any
@@ -320,9 +322,9 @@ class SandboxClient:
             body_spec["env"] = _env_list(env)
         if files:
             body_spec["files"] = [{"path": path, "content": text} for path, text in files.items()]
-        limits = {k: v for k, v in (("cpu", cpu), ("memory", memory)) if v}
-        if limits:
-            body_spec["resources"] = {**body_spec.get("resources", {}), **limits}
+        sizing = {k: v for k, v in (("cpu", cpu), ("memory", memory), ("profile", profile)) if v}
+        if sizing:
+            body_spec["resources"] = {**body_spec.get("resources", {}), **sizing}
         workspace = dict(body_spec.get("workspace") or {})
         if workspace_size:
             workspace["size"] = workspace_size

@@ -33,6 +33,7 @@ class Resources(WireModel):
     cpu: int | str | None = Field(default=None, description="CPU limit (default: the operator's default_cpu).")
     memory: int | str | None = Field(default=None, description="Memory limit and request; python3 and the runner need about 32Mi (default: the operator's default_memory).")
     ephemeral_storage: int | str | None = Field(default=None, validation_alias="ephemeralStorage", serialization_alias="ephemeralStorage", description="Scratch space outside the workspace (the container's writable layer); the kubelet evicts the pod beyond it (default: the operator's default_ephemeral_storage).")
+    profile: str | None = Field(default=None, description="The operator's resource profile (resource_profiles; `standard` and `dense` unless configured otherwise): what the sandbox and its agent request of a node under their limits, so how many fit one. `standard` reserves memory up to the limit and 150m CPU; `dense` about what an idle sandbox uses (default: the operator's default_resource_profile).")
 
 
 class Workspace(WireModel):
