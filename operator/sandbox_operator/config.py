@@ -101,6 +101,12 @@ class Settings(BaseModel):
     default_memory: Quantity = "1Gi"
     default_ephemeral_storage: Quantity = "2Gi"
     default_workspace_size: Quantity = "1Gi"
+    # What sandboxes request of a node, by name; a Sandbox or template picks one
+    # with spec.resources.profile.
+    resource_profiles: dict[str, ResourceProfile] = Field(
+        default_factory=lambda: dict(DEFAULT_PROFILES)
+    )
+    default_resource_profile: str = "standard"
     default_storage_class: str | None = None
     default_idle_timeout: Duration | None = "30m"
     default_max_lifetime: Duration | None = None
@@ -109,12 +115,6 @@ class Settings(BaseModel):
     agent_port: Annotated[int, Field(ge=1, le=65535)] = 8080
     agent_cpu: Quantity = "250m"
     agent_memory: Quantity = "256Mi"
-    # What sandboxes request of a node, by name; a Sandbox or template picks one
-    # with spec.resources.profile.
-    resource_profiles: dict[str, ResourceProfile] = Field(
-        default_factory=lambda: dict(DEFAULT_PROFILES)
-    )
-    default_resource_profile: str = "standard"
     agent_ephemeral_storage: Quantity = "512Mi"
     # Distinct UIDs: user code must not be able to act as the agent.
     sandbox_uid: int = 1000
