@@ -92,7 +92,7 @@ run: install ## Run the operator locally against the cluster-up cluster
 	$(VENV)/bin/kopf run -m sandbox_operator.main --all-namespaces --standalone
 
 .PHONY: bench
-bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under attack in a 256 MiB cgroup; 1,000 Sandboxes; node cold start and exec; Executions vs Jobs; snapshots vs tar; resume vs a pod start; pool claims vs cold starts; gateway vs direct; the SDK vs raw HTTP; MCP vs the SDK
+bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under attack in a 256 MiB cgroup; 1,000 Sandboxes; node cold start and exec; Executions vs Jobs; snapshots vs tar; resume vs a pod start; pool claims vs cold starts; idle sandboxes a node holds by resource profile; gateway vs direct; the SDK vs raw HTTP; MCP vs the SDK
 	$(PY) benchmarks/agent_bench.py
 	$(PY) benchmarks/agent_memory_bench.py
 	$(PY) benchmarks/sandbox_scale.py
@@ -101,6 +101,7 @@ bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under a
 	$(PY) benchmarks/snapshot_bench.py
 	$(PY) benchmarks/resume_bench.py
 	$(PY) benchmarks/pool_bench.py
+	$(PY) benchmarks/density_bench.py
 	$(PY) benchmarks/gateway_bench.py
 	$(PY) benchmarks/sdk_bench.py
 	$(PY) benchmarks/mcp_bench.py

@@ -77,6 +77,11 @@ def test_examples_become_ready_and_serve_exec_and_files(e2e: E2E, repo: Path) ->
         ' \'import sys; sys.path.insert(0, "lib"); import greeting; print(greeting.greet("you"))\''
     )
     assert prepared["stdout"] == "ready\nhello you\n", prepared
+    # The template's dense resource profile, under the Sandbox's own memory limit.
+    pod = e2e.kube.read(core_path("pods", ns, "data-demo"))
+    resources = pod["spec"]["containers"][0]["resources"]
+    assert resources["requests"] == {"cpu": "5m", "memory": "32Mi", "ephemeral-storage": "64Mi"}
+    assert resources["limits"]["memory"] == "512Mi"
 
     # The pool example: its Sandbox was served (by a member, or cold when the pool
     # had none ready yet); the next claim takes a warm member with the setup's files.
