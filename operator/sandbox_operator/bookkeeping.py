@@ -108,6 +108,10 @@ class DigestDiffBaseStorage(kopf.DiffBaseStorage):
             patch.metadata.annotations[key] = None
 
 
+# The one diff-base storage: Kopf's (configure) and the claim's (mark_handled).
+DIFF_BASE = DigestDiffBaseStorage()
+
+
 def mark_handled(body: kopf.Body, patch: kopf.Patch) -> None:
     """Record `body` as handled by its change handlers, when it has no diff base
     yet: for a Sandbox that an event handler converged completely (a claim).
@@ -117,13 +121,12 @@ def mark_handled(body: kopf.Body, patch: kopf.Patch) -> None:
     second write stores the diff base. (As a merge patch it would be a write of
     its own, and Kopf would then test its finalizer patch against a stale
     resourceVersion.)"""
-    storage = DigestDiffBaseStorage()
-    if storage.fetch(body=body) is not None:
+    if DIFF_BASE.fetch(body=body) is not None:
         return
-    digest_value = storage.build(body=body)["digest"]
+    digest_value = DIFF_BASE.build(body=body)["digest"]
 
     def annotate(raw: Any) -> None:
-        raw.setdefault("metadata", {}).setdefault("annotations", {})[storage.annotation] = (
+        raw.setdefault("metadata", {}).setdefault("annotations", {})[DIFF_BASE.annotation] = (
             digest_value
         )
 
@@ -134,4 +137,4 @@ def configure(settings: kopf.OperatorSettings) -> None:
     """Kopf's persistence: finalizer, progress and diff base (see the module docstring)."""
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
-    settings.persistence.diffbase_storage = DigestDiffBaseStorage()
+    settings.persistence.diffbase_storage = DIFF_BASE

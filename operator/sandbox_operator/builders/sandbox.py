@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sandbox_operator.api.common import API_VERSION, parse_duration, quantity_value
 from sandbox_operator.api.execution import MAX_TIMEOUT
@@ -28,6 +29,7 @@ from sandbox_operator.resources import (
 )
 
 JSON = dict[str, Any]
+T = TypeVar("T")
 
 WORKSPACE_PATH = "/workspace"
 RUNTIME_DIR = "/sandbox/run"
@@ -139,19 +141,21 @@ def image_of(spec: SandboxSpec, settings: Settings) -> str:
     if spec.image:
         return spec.image
     runtime = spec.runtime or settings.default_runtime
-    if runtime not in settings.runtimes:
-        known = ", ".join(sorted(settings.runtimes)) or "none"
-        raise ValueError(f"unknown runtime {runtime!r}; this cluster offers: {known}")
-    return settings.runtimes[runtime].image
+    return _offered(settings.runtimes, runtime, "runtime").image
 
 
 def profile_of(spec: SandboxSpec, settings: Settings) -> ResourceProfile:
     """The resource profile; raises ValueError naming the offered ones when unknown."""
     name = spec.resources.profile or settings.default_resource_profile
-    if name not in settings.resource_profiles:
-        known = ", ".join(sorted(settings.resource_profiles)) or "none"
-        raise ValueError(f"unknown resource profile {name!r}; this cluster offers: {known}")
-    return settings.resource_profiles[name]
+    return _offered(settings.resource_profiles, name, "resource profile")
+
+
+def _offered(catalog: Mapping[str, T], name: str, what: str) -> T:
+    """`catalog[name]`, or ValueError naming what this cluster offers instead."""
+    if name not in catalog:
+        known = ", ".join(sorted(catalog)) or "none"
+        raise ValueError(f"unknown {what} {name!r}; this cluster offers: {known}")
+    return catalog[name]
 
 
 def build_secret(ref: SandboxRef, token: str) -> JSON:

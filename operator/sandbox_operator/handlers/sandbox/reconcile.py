@@ -92,14 +92,15 @@ def parse_spec(body: JSON, settings: Settings) -> tuple[SandboxSpec | None, str 
         spec = sandbox_spec(body)
     except ValidationError as exc:
         return None, readable(exc)
-    try:
-        build.image_of(spec, settings)
-    except ValueError as exc:
-        return spec, f"spec.runtime: {exc}"
-    try:
-        build.profile_of(spec, settings)
-    except ValueError as exc:
-        return spec, f"spec.resources.profile: {exc}"
+    # What the operator's settings offer: the runtime catalog and the resource profiles.
+    for field, offered in (
+        ("spec.runtime", build.image_of),
+        ("spec.resources.profile", build.profile_of),
+    ):
+        try:
+            offered(spec, settings)
+        except ValueError as exc:
+            return spec, f"{field}: {exc}"
     return spec, None
 
 
