@@ -251,6 +251,18 @@ class LocalCluster(ControlPlane):
     def node_ports(self) -> NodePorts:
         return self._started(self.record.node_ports)
 
+    def pod_cgroup(self, controller: str, uid: str) -> Path:
+        """A pod's cgroup in one v1 hierarchy (the kubelet's cgroupfs layout:
+        <cgroupRoot>/kubepods[/<qos class>]/pod<uid>); its containers' cgroups are
+        its subdirectories, named by container ID."""
+        hierarchy = mounts.cgroup_hierarchy(controller)
+        if hierarchy is None:
+            raise ControlPlaneError(f"no {controller} cgroup hierarchy on this host")
+        found = list((hierarchy / self.cgroup_root.lstrip("/")).glob(f"kubepods/**/pod{uid}"))
+        if len(found) != 1:
+            raise ControlPlaneError(f"pod {uid}: {len(found)} {controller} cgroups: {found}")
+        return found[0]
+
     def crictl_command(self, *args: str) -> list[str]:
         crictl = node_binaries(build_missing=False)["crictl"]
         endpoint = f"unix://{self.containerd_socket}"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import logging
 import os
 import random
@@ -42,6 +43,11 @@ log = logging.getLogger("devcluster")
 DEFAULT_NAME = "dev"
 DEFAULT_SERVICE_CIDR = "10.96.0.0/16"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+# Whose requests kube-apiserver writes to the audit log (`ControlPlane.audit_logs`):
+# the ServiceAccounts of the operator's namespace, i.e. the operator and the
+# gateway. What they used is what the least-privilege test compares with what
+# the chart grants; nobody else is logged, so the log stays small.
+AUDITED_GROUP = "system:serviceaccounts:sandbox-system"
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 # Ports are drawn below the kernel's ephemeral range: the kernel never hands
 # those out to outgoing connections, so a port that was free when chosen stays
@@ -270,6 +276,12 @@ class ControlPlane:
         return self.state_dir / "logs"
 
     @property
+    def audit_logs(self) -> list[Path]:
+        """kube-apiserver's audit log (metadata of the requests of `AUDITED_GROUP`),
+        rotated files first; empty before the first start."""
+        return sorted(self.logs_dir.glob("audit-*.log")) + sorted(self.logs_dir.glob("audit.log"))
+
+    @property
     def run_dir(self) -> Path:
         return self.state_dir / "run"
 
@@ -418,6 +430,8 @@ class ControlPlane:
                     # cluster can reach a loopback API server anyway). On a
                     # routable address the Service points at it.
                     f"--endpoint-reconciler-type={'none' if loopback else 'lease'}",
+                    *self._audit_flags(),
+                    # Last: a caller's flag (its own audit policy) wins over ours.
                     *self.apiserver_args,
                 ],
                 ready=lambda: probes.http_ok(
@@ -517,6 +531,30 @@ class ControlPlane:
                 break
             self.start_duration = time.monotonic() - began
             self._update_record(start_seconds=round(self.start_duration, 2))
+
+    def _audit_flags(self) -> list[str]:
+        policy = self.state_dir / "audit-policy.json"
+        policy.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "audit.k8s.io/v1",
+                    "kind": "Policy",
+                    "omitStages": ["RequestReceived"],
+                    "rules": [
+                        {"level": "Metadata", "userGroups": [AUDITED_GROUP]},
+                        {"level": "None"},
+                    ],
+                }
+            )
+        )
+        return [
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={self.logs_dir / 'audit.log'}",
+            "--audit-log-format=json",
+            # A long-lived `make up` cluster: bounded, one rotated file kept.
+            "--audit-log-maxsize=500",
+            "--audit-log-maxbackup=1",
+        ]
 
     def _prepare_start(self) -> str:
         """Set up what the components need before any starts; returns the

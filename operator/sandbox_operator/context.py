@@ -39,6 +39,9 @@ class OperatorContext:
     # The status this process last wrote per Sandbox. The operator is the only
     # writer of status, so this is fresher than a body Kopf received earlier.
     statuses: dict[Key, JSON] = field(default_factory=dict)
+    # The same for SandboxTemplates, by UID (a namesake created later starts
+    # afresh): a timer's pass may hold a body older than what the last pass wrote.
+    template_statuses: dict[str, JSON] = field(default_factory=dict)
     # Agent tokens by (namespace, sandbox UID): a sandbox's token never changes,
     # and a namesake created later has another UID.
     tokens: dict[Key, str] = field(default_factory=dict)
@@ -46,10 +49,10 @@ class OperatorContext:
     binding_modes: dict[str, str] = field(default_factory=dict)
     # The spec env (as JSON) each sandbox pod's agent was given (by pod UID).
     environments: dict[str, str] = field(default_factory=dict)
-    # Pool members a claim of this process is taking or took, and when (monotonic
-    # seconds): concurrent claims skip them instead of racing for the same one
-    # until the index shows the claim.
-    reserved: dict[Key, float] = field(default_factory=dict)
+    # Pool members a claim of this process is taking or took: when (monotonic
+    # seconds) and the claiming Sandbox's UID. Other claims skip them instead of
+    # racing for the same one until the index shows the claim.
+    reserved: dict[Key, tuple[float, str]] = field(default_factory=dict)
     # Per SandboxPool: set to have its loop make a pass now (handlers.pool).
     pool_wakeups: dict[Key, asyncio.Event] = field(default_factory=dict)
     # Where Events go: Kopf's poster in the operator, a list in unit tests.

@@ -385,6 +385,12 @@ async def template_changed(
         await templates.reconcile(_ctx(memo), dict(body), logger)
 
 
+@kopf.on.event(*TEMPLATE)
+async def template_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
+    if event["type"] == "DELETED":
+        _ctx(memo).template_statuses.pop(event["object"]["metadata"]["uid"], None)
+
+
 @kopf.timer(
     *TEMPLATE,
     interval=SETTINGS.reconcile_interval_seconds,

@@ -324,16 +324,6 @@ time.sleep(600)
 """
 
 
-def _pod_cgroup(cluster: LocalCluster, controller: str, uid: str) -> Path:
-    """The pod's cgroup in one v1 hierarchy (the kubelet's cgroupfs layout:
-    <cgroupRoot>/kubepods[/<qos class>]/pod<uid>)."""
-    hierarchy = mounts.cgroup_hierarchy(controller)
-    assert hierarchy is not None, f"no {controller} cgroup hierarchy on this host"
-    found = list((hierarchy / cluster.cgroup_root.lstrip("/")).glob(f"kubepods/**/pod{uid}"))
-    assert len(found) == 1, found
-    return found[0]
-
-
 def test_pod_pid_limit_is_in_its_cgroup_and_stops_a_fork_bomb(
     local_cluster: LocalCluster, pods: Pods
 ) -> None:
@@ -345,7 +335,7 @@ def test_pod_pid_limit_is_in_its_cgroup_and_stops_a_fork_bomb(
         container={"securityContext": restricted(1000)},
     )
     running = pods.run(body)
-    cgroup = _pod_cgroup(local_cluster, "pids", running["metadata"]["uid"])
+    cgroup = local_cluster.pod_cgroup("pids", running["metadata"]["uid"])
     assert (cgroup / "pids.max").read_text().strip() == str(POD_PIDS_LIMIT)
 
     report: dict[str, Any] = {}

@@ -3,6 +3,7 @@ operator running through Kopf under the chart's own RBAC rules, and helpers."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import uuid
 from collections.abc import Callable, Generator, Iterator
@@ -81,6 +82,18 @@ def crds(control_plane: ControlPlane, repo: Path) -> None:
 
 
 @pytest.fixture(scope="session")
+def audit_archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where a module's own control plane leaves its audit log when it stops, for
+    the least-privilege tests, which read it with the session control plane's."""
+    return tmp_path_factory.mktemp("audit")
+
+
+def archive_audit_logs(cluster: ControlPlane, archive: Path) -> None:
+    for log in cluster.audit_logs:
+        shutil.copy(log, archive / f"{cluster.name}-{log.name}")
+
+
+@pytest.fixture(scope="session")
 def operator_kubeconfig(
     control_plane: ControlPlane,
     kube: KubeJSON,
@@ -113,6 +126,19 @@ def running_operator(operator: OperatorProcess) -> Iterator[OperatorProcess]:
     if operator.proc is None or operator.proc.poll() is not None:
         operator.start()
     assert operator.errors() == [], f"handler tracebacks in {operator.log}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `after_integration_tier` (what the whole tier did, from the
+    audit log) run right after the tier's last other test."""
+    later = [item for item in items if item.get_closest_marker("after_integration_tier")]
+    if not later:
+        return
+    rest = [item for item in items if item not in later]
+    here = Path(__file__).parent
+    tier = [i for i, item in enumerate(rest) if here in Path(item.path).parents]
+    at = tier[-1] + 1 if tier else len(rest)
+    items[:] = rest[:at] + later + rest[at:]
 
 
 @pytest.hookimpl(wrapper=True)

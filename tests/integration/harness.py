@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -428,28 +428,38 @@ def _container(
 OPERATOR_NAMESPACE = "sandbox-system"
 
 
+RULES = Path("charts/sandbox-operator/files")
+OPERATOR_RULES = ("rbac-rules.yaml", "rbac-secret-rules.yaml")
+GATEWAY_RULES = ("gateway-rbac-rules.yaml", "gateway-secret-rules.yaml")
+
+
+def chart_rules(repo: Path, files: Sequence[str]) -> list[dict[str, Any]]:
+    """The RBAC rules of the chart's `files`, as one list."""
+    return [rule for name in files for rule in yaml.safe_load((repo / RULES / name).read_text())]
+
+
 def operator_credentials(cp: ControlPlane, kube: KubeJSON, repo: Path, path: Path) -> Path:
-    """A kubeconfig for a ServiceAccount bound to the chart's operator ClusterRole rules.
+    """A kubeconfig for a ServiceAccount bound to the chart's operator rules, all of
+    them cluster-wide (the chart's binding when it watches every namespace).
 
     `kube` speaks for an admin of `cp`; from a script that has only the
     ControlPlane: `with KubeJSON(cp.kubeconfig) as kube: operator_credentials(...)`.
     """
-    rules = repo / "charts/sandbox-operator/files/rbac-rules.yaml"
+    rules = chart_rules(repo, OPERATOR_RULES)
     return service_account_kubeconfig(cp, kube, "sandbox-operator", rules, path)
 
 
 def gateway_credentials(cp: ControlPlane, kube: KubeJSON, repo: Path, path: Path) -> Path:
-    """The same for the gateway, under the chart's gateway ClusterRole rules."""
-    rules = repo / "charts/sandbox-operator/files/gateway-rbac-rules.yaml"
+    """The same for the gateway, under the chart's gateway rules."""
+    rules = chart_rules(repo, GATEWAY_RULES)
     return service_account_kubeconfig(cp, kube, "sandbox-gateway", rules, path)
 
 
 def service_account_kubeconfig(
-    cp: ControlPlane, kube: KubeJSON, name: str, rules_file: Path, path: Path
+    cp: ControlPlane, kube: KubeJSON, name: str, rules: list[dict[str, Any]], path: Path
 ) -> Path:
-    """A ServiceAccount `name` in OPERATOR_NAMESPACE bound to the rules in `rules_file`
-    (a ClusterRole of the same name), and a kubeconfig with its token."""
-    rules = yaml.safe_load(rules_file.read_text())
+    """A ServiceAccount `name` in OPERATOR_NAMESPACE bound to `rules` (a
+    ClusterRole of the same name), and a kubeconfig with its token."""
     rbac = "rbac.authorization.k8s.io/v1"
     with contextlib.suppress(ApiError):  # the namespace is shared by both
         kube.create(

@@ -13,6 +13,9 @@ from typing import cast
 import kopf
 import pytest
 
+from sandbox_operator.api.sandbox import SandboxSpec
+from sandbox_operator.builders.sandbox import legacy_pod_hash
+from sandbox_operator.resources import POD_HASH_ANNOTATION, POD_SPEC_ANNOTATION
 from tests.integration.conftest import OPERATOR_ENV
 from tests.integration.harness import OperatorProcess, wait_for
 from tests.kube import KubeJSON, core_path
@@ -119,3 +122,25 @@ def test_objects_of_an_older_operator_are_taken_over_without_creating_them_again
     # Deleting goes through the kept finalizer.
     sandboxes.delete("veteran")
     wait_for(lambda: sandboxes.get("veteran") is None, 60, "the Sandbox to be deleted")
+
+
+def test_a_pod_of_an_older_release_is_kept_and_stamped(
+    running_operator: OperatorProcess, sandboxes: Sandboxes, kube: KubeJSON
+) -> None:
+    """A pod made before pods carried what they were built from (only the older
+    digest of the spec) is kept, not replaced, and stamped in place."""
+    ns = sandboxes.namespace
+    body = sandboxes.create("elder", {"runtime": "python"})
+    uid = wait_for(lambda: _pod_uid(kube, ns, "elder"), 30, "the pod")
+    older = {
+        POD_SPEC_ANNOTATION: None,
+        POD_HASH_ANNOTATION: legacy_pod_hash(SandboxSpec.model_validate(body["spec"])),
+    }
+    kube.patch(core_path("pods", ns, "elder"), {"metadata": {"annotations": older}})
+
+    def stamped() -> bool:
+        pod = kube.get(core_path("pods", ns, "elder")) or {"metadata": {}}
+        return POD_SPEC_ANNOTATION in (pod["metadata"].get("annotations") or {})
+
+    wait_for(stamped, 30, "the pod stamped again")
+    assert _pod_uid(kube, ns, "elder") == uid, "the pod was replaced"

@@ -15,6 +15,7 @@ from devcluster.helm import helm_binary
 from sandbox_operator import config
 from sandbox_operator.gateway import config as gateway_config
 from tests.integration.conftest import kubectl
+from tests.integration.harness import chart_rules
 
 
 def _helm(*args: str) -> str:
@@ -25,8 +26,11 @@ def _helm(*args: str) -> str:
     return proc.stdout
 
 
-def _render(repo: Path, *sets: str, namespace: str = "sandbox-system") -> list[dict[str, Any]]:
-    args = ["template", "sbx", str(repo / "charts/sandbox-operator"), "-n", namespace]
+def render(
+    repo: Path, *sets: str, namespace: str = "sandbox-system", release: str = "sbx"
+) -> list[dict[str, Any]]:
+    """The chart's documents as `helm template` renders them with `--set` of each of `sets`."""
+    args = ["template", release, str(repo / "charts/sandbox-operator"), "-n", namespace]
     for value in sets:
         args += ["--set", value]
     return [doc for doc in yaml.safe_load_all(_helm(*args)) if doc]
@@ -44,19 +48,36 @@ def test_chart_lints(repo: Path) -> None:
     _helm("lint", "--strict", str(repo / "charts/sandbox-operator"))
 
 
-def test_rendered_rbac_is_the_tested_rules_file(repo: Path) -> None:
-    files = repo / "charts/sandbox-operator/files"
-    docs = _render(repo)
-    for name, rules_file in (
-        ("sbx", "rbac-rules.yaml"),
-        ("sbx-gateway", "gateway-rbac-rules.yaml"),
-    ):
-        rules = yaml.safe_load((files / rules_file).read_text())
-        assert _kind(docs, "ClusterRole", name)["rules"] == rules
+def test_rendered_rbac_is_the_tested_rules_files(repo: Path) -> None:
+    """The ClusterRoles are the rules files the integration tier runs under; the
+    Secrets ones are bound cluster-wide, or in each watched namespace only."""
+    roles = {
+        "sbx": "rbac-rules.yaml",
+        "sbx-secrets": "rbac-secret-rules.yaml",
+        "sbx-gateway": "gateway-rbac-rules.yaml",
+        "sbx-gateway-secrets": "gateway-secret-rules.yaml",
+    }
+    for sets in ((), ("watchNamespaces={team-a,team-b}",)):
+        docs = render(repo, *sets)
+        for name, rules_file in roles.items():
+            assert _kind(docs, "ClusterRole", name)["rules"] == chart_rules(repo, [rules_file])
+        for name in ("sbx-secrets", "sbx-gateway-secrets"):
+            bindings = [
+                (d["kind"], d["metadata"].get("namespace"))
+                for d in docs
+                if d["kind"] in ("ClusterRoleBinding", "RoleBinding")
+                and d["roleRef"]["name"] == name
+            ]
+            expected = (
+                [("RoleBinding", "team-a"), ("RoleBinding", "team-b")]
+                if sets
+                else [("ClusterRoleBinding", None)]
+            )
+            assert bindings == expected, name
 
 
 def test_rendered_settings_are_valid_operator_settings(repo: Path, tmp_path: Path) -> None:
-    docs = _render(repo, "settings.default_idle_timeout=15m")
+    docs = render(repo, "settings.default_idle_timeout=15m")
     settings_file = tmp_path / "settings.yaml"
     settings_file.write_text(_kind(docs, "ConfigMap", "sbx-settings")["data"]["settings.yaml"])
     settings = config.load({"SANDBOX_OPERATOR_CONFIG": str(settings_file)})
@@ -66,7 +87,7 @@ def test_rendered_settings_are_valid_operator_settings(repo: Path, tmp_path: Pat
 
 
 def test_the_gateway_is_configured_from_the_same_values(repo: Path, tmp_path: Path) -> None:
-    docs = _render(repo, "gateway.previewDomain=preview.example.com", "watchNamespaces={team-a}")
+    docs = render(repo, "gateway.previewDomain=preview.example.com", "watchNamespaces={team-a}")
     settings_file = tmp_path / "gateway.yaml"
     settings_file.write_text(
         _kind(docs, "ConfigMap", "sbx-gateway-settings")["data"]["settings.yaml"]
@@ -82,15 +103,15 @@ def test_the_gateway_is_configured_from_the_same_values(repo: Path, tmp_path: Pa
     assert operator.preview_domain == "preview.example.com"
     assert _kind(docs, "Deployment", "sbx-gateway")["spec"]["replicas"] == 2
     assert _kind(docs, "PodDisruptionBudget", "sbx-gateway")["spec"]["minAvailable"] == 1
-    off = _render(repo, "gateway.enabled=false")
+    off = render(repo, "gateway.enabled=false")
     assert not [d for d in off if d["metadata"]["name"].startswith("sbx-gateway")]
 
 
 def test_watched_namespaces_and_extra_env(repo: Path) -> None:
-    default = _kind(_render(repo), "Deployment", "sbx")["spec"]["template"]["spec"]["containers"][0]
+    default = _kind(render(repo), "Deployment", "sbx")["spec"]["template"]["spec"]["containers"][0]
     assert "--all-namespaces" in default["args"]
     scoped = _kind(
-        _render(
+        render(
             repo, "watchNamespaces={team-a,team-b}", "extraEnv[0].name=X", "extraEnv[0].value=hello"
         ),
         "Deployment",
@@ -103,7 +124,7 @@ def test_watched_namespaces_and_extra_env(repo: Path) -> None:
 
 
 def test_the_operator_runs_two_peering_replicas(repo: Path) -> None:
-    docs = _render(repo)
+    docs = render(repo)
     deployment = _kind(docs, "Deployment", "sbx")["spec"]
     assert deployment["replicas"] == 2
     # An upgrade from a --standalone pod must not overlap with a peering one.
@@ -133,7 +154,7 @@ def test_the_operator_runs_two_peering_replicas(repo: Path) -> None:
 
 
 def test_one_replica_and_namespaced_peering(repo: Path) -> None:
-    docs = _render(repo, "replicas=1", "peering.name=ops", "watchNamespaces={team-a,team-b}")
+    docs = render(repo, "replicas=1", "peering.name=ops", "watchNamespaces={team-a,team-b}")
     deployment = _kind(docs, "Deployment", "sbx")["spec"]
     assert deployment["replicas"] == 1
     assert "--peering=ops" in deployment["template"]["spec"]["containers"][0]["args"]
@@ -147,7 +168,7 @@ def test_one_replica_and_namespaced_peering(repo: Path) -> None:
 
 def test_operator_and_gateway_pods_are_restricted(repo: Path) -> None:
     for name in ("sbx", "sbx-gateway"):
-        pod = _kind(_render(repo), "Deployment", name)["spec"]["template"]["spec"]
+        pod = _kind(render(repo), "Deployment", name)["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         container = pod["containers"][0]["securityContext"]
         assert container["allowPrivilegeEscalation"] is False
@@ -156,8 +177,8 @@ def test_operator_and_gateway_pods_are_restricted(repo: Path) -> None:
 
 
 def test_the_mcp_server_is_optional_and_holds_no_credentials(repo: Path) -> None:
-    assert not [d for d in _render(repo) if "mcp" in d["metadata"]["name"]]
-    docs = _render(repo, "mcp.enabled=true", "mcp.runtime=node", "mcp.onEnd=destroy")
+    assert not [d for d in render(repo) if "mcp" in d["metadata"]["name"]]
+    docs = render(repo, "mcp.enabled=true", "mcp.runtime=node", "mcp.onEnd=destroy")
     pod = _kind(docs, "Deployment", "sbx-mcp")["spec"]["template"]["spec"]
     # Every call carries the caller's token: the pod gets none of its own.
     assert pod["automountServiceAccountToken"] is False
@@ -184,7 +205,7 @@ def test_api_server_accepts_the_rendered_chart(
     # a dry run, and admission looks it up (the e2e tier runs `helm test`).
     docs = [
         doc
-        for doc in _render(repo, "mcp.enabled=true", namespace="chart-check")
+        for doc in render(repo, "mcp.enabled=true", namespace="chart-check")
         if not (doc["kind"] == "Pod" and doc["metadata"]["annotations"]["helm.sh/hook"] == "test")
     ]
     manifest.write_text(yaml.safe_dump_all(docs))

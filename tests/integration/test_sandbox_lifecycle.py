@@ -258,6 +258,80 @@ def test_a_claim_that_cannot_bind_is_explained_and_nothing_churns(
     assert pod_events == []
 
 
+def test_a_claim_its_provisioner_fails_names_the_provisioners_reason(
+    sandboxes: Sandboxes, kube: KubeJSON
+) -> None:
+    """A claim of an existing class that stays unbound: after a short patience the
+    status carries the newest Warning the provisioner recorded about it."""
+    ns = sandboxes.namespace
+    storage = "storage.k8s.io/v1"
+    cls = f"unprovisioned-{ns}"
+    kube.create(
+        api_path(storage, "storageclasses"),
+        {
+            "apiVersion": storage,
+            "kind": "StorageClass",
+            "metadata": {"name": cls},
+            "provisioner": "example.com/nothing",
+            "volumeBindingMode": "Immediate",
+        },
+    )
+    try:
+        sandboxes.create("starved", {"workspace": {"storageClassName": cls}})
+        claim = wait_for(
+            lambda: kube.get(core_path("persistentvolumeclaims", ns, "starved-workspace")),
+            20,
+            "the workspace claim",
+        )
+        kube.create(
+            core_path("events", ns),
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": f"starved-workspace.{time.time_ns()}"},
+                "involvedObject": {
+                    "kind": "PersistentVolumeClaim",
+                    "namespace": ns,
+                    "name": "starved-workspace",
+                    "uid": claim["metadata"]["uid"],
+                },
+                "type": "Warning",
+                "reason": "ProvisioningFailed",
+                "message": "no capacity left in example.com/nothing",
+                "lastTimestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "source": {"component": "example.com/nothing"},
+            },
+        )
+
+        def explained() -> JSON | None:
+            cond = sandboxes.condition("starved", "WorkspaceReady") or {}
+            return cond if "ProvisioningFailed" in cond.get("message", "") else None
+
+        cond = wait_for(explained, 40, "WorkspaceReady naming the provisioner's reason")
+        assert "no capacity left in example.com/nothing" in cond["message"], cond
+    finally:
+        kube.delete(api_path(storage, "storageclasses", name=cls))
+
+
+def test_a_changed_port_list_reaches_the_service(sandboxes: Sandboxes, kube: KubeJSON) -> None:
+    """Exposed ports added to a Sandbox are added to its Service in place."""
+    ns = sandboxes.namespace
+    web = {"name": "web", "port": 8000}
+    sandboxes.create("porty", {"network": {"exposedPorts": [web]}})
+
+    def ports() -> list[int]:
+        service = kube.get(core_path("services", ns, "porty")) or {"spec": {"ports": []}}
+        return sorted(p["port"] for p in service["spec"]["ports"])
+
+    wait_for(lambda: ports() == [8000], 20, "the Service of port 8000")
+    uid = kube.get(core_path("services", ns, "porty"))["metadata"]["uid"]  # type: ignore[index]
+    sandboxes.patch(
+        "porty", {"spec": {"network": {"exposedPorts": [web, {"name": "api", "port": 9000}]}}}
+    )
+    wait_for(lambda: ports() == [8000, 9000], 20, "the Service with port 9000 too")
+    assert kube.get(core_path("services", ns, "porty"))["metadata"]["uid"] == uid  # type: ignore[index]
+
+
 def test_delete_removes_children_through_garbage_collection(
     sandboxes: Sandboxes, kube: KubeJSON
 ) -> None:

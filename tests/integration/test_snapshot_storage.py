@@ -18,7 +18,7 @@ import pytest
 from devcluster import build, storage
 from devcluster.controlplane import ControlPlaneError
 from devcluster.storage import StorageControlPlane
-from tests.integration.conftest import OPERATOR_ENV, kubectl
+from tests.integration.conftest import OPERATOR_ENV, archive_audit_logs, kubectl
 from tests.integration.harness import (
     AgentProcess,
     Node,
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[StorageControlPlane]:
+def cluster(audit_archive: Path) -> Iterator[StorageControlPlane]:
     build.etcd_binary()
     build.kubernetes_binaries()
     storage.storage_binaries()
@@ -50,6 +50,7 @@ def cluster() -> Iterator[StorageControlPlane]:
     try:
         yield cluster
     finally:
+        archive_audit_logs(cluster, audit_archive)
         cluster.stop(remove_state=True)
 
 
@@ -308,6 +309,12 @@ def test_a_driver_without_a_snapshot_class_cannot_snapshot(
     assert cond["reason"] == "SnapshotsUnsupported", cond
     assert storage.DRIVER_NAME in cond["message"]
     assert "cannot take snapshots" in cond["message"]
+    # A class named by the Snapshot that does not exist is named in turn.
+    snapshots.create("misnamed", "nosnap", volumeSnapshotClassName="no-such-class")
+    snapshots.wait_phase("misnamed", "Failed")
+    cond = snapshots.condition("misnamed") or {}
+    assert cond["reason"] == "VolumeSnapshotClassNotFound", cond
+    assert "'no-such-class' does not exist" in cond["message"]
 
 
 def _run_build(

@@ -22,6 +22,7 @@ from sandbox_operator.builders.pool import (
     stuck_member,
 )
 from sandbox_operator.builders.sandbox import children_ref
+from sandbox_operator.handlers.sandbox.pool import Reservations, release, reserved_by_others
 
 JSON = dict[str, Any]
 
@@ -228,3 +229,16 @@ def test_a_member_the_cluster_holds_back_is_named() -> None:
     assert stuck_member([member_body("w-0"), starting, held]) == (
         "member w-2: Unschedulable: 0/1 nodes are available: 1 Insufficient cpu."
     )
+
+
+def test_a_claim_is_never_held_back_by_its_own_reservation() -> None:
+    """A claim that lost a member (not ready yet) takes it on its next pass; other
+    claims of the process keep skipping members still being taken."""
+    reserved: Reservations = {("ns", "w-0"): (1.0, "me"), ("ns", "w-1"): (1.0, "other")}
+    reserved[("elsewhere", "w-2")] = (1.0, "other")
+    assert reserved_by_others(reserved, "ns", "me") == ["w-1"]
+    release(reserved, ("ns", "w-1"), "me")  # another claim's: kept
+    release(reserved, ("ns", "w-0"), "me")
+    release(reserved, ("ns", "gone"), "me")
+    assert reserved == {("ns", "w-1"): (1.0, "other"), ("elsewhere", "w-2"): (1.0, "other")}
+    assert reserved_by_others(reserved, "ns", "other") == []

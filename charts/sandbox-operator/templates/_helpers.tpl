@@ -77,3 +77,38 @@ are cluster-wide: the default carries the namespace too). */}}
 {{- define "sandbox-operator.peeringName" -}}
 {{- .Values.peering.name | default (printf "%s-%s" .Release.Name .Release.Namespace) | trunc 253 | trimSuffix "-" -}}
 {{- end -}}
+
+{{- /* Secrets access of one ServiceAccount (.name, in the release namespace): a
+ClusterRole of .rules (a file under files/), bound in each of watchNamespaces, or
+cluster-wide when the operator watches every namespace. So with watchNamespaces
+set, the operator and the gateway cannot read a Secret outside them. */}}
+{{- define "sandbox-operator.secretAccess" -}}
+{{- $root := .root }}
+{{- $role := printf "%s-secrets" .name }}
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: {{ $role }}
+  labels: {{- .labels | nindent 4 }}
+rules:
+{{ $root.Files.Get .rules }}
+{{- range ($root.Values.watchNamespaces | default (list "")) }}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: {{ if . }}RoleBinding{{ else }}ClusterRoleBinding{{ end }}
+metadata:
+  name: {{ $role }}
+  {{- if . }}
+  namespace: {{ . }}
+  {{- end }}
+  labels: {{- $.labels | nindent 4 }}
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: ClusterRole
+  name: {{ $role }}
+subjects:
+  - kind: ServiceAccount
+    name: {{ $.name }}
+    namespace: {{ $root.Release.Namespace }}
+{{- end }}
+{{- end -}}

@@ -75,6 +75,7 @@ class Build:
                 SANDBOX_TEMPLATES.path(self.namespace, self.name, "status"), patch, MERGE_PATCH
             )
         self.body["status"], self.old = status.to_wire(), status
+        self.ctx.template_statuses[self.body["metadata"]["uid"]] = self.body["status"]
         if before is None or before.reason != cond.reason:
             if cond.reason in _FAILED:
                 self.ctx.event(self.body, "warn", reason=cond.reason, message=cond.message)
@@ -266,4 +267,8 @@ class Build:
 async def reconcile(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> None:
     meta = body["metadata"]
     async with ctx.lock(meta["namespace"], f"template:{meta['name']}"):
-        await Build(ctx, body, logger).run()
+        # Build on the status this process last wrote: writes send the whole status,
+        # so a pass from an older body would put back what a newer pass replaced
+        # (a build log without its last steps).
+        known = ctx.template_statuses.get(meta["uid"])
+        await Build(ctx, body if known is None else {**body, "status": known}, logger).run()

@@ -46,7 +46,7 @@ POOL_RETRY_SECONDS = 1.0
 # losses in one pass they start cold (or wait) rather than spin.
 MAX_CONFLICTS = 8
 # Long enough for the index to show a claim (the member leaves the pool's
-# members then); a member a failed claim reserved is free again after it.
+# members then). A claim that fails drops its reservation at once.
 RESERVATION_SECONDS = 30.0
 
 
@@ -193,22 +193,24 @@ async def _race(
     generation = int((pool.get("status") or {}).get("templateGeneration") or 0)
     by_name = {m["metadata"]["name"]: m for m in candidates}
     members = [pools.member_of(m) for m in candidates]
+    me = body["metadata"]["uid"]
     now = time.monotonic()
-    for key, since in list(ctx.reserved.items()):
+    for key, (since, _) in list(ctx.reserved.items()):
         if now - since > RESERVATION_SECONDS:
             del ctx.reserved[key]
     lost: list[str] = []
     for _ in range(MAX_CONFLICTS):
         # Read again at every try: other claims of this process reserve as they go.
-        skip = [*lost, *(m for (ns, m) in ctx.reserved if ns == namespace)]
-        choice = pools.choose_member(members, generation or _newest(members), skip=skip)
+        others = reserved_by_others(ctx.reserved, namespace, me)
+        choice = pools.choose_member(members, generation or _newest(members), skip=[*lost, *others])
         if choice is None:
             break
         member = by_name[choice.name]
         mismatch = incompatible(body, member)
         if mismatch is not None:
             return None, mismatch
-        ctx.reserved[(namespace, choice.name)] = time.monotonic()
+        key = (namespace, choice.name)
+        ctx.reserved[key] = (time.monotonic(), me)
         claimed = await _claim(ctx, body, member)
         if claimed is not None:
             metrics.POOL_CLAIMS.labels("claimed").inc()
@@ -217,7 +219,26 @@ async def _race(
             return claimed, None
         metrics.POOL_CLAIM_CONFLICTS.inc()
         lost.append(choice.name)
+        release(ctx.reserved, key, me)
     return None, None
+
+
+Reservations = dict[Key, tuple[float, str]]
+
+
+def reserved_by_others(reserved: Reservations, namespace: str, claimer: str) -> list[str]:
+    """Members of `namespace` that claims other than `claimer` (a Sandbox UID) are
+    taking. Pure. A claimer's own reservation never holds it back: a claim that
+    lost a member which then became ready takes it on its next pass."""
+    return [m for (ns, m), (_, uid) in reserved.items() if ns == namespace and uid != claimer]
+
+
+def release(reserved: Reservations, key: Key, claimer: str) -> None:
+    """Drop `claimer`'s reservation of a member it failed to claim (lost to another
+    claim, which holds its own, or no longer ready), so no claim skips the member
+    once it is ready again."""
+    if reserved.get(key, (0.0, ""))[1] == claimer:
+        del reserved[key]
 
 
 def _newest(members: list[pools.Member]) -> int:
