@@ -42,6 +42,10 @@ class Agent:
         result: JSON = response.json()
         return result
 
+    def post(self, path: str, body: JSON, timeout: float = 120) -> httpx.Response:
+        """One authenticated POST, whatever it answers."""
+        return self._http.post(path, json=body, timeout=timeout)
+
     def start(self, shell: str) -> JSON:
         """Start a command in the background; its Execution record (status running)."""
         response = self._http.post("/v1/executions", json={"command": shell, "background": True})
