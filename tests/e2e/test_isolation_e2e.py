@@ -1,0 +1,163 @@
+"""One sandbox's code against the node's limits: what it meets, and that the agent,
+the node and a neighbouring sandbox do not notice."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from devcluster.cluster import POD_PIDS_LIMIT
+from tests.e2e.agent import Agent
+from tests.e2e.conftest import E2E
+from tests.integration.harness import wait_for
+from tests.kube import JSON, core_path
+from tests.sandboxes import Sandboxes
+
+pytestmark = pytest.mark.timeout(900)
+
+# A fork bomb bounded in time: every process forks as fast as it can until the
+# kernel refuses, for BOMB_SECONDS, then all exit. The first process reports how
+# many children it made and what refused the next one.
+BOMB_SECONDS = 15
+BOMB = f"""
+import errno, json, os, time
+deadline = time.time() + {BOMB_SECONDS}
+made, refused = 0, None
+first = os.getpid()
+while time.time() < deadline:
+    try:
+        pid = os.fork()
+    except OSError as error:
+        if os.getpid() == first and refused is None:
+            refused = errno.errorcode.get(error.errno, str(error.errno))
+            print(json.dumps({{"made": made, "refused": refused}}), flush=True)
+        time.sleep(0.05)
+        continue
+    if pid == 0:
+        made = 0
+    elif os.getpid() == first:
+        made += 1
+if os.getpid() != first:
+    os._exit(0)
+"""
+
+
+def _node_ready(e2e: E2E) -> bool:
+    node = e2e.kube.read(core_path("nodes", name=e2e.cluster.node_name))
+    ready = next(c for c in node["status"]["conditions"] if c["type"] == "Ready")
+    return bool(ready["status"] == "True")
+
+
+def _events(cgroup: Path) -> dict[str, str]:
+    return dict(line.split() for line in (cgroup / "pids.events").read_text().splitlines())
+
+
+def _restarts(pod: JSON) -> dict[str, int]:
+    return {s["name"]: s.get("restartCount", 0) for s in pod["status"]["containerStatuses"]}
+
+
+def _container_cgroup(e2e: E2E, pod: JSON, controller: str, container: str) -> Path:
+    status = next(s for s in pod["status"]["containerStatuses"] if s["name"] == container)
+    container_id = str(status["containerID"]).split("://", 1)[1]
+    return e2e.cluster.pod_cgroup(controller, pod["metadata"]["uid"]) / container_id
+
+
+def test_a_fork_bomb_meets_the_pid_limit_and_nobody_else_notices(e2e: E2E) -> None:
+    ns = e2e.namespace()
+    sandboxes = Sandboxes(e2e.kube, ns)
+    dense = {"resources": {"profile": "dense"}}
+    for name in ("bomb", "neighbour"):
+        sandboxes.create(name, dense)
+    for name in ("bomb", "neighbour"):
+        sandboxes.wait_ready(name)
+    bomb, neighbour = Agent.of(e2e.kube, ns, "bomb"), Agent.of(e2e.kube, ns, "neighbour")
+    before = {n: _restarts(e2e.kube.read(core_path("pods", ns, n))) for n in ("bomb", "neighbour")}
+
+    started = bomb.start(f"python3 -c '{BOMB}'")
+    time.sleep(BOMB_SECONDS / 3)  # well into the bomb: every PID of the pod is taken
+    pids = e2e.cluster.pod_cgroup(
+        "pids", e2e.kube.read(core_path("pods", ns, "bomb"))["metadata"]["uid"]
+    )
+    in_use = int((pids / "pids.current").read_text())
+    next_door = neighbour.run(["echo", "next door"], timeoutSeconds=10)
+    node_ready = _node_ready(e2e)
+    # The bomb's own agent still answers (it forks nothing to answer): a command
+    # it cannot start is an error reply, not a hang.
+    try:
+        reply = bomb.post("/v1/executions", {"argv": ["true"], "timeoutSeconds": 5}, timeout=30)
+        record = reply.json()
+        answer = f"{reply.status_code} {record.get('status')}: {record.get('error')}"
+    except httpx.HTTPError as error:
+        answer = f"no answer: {error!r}"
+    print(
+        f"\nduring the fork bomb: pod pids.current {in_use}; neighbour {next_door};"
+        f" node ready {node_ready}; the bomb's agent: {answer}"
+    )
+    assert in_use >= POD_PIDS_LIMIT - 16, in_use
+    assert (next_door["exitCode"], next_door["stdout"]) == (0, "next door\n"), next_door
+    assert node_ready
+    assert not answer.startswith("no answer"), answer
+
+    def finished() -> JSON | None:
+        record = bomb.execution(started["id"])
+        return record if record["status"] != "running" else None
+
+    record = wait_for(finished, BOMB_SECONDS + 60, "the fork bomb's end")
+    report = json.loads(record["stdout"].splitlines()[0])
+    print(f"fork bomb: {report}, execution {record['status']} exit {record.get('exitCode')}")
+    assert report["refused"] == "EAGAIN", report
+    # Refused by the pod's PID limit: this kernel counts a refusal in pids.events
+    # of the cgroup the fork came from (the container's), not the limit's.
+    refused = {
+        str(cgroup.relative_to(pids)): int(_events(cgroup)["max"])
+        for cgroup in [pids, *(d.parent for d in pids.rglob("pids.events"))]
+    }
+    assert sum(refused.values()) > 0, refused
+
+    # Afterwards: the agent runs commands again, nothing restarted, the node is Ready.
+    wait_for(lambda: bomb.run(["echo", "after"], timeoutSeconds=10)["exitCode"] == 0, 60, "exec")
+    for name in ("bomb", "neighbour"):
+        assert _restarts(e2e.kube.read(core_path("pods", ns, name))) == before[name], name
+        assert (sandboxes.condition(name, "Ready") or {}).get("status") == "True", name
+    assert _node_ready(e2e)
+
+
+def test_a_cpu_limit_throttles_and_the_counters_say_so(e2e: E2E) -> None:
+    ns = e2e.namespace()
+    sandboxes = Sandboxes(e2e.kube, ns)
+    spec = {"resources": {"profile": "dense", "cpu": "200m"}}
+    sandboxes.create("busy", spec)
+    sandboxes.wait_ready("busy")
+    agent = Agent.of(e2e.kube, ns, "busy")
+    pod = e2e.kube.read(core_path("pods", ns, "busy"))
+    stat = _container_cgroup(e2e, pod, "cpu", "sandbox") / "cpu.stat"
+
+    def counters() -> dict[str, int]:
+        return {k: int(v) for k, v in (line.split() for line in stat.read_text().splitlines())}
+
+    before = counters()
+    # Four processes spin for 3 s of wall time: at most 0.2 CPU between them.
+    spin = (
+        "import multiprocessing as m, time\n"
+        "def spin():\n"
+        "    end = time.time() + 3\n"
+        "    while time.time() < end: pass\n"
+        "ps = [m.Process(target=spin) for _ in range(4)]\n"
+        "[p.start() for p in ps]; [p.join() for p in ps]\n"
+        "import resource; u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+        "print(u.ru_utime + u.ru_stime)\n"
+    )
+    result = agent.run(["python3", "-c", spin], timeoutSeconds=60)
+    assert result["exitCode"] == 0, result
+    used = float(result["stdout"].strip())
+    after = counters()
+    print(
+        f"\n4 spinners for 3 s under a 200m limit: {used:.2f} CPU-s; cpu.stat {before} -> {after}"
+    )
+    assert used < 1.5, f"{used} CPU-seconds in 3 s: the 200m limit did not hold"
+    assert after["nr_throttled"] > before["nr_throttled"], (before, after)
+    assert after["throttled_time"] > before["throttled_time"], (before, after)
