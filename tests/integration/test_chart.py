@@ -74,6 +74,27 @@ def test_rendered_rbac_is_the_tested_rules_files(repo: Path) -> None:
                 else [("ClusterRoleBinding", None)]
             )
             assert bindings == expected, name
+        # Kopf follows the namespaces it serves (list, watch) only when it serves some.
+        namespaces = [d for d in docs if d["metadata"]["name"] == "sbx-namespaces"]
+        assert [d["kind"] for d in namespaces] == (
+            ["ClusterRole", "ClusterRoleBinding"] if sets else []
+        )
+        if sets:
+            assert namespaces[0]["rules"] == chart_rules(repo, ["rbac-namespaces-rules.yaml"])
+
+
+def test_the_gateway_rolls_when_what_its_settings_are_made_of_changes(repo: Path) -> None:
+    def checksum(*sets: str) -> str:
+        pod = _kind(render(repo, *sets), "Deployment", "sbx-gateway")["spec"]["template"]
+        return str(pod["metadata"]["annotations"]["checksum/settings"])
+
+    base = checksum()
+    for sets in (
+        ("watchNamespaces={team-a}",),
+        ("settings.agent_port=9000",),
+        ("gateway.replicas=3",),
+    ):
+        assert checksum(*sets) != base, sets
 
 
 def test_rendered_settings_are_valid_operator_settings(repo: Path, tmp_path: Path) -> None:

@@ -90,6 +90,7 @@ MUST = {
         Ask("get", "secrets", WATCHED),
         Ask("create", "secrets", WATCHED),
         Ask("patch", "sandboxes", WATCHED, group="sandbox.dev", subresource="status"),
+        Ask("watch", "namespaces"),  # Kopf follows the watched namespaces
     ],
     GATEWAY: [
         Ask("list", "secrets", WATCHED),
