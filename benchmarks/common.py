@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from devcluster import deploy  # noqa: E402
+from devcluster import controlplane, deploy  # noqa: E402
 from devcluster.cluster import LocalCluster  # noqa: E402
 from tests.kube import JSON, ApiError, KubeJSON, api_path, core_path  # noqa: E402
 
@@ -45,25 +45,8 @@ def write_results(name: str, results: dict[str, Any]) -> None:
 def audit_flags(work: Path, users: list[str]) -> tuple[list[str], Path]:
     """kube-apiserver flags for an audit log of the requests of `users` (metadata
     only, every other user left out), and the log's path."""
-    policy = work / "audit-policy.json"
-    policy.write_text(
-        json.dumps(
-            {
-                "apiVersion": "audit.k8s.io/v1",
-                "kind": "Policy",
-                "omitStages": ["RequestReceived"],
-                "rules": [{"level": "Metadata", "users": users}, {"level": "None"}],
-            }
-        )
-    )
     log = work / "audit.log"
-    flags = [
-        f"--audit-policy-file={policy}",
-        f"--audit-log-path={log}",
-        "--audit-log-format=json",
-        "--audit-log-maxsize=0",
-    ]
-    return flags, log
+    return controlplane.audit_flags(work / "audit-policy.json", log, {"users": users}), log
 
 
 def audit_requests(log: Path, user: str, since: float, until: float) -> collections.Counter[str]:

@@ -26,6 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import audit_flags  # noqa: E402
 from devcluster.controlplane import ControlPlane  # noqa: E402
 from sandbox_operator.kube import Kube  # noqa: E402
 from sandbox_operator.resources import PODS, SANDBOXES  # noqa: E402
@@ -34,12 +35,6 @@ from tests.kube import KubeJSON  # noqa: E402
 
 OPERATOR_USER = "system:serviceaccount:sandbox-system:sandbox-operator"
 NAMESPACE = "bench"
-AUDIT_POLICY = {
-    "apiVersion": "audit.k8s.io/v1",
-    "kind": "Policy",
-    "omitStages": ["RequestReceived"],
-    "rules": [{"level": "Metadata", "users": [OPERATOR_USER]}, {"level": "None"}],
-}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -106,18 +101,8 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="sandbox-scale-"))
-    policy = work / "audit-policy.json"
-    policy.write_text(json.dumps(AUDIT_POLICY))
-    audit_log = work / "audit.log"
-    cp = ControlPlane(
-        f"bench-{os.getpid()}",
-        apiserver_args=[
-            f"--audit-policy-file={policy}",
-            f"--audit-log-path={audit_log}",
-            "--audit-log-format=json",
-            "--audit-log-maxsize=0",
-        ],
-    )
+    flags, audit_log = audit_flags(work, [OPERATOR_USER])
+    cp = ControlPlane(f"bench-{os.getpid()}", apiserver_args=flags)
     cp.start()
     operator: OperatorProcess | None = None
     try:

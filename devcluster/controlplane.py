@@ -58,6 +58,38 @@ _ADDRESS_IN_USE = "address already in use"
 T = TypeVar("T")
 
 
+def audit_flags(
+    policy: Path,
+    log: Path,
+    subjects: Mapping[str, list[str]],
+    *,
+    max_megabytes: int = 0,
+    backups: int = 0,
+) -> list[str]:
+    """kube-apiserver flags for a JSON audit log at `log` of the requests of
+    `subjects` (a policy rule's `users` and/or `userGroups`), metadata only,
+    everyone else left out; writes the policy to `policy`. `max_megabytes` 0:
+    never rotated."""
+    rules = [{"level": "Metadata", **subjects}, {"level": "None"}]
+    policy.write_text(
+        json.dumps(
+            {
+                "apiVersion": "audit.k8s.io/v1",
+                "kind": "Policy",
+                "omitStages": ["RequestReceived"],
+                "rules": rules,
+            }
+        )
+    )
+    flags = [
+        f"--audit-policy-file={policy}",
+        f"--audit-log-path={log}",
+        "--audit-log-format=json",
+        f"--audit-log-maxsize={max_megabytes}",
+    ]
+    return flags + ([f"--audit-log-maxbackup={backups}"] if backups else [])
+
+
 @dataclass
 class Component:
     """One process of the cluster: how to run it and how to know it is serving."""
@@ -533,28 +565,14 @@ class ControlPlane:
             self._update_record(start_seconds=round(self.start_duration, 2))
 
     def _audit_flags(self) -> list[str]:
-        policy = self.state_dir / "audit-policy.json"
-        policy.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "audit.k8s.io/v1",
-                    "kind": "Policy",
-                    "omitStages": ["RequestReceived"],
-                    "rules": [
-                        {"level": "Metadata", "userGroups": [AUDITED_GROUP]},
-                        {"level": "None"},
-                    ],
-                }
-            )
+        # A long-lived `make up` cluster: bounded, one rotated file kept.
+        return audit_flags(
+            self.state_dir / "audit-policy.json",
+            self.logs_dir / "audit.log",
+            {"userGroups": [AUDITED_GROUP]},
+            max_megabytes=500,
+            backups=1,
         )
-        return [
-            f"--audit-policy-file={policy}",
-            f"--audit-log-path={self.logs_dir / 'audit.log'}",
-            "--audit-log-format=json",
-            # A long-lived `make up` cluster: bounded, one rotated file kept.
-            "--audit-log-maxsize=500",
-            "--audit-log-maxbackup=1",
-        ]
 
     def _prepare_start(self) -> str:
         """Set up what the components need before any starts; returns the
