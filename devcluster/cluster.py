@@ -274,6 +274,37 @@ class LocalCluster(ControlPlane):
             *args,
         ]
 
+    def kill_container(self, namespace: str, pod: str, container: str) -> str:
+        """SIGKILL a container's processes through the node's CRI (`crictl stop
+        --timeout 0`), as a crash would; the kubelet restarts it per the pod's
+        restartPolicy. Returns the container's ID."""
+        found = subprocess.run(
+            self.crictl_command(
+                "ps",
+                "-q",
+                "--name",
+                f"^{container}$",
+                "--label",
+                f"io.kubernetes.pod.namespace={namespace}",
+                "--label",
+                f"io.kubernetes.pod.name={pod}",
+            ),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.split()
+        if len(found) != 1:
+            raise ControlPlaneError(f"{namespace}/{pod} {container}: running containers {found}")
+        subprocess.run(
+            self.crictl_command("stop", "--timeout", "0", found[0]),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
+        return found[0]
+
     # ---- build and start ----------------------------------------------------------
 
     def binaries(self, *, build_missing: bool) -> dict[str, Path]:

@@ -42,6 +42,14 @@ class AgentInfo:
     runner_connected: bool
     # Digest of the environment the agent gives new commands (see environment_hash).
     environment_hash: str | None = None
+    # The workspace's filesystem, when the agent could read it.
+    workspace: WorkspaceUsage | None = None
+
+
+@dataclass(frozen=True)
+class WorkspaceUsage:
+    total_bytes: int
+    available_bytes: int
 
 
 def environment_hash(env: dict[str, str], unset: list[str]) -> str:
@@ -50,6 +58,13 @@ def environment_hash(env: dict[str, str], unset: list[str]) -> str:
         {"env": env, "unset": sorted(unset)}, sort_keys=True, separators=(",", ":")
     )
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _workspace_usage(data: Any) -> WorkspaceUsage | None:
+    """The agent's workspaceUsage (None when it sent none: an older agent, an unreadable mount)."""
+    if not data:
+        return None
+    return WorkspaceUsage(int(data["totalBytes"]), int(data["availableBytes"]))
 
 
 class AgentClient:
@@ -128,6 +143,7 @@ class AgentClient:
                 version=data.get("version"),
                 runner_connected=bool(data.get("runnerConnected", False)),
                 environment_hash=data.get("environmentHash"),
+                workspace=_workspace_usage(data.get("workspaceUsage")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AgentError(f"agent at {endpoint} sent malformed info: {exc!r}") from exc

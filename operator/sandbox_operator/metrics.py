@@ -19,6 +19,10 @@ RECONCILE_SECONDS = Histogram(
     ["kind", "trigger"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+WORKSPACE_FULL = Counter(
+    "sandbox_operator_workspace_full_total",
+    "Times a sandbox's workspace was found full (under 1% free: writes fail with ENOSPC).",
+)
 POD_RECREATIONS = Counter(
     "sandbox_operator_pod_recreations_total",
     "Sandbox pods recreated after failing, eviction or deletion.",

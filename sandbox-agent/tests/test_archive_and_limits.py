@@ -233,6 +233,10 @@ def test_activity_and_info(fresh: Callable[..., Sandbox]) -> None:
         "uptimeSeconds",
         "startedAt",
     }
+    usage = info["workspaceUsage"]
+    fs = os.statvfs(sb.workspace)
+    assert usage["totalBytes"] == fs.f_blocks * fs.f_frsize > 0
+    assert 0 < usage["availableBytes"] <= usage["totalBytes"] - usage["usedBytes"]
     before = info["lastActivity"]
     time.sleep(0.05)
     # info, health, readiness, metrics and openapi are not activity

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -92,6 +93,29 @@ def test_start_cleans_up_a_stale_cluster(
     assert fresh.is_healthy()
     assert_nothing_left(pids, ticks, [])
     assert set(fresh.pids().values()).isdisjoint(pids.values())
+
+
+def test_restart_brings_one_component_back_with_the_data(
+    control_plane: ControlPlane, own_cluster: ControlPlane
+) -> None:
+    """restart() replaces one process (a new PID, same port); etcd keeps the data."""
+    own_cluster.start()
+    kubectl = [str(own_cluster.kubectl), "--kubeconfig", str(own_cluster.kubeconfig)]
+    subprocess.run([*kubectl, "create", "configmap", "kept"], check=True, capture_output=True)
+    before = own_cluster.pids()
+
+    own_cluster.restart("kube-apiserver")
+
+    after = own_cluster.pids()
+    assert after["kube-apiserver"] != before["kube-apiserver"]
+    assert {k: v for k, v in after.items() if k != "kube-apiserver"} == {
+        k: v for k, v in before.items() if k != "kube-apiserver"
+    }
+    assert own_cluster.is_healthy()
+    got = subprocess.run([*kubectl, "get", "configmap", "kept"], capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    with pytest.raises(ControlPlaneError, match="not a running component"):
+        own_cluster.restart("no-such-component")
 
 
 def test_cli_up_is_idempotent_and_down_removes_everything(control_plane: ControlPlane) -> None:

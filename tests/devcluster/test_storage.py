@@ -11,6 +11,7 @@ wait inside the tests has its own bound.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -294,6 +295,68 @@ def test_clone_from_pvc(cluster: StorageControlPlane, kube: KubeJSON, namespace:
         kube, namespace, "clone", "1Gi", {"kind": "PersistentVolumeClaim", "name": "origin"}
     )
     assert tree_digest(volume_dir(cluster, clone)) == expected
+
+
+def fill(path: Path, limit: int) -> tuple[int, int | None]:
+    """Write 1 MiB blocks (synced) until `limit` or an error; bytes written
+    and the errno that stopped it (None when the limit did)."""
+    written = 0
+    block = os.urandom(MIB)
+    with path.open("wb", buffering=0) as handle:  # unbuffered: close() has nothing left to fail on
+        try:
+            while written < limit:
+                handle.write(block)
+                os.fsync(handle.fileno())
+                written += MIB
+        except OSError as error:
+            return written, error.errno
+    return written, None
+
+
+def test_a_volume_holds_its_size_and_no_more(
+    cluster: StorageControlPlane, kube: KubeJSON, namespace: str
+) -> None:
+    """Each volume is a filesystem of its requested size: writing past it
+    fails with ENOSPC (not the node's disk filling up), statfs reports the
+    size, freed space can be written again, and the node's disk holds only
+    what was written (a sparse image)."""
+    pv, _ = create_bound_pvc(kube, namespace, "small", "64Mi")
+    directory = volume_dir(cluster, pv)
+    assert os.path.ismount(directory)
+    assert list(directory.iterdir()) == []  # no lost+found in a new workspace
+    fs = os.statvfs(directory)
+    assert 48 * MIB <= fs.f_blocks * fs.f_frsize <= 64 * MIB
+    assert fs.f_bavail * fs.f_frsize > 40 * MIB
+
+    written, error = fill(directory / "fill.bin", 128 * MIB)
+    assert error == errno.ENOSPC, os.strerror(error or 0)
+    assert written < 64 * MIB
+    image = cluster.storage.data_dir / "volumes" / f"{directory.name}.img"
+    assert image.stat().st_size == 64 * MIB
+    assert image.stat().st_blocks * 512 < 80 * MIB
+
+    (directory / "fill.bin").unlink()
+    (directory / "after.txt").write_bytes(os.urandom(8 * MIB))
+
+    # A volume found unmounted (as after a node reboot) is mounted again,
+    # with its data, by the next call that needs it: here a snapshot.
+    subprocess.run(["umount", str(directory)], check=True)
+    assert not (directory / "after.txt").exists()
+    kube.create(
+        api_path(SNAPSHOTS, "volumesnapshots", namespace), snapshot_body("of-small", "small")
+    )
+    path = api_path(SNAPSHOTS, "volumesnapshots", namespace, "of-small")
+    wait_for(lambda: (kube.read(path).get("status") or {}).get("readyToUse") is True, "snapshot")
+    assert (directory / "after.txt").stat().st_size == 8 * MIB
+
+    kube.delete(core_path("persistentvolumeclaims", namespace, "small"))
+    wait_for(
+        gone(kube, core_path("persistentvolumes", None, pv["metadata"]["name"])),
+        "the PV to be deleted",
+    )
+    assert not directory.exists()
+    assert not image.exists()
+    assert str(directory) not in Path("/proc/self/mountinfo").read_text()
 
 
 def test_snapshot_of_missing_claim_reports_error(

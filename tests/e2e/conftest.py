@@ -47,30 +47,7 @@ class E2E:
 
     def kill_container(self, namespace: str, pod: str, container: str) -> None:
         """SIGKILL a container's processes through the node's CRI, like a crash would."""
-        found = subprocess.run(
-            self.cluster.crictl_command(
-                "ps",
-                "-q",
-                "--name",
-                f"^{container}$",
-                "--label",
-                f"io.kubernetes.pod.namespace={namespace}",
-                "--label",
-                f"io.kubernetes.pod.name={pod}",
-            ),
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        ).stdout.split()
-        assert len(found) == 1, found
-        subprocess.run(
-            self.cluster.crictl_command("stop", "--timeout", "0", found[0]),
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        )
+        self.cluster.kill_container(namespace, pod, container)
 
     def describe(self, namespace: str, sandbox: str) -> str:
         """What to look at when a sandbox does not become Ready."""

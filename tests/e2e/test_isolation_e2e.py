@@ -161,3 +161,61 @@ def test_a_cpu_limit_throttles_and_the_counters_say_so(e2e: E2E) -> None:
     assert used < 1.5, f"{used} CPU-seconds in 3 s: the 200m limit did not hold"
     assert after["nr_throttled"] > before["nr_throttled"], (before, after)
     assert after["throttled_time"] > before["throttled_time"], (before, after)
+
+
+def _sandbox_event(e2e: E2E, ns: str, name: str, reason: str) -> JSON | None:
+    selector = f"involvedObject.kind=Sandbox,involvedObject.name={name},reason={reason}"
+    listed = e2e.kube.get(core_path("events", ns) + f"?fieldSelector={selector}") or {}
+    items: list[JSON] = listed.get("items") or []
+    return items[0] if items else None
+
+
+def test_a_full_workspace_says_enospc_and_the_sandbox_stays_ready(e2e: E2E) -> None:
+    """The workspace is a filesystem of spec.workspace.size (the local CSI driver
+    enforces it like a block-backed one): filling it fails the writer with
+    ENOSPC, the agent answers a file write with its no_space error, the Sandbox
+    stays Ready and says WorkspaceFull (condition and Event) until space is freed."""
+    ns = e2e.namespace()
+    sandboxes = Sandboxes(e2e.kube, ns)
+    sandboxes.create("full", {"resources": {"profile": "dense"}, "workspace": {"size": "64Mi"}})
+    sandboxes.wait_ready("full")
+    agent = Agent.of(e2e.kube, ns, "full")
+    restarts = _restarts(e2e.kube.read(core_path("pods", ns, "full")))
+
+    df = agent.run(["df", "-P", "-k", "."], timeoutSeconds=10)
+    total_kib = int(df["stdout"].splitlines()[1].split()[1])
+    assert 48 * 1024 <= total_kib <= 64 * 1024, df["stdout"]
+
+    fill = agent.run(shell="head -c 200M /dev/zero > fill.bin", timeoutSeconds=60)
+    print(f"\nfilling a 64Mi workspace: exit {fill['exitCode']}, {fill['stderr'].strip()}")
+    assert fill["exitCode"] != 0, fill
+    assert "No space left on device" in fill["stderr"], fill
+    reply = agent.post("/v1/files/write", {"path": "more.txt", "content": "x" * 65536})
+    print(f"a file write into the full workspace: {reply.status_code} {reply.text}")
+    assert reply.status_code == 507, reply.text
+    assert reply.json()["code"] == "no_space", reply.text
+
+    def full() -> JSON | None:
+        cond = sandboxes.condition("full", "WorkspaceFull")
+        return cond if cond and cond["status"] == "True" else None
+
+    # The operator asks the agent on its periodic pass (30 s by default).
+    cond = wait_for(full, 120, "WorkspaceFull on the Sandbox")
+    assert cond["reason"] == "NoSpaceLeft", cond
+    warning = wait_for(lambda: _sandbox_event(e2e, ns, "full", "WorkspaceFull"), 30, "the Event")
+    assert warning["type"] == "Warning", warning
+    print(f"condition: {cond['message']}; Event: {warning['type']} {warning['message']}")
+    assert (sandboxes.condition("full", "Ready") or {}).get("status") == "True"
+    assert agent.run(["echo", "still here"], timeoutSeconds=10)["exitCode"] == 0
+
+    assert agent.run(["rm", "fill.bin"], timeoutSeconds=10)["exitCode"] == 0
+    wait_for(
+        lambda: sandboxes.condition("full", "WorkspaceFull") is None, 120, "WorkspaceFull gone"
+    )
+    freed = wait_for(
+        lambda: _sandbox_event(e2e, ns, "full", "WorkspaceSpaceFreed"), 30, "the freed Event"
+    )
+    print(f"after rm: Event {freed['reason']}: {freed['message']}")
+    agent.write("more.txt", "fits again\n")
+    assert _restarts(e2e.kube.read(core_path("pods", ns, "full"))) == restarts
+    assert (sandboxes.condition("full", "Ready") or {}).get("status") == "True"

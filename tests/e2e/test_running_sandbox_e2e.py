@@ -182,12 +182,15 @@ def test_a_fork_bomb_is_stopped_and_the_sandbox_heals(e2e: E2E) -> None:
 
 
 def test_an_eviction_is_reported_as_one(e2e: E2E) -> None:
-    """Past its ephemeral-storage limit the kubelet evicts the pod; the Sandbox's
-    Event says evicted and why, and the new pod has the workspace."""
+    """Past its ephemeral-storage limit the kubelet evicts the pod, and only that
+    pod; the Sandbox's Event says evicted and why, and the new pod has the workspace."""
     ns = e2e.namespace()
     sandboxes = Sandboxes(e2e.kube, ns)
     sandboxes.create("hoarder", {"resources": {"ephemeralStorage": "64Mi"}})
+    sandboxes.create("next-door", {"resources": {"profile": "dense"}})
     sandboxes.wait_ready("hoarder")
+    sandboxes.wait_ready("next-door")
+    next_door = _pod_uid(e2e.kube, ns, "next-door")
     agent = Agent.of(e2e.kube, ns, "hoarder")
     agent.write("kept.txt", "kept\n")
     uid = _pod_uid(e2e.kube, ns, "hoarder")
@@ -202,3 +205,5 @@ def test_an_eviction_is_reported_as_one(e2e: E2E) -> None:
     wait_for(lambda: _pod_uid(e2e.kube, ns, "hoarder") not in (None, uid), 120, "a new pod")
     sandboxes.wait_ready("hoarder")
     assert Agent.of(e2e.kube, ns, "hoarder").read("kept.txt") == "kept\n"
+    assert _pod_uid(e2e.kube, ns, "next-door") == next_door
+    assert Agent.of(e2e.kube, ns, "next-door").run(["true"])["exitCode"] == 0

@@ -217,7 +217,7 @@ def test_every_condition_type_is_named_in_every_observation() -> None:
         _observed(_pod(ready=True, agent_ready=True)),
         _observed(None, refused="403 Forbidden: quota"),
     ]
-    names = {kind.value for kind in c.C}
+    names = {kind.value for kind in c.C} - c.REPORTED
     for observed in observations:
         assert set(c.compute(observed)) == names
 
@@ -309,3 +309,30 @@ def test_a_sandbox_without_room_in_a_quota_is_pending_and_says_why() -> None:
     # Nothing of a pod or a claim applies to a sandbox that was not let in; it
     # goes ahead by itself when room is made (kstatus: Reconciling, not Stalled).
     assert set(_by_type(conds)) == {"Ready", "Reconciling"}
+
+
+@pytest.mark.parametrize(
+    ("total_mib", "free_mib", "was_full", "full"),
+    [
+        (1024, 500, False, False),
+        (1024, 11, False, False),  # just over 1%
+        (1024, 10, False, True),  # under 1%
+        (1024, 40, True, True),  # once full, it stays so until 5% is free
+        (1024, 52, True, False),
+        (64, 0.9, False, True),  # small workspaces: at least 1 MiB ...
+        (64, 3, True, True),  # ... and 4 MiB to clear
+        (64, 4, True, False),
+    ],
+)
+def test_a_workspace_is_full_below_one_percent_and_free_again_at_five(
+    total_mib: int, free_mib: float, was_full: bool, full: bool
+) -> None:
+    total, free = total_mib * c.MIB, int(free_mib * c.MIB)
+    cond = c.workspace_full(total, free, was_full=was_full)
+    assert (cond is not None) == full
+    if cond is not None:
+        assert (cond.type, cond.status, cond.reason) == ("WorkspaceFull", "True", R.NO_SPACE_LEFT)
+        assert f"{total_mib} MiB" in cond.message
+        assert "ENOSPC" in cond.message
+        # The message does not move with the free bytes: no status write while it stays full.
+        assert c.workspace_full(total, 0, was_full=True) == cond

@@ -35,6 +35,7 @@ func newDriver(name, nodeID, dataDir string, snapshots bool) (*driver, error) {
 	if err != nil {
 		return nil, err
 	}
+	s.mountAll()
 	return &driver{name: name, nodeID: nodeID, snapshots: snapshots, store: s}, nil
 }
 
@@ -160,6 +161,10 @@ func (d *driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			s.mu.Unlock()
 			return nil, errorf(codes.NotFound, "volume %s not found", fromVolume)
 		}
+		if err := s.ensureMounted(src); err != nil {
+			s.mu.Unlock()
+			return nil, errorf(codes.Internal, "mounting volume %s: %v", fromVolume, err)
+		}
 		if src.Size > size {
 			s.mu.Unlock()
 			return nil, errorf(codes.OutOfRange, "volume %s is %d bytes, more than the %d requested", fromVolume, src.Size, size)
@@ -168,15 +173,11 @@ func (d *driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	}
 	s.mu.Unlock()
 
-	v := &volume{ID: newID(), Name: req.GetName(), Size: size, Snapshot: fromSnapshot, Volume: fromVolume, Created: now()}
-	dir := s.volumeDir(v.ID)
-	if err := os.Mkdir(dir, 0o777); err != nil {
-		return nil, errorf(codes.Internal, "%v", err)
-	}
-	// 0777 like an emptyDir: pods run as arbitrary non-root UIDs and must be
-	// able to write; Mkdir's mode is cut by the umask, hence the chmod.
-	if err := os.Chmod(dir, 0o777); err != nil {
-		return nil, errorf(codes.Internal, "%v", err)
+	v := &volume{ID: newID(), Name: req.GetName(), Size: size, Snapshot: fromSnapshot, Volume: fromVolume, Created: now(), Filesystem: volumeFS}
+	dir, image := s.volumeDir(v.ID), s.volumeImage(v.ID)
+	if err := makeFilesystem(image, dir, size); err != nil {
+		_ = removeVolume(image, dir)
+		return nil, errorf(codes.Internal, "creating the volume's filesystem: %v", err)
 	}
 	var err error
 	switch {
@@ -186,7 +187,7 @@ func (d *driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		err = run("cp", "--archive", "--reflink=auto", sourceDir+"/.", dir+"/")
 	}
 	if err != nil {
-		_ = os.RemoveAll(dir)
+		_ = removeVolume(image, dir)
 		return nil, errorf(codes.Internal, "populating volume: %v", err)
 	}
 	s.mu.Lock()
@@ -194,7 +195,7 @@ func (d *driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	s.data.Volumes[v.ID] = v
 	if err := s.save(); err != nil {
 		delete(s.data.Volumes, v.ID)
-		_ = os.RemoveAll(dir)
+		_ = removeVolume(image, dir)
 		return nil, errorf(codes.Internal, "saving state: %v", err)
 	}
 	return &csi.CreateVolumeResponse{Volume: d.csiVolume(v)}, nil
@@ -224,7 +225,7 @@ func (d *driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if _, ok := s.data.Volumes[id]; !ok {
 		return &csi.DeleteVolumeResponse{}, nil // already gone: idempotent
 	}
-	if err := os.RemoveAll(s.volumeDir(id)); err != nil {
+	if err := removeVolume(s.volumeImage(id), s.volumeDir(id)); err != nil {
 		return nil, errorf(codes.Internal, "%v", err)
 	}
 	delete(s.data.Volumes, id)
@@ -281,6 +282,10 @@ func (d *driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if !ok {
 		s.mu.Unlock()
 		return nil, errorf(codes.NotFound, "volume %s not found", req.GetSourceVolumeId())
+	}
+	if err := s.ensureMounted(source); err != nil {
+		s.mu.Unlock()
+		return nil, errorf(codes.Internal, "mounting volume %s: %v", source.ID, err)
 	}
 	if err := s.claim("snapshot/" + req.GetName()); err != nil {
 		s.mu.Unlock()

@@ -1,11 +1,13 @@
-// Command hostpathplugin is a small CSI driver that keeps each volume as a
-// directory under one data directory of the node and snapshots it with tar.
+// Command hostpathplugin is a small CSI driver that keeps each volume as an
+// ext4 filesystem of its size (a loop-mounted sparse image file) under one
+// data directory of the node and snapshots it with tar.
 //
 // It stands in for github.com/kubernetes-csi/csi-driver-host-path, which the
 // Go module proxy reachable from the development machines does not serve. It
-// follows that driver's model (directory volumes, tar snapshots, controller
-// and node service in one process) and is for single-node development and
-// test clusters only: no capacity enforcement, no topology, no block volumes.
+// follows that driver's model (tar snapshots, controller and node service in
+// one process) but enforces each volume's size, and is for single-node
+// development and test clusters only: no topology, no block volumes, no
+// expansion. It runs as root (mount, loop devices).
 package main
 
 import (

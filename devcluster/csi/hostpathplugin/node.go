@@ -12,8 +12,8 @@ import (
 	"google.golang.org/grpc/codes"
 )
 
-// The node service bind-mounts the volume directory at the kubelet's target
-// path. The driver runs as a host process in the kubelet's mount namespace,
+// The node service bind-mounts the volume directory (its filesystem's mount
+// point) at the kubelet's target path. The driver runs as a host process in the kubelet's mount namespace,
 // so the mount is visible to the kubelet and the container runtime as it is.
 
 func (d *driver) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
@@ -37,10 +37,17 @@ func (d *driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		return nil, err
 	}
 	d.store.mu.Lock()
-	_, ok := d.store.data.Volumes[req.GetVolumeId()]
+	v, ok := d.store.data.Volumes[req.GetVolumeId()]
+	var mountErr error
+	if ok {
+		mountErr = d.store.ensureMounted(v)
+	}
 	d.store.mu.Unlock()
 	if !ok {
 		return nil, errorf(codes.NotFound, "volume %s not found", req.GetVolumeId())
+	}
+	if mountErr != nil {
+		return nil, errorf(codes.Internal, "mounting volume %s: %v", v.ID, mountErr)
 	}
 	mounted, err := isMountPoint(target)
 	if err != nil {

@@ -20,6 +20,10 @@ type volume struct {
 	Snapshot string `json:"sourceSnapshot,omitempty"`
 	Volume   string `json:"sourceVolume,omitempty"`
 	Created  int64  `json:"created"`
+	// Filesystem is "ext4" for a volume kept in an image file of its size,
+	// mounted at its directory; empty for a plain directory (volumes made by
+	// an older driver, which enforced no size).
+	Filesystem string `json:"filesystem,omitempty"`
 }
 
 type snapshot struct {
@@ -74,6 +78,10 @@ func openStore(dir string) (*store, error) {
 func (s *store) path() string { return filepath.Join(s.dir, "state.json") }
 
 func (s *store) volumeDir(id string) string { return filepath.Join(s.dir, "volumes", id) }
+
+func (s *store) volumeImage(id string) string {
+	return filepath.Join(s.dir, "volumes", id+".img")
+}
 
 func (s *store) snapshotFile(id string) string {
 	return filepath.Join(s.dir, "snapshots", id+".tar")

@@ -62,6 +62,8 @@ class SandboxCondition(StrEnum):
       neither paused nor being restored (AgentReady and RuntimeReady once it is
       scheduled and has not ended);
     - WorkspaceRestored: `spec.workspace.fromSnapshot` is set;
+    - WorkspaceFull: only while True, from the agent's report of its workspace's
+      filesystem (see builders.sandbox_status.workspace_full);
     - Reconciling, Stalled (kstatus): only while True, from Ready (see
       builders.conditions.progress).
     """
@@ -69,6 +71,7 @@ class SandboxCondition(StrEnum):
     READY = "Ready"
     WORKSPACE_READY = "WorkspaceReady"
     WORKSPACE_RESTORED = "WorkspaceRestored"
+    WORKSPACE_FULL = "WorkspaceFull"
     PAUSED = "Paused"
     POD_SCHEDULED = "PodScheduled"
     AGENT_READY = "AgentReady"
@@ -126,6 +129,8 @@ class SandboxReason(StrEnum):
     POOL_MEMBER_LOST = "PoolMemberLost"
     # spec.files could not be written into the workspace (the agent's answer says why).
     FILES_NOT_WRITTEN = "FilesNotWritten"
+    # Under 1% of the workspace is free: writes fail with ENOSPC.
+    NO_SPACE_LEFT = "NoSpaceLeft"
 
 
 class OnIdle(StrEnum):

@@ -286,6 +286,33 @@ def describe_pod_end(pod: JSON) -> str:
     return f"pod {phase}: {detail}" if detail else f"pod {phase}"
 
 
+MIB = 2**20
+# Set by the lifecycle pass from the agent's report, not by compute(): merge()
+# keeps them through the passes that do not ask the agent.
+REPORTED = frozenset({C.WORKSPACE_FULL})
+
+
+def workspace_full(total: int, available: int, *, was_full: bool) -> Cond | None:
+    """WorkspaceFull from the workspace filesystem's size and free bytes. Pure.
+
+    Set below 1% free (at least 1 MiB); once set, cleared only at 5% free (at
+    least 4 MiB), so a workspace at the edge does not flap: each flip is a
+    status write and an Event. The message names the size only, so a full
+    workspace that keeps changing by a few bytes writes nothing."""
+    floor = max(total // 100, MIB)
+    if was_full:
+        floor = max(total // 20, 4 * MIB)
+    if available >= floor:
+        return None
+    return Cond(
+        C.WORKSPACE_FULL,
+        TRUE,
+        R.NO_SPACE_LEFT,
+        f"the {total / MIB:.0f} MiB workspace is full: writes in it fail with ENOSPC"
+        " (No space left on device) until files are removed",
+    )
+
+
 def compute(o: Observed) -> dict[str, Cond | None]:
     """Every Sandbox condition type, in display order, for this observation."""
     others: dict[str, Cond | None] = {

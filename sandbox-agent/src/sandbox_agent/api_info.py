@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -31,12 +32,26 @@ async def info(request: Request, args: Args) -> Response:
             started_at=models.rfc3339(st.started),
             uptime_seconds=round(now - st.started, 3),
             workspace=st.workspace.root,
+            workspace_usage=workspace_usage(st.workspace.root),
             runtime_restart_requested=st.restart.requested,
             runtime_restart=st.restart.request,
             environment_hash=st.environment.hash,
             default_timeout_seconds=st.settings.default_timeout,
             max_timeout_seconds=st.settings.max_timeout,
         )
+    )
+
+
+def workspace_usage(root: str) -> models.WorkspaceUsage | None:
+    """How full the workspace's filesystem is (the operator reports a full one)."""
+    try:
+        fs = os.statvfs(root)
+    except OSError:
+        return None
+    return models.WorkspaceUsage(
+        total_bytes=fs.f_blocks * fs.f_frsize,
+        used_bytes=(fs.f_blocks - fs.f_bfree) * fs.f_frsize,
+        available_bytes=fs.f_bavail * fs.f_frsize,
     )
 
 

@@ -314,6 +314,14 @@ class EnvironmentView(_Out, kw_only=True):
     ]
 
 
+class WorkspaceUsage(_Out, kw_only=True):
+    """statvfs(2) of the workspace: its filesystem's size as non-root users see it."""
+
+    total_bytes: int
+    used_bytes: int
+    available_bytes: Annotated[int, Meta(description="What a write may still use")]
+
+
 class Info(_Out, kw_only=True):
     version: str
     runner_version: str | None
@@ -325,6 +333,9 @@ class Info(_Out, kw_only=True):
     started_at: str
     uptime_seconds: float
     workspace: str
+    workspace_usage: Annotated[
+        WorkspaceUsage | None, Meta(description="null when the workspace cannot be read")
+    ] = None
     runtime_restart_requested: Annotated[
         bool, Meta(description="GET /livez/runtime answers 503: the sandbox container must restart")
     ] = False

@@ -20,8 +20,9 @@ from sandbox_operator.api.sandbox import (
     SandboxSpec,
     SandboxStatus,
 )
+from sandbox_operator.builders import sandbox_status
 from sandbox_operator.builders import snapshot as snapshot_build
-from sandbox_operator.builders.conditions import TRUE, find
+from sandbox_operator.builders.conditions import TRUE, find, merge
 from sandbox_operator.clock import iso, parse_time
 from sandbox_operator.config import Settings
 from sandbox_operator.context import OperatorContext
@@ -172,13 +173,14 @@ async def lifecycle(
     meta = body["metadata"]
     if status.paused_deadline and now >= parse_time(status.paused_deadline):
         return await _paused_too_long(ctx, body, spec, status, now)
-    info = None if became_ready(status, now) else await _agent_info(ctx, body, spec, status, logger)
+    info = None if became_ready(status, now) else await _agent_info(ctx, body, status, logger)
+    full = _workspace_full(ctx, body, status, info, now)
     resumed = (meta.get("annotations") or {}).get(RESUME_ANNOTATION)
     resumed_at = None
     with suppress(ValueError):
         resumed_at = parse_time(resumed) if resumed else None
     decision = decide_lifecycle(spec, status, info, resumed_at, now, ctx.settings)
-    fields = dict(decision.fields)
+    fields = {**full, **decision.fields}
     sandbox_path = SANDBOXES.path(meta["namespace"], meta["name"])
     if decision.action is IdleAction.DELETE:
         logger.info("max lifetime reached; deleting")
@@ -222,16 +224,41 @@ async def lifecycle(
     return fields
 
 
+def _workspace_full(
+    ctx: OperatorContext, body: JSON, status: SandboxStatus, info: AgentInfo | None, now: datetime
+) -> JSON:
+    """The WorkspaceFull condition from the agent's report, with an Event when it
+    comes or goes; no fields when the agent did not report its workspace."""
+    if info is None or info.workspace is None:
+        return {}
+    was = find(status.conditions, SandboxCondition.WORKSPACE_FULL)
+    usage = info.workspace
+    cond = sandbox_status.workspace_full(
+        usage.total_bytes, usage.available_bytes, was_full=was is not None
+    )
+    if (cond is None) == (was is None):
+        return {}
+    if cond is not None:
+        metrics.WORKSPACE_FULL.inc()
+        ctx.event(body, "warn", reason="WorkspaceFull", message=cond.message)
+    else:
+        free = usage.available_bytes / sandbox_status.MIB
+        ctx.event(body, "info", reason="WorkspaceSpaceFreed", message=f"{free:.0f} MiB free")
+    generation = body["metadata"].get("generation", 0)
+    current = {SandboxCondition.WORKSPACE_FULL.value: cond}
+    return {"conditions": merge(status.conditions, current, generation, iso(now))}
+
+
 async def _agent_info(
     ctx: OperatorContext,
     body: JSON,
-    spec: SandboxSpec,
     status: SandboxStatus,
     logger: kopf.Logger,
 ) -> AgentInfo | None:
-    """The agent's activity report, when the idle policy needs one and the agent answers."""
-    idle_timeout = spec.lifecycle.idle_timeout or ctx.settings.default_idle_timeout
-    if status.phase != SandboxPhase.RUNNING or not status.agent_endpoint or not idle_timeout:
+    """The agent's report (activity, workspace usage), when the agent answers.
+    Asked on every pass of a running sandbox, idle policy or not: a full
+    workspace is reported either way."""
+    if status.phase != SandboxPhase.RUNNING or not status.agent_endpoint:
         return None
     token = await ctx.agent_token(body)
     if not token:
