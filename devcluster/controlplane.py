@@ -205,6 +205,11 @@ def secure_serving_flags(
     ]
 
 
+# How long restart() watches the other components after the restarted one is
+# ready: a dependent gives up a few seconds after its last failed call.
+_RESTART_SETTLE_SECONDS = 10.0
+
+
 def loopback_controller(
     name: str,
     binary: Path,
@@ -719,21 +724,36 @@ class ControlPlane:
         grace) and start it again with the same flags and ports, as a crashed
         or upgraded process comes back; its cleanup and post-start hooks do not
         run. Waits until it is ready again; returns the seconds it was away.
-        For chaos runs: the API server restarted under a working operator."""
+        For chaos runs: the API server restarted under a working operator.
+
+        Components that die meanwhile (kube-controller-manager exits when it
+        cannot get a ServiceAccount token from the API server) are started
+        again, as a node's kubelet restarts its static pods: restart() watches
+        them for a few seconds after the restarted one is ready."""
         with self._locked():
             certs = pki.paths(self.pki_dir)
             binaries = self.binaries(build_missing=False)
-            component = next(
-                (c for c in self.components(self.ports, certs, binaries) if c.name == name), None
-            )
+            components = {c.name: c for c in self.components(self.ports, certs, binaries)}
             record = next((r for r in self._records() if r.name == name), None)
-            if component is None or record is None or not record.is_running():
+            if name not in components or record is None or not record.is_running():
                 raise ControlPlaneError(f"{name} is not a running component of {self.name}")
+            others = [r.name for r in self._records() if r.name != name and r.name in components]
             began = time.monotonic()
             processes.terminate(record, grace=self.stop_grace, popen=self._popens.pop(name, None))
-            self._launch(component)
-            self._wait_ready(component)
-            return time.monotonic() - began
+            self._launch(components[name])
+            self._wait_ready(components[name])
+            away = time.monotonic() - began
+            watch_until = time.monotonic() + _RESTART_SETTLE_SECONDS
+            while time.monotonic() < watch_until:
+                running = {r.name for r in self._records() if r.is_running()}
+                for other in others:
+                    if other not in running:
+                        log.warning("%s died while %s restarted; starting it again", other, name)
+                        self._popens.pop(other, None)
+                        self._launch(components[other])
+                        self._wait_ready(components[other])
+                time.sleep(0.5)
+            return away
 
     def pids(self) -> dict[str, int]:
         """PID (= process group id) of each recorded component that is running."""

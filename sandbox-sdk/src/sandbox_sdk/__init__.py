@@ -32,6 +32,7 @@ from sandbox_sdk.errors import (
     ServerError,
     Timeout,
     Unauthorized,
+    WorkspaceFull,
 )
 from sandbox_sdk.types import CommandResult, Event, OutputEvent, Runtime, Template
 
@@ -65,4 +66,5 @@ __all__ = [
     "Template",
     "Timeout",
     "Unauthorized",
+    "WorkspaceFull",
 ]

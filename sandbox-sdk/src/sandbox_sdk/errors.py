@@ -70,6 +70,12 @@ class Invalid(SandboxError):
     """The server refused the request as malformed (400, 422)."""
 
 
+class WorkspaceFull(SandboxError):
+    """The sandbox's workspace has no room for the write (507 `no_space` or
+    `quota_exceeded`): remove files, or use a Sandbox with a larger
+    `spec.workspace.size`. The sandbox itself keeps working."""
+
+
 class Timeout(SandboxError):
     """Something did not happen in time: a wait of the SDK, or a request."""
 
@@ -144,6 +150,8 @@ def from_response(status: int, body: Any, fallback: str) -> SandboxError:
         # The gateway's message carries the reason in parentheses: "is not ready (PodPending): ..."
         reason = message.split("(", 1)[1].split(")", 1)[0] if "(" in message else ""
         return NotReady(message, reason=reason, **kwargs)
+    if status == 507:
+        return WorkspaceFull(message, **kwargs)
     if status in (408, 504):
         return Timeout(message, **kwargs)
     return ServerError(message, **kwargs)

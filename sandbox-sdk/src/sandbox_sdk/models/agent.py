@@ -179,6 +179,14 @@ class RuntimeRestart(WireModel):
     since: str = Field(description="RFC 3339 UTC")
 
 
+class WorkspaceUsage(WireModel):
+    "statvfs(2) of the workspace: its filesystem's size as non-root users see it."
+
+    available_bytes: int = Field(validation_alias="availableBytes", serialization_alias="availableBytes", description="What a write may still use")
+    total_bytes: int = Field(validation_alias="totalBytes", serialization_alias="totalBytes")
+    used_bytes: int = Field(validation_alias="usedBytes", serialization_alias="usedBytes")
+
+
 class Info(WireModel):
     "Info"
 
@@ -197,6 +205,7 @@ class Info(WireModel):
     uptime_seconds: float = Field(validation_alias="uptimeSeconds", serialization_alias="uptimeSeconds")
     version: str = Field()
     workspace: str = Field()
+    workspace_usage: WorkspaceUsage | None = Field(default=None, validation_alias="workspaceUsage", serialization_alias="workspaceUsage", description="null when the workspace cannot be read")
 
 
 class MkdirRequest(WireModel):
@@ -404,4 +413,4 @@ class WriteRequest(WireModel):
     parents: bool = Field(default=True)
     path: str = Field(description="Path relative to the workspace root ('.' is the root). Absolute paths, '..' components and symlinks that leave the workspace are refused.")
 
-__all__ = ["ArchiveResult", "CancelRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "WriteRequest"]
+__all__ = ["ArchiveResult", "CancelRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "WorkspaceUsage", "WriteRequest"]
