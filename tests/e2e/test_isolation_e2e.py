@@ -193,7 +193,7 @@ def test_a_full_workspace_says_enospc_and_the_sandbox_stays_ready(e2e: E2E) -> N
     reply = agent.post("/v1/files/write", {"path": "more.txt", "content": "x" * 65536})
     print(f"a file write into the full workspace: {reply.status_code} {reply.text}")
     assert reply.status_code == 507, reply.text
-    assert reply.json()["code"] == "no_space", reply.text
+    assert reply.json()["error"]["code"] == "no_space", reply.text
 
     def full() -> JSON | None:
         cond = sandboxes.condition("full", "WorkspaceFull")
