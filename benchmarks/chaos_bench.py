@@ -3,7 +3,7 @@ active operator replica is killed again and again, the API server restarts once
 and a sandbox container is killed through the CRI.
 
     python benchmarks/chaos_bench.py [--sandboxes 50] [--executions 200]
-        [--snapshots 20] [--workers 10] [--duration 180] [--kill-every 12]
+        [--snapshots 20] [--workers 10] [--duration 180] [--kill-every 6]
 
 The operator runs as the chart installs it: two replicas, one active (Kopf
 peering). Over `--duration` seconds the workload is spread evenly:
@@ -53,7 +53,12 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import create_namespace, operator_cluster, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    create_namespace,
+    operator_cluster,
+    percentile,
+    write_results,
+)
 from devcluster import deploy  # noqa: E402
 from devcluster.cluster import LocalCluster  # noqa: E402
 from tests.e2e.agent import Agent  # noqa: E402
@@ -101,6 +106,10 @@ def patiently(call: Callable[[], Any]) -> Any:
 def ready(obj: JSON | None) -> bool:
     conds = ((obj or {}).get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+def stamp(value: str) -> float:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
 def wait(what: str, probe: Callable[[], bool], timeout: float) -> float:
@@ -355,7 +364,7 @@ def main() -> None:
     parser.add_argument(
         "--duration", type=float, default=180.0, help="seconds the workload is spread over"
     )
-    parser.add_argument("--kill-every", type=float, default=12.0, help="seconds between kills")
+    parser.add_argument("--kill-every", type=float, default=6.0, help="seconds between kills")
     parser.add_argument("--converge-timeout", type=float, default=900.0)
     args = parser.parse_args()
 
@@ -403,9 +412,14 @@ def main() -> None:
             print("not converged:\n  " + "\n  ".join(problems[:50]), flush=True)
             raise
         runs = runs_per_execution(kube, workers)
-        phases = {
-            e["metadata"]["name"]: e["status"]["phase"] for e in kube.list(path("executions"))
-        }
+        executions = kube.list(path("executions"))
+        phases = {e["metadata"]["name"]: e["status"]["phase"] for e in executions}
+        # Created -> ended, by the API server's and the operator's clocks (one machine).
+        took_each = [
+            (stamp(e["status"]["completionTime"]) - stamp(e["metadata"]["creationTimestamp"]))
+            for e in executions
+            if e["status"].get("completionTime")
+        ]
         twice = sorted(n for n, c in runs.items() if c > 1)
         lost = sorted(n for n, p in phases.items() if p == "Succeeded" and runs[n] != 1)
         unknown = sorted(set(runs) - set(placed))
@@ -421,6 +435,11 @@ def main() -> None:
             "workload_seconds": round(calm - began, 1),
             "converged_seconds_after_the_chaos": round(converge, 1),
             "execution_phases": dict(collections.Counter(phases.values())),
+            "execution_create_to_end_seconds": {
+                "p50": round(percentile(took_each, 0.5), 2),
+                "p90": round(percentile(took_each, 0.9), 2),
+                "max": round(max(took_each), 2),
+            },
             "executions_run_twice": twice,
             "succeeded_but_not_run_once": lost,
             "unknown_lines_in_ran_log": unknown,
