@@ -44,9 +44,12 @@ def write_results(name: str, results: dict[str, Any]) -> None:
 
 def audit_flags(work: Path, users: list[str]) -> tuple[list[str], Path]:
     """kube-apiserver flags for an audit log of the requests of `users` (metadata
-    only, every other user left out), and the log's path."""
+    only, every other user left out), and the log's path. One file, never
+    rotated (left at 0, the size limit is 100 MB): the counts read only this
+    file, and a 10,000-Sandbox run writes more than that."""
     log = work / "audit.log"
-    return controlplane.audit_flags(work / "audit-policy.json", log, {"users": users}), log
+    policy = work / "audit-policy.json"
+    return controlplane.audit_flags(policy, log, {"users": users}, max_megabytes=100_000), log
 
 
 def audit_requests(log: Path, user: str, since: float, until: float) -> collections.Counter[str]:
