@@ -61,8 +61,9 @@ func mountImage(image, dir string) error {
 	return run("mount", "-t", volumeFS, "-o", "loop,discard,noinit_itable", image, dir)
 }
 
-// unmountVolume unmounts the volume's filesystem (all of it stacked on dir);
-// the loop device goes with it (mount -o loop sets autoclear).
+// unmountVolume unmounts everything stacked on dir: a volume's filesystem
+// (its loop device goes with it: mount -o loop sets autoclear), or a
+// published target's bind mounts.
 func unmountVolume(dir string) error {
 	for {
 		mounted, err := isMountPoint(dir)

@@ -79,17 +79,8 @@ func (d *driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	if req.GetVolumeId() == "" || target == "" {
 		return nil, errorf(codes.InvalidArgument, "volume id and target path are required")
 	}
-	for {
-		mounted, err := isMountPoint(target)
-		if err != nil {
-			return nil, errorf(codes.Internal, "%v", err)
-		}
-		if !mounted {
-			break
-		}
-		if err := syscall.Unmount(target, 0); err != nil {
-			return nil, errorf(codes.Internal, "unmount %s: %v", target, err)
-		}
+	if err := unmountVolume(target); err != nil {
+		return nil, errorf(codes.Internal, "%v", err)
 	}
 	if err := os.Remove(target); err != nil && !os.IsNotExist(err) {
 		return nil, errorf(codes.Internal, "%v", err)
