@@ -49,6 +49,7 @@ import yaml
 
 from devcluster import (
     build,
+    gvisor,
     hostdeps,
     mounts,
     netbuild,
@@ -310,6 +311,7 @@ class LocalCluster(ControlPlane):
     def binaries(self, *, build_missing: bool) -> dict[str, Path]:
         found = {**super().binaries(build_missing=build_missing)}
         found.update(node_binaries(build_missing=build_missing))
+        found.update(gvisor.binaries(build_missing=build_missing))
         found.update(netbuild.network_binaries(build_missing=build_missing))
         for addon in self.addons:
             found.update(addon.binaries(build_missing=build_missing))
@@ -420,6 +422,16 @@ class LocalCluster(ControlPlane):
 
         containerd_config = self.containerd_dir / "config.toml"
         containerd_config.write_text(self._containerd_config())
+        runsc_config = self.containerd_dir / "runsc.toml"
+        runsc_config.write_text(
+            gvisor.runsc_config(
+                runsc=binaries["runsc"],
+                root=self.containerd_dir / "runsc",
+                log_dir=self.logs_dir / "runsc",
+            )
+        )
+        # containerd finds shims by name on its PATH.
+        shims = gvisor.link_commands(self.node_dir / "bin", binaries)
         kubelet_config = self.node_dir / "kubelet-config.yaml"
         kubelet_config.write_text(
             yaml.safe_dump(
@@ -443,6 +455,7 @@ class LocalCluster(ControlPlane):
             Component(
                 name="containerd",
                 argv=["containerd", f"--config={containerd_config}"],
+                env={"PATH": f"{shims}:{os.environ.get('PATH', '/usr/bin:/bin')}"},
                 ready=self._containerd_ready,
                 ready_timeout=60.0,
                 post_start=self._import_images,
@@ -549,7 +562,7 @@ disabled_plugins = [
         SystemdCgroup = false
         # runc's state per cluster too (default /run/containerd/runc).
         Root = "{root / "runc"}"
-
+{gvisor.containerd_runtime(cri, root / "runsc.toml")}
   [{cri}.cni]
     bin_dir = "{network.CNI_BIN_DIR}"
     conf_dir = "{self.cni_conf_dir}"
@@ -862,6 +875,7 @@ def _node_ready(host: str, port: int, context: ssl.SSLContext, node: str) -> boo
 
 def _after_node_ready(host: str, port: int, context: ssl.SSLContext, node: str, cidr: str) -> None:
     _set_pod_cidr(host, port, context, node, cidr)
+    _ensure_runtime_class(host, port, context)
     # A pod created before the service-account controller made `default` is
     # refused ("serviceaccount default not found"): a cluster that says it
     # is up must take pods right away.
@@ -871,6 +885,17 @@ def _after_node_ready(host: str, port: int, context: ssl.SSLContext, node: str, 
         if time.monotonic() > deadline:
             raise ControlPlaneError("ServiceAccount default/default did not appear within 60s")
         time.sleep(0.1)
+
+
+def _ensure_runtime_class(host: str, port: int, context: ssl.SSLContext) -> None:
+    """The RuntimeClass of the node's gVisor runtime (kept across restarts)."""
+    status, body = _api(
+        host, port, context, "POST", "/apis/node.k8s.io/v1/runtimeclasses", gvisor.runtime_class()
+    )
+    if status not in (201, 409):
+        raise ControlPlaneError(
+            f"could not create RuntimeClass {gvisor.RUNTIME_CLASS}: {status} {body}"
+        )
 
 
 def _set_pod_cidr(host: str, port: int, context: ssl.SSLContext, node: str, cidr: str) -> None:

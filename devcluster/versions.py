@@ -77,3 +77,9 @@ COREDNS = "v1.15.0"
 # xtables target (nft_compat), and the nftables table name is per cluster.
 NETWORK_POLICIES_MODULE = "sigs.k8s.io/kube-network-policies"
 NETWORK_POLICIES = "v1.1.1"
+
+# ---- gVisor on the node (devcluster/gvisor.py) ------------------------------------
+# runsc and containerd-shim-runsc-v1 from the module's `go` branch (the proxy
+# serves pseudo-versions only). This commit's shim builds against containerd
+# 1.x libraries and runs under the node's containerd 1.6.
+GVISOR = "v0.0.0-20230927004350-cbd86285d259"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from devcluster import deploy
+from devcluster import deploy, gvisor
 from tests.e2e.conftest import E2E
 from tests.executions import Executions
 from tests.integration.harness import wait_for
@@ -55,7 +55,8 @@ def test_every_pod_shape_runs_under_restricted_without_warnings(e2e: E2E, tmp_pa
     snapshots.wait_phase("base", "Ready")
     sandboxes.create("restored", {"workspace": {"fromSnapshot": "base"}})
     sandboxes.create("ephemeral", {"workspace": {"ephemeral": True}})
-    for name in ("ports", "restored", "ephemeral"):
+    sandboxes.create("gvisor", {"runtimeClassName": gvisor.RUNTIME_CLASS})
+    for name in ("ports", "restored", "ephemeral", "gvisor"):
         sandboxes.wait_ready(name)
     # A one-shot Execution's sandbox lives as long as its command: catch it running.
     executions.create(
@@ -70,13 +71,14 @@ def test_every_pod_shape_runs_under_restricted_without_warnings(e2e: E2E, tmp_pa
         owned = [
             p
             for p in e2e.kube.list(core_path("pods", ns))
-            if p["metadata"]["name"] not in ("persistent", "ports", "restored", "ephemeral")
+            if p["metadata"]["name"]
+            not in ("persistent", "ports", "restored", "ephemeral", "gvisor")
         ]
         return owned[0] if owned else None
 
     wait_for(one_shot_pod, 180, "the one-shot Execution's pod")
     pods = e2e.kube.list(core_path("pods", ns))
-    assert len(pods) == 5, [p["metadata"]["name"] for p in pods]
+    assert len(pods) == 6, [p["metadata"]["name"] for p in pods]
     said = {p["metadata"]["name"]: _warnings(e2e, p, tmp_path) for p in pods}
     assert said == {name: "" for name in said}
 
