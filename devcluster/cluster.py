@@ -423,11 +423,12 @@ class LocalCluster(ControlPlane):
         containerd_config = self.containerd_dir / "config.toml"
         containerd_config.write_text(self._containerd_config())
         runsc_config = self.containerd_dir / "runsc.toml"
+        (self.node_dir / "runsc-logs").mkdir(parents=True, exist_ok=True)
         runsc_config.write_text(
             gvisor.runsc_config(
                 runsc=binaries["runsc"],
                 root=self.containerd_dir / "runsc",
-                log_dir=self.logs_dir / "runsc",
+                log_dir=self.node_dir / "runsc-logs",
             )
         )
         # containerd finds shims by name on its PATH.

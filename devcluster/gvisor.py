@@ -129,7 +129,8 @@ def link_commands(bin_dir: Path, built: Mapping[str, Path]) -> Path:
 
 
 def runsc_config(*, runsc: Path, root: Path, log_dir: Path) -> str:
-    """The shim's options file (TOML): which runsc, where its state and logs go."""
+    """The shim's options file (TOML): which runsc, where its state and the
+    shims' logs go."""
     return f"""# Written by devcluster/gvisor.py.
 binary_name = "{runsc}"
 root = "{root}"
@@ -139,7 +140,9 @@ log_level = "info"
 [runsc_config]
 platform = "systrap"
 host-uds = "all"
-debug-log = "{log_dir}/%ID%/"
+# No debug-log: runsc writes one file per command it is run for, and containerd
+# runs `runsc events` every 10 s per container. Add `debug-log = "<dir>/%ID%/"`
+# here to see them.
 """
 
 

@@ -227,6 +227,10 @@ def next_steps(sandbox: str, gateway: str) -> list[Hint]:
             "the kubectl plugin: a command in a sandbox",
             f"kubectl sandbox exec {sandbox} -- python3 -c 'print(6 * 7)'",
         ),
+        (
+            "a sandbox under gVisor sees its kernel",
+            "kubectl sandbox exec untrusted-demo -- sh -c 'uname -r; dmesg | head -1'",
+        ),
         ("the Python SDK: a one-shot sandbox", "python examples/sdk/one_shot.py"),
         (
             "the gateway's HTTP API",
