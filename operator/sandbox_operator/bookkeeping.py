@@ -29,6 +29,7 @@ import kopf
 from sandbox_operator.resources import FINALIZER, KOPF_PREFIX, LABEL_POOL, LEGACY_KOPF_PREFIX
 
 DIGEST_KEY = "last-handled-digest"
+CONSISTENCY_TIMEOUT_SECONDS = 60.0
 # What Kopf wrote under the old prefix: its marker, diff base, touch key and the
 # progress records of the handlers registered in main.py at the time.
 LEGACY_KEYS = frozenset(
@@ -138,3 +139,11 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
     settings.persistence.diffbase_storage = DIFF_BASE
+    # After its own patch (the diff base that says "created"), Kopf waits this
+    # long for the watch to deliver that version before it takes an older event
+    # of the object as current. Kopf's 5 s is shorter than the watch lags behind
+    # when a few thousand Sandboxes arrive at once: the status write's event,
+    # older than the diff base, came 9 s later and ran the creation handler a
+    # second time (1,337 of 3,000 Sandboxes in sandbox_scale). Change handlers
+    # of that object wait meanwhile; events, timers and daemons do not.
+    settings.persistence.consistency_timeout = CONSISTENCY_TIMEOUT_SECONDS

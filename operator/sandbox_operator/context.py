@@ -49,6 +49,11 @@ class OperatorContext:
     binding_modes: dict[str, str] = field(default_factory=dict)
     # The spec env (as JSON) each sandbox pod's agent was given (by pod UID).
     environments: dict[str, str] = field(default_factory=dict)
+    # Pods this process created, by (namespace, Sandbox name), until the pod index
+    # shows them: a pass that runs in between (the claim's ADDED event, a retried
+    # creation handler) would otherwise find no pod and create it and its
+    # siblings again, for nothing but 409s (thousands at a few thousand Sandboxes).
+    created_pods: dict[Key, JSON] = field(default_factory=dict)
     # Pool members a claim of this process is taking or took: when (monotonic
     # seconds) and the claiming Sandbox's UID. Other claims skip them instead of
     # racing for the same one until the index shows the claim.
@@ -87,9 +92,18 @@ class OperatorContext:
             for body in store
         ]
 
+    def known_pod(self, namespace: str, name: str, indexed: JSON | None) -> JSON | None:
+        """A Sandbox's pod: the index's, or, until the index has caught up with
+        it, the one this process created."""
+        if indexed is not None:
+            self.created_pods.pop((namespace, name), None)
+            return indexed
+        return self.created_pods.get((namespace, name))
+
     def forget(self, namespace: str, name: str, uid: str | None = None) -> None:
         self.locks.pop((namespace, name), None)
         self.statuses.pop((namespace, name), None)
+        self.created_pods.pop((namespace, name), None)
         if uid is not None:
             self.tokens.pop((namespace, uid), None)
 

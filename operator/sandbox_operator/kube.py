@@ -145,9 +145,15 @@ class Kube:
     def _http(self) -> aiohttp.ClientSession:
         # Created lazily: an aiohttp session belongs to the running event loop.
         if self._session is None:
+            # At most 64 requests in flight; the rest wait their turn for a
+            # connection, unbounded: a deadline that counts the wait failed
+            # requests that never left this process (TimeoutError from a
+            # handler, retried minutes later, at 3,000 Sandboxes). Once sent, a
+            # request has 30 s between reads of its answer.
             connector = aiohttp.TCPConnector(ssl=self._verify, limit=64)
             self._session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=30)
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=30),
             )
         return self._session
 

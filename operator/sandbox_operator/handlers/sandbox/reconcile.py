@@ -162,8 +162,11 @@ async def reconcile(
             just_claimed = (body.get("status") or {}).get("pool") != recorded
             own_network = bool((body.get("spec") or {}).get("network"))
             children = Children.CONVERGE if just_claimed and own_network else Children.POD
-        if not pod_known:
-            pod = next(iter(pods.get((kids.namespace, kids.name), [])), None)
+        if pod_known:
+            ctx.created_pods.pop((kids.namespace, kids.name), None)  # the event is newer
+        else:
+            indexed = next(iter(pods.get((kids.namespace, kids.name), [])), None)
+            pod = ctx.known_pod(kids.namespace, kids.name, indexed)
         claim = next(iter(claims.get((kids.namespace, kids.name), [])), None)
         body = await pin_template(ctx, body)
         spec, invalid = parse_spec(body, ctx.settings)
@@ -209,21 +212,25 @@ async def _reconcile(
     assert spec is not None
     ref = build.children_ref(body)
     workspace = await plan_workspace(ctx, body, spec)
+    created_claim = None
     if children is not Children.POD:
-        await ensure_children(
+        created_claim = await ensure_children(
             ctx, ref, spec, converge=children is Children.CONVERGE, workspace=workspace
         )
     paused = build.effectively_paused(body, spec)
     if pod is None and children is Children.POD and not paused:
         # The pod is gone (evicted, deleted): its siblings may be too.
-        await ensure_children(ctx, ref, spec, converge=False, workspace=workspace)
+        created_claim = await ensure_children(ctx, ref, spec, converge=False, workspace=workspace)
     await roll_back(ctx, body, workspace, pod)
     claims = ClaimState()
     if not spec.workspace.ephemeral and not workspace.hold:
         if claim is None:
-            # Not in the index yet (just created, say): ask, rather than make a pod
-            # the scheduler would find waiting on an unbound claim.
-            claim = await ctx.kube.get(CLAIMS.path(ref.namespace, build.names(ref.name)["claim"]))
+            # Not in the index yet: the one this pass just created, or (created by an
+            # earlier pass) ask, rather than make a pod the scheduler would find
+            # waiting on an unbound claim.
+            claim = created_claim or await ctx.kube.get(
+                CLAIMS.path(ref.namespace, build.names(ref.name)["claim"])
+            )
         claims = await claim_state(ctx, ref.namespace, claim, now)
     pod = await with_eviction(ctx, pod)
     decision = decide_pod(

@@ -225,8 +225,9 @@ async def ensure_children(
     spec: SandboxSpec,
     converge: bool,
     workspace: WorkspacePlan | None = None,
-) -> None:
-    """Create what is missing; with `converge`, also update what drifted. Idempotent."""
+) -> JSON | None:
+    """Create what is missing; with `converge`, also update what drifted. Idempotent.
+    Returns the workspace claim when this call created it (None when it existed)."""
     kube, settings = ctx.kube, ctx.settings
     child = build.names(ref.name)
     workspace = workspace or WorkspacePlan()
@@ -235,6 +236,7 @@ async def ensure_children(
         SECRETS.path(ref.namespace), build.build_secret(ref, secrets.token_urlsafe(32))
     )
     claim = None if workspace.hold else build.build_claim(ref, spec, settings)
+    created = None
     if claim is not None:
         if workspace.source is not None:
             claim = snapshot_build.restore_into(claim, workspace.source)
@@ -252,3 +254,4 @@ async def ensure_children(
         await _create_or_converge(ctx, SERVICES.path(ref.namespace), service, converge)
     elif converge:
         await kube.delete(SERVICES.path(ref.namespace, child["service"]))
+    return created
