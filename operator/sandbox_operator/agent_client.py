@@ -44,12 +44,41 @@ class AgentInfo:
     environment_hash: str | None = None
     # The workspace's filesystem, when the agent could read it.
     workspace: WorkspaceUsage | None = None
+    # The sandbox container's cgroup counters, when the runner reported them.
+    limits: LimitCounters | None = None
 
 
 @dataclass(frozen=True)
 class WorkspaceUsage:
     total_bytes: int
     available_bytes: int
+
+
+@dataclass(frozen=True)
+class LimitCounters:
+    """Cumulative since the sandbox container started; None where not shown."""
+
+    pids_refused: int | None = None
+    pids_current: int | None = None
+    cpu_periods: int | None = None
+    cpu_throttled_periods: int | None = None
+
+
+def _limit_counters(data: Any) -> LimitCounters | None:
+    """The agent's `limits` (None when it sent none: an older agent, no runner)."""
+    if not data:
+        return None
+
+    def whole(key: str) -> int | None:
+        value = data.get(key)
+        return None if value is None else int(value)
+
+    return LimitCounters(
+        pids_refused=whole("pidsRefused"),
+        pids_current=whole("pidsCurrent"),
+        cpu_periods=whole("cpuPeriods"),
+        cpu_throttled_periods=whole("cpuThrottledPeriods"),
+    )
 
 
 def environment_hash(env: dict[str, str], unset: list[str]) -> str:
@@ -144,6 +173,7 @@ class AgentClient:
                 runner_connected=bool(data.get("runnerConnected", False)),
                 environment_hash=data.get("environmentHash"),
                 workspace=_workspace_usage(data.get("workspaceUsage")),
+                limits=_limit_counters(data.get("limits")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AgentError(f"agent at {endpoint} sent malformed info: {exc!r}") from exc

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import kopf
 
-from sandbox_operator.agent_client import AgentClient
+from sandbox_operator.agent_client import AgentClient, LimitCounters
 from sandbox_operator.builders.sandbox import TOKEN_KEY, children_ref, names
 from sandbox_operator.config import Settings
 from sandbox_operator.kube import Api
@@ -54,6 +54,10 @@ class OperatorContext:
     # creation handler) would otherwise find no pod and create it and its
     # siblings again, for nothing but 409s (thousands at a few thousand Sandboxes).
     created_pods: dict[Key, JSON] = field(default_factory=dict)
+    # The sandbox container's cgroup counters at the last look, by (namespace,
+    # Sandbox UID): PidLimitReached and CpuThrottled come from how they grew.
+    # Lost on restart; the first look after one only sets the baseline.
+    limit_counters: dict[Key, LimitCounters] = field(default_factory=dict)
     # Pool members a claim of this process is taking or took: when (monotonic
     # seconds) and the claiming Sandbox's UID. Other claims skip them instead of
     # racing for the same one until the index shows the claim.
@@ -106,6 +110,7 @@ class OperatorContext:
         self.created_pods.pop((namespace, name), None)
         if uid is not None:
             self.tokens.pop((namespace, uid), None)
+            self.limit_counters.pop((namespace, uid), None)
 
     async def agent_token(self, sandbox: JSON) -> str | None:
         """The bearer token of a sandbox's agent, read from its Secret once (a pool

@@ -23,6 +23,11 @@ WORKSPACE_FULL = Counter(
     "sandbox_operator_workspace_full_total",
     "Times a sandbox's workspace was found full (under 1% free: writes fail with ENOSPC).",
 )
+LIMIT_REACHED = Counter(
+    "sandbox_operator_limit_reached_total",
+    "Times a sandbox was found at a resource limit: pids (forks refused), cpu (throttled).",
+    ["limit"],
+)
 POD_RECREATIONS = Counter(
     "sandbox_operator_pod_recreations_total",
     "Sandbox pods recreated after failing, eviction or deletion.",

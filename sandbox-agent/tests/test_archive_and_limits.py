@@ -342,3 +342,58 @@ def test_finished_tails_are_bounded_in_memory(fresh: Callable[..., Sandbox]) -> 
         f"/v1/executions/{exs[0]['id']}/output", params={"maxBytes": 1 << 20}
     ).json()
     assert "".join(c["data"] for c in page["chunks"]) == "a" * 20000
+
+
+def test_info_reports_the_runners_cgroup_counters(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(runner=False)
+    # A cgroup v1 layout as a container sees it: the pod's PID limit refused 7
+    # forks, the CPU limit throttled 12 of 40 periods (1.5 s).
+    cgroup = sb.root / "cgroup"
+    (cgroup / "pids").mkdir(parents=True)
+    (cgroup / "cpu,cpuacct").mkdir()
+    (cgroup / "pids" / "pids.current").write_text("3\n")
+    (cgroup / "pids" / "pids.max").write_text("max\n")
+    (cgroup / "pids" / "pids.events").write_text("max 7\n")
+    (cgroup / "cpu,cpuacct" / "cpu.stat").write_text(
+        "nr_periods 40\nnr_throttled 12\nthrottled_time 1500000000\n"
+    )
+    sb.start_runner(extra_env={"SANDBOX_RUNNER_CGROUP_ROOT": str(cgroup)})
+    limits = sb.client.get("/v1/info").json()["limits"]
+    assert limits == {
+        "pidsCurrent": 3,
+        "pidsLimit": None,
+        "pidsRefused": 7,
+        "cpuPeriods": 40,
+        "cpuThrottledPeriods": 12,
+        "cpuThrottledSeconds": 1.5,
+    }
+    # Counters move: read on every call, not at the hello.
+    (cgroup / "pids" / "pids.events").write_text("max 9\n")
+    assert sb.client.get("/v1/info").json()["limits"]["pidsRefused"] == 9
+    # No runner, no counters (and no wait for one).
+    sb.runner.kill()
+    sb.runner.wait()
+    wait_until(lambda: not sb.client.get("/v1/info").json()["runnerConnected"], 10)
+    assert sb.client.get("/v1/info").json()["limits"] is None
+
+
+def test_info_reports_cgroup_v2_counters(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(runner=False)
+    cgroup = sb.root / "cgroup2"
+    cgroup.mkdir()
+    (cgroup / "pids.current").write_text("5\n")
+    (cgroup / "pids.max").write_text("2048\n")
+    (cgroup / "pids.events").write_text("max 0\n")
+    (cgroup / "cpu.stat").write_text(
+        "usage_usec 100\nnr_periods 10\nnr_throttled 0\nthrottled_usec 0\n"
+    )
+    sb.start_runner(extra_env={"SANDBOX_RUNNER_CGROUP_ROOT": str(cgroup)})
+    limits = sb.client.get("/v1/info").json()["limits"]
+    assert limits == {
+        "pidsCurrent": 5,
+        "pidsLimit": 2048,
+        "pidsRefused": 0,
+        "cpuPeriods": 10,
+        "cpuThrottledPeriods": 0,
+        "cpuThrottledSeconds": 0.0,
+    }

@@ -163,6 +163,84 @@ def test_a_cpu_limit_throttles_and_the_counters_say_so(e2e: E2E) -> None:
     assert after["throttled_time"] > before["throttled_time"], (before, after)
 
 
+# Takes every PID the pod has left with sleeping threads, lets them go, and
+# again, for `seconds`: refused forks without a CPU-eating bomb.
+PID_HOG = """
+import threading, time
+end = time.time() + {seconds}
+while time.time() < end:
+    release = threading.Event()
+    held = []
+    try:
+        while len(held) < 100000:
+            t = threading.Thread(target=release.wait, daemon=True)
+            t.start()
+            held.append(t)
+    except RuntimeError:
+        pass
+    release.set()
+    for t in held:
+        t.join()
+    time.sleep(2)
+"""
+SPIN = """
+import multiprocessing as m, time
+end = time.time() + {seconds}
+def spin():
+    while time.time() < end:
+        pass
+ps = [m.Process(target=spin) for _ in range(2)]
+[p.start() for p in ps]
+[p.join() for p in ps]
+"""
+
+
+def test_pid_and_cpu_limits_show_in_status_and_events(e2e: E2E) -> None:
+    """The operator reads the sandbox container's counters through the agent on
+    each periodic pass: PidLimitReached and CpuThrottled come while a limit
+    bites and go after it, each with Events."""
+    ns = e2e.namespace()
+    sandboxes = Sandboxes(e2e.kube, ns)
+    sandboxes.create("pressed", {"resources": {"profile": "dense", "cpu": "200m"}})
+    sandboxes.wait_ready("pressed")
+    agent = Agent.of(e2e.kube, ns, "pressed")
+    # Long enough for two periodic passes (30 s apart): a baseline and a change.
+    # The spinners first: once the hog holds the PIDs, nothing new starts.
+    spin = agent.start(f"python3 -c '{SPIN.format(seconds=100)}'")
+    time.sleep(1)
+    hog = agent.start(f"python3 -c '{PID_HOG.format(seconds=100)}'")
+
+    def both() -> tuple[JSON, JSON] | None:
+        pids = sandboxes.condition("pressed", "PidLimitReached")
+        cpu = sandboxes.condition("pressed", "CpuThrottled")
+        return (pids, cpu) if pids and cpu else None
+
+    pids, cpu = wait_for(both, 100, "PidLimitReached and CpuThrottled")
+    assert (pids["status"], pids["reason"]) == ("True", "ForkRefused"), pids
+    assert (cpu["status"], cpu["reason"]) == ("True", "CpuLimit"), cpu
+    assert "200m" in cpu["message"], cpu
+    refused = _sandbox_event(e2e, ns, "pressed", "PidLimitReached")
+    throttled = _sandbox_event(e2e, ns, "pressed", "CpuThrottled")
+    assert refused is not None
+    assert refused["type"] == "Warning", refused
+    assert "refused by the pod's PID limit" in refused["message"], refused
+    assert throttled is not None
+    assert "CPU periods" in throttled["message"], throttled
+    assert (sandboxes.condition("pressed", "Ready") or {}).get("status") == "True"
+
+    for started in (hog, spin):
+        agent.post(f"/v1/executions/{started['id']}/cancel", {})
+    wait_for(
+        lambda: (
+            not sandboxes.condition("pressed", "PidLimitReached")
+            and not sandboxes.condition("pressed", "CpuThrottled")
+        ),
+        100,
+        "both conditions gone once the limits stop biting",
+    )
+    assert _sandbox_event(e2e, ns, "pressed", "CpuThrottleEnded") is not None
+
+
 def _sandbox_event(e2e: E2E, ns: str, name: str, reason: str) -> JSON | None:
     selector = f"involvedObject.kind=Sandbox,involvedObject.name={name},reason={reason}"
     listed = e2e.kube.get(core_path("events", ns) + f"?fieldSelector={selector}") or {}

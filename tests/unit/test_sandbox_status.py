@@ -336,3 +336,50 @@ def test_a_workspace_is_full_below_one_percent_and_free_again_at_five(
         assert "ENOSPC" in cond.message
         # The message does not move with the free bytes: no status write while it stays full.
         assert c.workspace_full(total, 0, was_full=True) == cond
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "grew"),
+    [
+        (3, 10, 7),
+        (5, 5, 0),
+        (10, 2, None),  # the container restarted: its new cgroup counts from zero
+        (None, 4, None),  # the first look, or a mount that does not show it
+        (4, None, None),
+    ],
+)
+def test_counters_grow_or_set_a_new_baseline(
+    before: int | None, after: int | None, grew: int | None
+) -> None:
+    assert c.grown(before, after) == grew
+
+
+def test_a_refused_fork_is_reported_until_a_look_finds_none() -> None:
+    assert c.pid_limit_reached(0) is None
+    cond = c.pid_limit_reached(3)
+    assert cond is not None
+    assert (cond.type, cond.status, cond.reason) == ("PidLimitReached", "True", R.FORK_REFUSED)
+    # The same message however many were refused: a bomb that goes on writes no status.
+    assert c.pid_limit_reached(5000) == cond
+
+
+@pytest.mark.parametrize(
+    ("periods", "throttled", "was", "set_"),
+    [
+        (300, 150, False, True),  # half the periods: throttled
+        (300, 149, False, False),
+        (300, 40, True, True),  # once throttled, it stays so down to 10%
+        (300, 29, True, False),
+        (5, 5, False, False),  # it barely ran (idle after a burst): not throttled
+        (5, 5, True, False),
+    ],
+)
+def test_cpu_throttling_comes_at_half_the_periods_and_goes_below_a_tenth(
+    periods: int, throttled: int, was: bool, set_: bool
+) -> None:
+    cond = c.cpu_throttled(periods, throttled, "200m", was=was)
+    assert (cond is not None) == set_
+    if cond is not None:
+        assert (cond.type, cond.status, cond.reason) == ("CpuThrottled", "True", R.CPU_LIMIT)
+        assert "200m" in cond.message
+        assert c.cpu_throttled(1000, 1000, "200m", was=True) == cond

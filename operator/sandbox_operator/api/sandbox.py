@@ -64,6 +64,9 @@ class SandboxCondition(StrEnum):
     - WorkspaceRestored: `spec.workspace.fromSnapshot` is set;
     - WorkspaceFull: only while True, from the agent's report of its workspace's
       filesystem (see builders.sandbox_status.workspace_full);
+    - PidLimitReached, CpuThrottled: only while True, from the sandbox
+      container's cgroup counters as the agent reports them (see
+      builders.sandbox_status.pid_limit_reached and cpu_throttled);
     - Reconciling, Stalled (kstatus): only while True, from Ready (see
       builders.conditions.progress).
     """
@@ -72,6 +75,8 @@ class SandboxCondition(StrEnum):
     WORKSPACE_READY = "WorkspaceReady"
     WORKSPACE_RESTORED = "WorkspaceRestored"
     WORKSPACE_FULL = "WorkspaceFull"
+    PID_LIMIT_REACHED = "PidLimitReached"
+    CPU_THROTTLED = "CpuThrottled"
     PAUSED = "Paused"
     POD_SCHEDULED = "PodScheduled"
     AGENT_READY = "AgentReady"
@@ -131,6 +136,10 @@ class SandboxReason(StrEnum):
     FILES_NOT_WRITTEN = "FilesNotWritten"
     # Under 1% of the workspace is free: writes fail with ENOSPC.
     NO_SPACE_LEFT = "NoSpaceLeft"
+    # The pod's PID limit refused new processes since the last look.
+    FORK_REFUSED = "ForkRefused"
+    # The CPU limit stopped the sandbox in most scheduling periods since the last look.
+    CPU_LIMIT = "CpuLimit"
 
 
 class OnIdle(StrEnum):

@@ -289,7 +289,13 @@ def describe_pod_end(pod: JSON) -> str:
 MIB = 2**20
 # Set by the lifecycle pass from the agent's report, not by compute(): merge()
 # keeps them through the passes that do not ask the agent.
-REPORTED = frozenset({C.WORKSPACE_FULL})
+REPORTED = frozenset({C.WORKSPACE_FULL, C.PID_LIMIT_REACHED, C.CPU_THROTTLED})
+# CpuThrottled comes at this share of CFS periods throttled between two looks
+# and goes below the second: a sandbox working near its limit does not flap.
+CPU_THROTTLED_SET = 0.5
+CPU_THROTTLED_CLEAR = 0.1
+# Fewer periods than this between two looks: it barely ran, so it is not throttled.
+CPU_MIN_PERIODS = 10
 
 
 def workspace_full(total: int, available: int, *, was_full: bool) -> Cond | None:
@@ -310,6 +316,52 @@ def workspace_full(total: int, available: int, *, was_full: bool) -> Cond | None
         R.NO_SPACE_LEFT,
         f"the {total / MIB:.0f} MiB workspace is full: writes in it fail with ENOSPC"
         " (No space left on device) until files are removed",
+    )
+
+
+def grown(before: int | None, after: int | None) -> int | None:
+    """How much a cumulative counter grew between two looks. Pure. None when
+    either look lacks it or it went down (the container restarted: its new
+    cgroup counts from zero), so that look only sets a new baseline."""
+    if before is None or after is None or after < before:
+        return None
+    return after - before
+
+
+def pid_limit_reached(refused: int) -> Cond | None:
+    """PidLimitReached from the forks refused since the last look. Pure. The
+    message is the same every time, so a bomb that goes on writes nothing more."""
+    if refused <= 0:
+        return None
+    return Cond(
+        C.PID_LIMIT_REACHED,
+        TRUE,
+        R.FORK_REFUSED,
+        "the pod's PID limit refused new processes (fork: Resource temporarily"
+        " unavailable); the sandbox works again once its processes exit",
+    )
+
+
+def cpu_throttled(periods: int, throttled: int, limit: str, *, was: bool) -> Cond | None:
+    """CpuThrottled from the CFS periods between two looks and how many of them
+    the quota cut short. Pure. Set at CPU_THROTTLED_SET, cleared below
+    CPU_THROTTLED_CLEAR; a sandbox that barely ran (fewer than CPU_MIN_PERIODS)
+    is not throttled."""
+    if periods < CPU_MIN_PERIODS:
+        return None
+    share = throttled / periods
+    if share >= CPU_THROTTLED_SET or (was and share >= CPU_THROTTLED_CLEAR):
+        return _cpu_cond(limit)
+    return None
+
+
+def _cpu_cond(limit: str) -> Cond:
+    return Cond(
+        C.CPU_THROTTLED,
+        TRUE,
+        R.CPU_LIMIT,
+        f"its CPU limit ({limit}) stops it in most scheduling periods: it wants more"
+        " CPU than spec.resources.cpu gives",
     )
 
 

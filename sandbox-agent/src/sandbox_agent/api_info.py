@@ -19,6 +19,7 @@ async def info(request: Request, args: Args) -> Response:
     """Version, runner state and activity (not itself activity)"""
     st = state_of(request)
     ri = st.runner.info or {}
+    stats = await st.runner.cgroup_stats()
     now = time.time()
     return ok(
         models.Info(
@@ -33,6 +34,7 @@ async def info(request: Request, args: Args) -> Response:
             uptime_seconds=round(now - st.started, 3),
             workspace=st.workspace.root,
             workspace_usage=workspace_usage(st.workspace.root),
+            limits=_limits(stats),
             runtime_restart_requested=st.restart.requested,
             runtime_restart=st.restart.request,
             environment_hash=st.environment.hash,
@@ -52,6 +54,31 @@ def workspace_usage(root: str) -> models.WorkspaceUsage | None:
         total_bytes=fs.f_blocks * fs.f_frsize,
         used_bytes=(fs.f_blocks - fs.f_bfree) * fs.f_frsize,
         available_bytes=fs.f_bavail * fs.f_frsize,
+    )
+
+
+def _limits(stats: dict[str, object] | None) -> models.SandboxLimits | None:
+    """The runner's cgroup counters, each kept only when it has the right type
+    (the runner runs as the sandbox's user: its word is checked, not trusted)."""
+    if stats is None:
+        return None
+
+    def whole(key: str) -> int | None:
+        value = stats.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    seconds = stats.get("cpuThrottledSeconds")
+    return models.SandboxLimits(
+        pids_current=whole("pidsCurrent"),
+        pids_limit=whole("pidsLimit"),
+        pids_refused=whole("pidsRefused"),
+        cpu_periods=whole("cpuPeriods"),
+        cpu_throttled_periods=whole("cpuThrottledPeriods"),
+        cpu_throttled_seconds=(
+            float(seconds)
+            if isinstance(seconds, int | float) and not isinstance(seconds, bool)
+            else None
+        ),
     )
 
 

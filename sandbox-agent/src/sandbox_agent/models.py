@@ -322,6 +322,24 @@ class WorkspaceUsage(_Out, kw_only=True):
     available_bytes: Annotated[int, Meta(description="What a write may still use")]
 
 
+class SandboxLimits(_Out, kw_only=True):
+    """The sandbox container's cgroup counters (since the container started);
+    null where its cgroup mount does not show them (gVisor, say)."""
+
+    pids_current: int | None = None
+    pids_limit: Annotated[
+        int | None, Meta(description="The container cgroup's own limit; the pod's is not shown")
+    ] = None
+    pids_refused: Annotated[
+        int | None, Meta(description="Process starts refused by a PID limit (pids.events max)")
+    ] = None
+    cpu_periods: int | None = None
+    cpu_throttled_periods: Annotated[
+        int | None, Meta(description="CFS periods in which the CPU limit stopped it")
+    ] = None
+    cpu_throttled_seconds: float | None = None
+
+
 class Info(_Out, kw_only=True):
     version: str
     runner_version: str | None
@@ -335,6 +353,9 @@ class Info(_Out, kw_only=True):
     workspace: str
     workspace_usage: Annotated[
         WorkspaceUsage | None, Meta(description="null when the workspace cannot be read")
+    ] = None
+    limits: Annotated[
+        SandboxLimits | None, Meta(description="null when the runner does not answer")
     ] = None
     runtime_restart_requested: Annotated[
         bool, Meta(description="GET /livez/runtime answers 503: the sandbox container must restart")

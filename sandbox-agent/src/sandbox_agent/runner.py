@@ -58,7 +58,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 # 2: T_SCRIPT frames, scriptFd/combined/unset in T_SPAWN, instance in the hello.
-PROTOCOL = 2
+# 3: T_STATS / T_STATS_ACK (the container's cgroup counters).
+PROTOCOL = 3
 
 HEADER = struct.Struct(">IBI")
 # Largest payload either side may send. The agent enforces it on what it
@@ -88,6 +89,7 @@ T_STDIN_CLOSE = 4
 T_SIGNAL = 5
 T_PING = 6
 T_SCRIPT = 7  # a piece of the script of the next T_SPAWN on this channel
+T_STATS = 8  # the container's cgroup counters, please (payload: a token to echo)
 # runner -> agent
 T_HELLO_ACK = 65
 T_STARTED = 66
@@ -97,6 +99,7 @@ T_EXIT = 69
 T_SPAWN_FAILED = 70
 T_PONG = 71
 T_STDIN_CLOSED = 72  # the command's stdin is gone (EPIPE or buffer overflow)
+T_STATS_ACK = 73  # {"token": hex, "stats": cgroup_stats()}
 
 # Output keeps flowing after the leader exits while a background grandchild
 # holds the pipes; wait this long for EOF, then report the exit anyway
@@ -152,6 +155,58 @@ def _reason(exc: BaseException) -> str:
 def _log(msg: str) -> None:
     sys.stderr.write("sandbox-runner: " + msg + "\n")
     sys.stderr.flush()
+
+
+CGROUP_ROOT = os.environ.get("SANDBOX_RUNNER_CGROUP_ROOT", "/sys/fs/cgroup")
+
+
+def _read_cgroup(*names: str) -> str | None:
+    """The first of `names` (relative to the cgroup mount) that can be read."""
+    for name in names:
+        try:
+            with open(os.path.join(CGROUP_ROOT, name)) as f:
+                return f.read()
+        except OSError:
+            continue
+    return None
+
+
+def _keyed(text: str | None) -> dict[str, int]:
+    """`key value` lines (cpu.stat, pids.events) as numbers."""
+    found = {}
+    for line in (text or "").splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            found[key] = int(value)
+    return found
+
+
+def _number(text: str | None) -> int | None:
+    text = (text or "").strip()
+    return int(text) if text.isdigit() else None
+
+
+def cgroup_stats() -> dict[str, Any]:
+    """This container's PID and CPU counters from its own cgroup (v2, or v1's
+    pids and cpu hierarchies), for the operator's status and Events. A value
+    the mount does not show (gVisor, no pids controller) is None.
+
+    `pidsRefused` counts forks this cgroup's tasks were refused by a PID limit
+    (pids.events `max`; on v1 it is counted where the fork happened, so a
+    limit on the pod's cgroup shows here too)."""
+    cpu = _keyed(_read_cgroup("cpu.stat", "cpu,cpuacct/cpu.stat", "cpu/cpu.stat"))
+    throttled = cpu.get("throttled_usec")
+    seconds = throttled / 1e6 if throttled is not None else None
+    if seconds is None and "throttled_time" in cpu:  # v1: nanoseconds
+        seconds = cpu["throttled_time"] / 1e9
+    return {
+        "pidsCurrent": _number(_read_cgroup("pids.current", "pids/pids.current")),
+        "pidsLimit": _number(_read_cgroup("pids.max", "pids/pids.max")),
+        "pidsRefused": _keyed(_read_cgroup("pids.events", "pids/pids.events")).get("max"),
+        "cpuPeriods": cpu.get("nr_periods"),
+        "cpuThrottledPeriods": cpu.get("nr_throttled"),
+        "cpuThrottledSeconds": seconds,
+    }
 
 
 def _set_nonblocking(fd: int) -> None:
@@ -739,6 +794,10 @@ class Runner:
             )
         elif ftype == T_PING:
             self._send(conn, T_PONG, channel, payload)
+        elif ftype == T_STATS:
+            self._send_json(
+                conn, T_STATS_ACK, channel, {"token": payload.hex(), "stats": cgroup_stats()}
+            )
         elif ftype == T_SCRIPT:
             script = conn.scripts.setdefault(channel, bytearray())
             if len(script) + len(payload) > MAX_SCRIPT:

@@ -116,6 +116,7 @@ class _Wire(asyncio.Protocol):
         # frames are dropped, not taken for a protocol violation.
         self.forgotten: set[int] = set()
         self.pings: dict[bytes, asyncio.Future[None]] = {}
+        self.stats: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.next_channel = 1
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -127,9 +128,10 @@ class _Wire(asyncio.Protocol):
             self.closed.set_result(None)
         if not self.hello.done():
             self.hello.set_exception(ConnectionError("runner closed the connection"))
-        for fut in self.pings.values():
-            if not fut.done():
-                fut.set_exception(ConnectionError("runner connection lost"))
+        waiters: list[asyncio.Future[Any]] = [*self.pings.values(), *self.stats.values()]
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(ConnectionError("runner connection lost"))
         channels, self.channels = self.channels, {}
         reason = (
             self.client.lost_reason
@@ -254,6 +256,12 @@ class _Wire(asyncio.Protocol):
             fut = self.pings.pop(bytes(payload), None)
             if fut is not None and not fut.done():
                 fut.set_result(None)
+        elif ftype == wire.T_STATS_ACK:
+            obj = _obj(payload)
+            stats = obj.get("stats")
+            asked = self.stats.pop(_str(obj, "token", 64), None)
+            if asked is not None and not asked.done() and isinstance(stats, dict):
+                asked.set_result(stats)
         elif ftype == wire.T_HELLO_ACK:
             if self.hello.done():
                 raise ProtocolViolation("duplicate hello")
@@ -428,6 +436,23 @@ class RunnerClient:
             if sweep is not None:
                 msg["sweepSeconds"] = sweep
             self.wire.send(wire.T_SIGNAL, chan, _encode(msg))
+
+    async def cgroup_stats(self, wait: float = 1.0) -> dict[str, Any] | None:
+        """The sandbox container's PID and CPU counters (runner.cgroup_stats), or
+        None when the runner does not answer in time."""
+        w = self.wire
+        if w is None:
+            return None
+        token = secrets.token_bytes(8)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        w.stats[token.hex()] = fut
+        try:
+            w.send(wire.T_STATS, 0, token)
+            return await asyncio.wait_for(fut, wait)
+        except (TimeoutError, ConnectionError):
+            return None
+        finally:
+            w.stats.pop(token.hex(), None)
 
     async def ping(self, wait: float = 1.0) -> bool:
         w = self.wire

@@ -22,7 +22,7 @@ from sandbox_operator.api.sandbox import (
 )
 from sandbox_operator.builders import sandbox_status
 from sandbox_operator.builders import snapshot as snapshot_build
-from sandbox_operator.builders.conditions import TRUE, find, merge
+from sandbox_operator.builders.conditions import TRUE, Cond, find, merge
 from sandbox_operator.clock import iso, parse_time
 from sandbox_operator.config import Settings
 from sandbox_operator.context import OperatorContext
@@ -175,6 +175,7 @@ async def lifecycle(
         return await _paused_too_long(ctx, body, spec, status, now)
     info = None if became_ready(status, now) else await _agent_info(ctx, body, status, logger)
     full = _workspace_full(ctx, body, status, info, now)
+    full.update(_limits(ctx, body, spec, status.evolve(**full), info, now))
     resumed = (meta.get("annotations") or {}).get(RESUME_ANNOTATION)
     resumed_at = None
     with suppress(ValueError):
@@ -247,6 +248,69 @@ def _workspace_full(
     generation = body["metadata"].get("generation", 0)
     current = {SandboxCondition.WORKSPACE_FULL.value: cond}
     return {"conditions": merge(status.conditions, current, generation, iso(now))}
+
+
+def _limits(
+    ctx: OperatorContext,
+    body: JSON,
+    spec: SandboxSpec,
+    status: SandboxStatus,
+    info: AgentInfo | None,
+    now: datetime,
+) -> JSON:
+    """PidLimitReached and CpuThrottled from how the sandbox container's cgroup
+    counters grew since the last look, with Events; no fields when nothing
+    changed or there is nothing to compare with."""
+    if info is None or info.limits is None:
+        return {}
+    meta = body["metadata"]
+    key = (meta["namespace"], meta["uid"])
+    before, after = ctx.limit_counters.get(key), info.limits
+    ctx.limit_counters[key] = after
+    if before is None:
+        return {}
+    current: dict[str, Cond | None] = {}
+    refused = sandbox_status.grown(before.pids_refused, after.pids_refused)
+    if refused is not None:
+        pids = sandbox_status.pid_limit_reached(refused)
+        current[SandboxCondition.PID_LIMIT_REACHED.value] = pids
+        if pids is not None:
+            metrics.LIMIT_REACHED.labels("pids").inc()
+            running = f"; {after.pids_current} processes now" if after.pids_current else ""
+            ctx.event(
+                body,
+                "warn",
+                reason="PidLimitReached",
+                message=f"{refused} process starts refused by the pod's PID limit since the"
+                f" last check{running}",
+            )
+    periods = sandbox_status.grown(before.cpu_periods, after.cpu_periods)
+    throttled = sandbox_status.grown(before.cpu_throttled_periods, after.cpu_throttled_periods)
+    if periods is not None and throttled is not None:
+        was = find(status.conditions, SandboxCondition.CPU_THROTTLED) is not None
+        limit = spec.resources.cpu or ctx.settings.default_cpu
+        cpu = sandbox_status.cpu_throttled(periods, throttled, limit, was=was)
+        current[SandboxCondition.CPU_THROTTLED.value] = cpu
+        share = f"{throttled} of {periods} CPU periods"
+        if cpu is not None and not was:
+            metrics.LIMIT_REACHED.labels("cpu").inc()
+            ctx.event(
+                body,
+                "warn",
+                reason="CpuThrottled",
+                message=f"throttled in {share} since the last check at its CPU limit {limit}",
+            )
+        elif cpu is None and was:
+            ctx.event(body, "info", reason="CpuThrottleEnded", message=f"throttled in {share}")
+    changed = {
+        kind: cond
+        for kind, cond in current.items()
+        if (cond is None) != (find(status.conditions, SandboxCondition(kind)) is None)
+    }
+    if not changed:
+        return {}
+    generation = meta.get("generation", 0)
+    return {"conditions": merge(status.conditions, changed, generation, iso(now))}
 
 
 async def _agent_info(

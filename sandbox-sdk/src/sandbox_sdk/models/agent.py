@@ -170,6 +170,17 @@ class Health(WireModel):
     status: str = Field()
 
 
+class SandboxLimits(WireModel):
+    "The sandbox container's cgroup counters (since the container started); null where its cgroup mount does not show them (gVisor, say)."
+
+    cpu_periods: int | None = Field(default=None, validation_alias="cpuPeriods", serialization_alias="cpuPeriods")
+    cpu_throttled_periods: int | None = Field(default=None, validation_alias="cpuThrottledPeriods", serialization_alias="cpuThrottledPeriods", description="CFS periods in which the CPU limit stopped it")
+    cpu_throttled_seconds: float | None = Field(default=None, validation_alias="cpuThrottledSeconds", serialization_alias="cpuThrottledSeconds")
+    pids_current: int | None = Field(default=None, validation_alias="pidsCurrent", serialization_alias="pidsCurrent")
+    pids_limit: int | None = Field(default=None, validation_alias="pidsLimit", serialization_alias="pidsLimit", description="The container cgroup's own limit; the pod's is not shown")
+    pids_refused: int | None = Field(default=None, validation_alias="pidsRefused", serialization_alias="pidsRefused", description="Process starts refused by a PID limit (pids.events max)")
+
+
 class RuntimeRestart(WireModel):
     "Why the agent asks for the sandbox container to be restarted. kill_not_confirmed: the runner did not confirm a kill within SANDBOX_AGENT_KILL_GRACE. runner_unresponsive: it answered no ping for SANDBOX_AGENT_RUNNER_STALL_SECONDS while commands ran."
 
@@ -194,6 +205,7 @@ class Info(WireModel):
     default_timeout_seconds: float = Field(validation_alias="defaultTimeoutSeconds", serialization_alias="defaultTimeoutSeconds")
     environment_hash: str = Field(validation_alias="environmentHash", serialization_alias="environmentHash", description="hash of the PUT /v1/environment overlay")
     last_activity: str = Field(validation_alias="lastActivity", serialization_alias="lastActivity", description="RFC 3339 UTC; exec and file calls only")
+    limits: SandboxLimits | None = Field(default=None, description="null when the runner does not answer")
     max_timeout_seconds: float = Field(validation_alias="maxTimeoutSeconds", serialization_alias="maxTimeoutSeconds", description="Largest timeoutSeconds accepted")
     runner_connected: bool = Field(validation_alias="runnerConnected", serialization_alias="runnerConnected")
     runner_python: str | None = Field(default=None, validation_alias="runnerPython", serialization_alias="runnerPython")
@@ -413,4 +425,4 @@ class WriteRequest(WireModel):
     parents: bool = Field(default=True)
     path: str = Field(description="Path relative to the workspace root ('.' is the root). Absolute paths, '..' components and symlinks that leave the workspace are refused.")
 
-__all__ = ["ArchiveResult", "CancelRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "WorkspaceUsage", "WriteRequest"]
+__all__ = ["ArchiveResult", "CancelRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SandboxLimits", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "WorkspaceUsage", "WriteRequest"]
