@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import collections
 import json
 import statistics
@@ -13,6 +14,8 @@ from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -104,6 +107,20 @@ def sandbox_ready(kube: KubeJSON, namespace: str, name: str) -> bool:
     body = kube.get(api_path("sandbox.dev/v1alpha1", "sandboxes", namespace, name)) or {}
     conds = (body.get("status") or {}).get("conditions") or []
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+
+def agent_client(
+    kube: KubeJSON, namespace: str, name: str, timeout: float | None = 120
+) -> httpx.Client:
+    """An HTTP client of a Ready Sandbox's agent at its pod IP, with its token."""
+    body = kube.read(api_path("sandbox.dev/v1alpha1", "sandboxes", namespace, name))
+    secret = kube.read(core_path("secrets", namespace, f"{name}-agent-token"))
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    return httpx.Client(
+        base_url=body["status"]["agentEndpoint"],
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=timeout,
+    )
 
 
 class Watcher:

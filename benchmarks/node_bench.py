@@ -20,12 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402
+    agent_client,
     create_namespace,
     latency_row,
     operator_cluster,
@@ -89,13 +88,8 @@ def bare_start(kube: KubeJSON, name: str, settings: Settings) -> float:
 def exec_round_trips(
     cluster: LocalCluster, kube: KubeJSON, name: str, count: int
 ) -> tuple[list[float], list[float]]:
-    body = kube.read(api_path("sandbox.dev/v1alpha1", "sandboxes", NS, name))
-    secret = kube.read(core_path("secrets", NS, f"{name}-agent-token"))
-    token = base64.b64decode(secret["data"]["token"]).decode()
     agent_times, kubectl_times = [], []
-    with httpx.Client(
-        base_url=body["status"]["agentEndpoint"], headers={"Authorization": f"Bearer {token}"}
-    ) as client:
+    with agent_client(kube, NS, name) as client:
         for _ in range(count):
             began = time.perf_counter()
             response = client.post("/v1/executions", json={"argv": ["true"]})

@@ -19,7 +19,6 @@ Ratios are gVisor over runc: above 1 means gVisor is slower or bigger.
 from __future__ import annotations
 
 import argparse
-import base64
 import os
 import statistics
 import sys
@@ -32,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402
+    agent_client,
     create_namespace,
     latency_row,
     operator_cluster,
@@ -40,7 +40,7 @@ from benchmarks.common import (  # noqa: E402
     write_results,
 )
 from devcluster import gvisor  # noqa: E402
-from tests.kube import KubeJSON, api_path, core_path  # noqa: E402
+from tests.kube import KubeJSON, api_path  # noqa: E402
 
 NS = "bench"
 RUNTIMES = {"runc": None, "gvisor": gvisor.RUNTIME_CLASS}
@@ -82,17 +82,6 @@ def start(kube: KubeJSON, name: str, runtime_class: str | None) -> float:
     )
     wait_until(lambda: sandbox_ready(kube, NS, name))
     return time.monotonic() - began
-
-
-def agent(kube: KubeJSON, name: str) -> httpx.Client:
-    body = kube.read(api_path("sandbox.dev/v1alpha1", "sandboxes", NS, name))
-    secret = kube.read(core_path("secrets", NS, f"{name}-agent-token"))
-    token = base64.b64decode(secret["data"]["token"]).decode()
-    return httpx.Client(
-        base_url=body["status"]["agentEndpoint"],
-        headers={"Authorization": f"Bearer {token}"},
-        timeout=120,
-    )
 
 
 def run(client: httpx.Client, argv: list[str]) -> str:
@@ -142,7 +131,7 @@ def main() -> None:
                 if i < args.count - 1:
                     kube.delete(api_path("sandbox.dev/v1alpha1", "sandboxes", NS, f"{name}-{i}"))
         last = {name: f"{name}-{args.count - 1}" for name in RUNTIMES}
-        clients = {name: agent(kube, pod) for name, pod in last.items()}
+        clients = {name: agent_client(kube, NS, pod) for name, pod in last.items()}
         kernels = {name: run(client, ["uname", "-r"]).strip() for name, client in clients.items()}
         assert kernels["gvisor"] != kernels["runc"], kernels  # really two runtimes
         execs = {name: round_trips(client, args.execs) for name, client in clients.items()}

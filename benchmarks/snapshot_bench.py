@@ -16,7 +16,6 @@ through the agent):
 from __future__ import annotations
 
 import argparse
-import base64
 import os
 import shutil
 import subprocess
@@ -27,12 +26,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402
+    agent_client,
     create_namespace,
     operator_cluster,
     sandbox_ready,
@@ -75,19 +73,12 @@ def create_sandbox(kube: KubeJSON, name: str, workspace: dict[str, Any]) -> floa
 
 
 def fill(kube: KubeJSON, name: str, mib: int) -> None:
-    body = kube.read(api_path(API, "sandboxes", NS, name))
-    secret = kube.read(core_path("secrets", NS, f"{name}-agent-token"))
-    token = base64.b64decode(secret["data"]["token"]).decode()
     files, rest = divmod(mib, CHUNK_MIB)
     script = (
         f"for i in $(seq 1 {files}); do head -c {CHUNK_MIB}M /dev/urandom > data-$i.bin; done;"
         f" head -c {rest}M /dev/urandom > data-rest.bin; du -sm ."
     )
-    with httpx.Client(
-        base_url=body["status"]["agentEndpoint"],
-        headers={"Authorization": f"Bearer {token}"},
-        timeout=1800,
-    ) as client:
+    with agent_client(kube, NS, name, timeout=1800) as client:
         response = client.post("/v1/executions", json={"command": script, "timeoutSeconds": 1800})
         assert response.status_code == 200, response.text
         assert response.json()["exitCode"] == 0, response.text
