@@ -11,6 +11,7 @@ import asyncio
 import base64
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, cast
 
 import kopf
@@ -54,10 +55,11 @@ class OperatorContext:
     # creation handler) would otherwise find no pod and create it and its
     # siblings again, for nothing but 409s (thousands at a few thousand Sandboxes).
     created_pods: dict[Key, JSON] = field(default_factory=dict)
-    # The sandbox container's cgroup counters at the last look, by (namespace,
-    # Sandbox UID): PidLimitReached and CpuThrottled come from how they grew.
+    # The sandbox container's cgroup counters at the last look, and when, by
+    # (namespace, Sandbox UID): PidLimitReached and CpuThrottled come from how
+    # they grew.
     # Lost on restart; the first look after one only sets the baseline.
-    limit_counters: dict[Key, LimitCounters] = field(default_factory=dict)
+    limit_counters: dict[Key, tuple[datetime, LimitCounters]] = field(default_factory=dict)
     # Pool members a claim of this process is taking or took: when (monotonic
     # seconds) and the claiming Sandbox's UID. Other claims skip them instead of
     # racing for the same one until the index shows the claim.

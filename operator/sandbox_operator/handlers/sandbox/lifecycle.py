@@ -250,6 +250,11 @@ def _workspace_full(
     return {"conditions": merge(status.conditions, current, generation, iso(now))}
 
 
+# The shortest time between the two looks that PidLimitReached and CpuThrottled
+# compare: a third of the periodic pass's default interval.
+LIMITS_MIN_INTERVAL_SECONDS = 10.0
+
+
 def _limits(
     ctx: OperatorContext,
     body: JSON,
@@ -265,10 +270,15 @@ def _limits(
         return {}
     meta = body["metadata"]
     key = (meta["namespace"], meta["uid"])
-    before, after = ctx.limit_counters.get(key), info.limits
-    ctx.limit_counters[key] = after
-    if before is None:
+    last, after = ctx.limit_counters.get(key), info.limits
+    if last is not None and (now - last[0]).total_seconds() < LIMITS_MIN_INTERVAL_SECONDS:
+        # Passes close together (a pod event right after the timer) would compare
+        # a second or two of counters: a busy sandbox would look idle and flap.
         return {}
+    ctx.limit_counters[key] = (now, after)
+    if last is None:
+        return {}
+    before = last[1]
     current: dict[str, Cond | None] = {}
     refused = sandbox_status.grown(before.pids_refused, after.pids_refused)
     if refused is not None:
