@@ -141,9 +141,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.diffbase_storage = DIFF_BASE
     # After its own patch (the diff base that says "created"), Kopf waits this
     # long for the watch to deliver that version before it takes an older event
-    # of the object as current. Kopf's 5 s is shorter than the watch lags behind
-    # when a few thousand Sandboxes arrive at once: the status write's event,
-    # older than the diff base, came 9 s later and ran the creation handler a
-    # second time (1,337 of 3,000 Sandboxes in sandbox_scale). Change handlers
-    # of that object wait meanwhile; events, timers and daemons do not.
+    # of the object as current and may run the creation handler again. Kopf's
+    # 5 s is shorter than the watch lagged with 3,000 Sandboxes arriving at once
+    # (9 s). Change handlers of that object wait meanwhile; events, timers and
+    # daemons do not.
     settings.persistence.consistency_timeout = CONSISTENCY_TIMEOUT_SECONDS

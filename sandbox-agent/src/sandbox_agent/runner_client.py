@@ -115,9 +115,14 @@ class _Wire(asyncio.Protocol):
         # Channels given up on (a kill the runner never confirmed): their late
         # frames are dropped, not taken for a protocol violation.
         self.forgotten: set[int] = set()
-        self.pings: dict[bytes, asyncio.Future[None]] = {}
-        self.stats: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        # Pings and stats requests awaiting their answer, by the token they carry.
+        self.asked: dict[bytes, asyncio.Future[Any]] = {}
         self.next_channel = 1
+
+    def _answer(self, token: bytes, value: Any) -> None:
+        fut = self.asked.pop(token, None)
+        if fut is not None and not fut.done():
+            fut.set_result(value)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio.Transport; duck-type it.
@@ -128,8 +133,7 @@ class _Wire(asyncio.Protocol):
             self.closed.set_result(None)
         if not self.hello.done():
             self.hello.set_exception(ConnectionError("runner closed the connection"))
-        waiters: list[asyncio.Future[Any]] = [*self.pings.values(), *self.stats.values()]
-        for waiter in waiters:
+        for waiter in self.asked.values():
             if not waiter.done():
                 waiter.set_exception(ConnectionError("runner connection lost"))
         channels, self.channels = self.channels, {}
@@ -253,15 +257,13 @@ class _Wire(asyncio.Protocol):
             if ch is not None:
                 ch.on_stdin_closed()
         elif ftype == wire.T_PONG:
-            fut = self.pings.pop(bytes(payload), None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+            self._answer(bytes(payload), None)
         elif ftype == wire.T_STATS_ACK:
             obj = _obj(payload)
             stats = obj.get("stats")
-            asked = self.stats.pop(_str(obj, "token", 64), None)
-            if asked is not None and not asked.done() and isinstance(stats, dict):
-                asked.set_result(stats)
+            if isinstance(stats, dict):
+                with contextlib.suppress(ValueError):  # not a token of ours
+                    self._answer(bytes.fromhex(_str(obj, "token", 64)), stats)
         elif ftype == wire.T_HELLO_ACK:
             if self.hello.done():
                 raise ProtocolViolation("duplicate hello")
@@ -437,35 +439,29 @@ class RunnerClient:
                 msg["sweepSeconds"] = sweep
             self.wire.send(wire.T_SIGNAL, chan, _encode(msg))
 
+    async def _ask(self, ftype: int, wait: float) -> tuple[bool, Any]:
+        """Send `ftype` with a fresh token: (True, the runner's answer to it), or
+        (False, None) when it does not answer within `wait` seconds."""
+        w = self.wire
+        if w is None:
+            return False, None
+        token = secrets.token_bytes(8)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        w.asked[token] = fut
+        try:
+            w.send(ftype, 0, token)
+            return True, await asyncio.wait_for(fut, wait)
+        except (TimeoutError, ConnectionError):
+            return False, None
+        finally:
+            w.asked.pop(token, None)
+
     async def cgroup_stats(self, wait: float = 1.0) -> dict[str, Any] | None:
         """The sandbox container's PID and CPU counters (runner.cgroup_stats), or
         None when the runner does not answer in time."""
-        w = self.wire
-        if w is None:
-            return None
-        token = secrets.token_bytes(8)
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        w.stats[token.hex()] = fut
-        try:
-            w.send(wire.T_STATS, 0, token)
-            return await asyncio.wait_for(fut, wait)
-        except (TimeoutError, ConnectionError):
-            return None
-        finally:
-            w.stats.pop(token.hex(), None)
+        answered, stats = await self._ask(wire.T_STATS, wait)
+        return stats if answered else None
 
     async def ping(self, wait: float = 1.0) -> bool:
-        w = self.wire
-        if w is None:
-            return False
-        token = secrets.token_bytes(8)
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        w.pings[token] = fut
-        try:
-            w.send(wire.T_PING, 0, token)
-            await asyncio.wait_for(fut, wait)
-            return True
-        except (TimeoutError, ConnectionError):
-            return False
-        finally:
-            w.pings.pop(token, None)
+        answered, _ = await self._ask(wire.T_PING, wait)
+        return answered
