@@ -1,40 +1,56 @@
 """Create N Sandboxes against a real local control plane; measure the operator.
 
-    python benchmarks/sandbox_scale.py [--count 1000]
+    python benchmarks/sandbox_scale.py [--sizes 1000,3000,10000]
 
-Reports the time from the first create until every Sandbox has its pod and a
-written status, the operator's peak RSS, and the API requests the operator
-made per Sandbox (counted from the API server's audit log, by the operator's
-ServiceAccount identity). The operator runs as in production (`kopf run -m
-sandbox_operator`, default settings) under the chart's RBAC rules. There is no
-kubelet in this tier: "done" means pod created and status written.
+For each size, on a control plane of its own with the operator running as in
+production (`kopf run -m sandbox_operator`, default settings) under the
+chart's RBAC rules, it reports:
+
+- the time from the first create until every Sandbox has its pod and a
+  written status, and the operator's peak RSS and CPU over it;
+- the API requests the operator made per Sandbox (from the API server's audit
+  log, by the operator's ServiceAccount identity);
+- the reconcile latency of a single change among N settled Sandboxes: a spec
+  edit until the status reports its generation (p50 and max of a few);
+- what N idle Sandboxes cost: the operator's API writes and CPU over an idle
+  window longer than its reconcile interval (the writes must be 0).
+
+There is no kubelet in this tier: "done" means pod created and status written.
+Progress is followed by watches, as a controller would: listing every pod
+twice a second costs a 10,000-Sandbox API server more than the operator does.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import os
+import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import audit_flags  # noqa: E402
+from benchmarks.common import audit_flags, audit_requests  # noqa: E402
 from devcluster.controlplane import ControlPlane  # noqa: E402
 from sandbox_operator.kube import Kube  # noqa: E402
 from sandbox_operator.resources import PODS, SANDBOXES  # noqa: E402
 from tests.integration.harness import OperatorProcess, operator_credentials  # noqa: E402
-from tests.kube import KubeJSON  # noqa: E402
+from tests.kube import ApiError, KubeJSON  # noqa: E402
 
 OPERATOR_USER = "system:serviceaccount:sandbox-system:sandbox-operator"
 NAMESPACE = "bench"
+WRITES = ("create", "update", "patch", "delete", "deletecollection")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -42,11 +58,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def peak_rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmHWM") -> float:
+    """Peak (VmHWM) or current (VmRSS) resident memory of `pid`."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM")
+    raise RuntimeError(f"no {field}")
 
 
 async def create_all(kubeconfig: Path, count: int, concurrency: int) -> None:
@@ -58,7 +75,7 @@ async def create_all(kubeconfig: Path, count: int, concurrency: int) -> None:
         body = {
             "apiVersion": "sandbox.dev/v1alpha1",
             "kind": "Sandbox",
-            "metadata": {"name": f"sbx-{i:04d}"},
+            "metadata": {"name": f"sbx-{i:05d}"},
             "spec": {"runtime": "python", "lifecycle": {"idleTimeout": "30m"}},
         }
         async with gate:
@@ -68,47 +85,97 @@ async def create_all(kubeconfig: Path, count: int, concurrency: int) -> None:
     await kube.close()
 
 
-def progress(kube: KubeJSON) -> tuple[int, int]:
-    sandboxes = kube.list(SANDBOXES.path(NAMESPACE))
-    with_status = sum(1 for s in sandboxes if (s.get("status") or {}).get("podName"))
-    pods = kube.list(PODS.path(NAMESPACE))
-    return with_status, len(pods)
+class Follower:
+    """One collection followed by a watch in a thread: `seen(name)` is what the
+    last event of that object said, as `summary(object)` put it."""
+
+    def __init__(
+        self, kubeconfig: Path, path: str, summary: Callable[[dict[str, Any]], Any]
+    ) -> None:
+        self.kubeconfig = kubeconfig
+        self.path = path
+        self.summary = summary
+        self.state: dict[str, Any] = {}
+        self.changed = threading.Condition()
+        self.stopping = False
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        with KubeJSON(self.kubeconfig) as kube:
+            self.version = kube.read(f"{self.path}?limit=1")["metadata"]["resourceVersion"]
+        self.thread.start()
+
+    def _run(self) -> None:
+        kube = KubeJSON(self.kubeconfig)
+        while not self.stopping:
+            try:
+                for event in kube.watch(self.path, self.version, timeout_seconds=120):
+                    obj = event["object"]
+                    self.version = obj["metadata"]["resourceVersion"]
+                    with self.changed:
+                        if event["type"] == "DELETED":
+                            self.state.pop(obj["metadata"]["name"], None)
+                        else:
+                            self.state[obj["metadata"]["name"]] = self.summary(obj)
+                        self.changed.notify_all()
+            except (ApiError, httpx.HTTPError, OSError, ValueError) as exc:
+                with self.changed:
+                    self.error = None if self.stopping else f"watch of {self.path} failed: {exc}"
+                    self.changed.notify_all()
+                return
+
+    def wait(self, done: Callable[[dict[str, Any]], bool], timeout: float) -> bool:
+        with self.changed:
+            self.changed.wait_for(lambda: self.error is not None or done(self.state), timeout)
+            if self.error is not None:
+                raise SystemExit(self.error)
+            return done(self.state)
+
+    def stop(self) -> None:
+        self.stopping = True
 
 
-def audit_counts(log: Path, since: float, until: float) -> collections.Counter[str]:
-    counts: collections.Counter[str] = collections.Counter()
-    for line in log.read_text().splitlines():
-        event = json.loads(line)
-        if event["user"]["username"] != OPERATOR_USER:
-            continue
-        stamp = time.mktime(
-            time.strptime(event["requestReceivedTimestamp"][:19], "%Y-%m-%dT%H:%M:%S")
-        )
-        stamp -= time.timezone  # the audit stamps are UTC
-        if not since - 1 <= stamp <= until + 1:
-            continue
-        resource = (event.get("objectRef") or {}).get("resource", "?")
-        sub = (event.get("objectRef") or {}).get("subresource")
-        counts[f"{event['verb']} {resource}{'/' + sub if sub else ''}"] += 1
-    return counts
+def sandbox_summary(obj: dict[str, Any]) -> tuple[int, int, bool]:
+    """(generation, status.observedGeneration, has a pod in status)."""
+    status = obj.get("status") or {}
+    return (
+        obj["metadata"].get("generation", 0),
+        status.get("observedGeneration", 0),
+        bool(status.get("podName")),
+    )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--count", type=int, default=1000)
-    parser.add_argument("--concurrency", type=int, default=20, help="client-side creates in flight")
-    parser.add_argument("--timeout", type=float, default=600)
-    args = parser.parse_args()
+@dataclass
+class Result:
+    count: int
+    created_s: float = 0.0
+    done_s: float = 0.0
+    rss_peak: float = 0.0
+    rss_idle: float = 0.0
+    rss_start: float = 0.0
+    cpu_operator: float = 0.0
+    cpu_cluster: float = 0.0
+    requests: dict[str, int] = field(default_factory=dict)
+    latencies: list[float] = field(default_factory=list)
+    idle_s: float = 0.0
+    idle_writes: dict[str, int] = field(default_factory=dict)
+    idle_reads: int = 0
+    idle_cpu: float = 0.0
+    tracebacks: int = 0
 
-    work = Path(tempfile.mkdtemp(prefix="sandbox-scale-"))
+
+def run_size(count: int, args: argparse.Namespace) -> Result:
+    result = Result(count)
+    work = Path(tempfile.mkdtemp(prefix=f"sandbox-scale-{count}-"))
     flags, audit_log = audit_flags(work, [OPERATOR_USER])
     cp = ControlPlane(f"bench-{os.getpid()}", apiserver_args=flags)
     cp.start()
     operator: OperatorProcess | None = None
+    followers: list[Follower] = []
     try:
         admin = KubeJSON(cp.kubeconfig)
-        crds = [json.loads(json.dumps(d)) for d in _crds()]
-        for crd in crds:
+        for crd in _crds():
             admin.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
         time.sleep(2)  # CRDs established
         creds = operator_credentials(cp, admin, REPO, work / "operator.kubeconfig")
@@ -116,58 +183,134 @@ def main() -> None:
         operator = OperatorProcess(creds, work, {})
         operator.start()
         assert operator.proc is not None
-        rss_idle = peak_rss_mib(operator.proc.pid)
-        cpu_operator0 = cpu_seconds(operator.proc.pid)
-        cpu_cluster0 = sum(cpu_seconds(pid) for pid in cp.pids().values())
+        pid = operator.proc.pid
+        sandboxes = Follower(cp.kubeconfig, SANDBOXES.path(NAMESPACE), sandbox_summary)
+        pods = Follower(cp.kubeconfig, PODS.path(NAMESPACE), lambda _: True)
+        followers = [sandboxes, pods]
+        for follower in followers:
+            follower.start()
+        result.rss_start = rss_mib(pid)
+        cpu_operator0 = cpu_seconds(pid)
+        cpu_cluster0 = sum(cpu_seconds(p) for p in cp.pids().values())
 
+        # 1. Create them all; wait for every pod and status.
         started = time.time()
         t0 = time.monotonic()
-        asyncio.run(create_all(cp.kubeconfig, args.count, args.concurrency))
-        created_s = time.monotonic() - t0
-        done = (0, 0)
-        while time.monotonic() - t0 < args.timeout:
-            done = progress(admin)
-            if done == (args.count, args.count):
-                break
-            time.sleep(0.5)
-        elapsed = time.monotonic() - t0
+        asyncio.run(create_all(cp.kubeconfig, count, args.concurrency))
+        result.created_s = time.monotonic() - t0
+        deadline = t0 + args.timeout
+        statused = sandboxes.wait(
+            lambda s: sum(1 for v in s.values() if v[2]) == count, deadline - time.monotonic()
+        )
+        podded = pods.wait(lambda s: len(s) == count, max(0.0, deadline - time.monotonic()))
+        result.done_s = time.monotonic() - t0
         finished = time.time()
-        if done != (args.count, args.count):
-            raise SystemExit(f"not done after {args.timeout}s: status {done[0]}, pods {done[1]}")
-        rss_peak = peak_rss_mib(operator.proc.pid)
-        cpu_operator = cpu_seconds(operator.proc.pid) - cpu_operator0
-        cpu_cluster = sum(cpu_seconds(pid) for pid in cp.pids().values()) - cpu_cluster0
+        if not (statused and podded):
+            with_status = sum(1 for v in sandboxes.state.values() if v[2])
+            raise SystemExit(
+                f"{count}: not done after {args.timeout}s:"
+                f" status {with_status}, pods {len(pods.state)}"
+            )
+        result.rss_peak = rss_mib(pid)
+        result.cpu_operator = cpu_seconds(pid) - cpu_operator0
+        result.cpu_cluster = sum(cpu_seconds(p) for p in cp.pids().values()) - cpu_cluster0
+
+        # 2. One change at a time among `count` settled Sandboxes: spec -> status.
+        time.sleep(args.settle)
+        for k in range(args.changes):
+            name = f"sbx-{(k * count) // args.changes:05d}"
+            t1 = time.monotonic()
+            edited = admin.patch(
+                SANDBOXES.path(NAMESPACE, name),
+                {"spec": {"lifecycle": {"idleTimeout": f"{31 + k}m"}}},
+            )
+            generation = edited["metadata"]["generation"]
+            if not sandboxes.wait(lambda s, n=name, g=generation: s[n][1] >= g, 120):
+                raise SystemExit(f"{count}: the change to {name} was not reconciled in 120 s")
+            result.latencies.append(time.monotonic() - t1)
+            time.sleep(1)
+
+        # 3. Idle: longer than the reconcile interval, so every timer runs in it.
+        time.sleep(2)  # the last change's own writes are over
+        idle_cpu0, idle0 = cpu_seconds(pid), time.time()
+        time.sleep(args.idle)
+        idle1 = time.time()
+        result.idle_s = idle1 - idle0
+        result.idle_cpu = cpu_seconds(pid) - idle_cpu0
+        result.rss_idle = rss_mib(pid, "VmRSS")
         time.sleep(1)  # let the audit backend flush
-        counts = audit_counts(audit_log, started, finished)
-        total = sum(counts.values())
-        print(f"\nSandboxes: {args.count} (client: {args.concurrency} creates in flight)")
-        print(f"  all creates accepted after      {created_s:7.1f} s")
-        print(f"  every pod and status written in {elapsed:7.1f} s   (target <= 60 s for 1,000)")
-        print(
-            f"  operator peak RSS               {rss_peak:7.1f} MiB"
-            f" (idle {rss_idle:.1f}; target <= 250 MB)"
-        )
-        print(
-            f"  CPU: operator {cpu_operator:.1f} s, etcd + apiserver + controller-manager "
-            f"{cpu_cluster:.1f} s (2 cores)"
-        )
-        print(
-            f"  operator API requests           {total:7d}   = {total / args.count:.2f} per Sandbox"
-        )
-        for key, value in counts.most_common():
-            print(f"    {key:<40} {value:6d}  ({value / args.count:.2f}/Sandbox)")
-        errors = operator.errors()
-        print(f"  handler tracebacks in the operator log: {len(errors)}")
+        result.requests = dict(audit_requests(audit_log, OPERATOR_USER, started, finished))
+        idle = audit_requests(audit_log, OPERATOR_USER, idle0, idle1)
+        result.idle_writes = {k: v for k, v in idle.items() if k.split()[0] in WRITES}
+        result.idle_reads = sum(v for k, v in idle.items() if k.split()[0] not in WRITES)
+        result.tracebacks = len(operator.errors())
+        print(f"  (work dir, with the audit and operator logs: {work})")
+        return result
     finally:
+        for follower in followers:
+            follower.stop()
         if operator is not None:
             operator.stop()
         cp.stop(remove_state=True)
 
 
+def report(results: list[Result], concurrency: int) -> None:
+    print(f"\nSandboxes created {concurrency} at a time; columns are sizes, each on its own")
+    print("control plane and operator.\n")
+    rows: list[tuple[str, Callable[[Result], str]]] = [
+        ("Sandboxes", lambda r: f"{r.count:,}"),
+        ("all creates accepted (s)", lambda r: f"{r.created_s:.1f}"),
+        ("every pod and status written (s)", lambda r: f"{r.done_s:.1f}"),
+        ("  per 1,000 Sandboxes (s)", lambda r: f"{r.done_s / r.count * 1000:.1f}"),
+        ("operator peak RSS (MiB)", lambda r: f"{r.rss_peak:.1f}"),
+        ("  RSS when idle after (MiB)", lambda r: f"{r.rss_idle:.1f}"),
+        ("operator CPU (s)", lambda r: f"{r.cpu_operator:.1f}"),
+        ("  per Sandbox (ms)", lambda r: f"{r.cpu_operator / r.count * 1000:.1f}"),
+        ("etcd + apiserver + controller-manager CPU (s)", lambda r: f"{r.cpu_cluster:.1f}"),
+        ("API requests per Sandbox", lambda r: f"{sum(r.requests.values()) / r.count:.2f}"),
+        ("one change -> status, p50 (ms)", lambda r: f"{statistics.median(r.latencies) * 1e3:.0f}"),
+        ("one change -> status, max (ms)", lambda r: f"{max(r.latencies) * 1e3:.0f}"),
+        ("idle window (s)", lambda r: f"{r.idle_s:.0f}"),
+        ("  API writes in it", lambda r: f"{sum(r.idle_writes.values())}"),
+        ("  API reads in it", lambda r: f"{r.idle_reads}"),
+        ("  operator CPU share (%)", lambda r: f"{r.idle_cpu / r.idle_s * 100:.1f}"),
+        ("handler tracebacks", lambda r: f"{r.tracebacks}"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    for label, cell in rows:
+        print(f"  {label:<{width}} " + " ".join(f"{cell(r):>10}" for r in results))
+    print("\n  Targets: 10,000 in <= 300 s with peak RSS <= 1,024 MiB; 0 idle writes.")
+    for r in results:
+        print(f"\n  API requests at {r.count:,} (per Sandbox):")
+        for key, value in sorted(r.requests.items(), key=lambda kv: -kv[1]):
+            if value >= r.count / 100:
+                print(f"    {key:<40} {value:7d}  ({value / r.count:.2f})")
+        for key, value in r.idle_writes.items():
+            print(f"    idle write: {key} {value}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="1000,3000,10000", help="comma-separated counts")
+    parser.add_argument("--concurrency", type=int, default=20, help="client-side creates in flight")
+    parser.add_argument("--timeout", type=float, default=900, help="per size")
+    parser.add_argument("--changes", type=int, default=5, help="single changes timed per size")
+    parser.add_argument("--settle", type=float, default=5, help="seconds before the changes")
+    parser.add_argument(
+        "--idle", type=float, default=45, help="idle window; longer than the reconcile interval"
+    )
+    args = parser.parse_args()
+    results = []
+    for count in (int(size) for size in args.sizes.split(",")):
+        print(f"== {count:,} Sandboxes", flush=True)
+        results.append(run_size(count, args))
+    report(results, args.concurrency)
+
+
 def _crds() -> list[dict[str, Any]]:
     from sandbox_operator.api.crd import all_crds
 
-    return list(all_crds().values())
+    return [json.loads(json.dumps(d)) for d in all_crds().values()]
 
 
 if __name__ == "__main__":
