@@ -177,6 +177,10 @@ class Settings(BaseModel):
 
     # Reconciliation.
     reconcile_interval_seconds: float = 30.0
+    # Requests in flight to the API server, for each of the operator's two
+    # clients (its own, and Kopf's for finalizers and bookkeeping); the rest
+    # wait in this process for a connection, not in the API server's queues.
+    api_connections: int = Field(default=64, ge=4, le=1024)
     agent_timeout_seconds: float = 5.0
     metrics_port: int = 8000
     max_workers: int = 32

@@ -134,7 +134,9 @@ class Kube:
         verify: ssl.SSLContext | bool,
         token: str | None = None,
         token_file: Path | None = None,
+        connections: int = 64,
     ) -> None:
+        self._connections = connections
         self._token = token
         self._token_file = token_file
         self._token_read_at = 0.0
@@ -145,12 +147,12 @@ class Kube:
     def _http(self) -> aiohttp.ClientSession:
         # Created lazily: an aiohttp session belongs to the running event loop.
         if self._session is None:
-            # At most 64 requests in flight; the rest wait their turn for a
+            # At most `connections` requests in flight; the rest wait their turn for a
             # connection, unbounded: a deadline that counts the wait failed
             # requests that never left this process (TimeoutError from a
             # handler, retried minutes later, at 3,000 Sandboxes). Once sent, a
             # request has 30 s between reads of its answer.
-            connector = aiohttp.TCPConnector(ssl=self._verify, limit=64)
+            connector = aiohttp.TCPConnector(ssl=self._verify, limit=self._connections)
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=30),
@@ -158,7 +160,7 @@ class Kube:
         return self._session
 
     @classmethod
-    def from_environment(cls, kubeconfig: str | None = None) -> Kube:
+    def from_environment(cls, kubeconfig: str | None = None, connections: int = 64) -> Kube:
         """In-cluster credentials when running in a pod, else the kubeconfig
         (`kubeconfig`, else $KUBECONFIG read now, not when `kubernetes` was imported)."""
         configuration = k8s_client.Configuration()
@@ -185,6 +187,7 @@ class Kube:
             token=token,
             # Projected service-account tokens rotate: re-read the file, never cache forever.
             token_file=_IN_CLUSTER_TOKEN if in_cluster else None,
+            connections=connections,
         )
 
     def _headers(self) -> dict[str, str]:
