@@ -16,10 +16,11 @@ from typing import Any
 import kopf
 from prometheus_client import start_http_server
 
-from sandbox_operator import bookkeeping, config, errors, peering
+from sandbox_operator import bookkeeping, config, errors, logs, peering
 from sandbox_operator import login as kopf_login
 from sandbox_operator.agent_client import AgentClient
 from sandbox_operator.builders import pool as pools
+from sandbox_operator.builders.sandbox import pod_essentials
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers import execution, sandbox
 from sandbox_operator.handlers import pool as pool_controller
@@ -69,8 +70,7 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     # Handler chatter stays in logs; Events are for what users should see.
     settings.posting.level = logging.WARNING
     settings.networking.connect_timeout = 10
-    # The liveness endpoint is probed every few seconds: its access log is noise.
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logs.configure()
     memo.ctx = OperatorContext(
         settings=SETTINGS,
         kube=Kube.from_environment(connections=SETTINGS.api_connections),
@@ -145,9 +145,9 @@ async def sandbox_bodies(
 async def sandbox_pods(
     namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
 ) -> Any:
-    """Our pods by (namespace, sandbox)."""
+    """Our pods by (namespace, sandbox): the parts of them the operator reads."""
     owner = labels.get(LABEL_SANDBOX)
-    return {(namespace, owner): _trim(body)} if owner else None
+    return {(namespace, owner): pod_essentials(body)} if owner else None
 
 
 @kopf.index(*CLAIM, labels=OWN)

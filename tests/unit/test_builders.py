@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -310,3 +311,26 @@ def test_agent_budgets_come_from_its_limits() -> None:
     logs = next(v for v in pod["spec"]["volumes"] if v["name"] == "agent-logs")
     budget = int(env["SANDBOX_AGENT_MAX_LOG_DIR_BYTES"]["value"])
     assert 0 < budget <= _quantity_bytes(logs["emptyDir"]["sizeLimit"]) * 3 // 4
+
+
+def test_pod_essentials_keep_what_reconciliation_reads_and_little_else() -> None:
+    spec = {"env": [{"name": "GREETING", "value": "hi"}]}
+    pod = build.desired_pod(REF, SandboxSpec.model_validate(spec), SETTINGS)
+    pod["metadata"]["managedFields"] = [{"manager": "kubectl", "fieldsV1": {}}]
+    pod["metadata"]["uid"] = "pod-uid"
+    pod["status"] = {"phase": "Running", "podIP": "10.0.0.7", "containerStatuses": []}
+    kept = build.pod_essentials(pod)
+    # Decisions and status read these.
+    assert kept["status"] == pod["status"]
+    assert kept["metadata"]["uid"] == "pod-uid"
+    assert kept["metadata"]["annotations"] == pod["metadata"]["annotations"]
+    assert kept["metadata"]["labels"] == pod["metadata"]["labels"]
+    assert build.changed_fields(kept, SandboxSpec.model_validate(spec)) == []
+    # The env sync compares the sandbox container's env.
+    (container,) = kept["spec"]["containers"]
+    assert container["name"] == build.SANDBOX_CONTAINER
+    assert {"name": "GREETING", "value": "hi"} in container["env"]
+    # The rest is left behind.
+    assert "managedFields" not in kept["metadata"]
+    assert set(kept["spec"]) == {"containers"}
+    assert len(json.dumps(kept)) < len(json.dumps(pod)) / 2

@@ -143,7 +143,7 @@ async def ensure_pod(
             if namesake is not None and not namesake["metadata"].get("deletionTimestamp"):
                 _ours_or_refuse(namesake, ref)
             return namesake
-        ctx.created_pods[(ref.namespace, ref.name)] = created
+        ctx.created_pods[(ref.namespace, ref.name)] = build.pod_essentials(created)
         return created
     assert pod is not None
     name = pod["metadata"]["name"]
