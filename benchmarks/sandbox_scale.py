@@ -29,24 +29,22 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import audit_flags, audit_requests  # noqa: E402
+from benchmarks.common import Watcher, audit_flags, audit_requests  # noqa: E402
 from devcluster.controlplane import ControlPlane  # noqa: E402
 from sandbox_operator.kube import Kube  # noqa: E402
 from sandbox_operator.resources import PODS, SANDBOXES  # noqa: E402
 from tests.integration.harness import OperatorProcess, operator_credentials  # noqa: E402
-from tests.kube import ApiError, KubeJSON  # noqa: E402
+from tests.kube import KubeJSON  # noqa: E402
 
 OPERATOR_USER = "system:serviceaccount:sandbox-system:sandbox-operator"
 NAMESPACE = "bench"
@@ -85,65 +83,15 @@ async def create_all(kubeconfig: Path, count: int, concurrency: int) -> None:
     await kube.close()
 
 
-class Follower:
-    """One collection followed by a watch in a thread: `seen(name)` is what the
-    last event of that object said, as `summary(object)` put it."""
-
-    def __init__(
-        self, kubeconfig: Path, path: str, summary: Callable[[dict[str, Any]], Any]
-    ) -> None:
-        self.kubeconfig = kubeconfig
-        self.path = path
-        self.summary = summary
-        self.state: dict[str, Any] = {}
-        self.changed = threading.Condition()
-        self.stopping = False
-        self.error: str | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> None:
-        with KubeJSON(self.kubeconfig) as kube:
-            self.version = kube.read(f"{self.path}?limit=1")["metadata"]["resourceVersion"]
-        self.thread.start()
-
-    def _run(self) -> None:
-        kube = KubeJSON(self.kubeconfig)
-        while not self.stopping:
-            try:
-                for event in kube.watch(self.path, self.version, timeout_seconds=120):
-                    obj = event["object"]
-                    self.version = obj["metadata"]["resourceVersion"]
-                    with self.changed:
-                        if event["type"] == "DELETED":
-                            self.state.pop(obj["metadata"]["name"], None)
-                        else:
-                            self.state[obj["metadata"]["name"]] = self.summary(obj)
-                        self.changed.notify_all()
-            except (ApiError, httpx.HTTPError, OSError, ValueError) as exc:
-                with self.changed:
-                    self.error = None if self.stopping else f"watch of {self.path} failed: {exc}"
-                    self.changed.notify_all()
-                return
-
-    def wait(self, done: Callable[[dict[str, Any]], bool], timeout: float) -> bool:
-        with self.changed:
-            self.changed.wait_for(lambda: self.error is not None or done(self.state), timeout)
-            if self.error is not None:
-                raise SystemExit(self.error)
-            return done(self.state)
-
-    def stop(self) -> None:
-        self.stopping = True
+def written(obj: dict[str, Any]) -> str | None:
+    """A Sandbox whose status names its pod: the operator has been through it."""
+    return "written" if (obj.get("status") or {}).get("podName") else None
 
 
-def sandbox_summary(obj: dict[str, Any]) -> tuple[int, int, bool]:
-    """(generation, status.observedGeneration, has a pod in status)."""
-    status = obj.get("status") or {}
-    return (
-        obj["metadata"].get("generation", 0),
-        status.get("observedGeneration", 0),
-        bool(status.get("podName")),
-    )
+def reconciled(watch: Watcher, name: str, generation: int) -> bool:
+    """The status of Sandbox `name` reports `generation` (or a later one)."""
+    obj = watch.last.get(name) or {}
+    return int((obj.get("status") or {}).get("observedGeneration", 0)) >= generation
 
 
 @dataclass
@@ -172,7 +120,7 @@ def run_size(count: int, args: argparse.Namespace) -> Result:
     cp = ControlPlane(f"bench-{os.getpid()}", apiserver_args=flags)
     cp.start()
     operator: OperatorProcess | None = None
-    followers: list[Follower] = []
+    watches: list[Watcher] = []
     try:
         admin = KubeJSON(cp.kubeconfig)
         for crd in _crds():
@@ -184,11 +132,9 @@ def run_size(count: int, args: argparse.Namespace) -> Result:
         operator.start()
         assert operator.proc is not None
         pid = operator.proc.pid
-        sandboxes = Follower(cp.kubeconfig, SANDBOXES.path(NAMESPACE), sandbox_summary)
-        pods = Follower(cp.kubeconfig, PODS.path(NAMESPACE), lambda _: True)
-        followers = [sandboxes, pods]
-        for follower in followers:
-            follower.start()
+        sandboxes = Watcher(cp.kubeconfig, SANDBOXES.path(NAMESPACE), written)
+        pods = Watcher(cp.kubeconfig, PODS.path(NAMESPACE), lambda _: "made", keep_last=False)
+        watches = [sandboxes, pods]
         result.rss_start = rss_mib(pid)
         cpu_operator0 = cpu_seconds(pid)
         cpu_cluster0 = sum(cpu_seconds(p) for p in cp.pids().values())
@@ -199,17 +145,18 @@ def run_size(count: int, args: argparse.Namespace) -> Result:
         asyncio.run(create_all(cp.kubeconfig, count, args.concurrency))
         result.created_s = time.monotonic() - t0
         deadline = t0 + args.timeout
-        statused = sandboxes.wait(
-            lambda s: sum(1 for v in s.values() if v[2]) == count, deadline - time.monotonic()
+        statused = sandboxes.until(
+            lambda: sandboxes.counts["written"] == count, deadline - time.monotonic()
         )
-        podded = pods.wait(lambda s: len(s) == count, max(0.0, deadline - time.monotonic()))
+        podded = pods.until(
+            lambda: pods.counts["made"] == count, max(0.0, deadline - time.monotonic())
+        )
         result.done_s = time.monotonic() - t0
         finished = time.time()
         if not (statused and podded):
-            with_status = sum(1 for v in sandboxes.state.values() if v[2])
             raise SystemExit(
-                f"{count}: not done after {args.timeout}s:"
-                f" status {with_status}, pods {len(pods.state)}"
+                f"{count}: not done after {args.timeout}s: status"
+                f" {sandboxes.counts['written']}, pods {pods.counts['made']}"
             )
         result.rss_peak = rss_mib(pid)
         result.cpu_operator = cpu_seconds(pid) - cpu_operator0
@@ -224,8 +171,8 @@ def run_size(count: int, args: argparse.Namespace) -> Result:
                 SANDBOXES.path(NAMESPACE, name),
                 {"spec": {"lifecycle": {"idleTimeout": f"{31 + k}m"}}},
             )
-            generation = edited["metadata"]["generation"]
-            if not sandboxes.wait(lambda s, n=name, g=generation: s[n][1] >= g, 120):
+            generation: int = edited["metadata"]["generation"]
+            if not sandboxes.until(partial(reconciled, sandboxes, name, generation), 120):
                 raise SystemExit(f"{count}: the change to {name} was not reconciled in 120 s")
             result.latencies.append(time.monotonic() - t1)
             time.sleep(1)
@@ -247,8 +194,8 @@ def run_size(count: int, args: argparse.Namespace) -> Result:
         print(f"  (work dir, with the audit and operator logs: {work})")
         return result
     finally:
-        for follower in followers:
-            follower.stop()
+        for watch in watches:
+            watch.close()
         if operator is not None:
             operator.stop()
         cp.stop(remove_state=True)

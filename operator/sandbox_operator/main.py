@@ -167,7 +167,7 @@ async def sandbox_changed(
 ) -> None:
     ctx = _ctx(memo)
     children = {
-        "create": sandbox.Children.ENSURE,
+        "create": sandbox.Children.CREATE,
         "update": sandbox.Children.CONVERGE,
     }.get(str(reason), sandbox.Children.ENSURE)
     refused = sandbox.refused(ctx, dict(body))
