@@ -145,7 +145,7 @@ class Watcher:
         self.changed = threading.Condition()
         self.closing = False
         # The list's version: events from here on; the thread starts watching now.
-        self.version = str(self.kube.read(path)["metadata"]["resourceVersion"])
+        self.version = self._list_version()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -176,7 +176,7 @@ class Watcher:
                 if exc.status != 410:
                     raise
                 # Too old a version: go on from the present (states may be missed).
-                self.version = str(self.kube.read(self.path)["metadata"]["resourceVersion"])
+                self.version = self._list_version()
             except Exception:
                 if self.closing:
                     return  # the client was closed under the open watch
@@ -195,6 +195,18 @@ class Watcher:
                 if left <= 0 or not self.thread.is_alive():
                     raise SystemExit(f"{name}: none of {sorted(states)} within {timeout} s")
                 self.changed.wait(min(left, 1.0))
+
+    def _list_version(self) -> str:
+        # A just-created CRD's storage answers 429 ("storage is (re)initializing")
+        # for a moment.
+        for _ in range(60):
+            try:
+                return str(self.kube.read(self.path)["metadata"]["resourceVersion"])
+            except ApiError as exc:
+                if exc.status != 429:
+                    raise
+                time.sleep(0.5)
+        raise SystemExit(f"{self.path}: still 429 after 30 s")
 
     def until(self, done: Callable[[], bool], timeout: float) -> bool:
         """Whether `done()` (asked under the lock after each event: keep it cheap)
