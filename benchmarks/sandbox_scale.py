@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import Watcher, audit_flags, audit_requests  # noqa: E402
+from benchmarks.common import Watcher, audit_flags, audit_requests, write_results  # noqa: E402
 from devcluster.controlplane import ControlPlane  # noqa: E402
 from sandbox_operator.kube import Kube  # noqa: E402
 from sandbox_operator.resources import PODS, SANDBOXES  # noqa: E402
@@ -252,6 +252,7 @@ def main() -> None:
         print(f"== {count:,} Sandboxes", flush=True)
         results.append(run_size(count, args))
     report(results, args.concurrency)
+    write_results("scale", {"concurrency": args.concurrency, "sizes": [asdict(r) for r in results]})
 
 
 def _crds() -> list[dict[str, Any]]:
