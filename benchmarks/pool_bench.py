@@ -262,6 +262,7 @@ def main() -> None:
             # From now on the refill goes one member at a time: the node holds
             # 110 pods, and the burst is measured, not the refill.
             kube.patch(pool_path("warm"), {"spec": {"maxCreating": 1}})
+            print(f"refilled in {refill_s:.1f} s; the burst starts", flush=True)
 
             names = [f"burst-{i:03d}" for i in range(args.burst)]
             wall0, first = time.time(), time.monotonic()
