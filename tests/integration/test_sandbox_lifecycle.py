@@ -195,6 +195,14 @@ def test_env_and_ports_change_without_a_new_pod(
     assert kube.read(_pod(ns, "oscar"))["metadata"]["uid"] == uid
     _wait_event(kube, ns, "oscar", "EnvironmentUpdated")
 
+    # Back to the env the pod started with: the overlay is taken back.
+    sandboxes.patch(
+        "oscar", {"spec": {"env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}}
+    )
+    wait_for(lambda: overlay() is None, 20, "the overlay taken back")
+    assert agent.call("GET", "/v1/environment")["unset"] == []
+    assert kube.read(_pod(ns, "oscar"))["metadata"]["uid"] == uid
+
 
 def test_files_are_in_the_workspace_at_ready_and_a_bad_one_is_named(
     sandboxes: Sandboxes, kube: KubeJSON, node: Node, agents: Callable[[str], AgentProcess]

@@ -31,26 +31,27 @@ async def sync_environment(
 
     The pod keeps the env it started with; when the spec's differs, the agent
     gets an overlay (the whole env, and the names to drop) that it applies to
-    each new command. What the agent holds is compared by digest."""
+    each new command. What the agent holds is compared by digest; a spec back at
+    the pod's env means no overlay, and one given earlier is taken back."""
     if pod is None or not endpoint:
         return
     uid = pod["metadata"]["uid"]
     wanted = [var.to_wire() for var in spec.env]
     base = _pod_env(pod)
-    if wanted == base:
-        ctx.environments.pop(uid, None)
-        return
     # Secrets are read once per change of the spec's env, like the kubelet reads
     # them once per container start.
     applied = json.dumps(wanted, sort_keys=True)
     if ctx.environments.get(uid) == applied:
         return
-    try:
-        env = await envvars.resolve(ctx.kube, body["metadata"]["namespace"], spec.env)
-    except envvars.MissingSecret as exc:
-        ctx.event(body, "warn", reason="EnvironmentPending", message=str(exc))
-        return
-    unset = sorted({var["name"] for var in base} - env.keys())
+    env: dict[str, str] = {}
+    unset: list[str] = []
+    if wanted != base:
+        try:
+            env = await envvars.resolve(ctx.kube, body["metadata"]["namespace"], spec.env)
+        except envvars.MissingSecret as exc:
+            ctx.event(body, "warn", reason="EnvironmentPending", message=str(exc))
+            return
+        unset = sorted({var["name"] for var in base} - env.keys())
     digest = environment_hash(env, unset)
     token = await ctx.agent_token(body)
     if not token:
