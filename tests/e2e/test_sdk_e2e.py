@@ -212,4 +212,6 @@ def test_kubectl_sandbox(user_env: dict[str, str], e2e: E2E, tmp_path: Path) -> 
 
     deleted = _cli(env, "delete", "demo", "demo-copy")
     assert deleted.returncode == 0, deleted.stderr
-    assert _cli(env, "get", "-o", "name").stdout == ""
+    # `run` deletes its one-shot sandbox without waiting for it to be gone (its
+    # pod stops first): it may still be terminating here, and is gone soon after.
+    wait_for(lambda: _cli(env, "get", "-o", "name").stdout == "", 60, "every sandbox gone")
