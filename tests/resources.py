@@ -69,3 +69,28 @@ class Resources:
 
         where = f"{self.kind} {self.namespace}/{name}"
         return wait_for(reached, timeout, f"{where}: {what}", interval)
+
+    def wait_gone(self, name: str, timeout: float, what: str) -> None:
+        """Until the object is gone; on timeout the failure shows what holds it
+        (deletion timestamp, finalizers, phase, conditions)."""
+        last: JSON | None = None
+
+        def gone() -> bool:
+            nonlocal last
+            last = self.get(name)
+            return last is None
+
+        try:
+            wait_for(gone, timeout, what)
+        except AssertionError as exc:
+            meta = (last or {}).get("metadata") or {}
+            status = (last or {}).get("status") or {}
+            held = {
+                "deletionTimestamp": meta.get("deletionTimestamp"),
+                "finalizers": meta.get("finalizers"),
+                "annotations": meta.get("annotations"),
+                "phase": status.get("phase"),
+                "conditions": status.get("conditions"),
+            }
+            where = f"{self.kind} {self.namespace}/{name}"
+            raise AssertionError(f"{where} still there: {held}") from exc

@@ -162,7 +162,7 @@ def test_idle_timeout_and_deletion_remove_everything(e2e: E2E) -> None:
     sandboxes = Sandboxes(e2e.kube, ns)
     sandboxes.create("sleepy", {"lifecycle": {"idleTimeout": "10s"}})
     sandboxes.wait_ready("sleepy")
-    wait_for(lambda: sandboxes.get("sleepy") is None, 90, "idle deletion")
+    sandboxes.wait_gone("sleepy", 90, "idle deletion")
     for path in (
         core_path("pods", ns, "sleepy"),
         core_path("persistentvolumeclaims", ns, "sleepy-workspace"),

@@ -99,7 +99,7 @@ def test_forks_are_independent_and_lineage_follows_restore_chains(e2e: E2E) -> N
 
     # The source goes: its snapshot stays and stays usable.
     sandboxes.delete("origin")
-    wait_for(lambda: sandboxes.get("origin") is None, 120, "origin deleted")
+    sandboxes.wait_gone("origin", 120, "origin deleted")
     assert snapshots.get("base") is not None
 
     for name in ("left", "right"):
@@ -146,7 +146,7 @@ def test_idle_snapshot_before_delete_is_restorable(e2e: E2E) -> None:
     )
     sandboxes.wait_ready("sleepy")
     Agent.of(e2e.kube, ns, "sleepy").write("work.txt", "unsaved work\n")
-    wait_for(lambda: sandboxes.get("sleepy") is None, 240, "idle deletion of sleepy")
+    sandboxes.wait_gone("sleepy", 240, "idle deletion of sleepy")
     taken = snapshots.list("sandbox.dev/sandbox=sleepy")
     assert len(taken) == 1, taken
     name = taken[0]["metadata"]["name"]

@@ -121,7 +121,7 @@ def test_objects_of_an_older_operator_are_taken_over_without_creating_them_again
 
     # Deleting goes through the kept finalizer.
     sandboxes.delete("veteran")
-    wait_for(lambda: sandboxes.get("veteran") is None, 60, "the Sandbox to be deleted")
+    sandboxes.wait_gone("veteran", 60, "the Sandbox to be deleted")
 
 
 def test_a_pod_of_an_older_release_is_kept_and_stamped(

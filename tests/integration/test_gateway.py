@@ -275,7 +275,7 @@ def test_scoped_tokens_and_signed_urls(
 
     # A namesake made after the token refuses it (the token is bound to the UID).
     sandboxes.delete("box")
-    wait_for(lambda: sandboxes.get("box") is None, 60, "the sandbox deleted")
+    sandboxes.wait_gone("box", 60, "the sandbox deleted")
     live_sandbox("box")
     with client(gateway, ns, "box", scoped) as http:
         stale = http.post("/executions", json={"command": "true"})

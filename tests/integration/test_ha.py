@@ -99,7 +99,7 @@ def test_sigkilled_active_replica_is_replaced_and_its_work_completes(
     print(f"failover: {failover:.1f}s from SIGKILL to the standby's first handler")
     record_property("failover_seconds", round(failover, 2))
 
-    wait_for(lambda: sandboxes.get("doomed") is None, 60, "the deleted sandbox to go")
+    sandboxes.wait_gone("doomed", 60, "the deleted sandbox to go")
     done = executions.wait_done("once", timeout=60)
     assert done["phase"] == "Succeeded", done
     # The Snapshot ends on the standby; this control plane has no VolumeSnapshot API.

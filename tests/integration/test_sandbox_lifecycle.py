@@ -347,7 +347,7 @@ def test_delete_removes_children_through_garbage_collection(
     sandboxes.create("delta")
     wait_for(lambda: all(_children(kube, ns, "delta").values()), 20, "children")
     sandboxes.delete("delta")
-    wait_for(lambda: sandboxes.get("delta") is None, 30, "sandbox gone")
+    sandboxes.wait_gone("delta", 30, "sandbox gone")
     wait_for(lambda: not any(_children(kube, ns, "delta").values()), 60, "children collected")
 
 
@@ -365,7 +365,7 @@ def test_deletion_waits_for_the_operator(
     assert body["metadata"].get("deletionTimestamp"), "finalizer must hold deletion"
     assert _exists(kube, _pod(ns, "echo"))
     running_operator.start()
-    wait_for(lambda: sandboxes.get("echo") is None, 30, "deletion completes after restart")
+    sandboxes.wait_gone("echo", 30, "deletion completes after restart")
     wait_for(lambda: not _exists(kube, _pod(ns, "echo")), 30, "pod gone")
 
 
@@ -414,7 +414,7 @@ def test_idle_timeout_follows_real_agent_activity(
     status = sandboxes.read("golf")["status"]
     assert status["activeExecutions"] == 1
     # Then, after the command ends and 4 s pass without activity, it goes.
-    wait_for(lambda: sandboxes.get("golf") is None, 30, "idle deletion")
+    sandboxes.wait_gone("golf", 30, "idle deletion")
 
 
 def test_idle_pause_keeps_the_claim_and_resumes_on_request(

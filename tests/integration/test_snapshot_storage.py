@@ -153,7 +153,7 @@ def test_snapshot_rollback_fork_lineage_and_retention_on_real_volumes(
 
     # The source goes; its snapshots stay and still restore.
     sandboxes.delete("paused")
-    wait_for(lambda: sandboxes.get("paused") is None, 60, "sandbox deleted")
+    sandboxes.wait_gone("paused", 60, "sandbox deleted")
     assert snapshots.get("one") is not None
     sandboxes.create("fork", {"paused": True, "workspace": {"fromSnapshot": "two"}})
     fork = workspace_dir(cluster, skube, sns, "fork")

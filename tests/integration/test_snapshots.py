@@ -54,7 +54,7 @@ def test_snapshot_waits_for_its_sandbox_then_fails_without_a_snapshot_api(
     # Deleting the Sandbox leaves its Snapshot; deleting the Snapshot completes
     # (its finalizer has no VolumeSnapshot to delete on this cluster).
     sandboxes.delete("later")
-    wait_for(lambda: sandboxes.get("later") is None, 60, "sandbox deleted")
+    sandboxes.wait_gone("later", 60, "sandbox deleted")
     assert snapshots.get("early") is not None
     snapshots.delete("early")
     wait_for(lambda: snapshots.get("early") is None, 30, "snapshot deleted")
@@ -198,7 +198,7 @@ def test_idle_delete_waits_for_its_snapshot_and_the_snapshot_outlives_the_sandbo
 ) -> None:
     snapshots = Snapshots(kube, ns)
     _idle_sandbox(kube, sandboxes, node, own_agent, "gone", "Delete")
-    wait_for(lambda: sandboxes.get("gone") is None, 60, "idle deletion")
+    sandboxes.wait_gone("gone", 60, "idle deletion")
     taken = snapshots.list("sandbox.dev/sandbox=gone")
     assert len(taken) == 1, taken
     # The finalizer let the sandbox go only once its snapshot had settled.

@@ -289,13 +289,13 @@ def test_paused_timeout_deletes_after_a_snapshot(
     )
     body = sandboxes.wait_phase("parked", "Paused")
     assert body["status"]["pausedDeadline"] > body["status"]["pausedSince"], body["status"]
-    wait_for(lambda: sandboxes.get("parked") is None, 60, "deleted after pausedTimeout")
+    sandboxes.wait_gone("parked", 60, "deleted after pausedTimeout")
     taken = Snapshots(kube, ns).kube.list(Snapshots(kube, ns).path(), "sandbox.dev/sandbox=parked")
     assert [s["spec"]["sandboxRef"]["name"] for s in taken] == ["parked"], taken
 
     # Without snapshotOnIdle nothing is taken; a sandbox running is not counted.
     sandboxes.create("brief", {"paused": True, "lifecycle": {"pausedTimeout": "2s"}})
     sandboxes.create("running", {"lifecycle": {"pausedTimeout": "1s"}})
-    wait_for(lambda: sandboxes.get("brief") is None, 60, "deleted after pausedTimeout")
+    sandboxes.wait_gone("brief", 60, "deleted after pausedTimeout")
     assert sandboxes.get("running") is not None
     assert (sandboxes.read("running").get("status") or {}).get("pausedDeadline") is None

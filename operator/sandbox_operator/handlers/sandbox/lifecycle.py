@@ -128,12 +128,11 @@ def paused_fields(old: SandboxStatus, spec: SandboxSpec, paused: bool, now: date
 
 async def _paused_too_long(
     ctx: OperatorContext, body: JSON, spec: SandboxSpec, status: SandboxStatus, now: datetime
-) -> JSON:
+) -> None:
     """Delete a sandbox paused past its pausedTimeout; with snapshotOnIdle, after a
     Snapshot of its workspace (the finalizer waits for it), unless the idle policy
     took one when it paused the sandbox (nothing has written to it since)."""
     meta = body["metadata"]
-    fields: JSON = {}
     if spec.lifecycle.snapshot_on_idle and not status.idle_snapshot:
         # Named after the deadline, which a restarted operator reads again from status.
         deadline = parse_time(status.paused_deadline or iso(now))
@@ -143,12 +142,10 @@ async def _paused_too_long(
             snapshot_build.build_idle_snapshot(meta["name"], meta["namespace"], name),
         )
         # idle_paused_at cleared: the finalizer waits only for a snapshot taken at deletion.
-        fields = {
-            "idle_snapshot": name,
-            "idle_snapshot_started_at": iso(now),
-            "idle_paused_at": None,
-        }
-        await write_status(ctx, body, status.evolve(**fields))
+        taken = status.evolve(
+            idle_snapshot=name, idle_snapshot_started_at=iso(now), idle_paused_at=None
+        )
+        await write_status(ctx, body, taken)
     ctx.event(
         body,
         "info",
@@ -158,7 +155,6 @@ async def _paused_too_long(
     )
     metrics.TEARDOWNS.labels("paused_timeout").inc()
     await ctx.kube.delete(SANDBOXES.path(meta["namespace"], meta["name"]), uid=meta["uid"])
-    return fields
 
 
 async def lifecycle(
@@ -168,11 +164,14 @@ async def lifecycle(
     status: SandboxStatus,
     now: datetime,
     logger: kopf.Logger,
-) -> JSON:
-    """Idle timeout, paused timeout and max lifetime. Returns status fields to set."""
+) -> JSON | None:
+    """Idle timeout, paused timeout and max lifetime. Returns status fields to set,
+    or None when it deleted the sandbox: whatever it had to say is written, and
+    a write after the delete would race the finalizer's own patch."""
     meta = body["metadata"]
     if status.paused_deadline and now >= parse_time(status.paused_deadline):
-        return await _paused_too_long(ctx, body, spec, status, now)
+        await _paused_too_long(ctx, body, spec, status, now)
+        return None
     info = None if became_ready(status, now) else await _agent_info(ctx, body, status, logger)
     full = _workspace_full(ctx, body, status, info, now)
     full.update(_limits(ctx, body, spec, status.evolve(**full), info, now))
@@ -190,7 +189,7 @@ async def lifecycle(
         )
         metrics.TEARDOWNS.labels("max_lifetime").inc()
         await ctx.kube.delete(sandbox_path, uid=meta["uid"])
-        return fields
+        return None
     if decision.action is IdleAction.NONE:
         return fields
     assert decision.last_activity is not None
@@ -220,8 +219,8 @@ async def lifecycle(
             # Teardown (the finalizer) waits for the snapshot it finds in status.
             await write_status(ctx, body, status.evolve(**fields))
         await ctx.kube.delete(sandbox_path, uid=meta["uid"])
-    else:
-        fields["idle_paused_at"] = iso(now)
+        return None
+    fields["idle_paused_at"] = iso(now)
     return fields
 
 
