@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +85,33 @@ def audit_events(logs: Iterable[Path]) -> Iterable[dict[str, Any]]:
 def service_account(namespace: str, name: str) -> str:
     """The username a ServiceAccount's token authenticates as."""
     return f"system:serviceaccount:{namespace}:{name}"
+
+
+def writes(
+    events: Iterable[Mapping[str, Any]],
+    username: str,
+    namespace: str,
+    names: Iterable[str],
+    since: float,
+    until: float,
+) -> list[str]:
+    """The writes `username` sent to objects `names` of `namespace` from `since`
+    to `until` (epoch seconds), one per request, as "verb resource[/subresource]
+    name code", in order: what a path through the operator costs the API server."""
+    wanted = set(names)
+    found: dict[str, str] = {}
+    for event in events:
+        ref = event.get("objectRef") or {}
+        if (
+            event["user"]["username"] != username
+            or event["verb"] not in ("create", "update", "patch", "delete")
+            or ref.get("namespace") != namespace
+            or ref.get("name") not in wanted
+        ):
+            continue
+        received = datetime.fromisoformat(event["requestReceivedTimestamp"]).timestamp()
+        if since <= received <= until:
+            sub = f"/{ref['subresource']}" if ref.get("subresource") else ""
+            code = (event.get("responseStatus") or {}).get("code")
+            found[event["auditID"]] = f"{event['verb']} {ref['resource']}{sub} {ref['name']} {code}"
+    return list(found.values())

@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import kopf
 
+from sandbox_operator.kube import JSON_PATCH, Api, KubeError
 from sandbox_operator.resources import FINALIZER, KOPF_PREFIX, LABEL_POOL, LEGACY_KOPF_PREFIX
 
 DIGEST_KEY = "last-handled-digest"
@@ -113,18 +114,61 @@ class DigestDiffBaseStorage(kopf.DiffBaseStorage):
 DIFF_BASE = DigestDiffBaseStorage()
 
 
-def mark_handled(body: kopf.Body, patch: kopf.Patch) -> None:
-    """Record `body` as handled by its change handlers, when it has no diff base
-    yet: for a Sandbox that an event handler converged completely (a claim).
+def _pointer(key: str) -> str:
+    """`key` as one JSON Pointer token (RFC 6901)."""
+    return key.replace("~", "~0").replace("/", "~1")
 
-    The diff base goes in as a transformation, like Kopf's finalizer: Kopf
-    sends both in one JSON patch, so no creation handler runs after it and no
-    second write stores the diff base. (As a merge patch it would be a write of
-    its own, and Kopf would then test its finalizer patch against a stale
-    resourceVersion.)"""
+
+def handled_patch(body: JSON, digest_value: str) -> list[JSON]:
+    """The JSON patch that records `body` as handled (its diff base) and adds Kopf's
+    finalizer, as Kopf's own patch would: conditioned on the resourceVersion read,
+    so that nothing written since (a finalizer of another controller) is lost.
+    Pure."""
+    meta = body["metadata"]
+    annotations = meta.get("annotations")
+    finalizers = meta.get("finalizers")
+    ops: list[JSON] = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": meta["resourceVersion"]}
+    ]
+    if annotations:
+        path = f"/metadata/annotations/{_pointer(DIFF_BASE.annotation)}"
+        ops.append({"op": "add", "path": path, "value": digest_value})
+    else:
+        ops.append(
+            {
+                "op": "add",
+                "path": "/metadata/annotations",
+                "value": {DIFF_BASE.annotation: digest_value},
+            }
+        )
+    if not finalizers:
+        ops.append({"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]})
+    elif FINALIZER not in finalizers:
+        ops.append({"op": "add", "path": "/metadata/finalizers/-", "value": FINALIZER})
+    return ops
+
+
+async def mark_handled(kube: Api, path: str, body: kopf.Body, patch: kopf.Patch) -> None:
+    """Record `body` (the object at `path`) as handled by its change handlers, when
+    it has no diff base yet: for a Sandbox that an event handler converged
+    completely (a claim). No creation handler runs after it.
+
+    Written here, before Kopf's patch of this round (the status the handler
+    left in `patch`): Kopf's finalizer is then already there when Kopf writes
+    the status, and no event shows the object with its status and without its
+    finalizer. (Kopf, seeing one, would add the finalizer again with a test
+    of a resourceVersion that is no longer current, refused with 422.) If the
+    object changed since `body` was read, the diff base goes into Kopf's own
+    patch instead, like its finalizer."""
     if DIFF_BASE.fetch(body=body) is not None:
         return
     digest_value = DIFF_BASE.build(body=body)["digest"]
+    try:
+        await kube.patch(path, handled_patch(dict(body), digest_value), JSON_PATCH)
+        return
+    except KubeError as exc:
+        if exc.status not in (409, 422):
+            raise
 
     def annotate(raw: Any) -> None:
         raw.setdefault("metadata", {}).setdefault("annotations", {})[DIFF_BASE.annotation] = (

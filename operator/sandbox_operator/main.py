@@ -215,10 +215,10 @@ async def sandbox_event(
 ) -> None:
     """Gone: drop what this process holds for it (the finalizer does too, when it
     ran). New and naming a pool: claim a member now, in the round of the event
-    that announced it, before Kopf adds its finalizer, so the Sandbox is Ready
-    after two writes (the claim, its status). A claim converges the Sandbox
-    completely, so it is marked handled in the patch that adds the finalizer:
-    no creation handler and no diff-base write follow (three writes in all)."""
+    that announced it. A claim converges the Sandbox completely, so it is
+    marked handled in the patch that adds Kopf's finalizer, and no creation
+    handler follows. Three writes in all: the claim, that patch, and the
+    status, which Kopf writes with this round's patch (see `mark_handled`)."""
     ctx = _ctx(memo)
     if type == "DELETED":
         sandbox.forget(ctx, dict(body))
@@ -228,15 +228,17 @@ async def sandbox_event(
     # The change handler retries whatever this pass could not do.
     with suppress(kopf.PermanentError, kopf.TemporaryError):
         async with errors.policy("Sandbox", "claim", sandbox.refused(ctx, dict(body))):
-            await sandbox.reconcile(
+            status = await sandbox.reconcile(
                 ctx,
                 dict(body),
                 logger,
                 children=sandbox.Children.POD,
+                status_into=kwargs["patch"],
                 **_indexes(kwargs),
             )
-            if pools.claimed(ctx.current(dict(body))):
-                bookkeeping.mark_handled(body, kwargs["patch"])
+            if pools.claimed({"status": status or {}}):
+                path = SANDBOXES.path(body["metadata"]["namespace"], body["metadata"]["name"])
+                await bookkeeping.mark_handled(ctx.kube, path, body, kwargs["patch"])
 
 
 async def _child_changed(

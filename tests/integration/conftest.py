@@ -160,6 +160,13 @@ def pytest_runtest_makereport(
 def ns(kube: KubeJSON, running_operator: OperatorProcess) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
     kube.create(core_path("namespaces"), namespace_manifest(name))
+    # Pods are refused until the controller manager makes the namespace's default
+    # ServiceAccount: right after the cluster starts, that can take a while.
+    wait_for(
+        lambda: kube.get(core_path("serviceaccounts", name, "default")),
+        60,
+        f"the default ServiceAccount of {name}",
+    )
     yield name
     kube.delete(core_path("namespaces", name=name))
 

@@ -14,8 +14,10 @@ import pytest
 from devcluster.controlplane import ControlPlane
 from sandbox_operator.bookkeeping import DIGEST_KEY
 from sandbox_operator.resources import FINALIZER, KOPF_PREFIX
+from tests.grants import audit_events, service_account, writes
 from tests.integration.conftest import kubectl
 from tests.integration.harness import (
+    OPERATOR_NAMESPACE,
     AgentProcess,
     Node,
     OperatorProcess,
@@ -95,6 +97,7 @@ def test_pool_fills_serves_a_claim_refills_and_scales(
     waiting = {m["metadata"]["name"] for m in members(kube, ns, "warm")}
     assert len(waiting) == 3
 
+    since = time.time()
     sandboxes.create("agent-1", {"poolRef": {"name": "warm"}})
     body = sandboxes.wait_ready("agent-1", timeout=20)
     use = body["status"]["pool"]
@@ -120,8 +123,23 @@ def test_pool_fills_serves_a_claim_refills_and_scales(
         return body if body["metadata"].get("finalizers") else None
 
     marked = wait_for(finalized, 20, "Kopf's finalizer on agent-1")
+    until = time.time()
     assert marked["metadata"]["finalizers"] == [FINALIZER]
     assert f"{KOPF_PREFIX}/{DIGEST_KEY}" in marked["metadata"]["annotations"]
+    # Three writes, none refused: the claim, the finalizer with the diff base
+    # (tested against the resourceVersion the claim read), then the status.
+    operator = service_account(OPERATOR_NAMESPACE, "sandbox-operator")
+
+    def claim_writes() -> list[str]:
+        events = audit_events(control_plane.audit_logs)
+        return writes(events, operator, ns, ("agent-1", member), since, until)
+
+    wait_for(lambda: len(claim_writes()) >= 3, 10, "the claim's writes in the audit log")
+    assert claim_writes() == [
+        f"patch sandboxes {member} 200",
+        "patch sandboxes agent-1 200",
+        "patch sandboxes/status agent-1 200",
+    ]
     # The event handler claimed (Kopf's per-event success lines are not logged:
     # its metric counts it), and Kopf ran no creation handler for agent-1.
     claims = 'sandbox_operator_reconciles_total{kind="Sandbox",result="ok",trigger="claim"}'

@@ -137,18 +137,21 @@ async def reconcile(
     pools: ChildIndex,
     pod: JSON | None = None,
     pod_known: bool = False,
-) -> None:
+    status_into: kopf.Patch | None = None,
+) -> JSON | None:
     """Converge one Sandbox. `children` says how far beyond the pod to look;
     `pod_known` means `pod` is the pod as it stands (None: there is none);
     otherwise the pod index is asked. `sandboxes` and `quotas` are what quota
-    admission counts with; `pools` is where a claim finds its pool."""
+    admission counts with; `pools` is where a claim finds its pool. The final
+    status goes into `status_into` when given (see `write_status`). Returns
+    the status a full pass arrived at (None when it stopped early)."""
     meta = body["metadata"]
     async with ctx.lock(meta["namespace"], meta["name"]):
         if not _present(sandboxes, build.ref_of(body)):
-            return  # gone since this pass was scheduled (a timer of a deleted Sandbox)
+            return None  # gone since this pass was scheduled (a timer of a deleted Sandbox)
         body = current(ctx, body)
         if claimed_by(body) is not None:
-            return  # a pool member another Sandbox claimed: that one looks after it now
+            return None  # a pool member another Sandbox claimed: that one looks after it now
         recorded = (body.get("status") or {}).get("pool")
         body = await take_member(ctx, body, sandboxes, pods, pools)
         kids = build.children_ref(body)
@@ -159,7 +162,7 @@ async def reconcile(
                 " pod and workspace; delete this Sandbox and create it again"
             )
             await report_blocked(ctx, body, None, held=(SandboxReason.POOL_MEMBER_LOST.value, why))
-            return
+            return None
         if kids.uid != meta["uid"] and children is not Children.CONVERGE:
             # Served by a claimed member, whose children exist, converged to the
             # pool's template: only a network of this Sandbox's own changes them,
@@ -182,12 +185,16 @@ async def reconcile(
             and not await admit(ctx, body, spec, sandboxes, quotas)
         ):
             raise waiting(ctx, meta["namespace"])
-        await _reconcile(ctx, body, logger, children=children, pod=pod, claim=claim)
-        use = (body.get("status") or {}).get("pool") or {}
+        await _reconcile(
+            ctx, body, logger, children=children, pod=pod, claim=claim, status_into=status_into
+        )
+        status: JSON = body.get("status") or {}
+        use = status.get("pool") or {}
         if use != (recorded or {}) and use.get("outcome") == PoolOutcome.CLAIMED:
-            # A member left the pool, and the claim is in status (the pool counts its
-            # claimed members from there): refill and count now.
+            # A member left the pool: refill now. (The pool counts its claimed
+            # members from their status: a pass after the status is written does.)
             ctx.wake_pool(meta["namespace"], use["name"])
+        return status
 
 
 def _present(sandboxes: SandboxIndex, ref: build.SandboxRef) -> bool:
@@ -205,6 +212,7 @@ async def _reconcile(
     children: Children,
     pod: JSON | None,
     claim: JSON | None,
+    status_into: kopf.Patch | None = None,
 ) -> None:
     meta = body["metadata"]
     spec, invalid = parse_spec(body, ctx.settings)
@@ -287,13 +295,23 @@ async def _reconcile(
         ctx.event(body, "info", reason="Resumed", message="starting the pod on the kept workspace")
     if not observed.deleting:
         changes = await lifecycle(ctx, body, spec, status, now, logger)
+        if changes is None:
+            return  # deleted: the finalizer takes it from here
         if changes.get("idle_paused_at"):
             # Paused by the idle policy just now: converge again as a paused sandbox.
             body["status"] = status.evolve(**changes).to_wire()
-            await _reconcile(ctx, body, logger, children=Children.POD, pod=pod, claim=claim)
+            await _reconcile(
+                ctx,
+                body,
+                logger,
+                children=Children.POD,
+                pod=pod,
+                claim=claim,
+                status_into=status_into,
+            )
             return
         status = status.evolve(**changes)
-    await write_status(ctx, body, status)
+    await write_status(ctx, body, status, into=status_into)
     if workspace.busy and children is not Children.POD:
         # Change handlers retry; timers and pod events come back by themselves.
         raise kopf.TemporaryError("restoring the workspace from a snapshot", delay=1)

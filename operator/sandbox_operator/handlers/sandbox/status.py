@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import kopf
+
 from sandbox_operator import metrics
 from sandbox_operator.api.common import parse_duration
 from sandbox_operator.api.sandbox import (
@@ -32,8 +34,16 @@ def status_of(body: JSON) -> SandboxStatus:
     return SandboxStatus.model_validate(body.get("status") or {})
 
 
-async def write_status(ctx: OperatorContext, body: JSON, status: SandboxStatus) -> None:
-    """Patch status only when it changed: every write costs the API server."""
+async def write_status(
+    ctx: OperatorContext, body: JSON, status: SandboxStatus, into: kopf.Patch | None = None
+) -> None:
+    """Patch status only when it changed: every write costs the API server.
+
+    With `into` (an event handler's Kopf patch), the status goes into it and
+    Kopf writes it when the handler returns, before its own finalizer patch,
+    which then tests a fresh resourceVersion: written here, the status would
+    make that patch fail (422) and come again with the next event. This
+    process's record of the status stays unset until the index shows it."""
     old = body.get("status") or {}
     new = status.to_wire()
     meta = body["metadata"]
@@ -42,6 +52,11 @@ async def write_status(ctx: OperatorContext, body: JSON, status: SandboxStatus) 
     patch = status_patch(old, new)
     if patch is None:
         ctx.statuses[key] = new
+        return
+    if into is not None:
+        into.status.update(patch["status"])
+        ctx.statuses.pop(key, None)
+        body["status"] = new
         return
     written = await ctx.kube.patch(
         SANDBOXES.path(meta["namespace"], meta["name"], "status"), patch, MERGE_PATCH
