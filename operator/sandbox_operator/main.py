@@ -54,6 +54,9 @@ POOL = (SANDBOX_POOLS.group, SANDBOX_POOLS.plural)
 POD = (PODS.group, PODS.version, PODS.plural)
 CLAIM = (CLAIMS.group, CLAIMS.version, CLAIMS.plural)
 OWN = {LABEL_MANAGED_BY: MANAGED_BY}
+# See configure(): how Kopf waits for a timer pass in flight when its object is deleted.
+TIMER_EXIT_WAIT_SECONDS = 1.0
+TIMER_EXIT_POLL_SECONDS = 1.0
 
 
 @kopf.on.startup()
@@ -67,6 +70,13 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     # Kopf waits this long for more events of an object before handling them: a
     # pool claim is a few events, each round costs the window.
     settings.batching.batch_window = SETTINGS.batch_window_seconds
+    # A Sandbox deleted while its timer pass runs (always so when the pass itself
+    # deleted it: idle, paused and lifetime timeouts) keeps its finalizer until
+    # the pass is over. Kopf waits for that in place this long, then looks again
+    # this often; with its defaults (no wait, once a minute) such a deletion
+    # took a minute longer.
+    settings.background.instant_exit_timeout = TIMER_EXIT_WAIT_SECONDS
+    settings.background.cancellation_polling = TIMER_EXIT_POLL_SECONDS
     # Handler chatter stays in logs; Events are for what users should see.
     settings.posting.level = logging.WARNING
     settings.networking.connect_timeout = 10

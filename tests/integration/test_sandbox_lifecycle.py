@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 from devcluster.controlplane import ControlPlane
 from tests.integration.conftest import kubectl
-from tests.integration.harness import AgentProcess, Node, OperatorProcess, secret_token, wait_for
+from tests.integration.harness import (
+    AgentProcess,
+    Node,
+    OperatorProcess,
+    next_pod_ip,
+    secret_token,
+    wait_for,
+)
 from tests.kube import JSON, ApiError, KubeJSON, api_path, core_path
 from tests.sandboxes import Sandboxes
 
@@ -522,3 +530,30 @@ def test_metrics_report_reconciles_and_phases(
     text = running_operator.metrics()
     assert 'sandbox_operator_reconciles_total{kind="Sandbox"' in text
     assert 'sandbox_operator_sandboxes{phase="Pending"}' in text
+
+
+def test_a_sandbox_deleted_during_a_timer_pass_goes_when_the_pass_ends(
+    sandboxes: Sandboxes, kube: KubeJSON, node: Node
+) -> None:
+    """Kopf keeps its finalizer while a timer pass of the Sandbox is in flight
+    (idle, paused and lifetime deletions come from one). It looks again within
+    seconds: with Kopf's defaults, a minute later."""
+    ns = sandboxes.namespace
+    with socket.socket() as silent:
+        # An agent that takes connections and never answers: every timer pass
+        # waits out the agent timeout (2 s) asking it for /v1/info.
+        silent.bind((next_pod_ip(), 8080))
+        silent.listen(64)
+        sandboxes.create("hotel")
+        wait_for(lambda: _exists(kube, _pod(ns, "hotel")), 20, "pod hotel")
+        node.run_pod(ns, "hotel", silent.getsockname()[0])
+        sandboxes.wait_phase("hotel", "Running", timeout=30)
+        silent.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:  # connections of passes that are over
+                silent.accept()[0].close()
+        silent.settimeout(10)
+        asked, _ = silent.accept()  # a pass asks now, and waits
+        with asked:
+            sandboxes.delete("hotel")
+            sandboxes.wait_gone("hotel", 20, "deletion once the timer pass is over")
