@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
+from contextlib import suppress
 from typing import Any, cast
 
 import kopf
@@ -148,27 +149,36 @@ def handled_patch(body: JSON, digest_value: str) -> list[JSON]:
     return ops
 
 
-async def mark_handled(kube: Api, path: str, body: kopf.Body, patch: kopf.Patch) -> None:
-    """Record `body` (the object at `path`) as handled by its change handlers, when
-    it has no diff base yet: for a Sandbox that an event handler converged
-    completely (a claim). No creation handler runs after it.
+async def mark_handled(kube: Api, path: str, body: kopf.Body) -> bool:
+    """Record `body` (the object at `path`) as handled by its change handlers and
+    add Kopf's finalizer, when it has no diff base yet: for a Sandbox that an
+    event handler is converging completely (a claim). No creation handler runs
+    after it. True when this wrote it; False when there was a diff base, the
+    object changed since `body` was read, or it is gone.
 
-    Written here, before Kopf's patch of this round (the status the handler
-    left in `patch`): Kopf's finalizer is then already there when Kopf writes
-    the status, and no event shows the object with its status and without its
-    finalizer. (Kopf, seeing one, would add the finalizer again with a test
-    of a resourceVersion that is no longer current, refused with 422.) If the
-    object changed since `body` was read, the diff base goes into Kopf's own
-    patch instead, like its finalizer."""
+    The claim handler writes this beside the claim, before Kopf's patch of the
+    round (the status it leaves there): Kopf's finalizer is then on the object
+    when Kopf writes the status, and no event shows the status without it.
+    (Kopf, shown one, adds its finalizer again, tested against a
+    resourceVersion that is no longer current: a write refused with 422.)"""
     if DIFF_BASE.fetch(body=body) is not None:
-        return
+        return False
     digest_value = DIFF_BASE.build(body=body)["digest"]
     try:
-        await kube.patch(path, handled_patch(dict(body), digest_value), JSON_PATCH)
-        return
+        written = await kube.patch(path, handled_patch(dict(body), digest_value), JSON_PATCH)
     except KubeError as exc:
         if exc.status not in (409, 422):
             raise
+        return False
+    return written is not None
+
+
+def mark_in_patch(body: kopf.Body, patch: kopf.Patch) -> None:
+    """`mark_handled` in Kopf's patch of the round, beside its finalizer, for when
+    the object changed before the claim handler could write it."""
+    if DIFF_BASE.fetch(body=body) is not None:
+        return
+    digest_value = DIFF_BASE.build(body=body)["digest"]
 
     def annotate(raw: Any) -> None:
         raw.setdefault("metadata", {}).setdefault("annotations", {})[DIFF_BASE.annotation] = (
@@ -176,6 +186,16 @@ async def mark_handled(kube: Api, path: str, body: kopf.Body, patch: kopf.Patch)
         )
 
     patch.fns.append(annotate)
+
+
+async def unmark(kube: Api, path: str) -> None:
+    """Take back the diff base `mark_handled` wrote: the claim did not happen, and
+    the change handlers have work to do (start cold, or wait for a member)."""
+    key = _pointer(DIFF_BASE.annotation)
+    with suppress(KubeError):  # gone already, with the annotation
+        await kube.patch(
+            path, [{"op": "remove", "path": f"/metadata/annotations/{key}"}], JSON_PATCH
+        )
 
 
 def configure(settings: kopf.OperatorSettings) -> None:

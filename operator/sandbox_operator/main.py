@@ -225,30 +225,14 @@ async def sandbox_event(
 ) -> None:
     """Gone: drop what this process holds for it (the finalizer does too, when it
     ran). New and naming a pool: claim a member now, in the round of the event
-    that announced it. A claim converges the Sandbox completely, so it is
-    marked handled in the patch that adds Kopf's finalizer, and no creation
-    handler follows. Three writes in all: the claim, that patch, and the
-    status, which Kopf writes with this round's patch (see `mark_handled`)."""
+    that announced it (see `handlers.sandbox.arrival`)."""
     ctx = _ctx(memo)
     if type == "DELETED":
         sandbox.forget(ctx, dict(body))
         return
     if type not in (None, "ADDED") or not pools.awaits_claim(dict(body)):
         return
-    # The change handler retries whatever this pass could not do.
-    with suppress(kopf.PermanentError, kopf.TemporaryError):
-        async with errors.policy("Sandbox", "claim", sandbox.refused(ctx, dict(body))):
-            status = await sandbox.reconcile(
-                ctx,
-                dict(body),
-                logger,
-                children=sandbox.Children.POD,
-                status_into=kwargs["patch"],
-                **_indexes(kwargs),
-            )
-            if pools.claimed({"status": status or {}}):
-                path = SANDBOXES.path(body["metadata"]["namespace"], body["metadata"]["name"])
-                await bookkeeping.mark_handled(ctx.kube, path, body, kwargs["patch"])
+    await sandbox.claim_on_arrival(ctx, body, kwargs["patch"], logger, _indexes(kwargs))
 
 
 async def _child_changed(

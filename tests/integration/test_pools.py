@@ -254,6 +254,14 @@ def test_an_empty_pool_that_waits_then_serves(
         "waiting for the pool to exist",
         lambda s: any(c.get("reason") == "PoolNotFound" for c in s.get("conditions", [])),
     )
+    # Marked handled beside the claim it tried; no claim happened, so the mark
+    # is taken back and the change handlers retry (not only the timer).
+    digest = f"{KOPF_PREFIX}/{DIGEST_KEY}"
+    wait_for(
+        lambda: digest not in (sandboxes.read("patient")["metadata"].get("annotations") or {}),
+        10,
+        "the claim handler's mark taken back",
+    )
     pools.create("slow", {"templateRef": {"name": "py"}, "replicas": 0, "whenEmpty": "Wait"})
     body = sandboxes.wait_object(
         "patient",

@@ -4,11 +4,13 @@ reconcile.py  the entry points (reconcile, teardown) and the order of things
 workspace.py  the claim, restores and rollbacks, the other children
 pod.py        what to do with the pod, and doing it
 pool.py       taking a warm member of a SandboxPool
+arrival.py    a new Sandbox's claim, ahead of Kopf's change handlers
 environment.py  env of new commands and spec.files, through the agent
 lifecycle.py  idleness and lifetime
 status.py     the status model, written only when it changed
 """
 
+from sandbox_operator.handlers.sandbox.arrival import claim_on_arrival
 from sandbox_operator.handlers.sandbox.reconcile import (
     Children,
     forget,
@@ -17,4 +19,4 @@ from sandbox_operator.handlers.sandbox.reconcile import (
     teardown,
 )
 
-__all__ = ["Children", "forget", "reconcile", "refused", "teardown"]
+__all__ = ["Children", "claim_on_arrival", "forget", "reconcile", "refused", "teardown"]
