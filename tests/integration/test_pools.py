@@ -127,7 +127,7 @@ def test_pool_fills_serves_a_claim_refills_and_scales(
     assert marked["metadata"]["finalizers"] == [FINALIZER]
     assert f"{KOPF_PREFIX}/{DIGEST_KEY}" in marked["metadata"]["annotations"]
     # Three writes, none refused: the claim, the finalizer with the diff base
-    # (tested against the resourceVersion the claim read), then the status.
+    # (tested against agent-1's resourceVersion as it arrived), then the status.
     operator = service_account(OPERATOR_NAMESPACE, "sandbox-operator")
 
     def claim_writes() -> list[str]:
