@@ -149,6 +149,13 @@ def handled_patch(body: JSON, digest_value: str) -> list[JSON]:
     return ops
 
 
+def _unhandled_digest(body: kopf.Body) -> str | None:
+    """The diff base to record for `body`, or None when it has one already."""
+    if DIFF_BASE.fetch(body=body) is not None:
+        return None
+    return str(DIFF_BASE.build(body=body)["digest"])
+
+
 async def mark_handled(kube: Api, path: str, body: kopf.Body) -> bool:
     """Record `body` (the object at `path`) as handled by its change handlers and
     add Kopf's finalizer, when it has no diff base yet: for a Sandbox that an
@@ -161,9 +168,9 @@ async def mark_handled(kube: Api, path: str, body: kopf.Body) -> bool:
     when Kopf writes the status, and no event shows the status without it.
     (Kopf, shown one, adds its finalizer again, tested against a
     resourceVersion that is no longer current: a write refused with 422.)"""
-    if DIFF_BASE.fetch(body=body) is not None:
+    digest_value = _unhandled_digest(body)
+    if digest_value is None:
         return False
-    digest_value = DIFF_BASE.build(body=body)["digest"]
     try:
         written = await kube.patch(path, handled_patch(dict(body), digest_value), JSON_PATCH)
     except KubeError as exc:
@@ -176,9 +183,9 @@ async def mark_handled(kube: Api, path: str, body: kopf.Body) -> bool:
 def mark_in_patch(body: kopf.Body, patch: kopf.Patch) -> None:
     """`mark_handled` in Kopf's patch of the round, beside its finalizer, for when
     the object changed before the claim handler could write it."""
-    if DIFF_BASE.fetch(body=body) is not None:
+    digest_value = _unhandled_digest(body)
+    if digest_value is None:
         return
-    digest_value = DIFF_BASE.build(body=body)["digest"]
 
     def annotate(raw: Any) -> None:
         raw.setdefault("metadata", {}).setdefault("annotations", {})[DIFF_BASE.annotation] = (

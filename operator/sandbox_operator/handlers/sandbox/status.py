@@ -40,9 +40,8 @@ async def write_status(
     """Patch status only when it changed: every write costs the API server.
 
     With `into` (an event handler's Kopf patch), the status goes into it and
-    Kopf writes it when the handler returns, before its own finalizer patch,
-    which then tests a fresh resourceVersion: written here, the status would
-    make that patch fail (422) and come again with the next event. This
+    Kopf writes it when the handler returns, after what the handler wrote
+    itself (a claim's order of writes: see `handlers.sandbox.arrival`). This
     process's record of the status stays unset until the index shows it."""
     old = body.get("status") or {}
     new = status.to_wire()
