@@ -58,20 +58,28 @@ def digest(essence: Any) -> str:
     ).hexdigest()
 
 
-def _without_bookkeeping(body: Any, prefix: str) -> JSON:
+def _without_bookkeeping(body: Any, prefix: str, whole: bool) -> JSON:
     """The body without Kopf's annotations, old or new, so they never count as changes.
 
     A pool member's pool label goes too: a claim removes it, and the member's
     own handlers have nothing to do about that (the claim is one write, and no
-    handler run or digest write of the member follows it)."""
-    raw: JSON = dict(body)
-    meta: JSON = dict(raw.get("metadata") or {})
+    handler run or digest write of the member follows it).
+
+    Unless `whole`, only what Kopf's essence keeps is left (everything but
+    status and metadata, and of metadata the labels and annotations): Kopf
+    deep-copies the body it is given on every event, and status and
+    managedFields are most of a Sandbox. The essence, and so the digest, is
+    the same either way."""
+    raw: JSON = {k: v for k, v in dict(body).items() if whole or k != "status"}
+    meta: JSON = dict(raw.get("metadata") or {}) if whole else {}
     annotations = {
         key: value
-        for key, value in (meta.get("annotations") or {}).items()
+        for key, value in (body.get("metadata", {}).get("annotations") or {}).items()
         if key not in LEGACY_KEYS and not key.startswith(f"{prefix}/")
     }
-    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k != LABEL_POOL}
+    labels = {
+        k: v for k, v in (body.get("metadata", {}).get("labels") or {}).items() if k != LABEL_POOL
+    }
     raw["metadata"] = {**meta, "annotations": annotations, "labels": labels}
     return raw
 
@@ -85,9 +93,11 @@ class DigestDiffBaseStorage(kopf.DiffBaseStorage):
         self.annotation = f"{prefix}/{key}"
 
     def build(self, *, body: Any, extra_fields: Iterable[Any] | None = None) -> Any:
+        # Handlers with `field=` (none now) would need the fields Kopf drops.
+        extra = list(extra_fields or ())
         essence = super().build(
-            body=cast(kopf.Body, _without_bookkeeping(body, self.prefix)),
-            extra_fields=extra_fields,
+            body=cast(kopf.Body, _without_bookkeeping(body, self.prefix, whole=bool(extra))),
+            extra_fields=extra,
         )
         return {"digest": digest(essence)}
 

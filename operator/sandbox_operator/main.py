@@ -117,6 +117,7 @@ def _indexes(kwargs: dict[str, Any]) -> dict[str, Any]:
         "pods": kwargs["sandbox_pods"],
         "claims": kwargs["sandbox_claims"],
         "sandboxes": kwargs["sandbox_bodies"],
+        "links": kwargs["sandbox_pool_links"],
         "quotas": kwargs["sandbox_quotas"],
         "pools": kwargs["sandbox_pools"],
     }
@@ -149,6 +150,12 @@ async def sandbox_bodies(
     if scheduler is not None and namespace:
         scheduler.sandbox_changed(namespace, name)
     return {(namespace, name): _trim(body)}
+
+
+@kopf.index(*SANDBOX)
+async def sandbox_pool_links(body: kopf.Body, **_: Any) -> dict[Any, Any] | None:
+    """Pool members by pool and by claimer, claimers by pool (`builders.pool.pool_links`)."""
+    return pools.pool_links(dict(body))
 
 
 @kopf.index(*POD, labels=OWN)

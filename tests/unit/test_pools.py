@@ -14,9 +14,13 @@ from sandbox_operator.builders.pool import (
     choose_member,
     claim_patch,
     claimed_by,
+    claimed_count,
     counts,
     member_of,
+    members_of,
+    owned_member,
     pod_alive,
+    pool_links,
     ready_condition,
     refill_plan,
     stuck_member,
@@ -242,3 +246,46 @@ def test_a_claim_is_never_held_back_by_its_own_reservation() -> None:
     release(reserved, ("ns", "gone"), "me")
     assert reserved == {("ns", "w-1"): (1.0, "other"), ("elsewhere", "w-2"): (1.0, "other")}
     assert reserved_by_others(reserved, "ns", "other") == []
+
+
+def _indexed(bodies: list[JSON]) -> tuple[dict[Any, list[JSON]], dict[Any, list[str]]]:
+    """The Sandbox index and the pool-links index as Kopf would hold them."""
+    sandboxes: dict[Any, list[JSON]] = {}
+    links: dict[Any, list[str]] = {}
+    for body in bodies:
+        meta = body["metadata"]
+        sandboxes.setdefault((meta["namespace"], meta["name"]), []).append(body)
+        for key, name in (pool_links(body) or {}).items():
+            links.setdefault(key, []).append(name)
+    return sandboxes, links
+
+
+def test_a_pools_members_and_claims_are_found_through_its_links() -> None:
+    pool: JSON = {"metadata": {"name": "warm", "namespace": "ns", "uid": "uid-owner"}}
+    free, deleting = member_body("free"), member_body("deleting")
+    deleting["metadata"]["deletionTimestamp"] = "2026-11-26T00:00:01Z"
+    elsewhere = member_body("elsewhere")
+    elsewhere["metadata"]["namespace"] = "other"
+    other_pool = member_body("other-pool")
+    other_pool["metadata"]["labels"] = {"sandbox.dev/pool": "cold"}
+    taken = member_body("taken", owner_kind="Sandbox")
+    taken["metadata"]["ownerReferences"][0]["uid"] = "uid-agent"
+    claimer: JSON = {
+        "metadata": {"name": "agent", "namespace": "ns", "uid": "uid-agent"},
+        "status": {"pool": {"name": "warm", "outcome": "Claimed", "member": "taken"}},
+    }
+    cold: JSON = {
+        "metadata": {"name": "cold", "namespace": "ns", "uid": "uid-cold"},
+        "status": {"pool": {"name": "warm", "outcome": "ColdStart"}},
+    }
+    unrelated: JSON = {"metadata": {"name": "plain", "namespace": "ns", "uid": "u"}}
+    assert pool_links(unrelated) is None
+    sandboxes, links = _indexed(
+        [free, deleting, elsewhere, other_pool, taken, claimer, cold, unrelated]
+    )
+
+    assert [m["metadata"]["name"] for m in members_of(sandboxes, links, pool)] == ["free"]
+    assert owned_member(sandboxes, links, claimer) is taken
+    assert owned_member(sandboxes, links, cold) is None
+    assert claimed_count(sandboxes, links, "ns", "warm") == 1
+    assert claimed_count(sandboxes, links, "other", "warm") == 0

@@ -18,6 +18,10 @@ from sandbox_operator.resources import GENERATION_ANNOTATION, LABEL_POOL
 JSON = dict[str, Any]
 Key = tuple[str, str]
 Index = Mapping[Key, Any]
+# The pool links of Sandboxes (`pool_links`): (kind, namespace, pool name or claimer UID).
+LinkKey = tuple[str, str, str]
+Links = Mapping[LinkKey, Any]
+MEMBER, CLAIMED_BY, SERVED = "member", "claimed-by", "served"
 
 
 class MemberState(StrEnum):
@@ -358,14 +362,39 @@ def pod_alive(pods: Index, namespace: str, member: str) -> bool:
     return ready.get("status") == "True"
 
 
-def members_of(sandboxes: Index, pool: JSON) -> list[JSON]:
+def pool_links(body: JSON) -> dict[LinkKey, str] | None:
+    """The keys under which a Sandbox is found by pool decisions, to its name: a
+    member by its pool's label, a claimed member by the UID of the Sandbox that
+    claimed it, a claiming Sandbox by the pool that served it. Pure.
+
+    A claim then reads its pool's members, not every Sandbox of the cluster
+    (at ten thousand Sandboxes, a scan per claim)."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    links: dict[LinkKey, str] = {}
+    pool = (meta.get("labels") or {}).get(LABEL_POOL)
+    if pool:
+        links[(MEMBER, namespace, pool)] = name
+    owner = claimed_by(body)
+    if owner is not None and owner.get("uid"):
+        links[(CLAIMED_BY, namespace, owner["uid"])] = name
+    if claimed(body):
+        links[(SERVED, namespace, body["status"]["pool"].get("name", ""))] = name
+    return links or None
+
+
+def _linked(sandboxes: Index, links: Links, key: LinkKey) -> list[JSON]:
+    """The Sandboxes linked under `key`, as the Sandbox index holds them."""
+    namespace = key[1]
+    return [body for name in links.get(key, ()) for body in sandboxes.get((namespace, name), ())]
+
+
+def members_of(sandboxes: Index, links: Links, pool: JSON) -> list[JSON]:
     """The pool's unclaimed members (by its label and its UID as their owner)."""
     meta = pool["metadata"]
     return [
         body
-        for (ns, _), store in sandboxes.items()
-        if ns == meta["namespace"]
-        for body in store
+        for body in _linked(sandboxes, links, (MEMBER, meta["namespace"], meta["name"]))
         if (body["metadata"].get("labels") or {}).get(LABEL_POOL) == meta["name"]
         and not body["metadata"].get("deletionTimestamp")
         and any(
@@ -375,18 +404,25 @@ def members_of(sandboxes: Index, pool: JSON) -> list[JSON]:
     ]
 
 
-def owned_member(sandboxes: Index, body: JSON) -> JSON | None:
+def owned_member(sandboxes: Index, links: Links, body: JSON) -> JSON | None:
     """A member this Sandbox already claimed (its status write was lost)."""
     meta = body["metadata"]
     return next(
         (
             member
-            for (ns, _), store in sandboxes.items()
-            if ns == meta["namespace"]
-            for member in store
+            for member in _linked(sandboxes, links, (CLAIMED_BY, meta["namespace"], meta["uid"]))
             if (claimed_by(member) or {}).get("uid") == meta["uid"]
         ),
         None,
+    )
+
+
+def claimed_count(sandboxes: Index, links: Links, namespace: str, pool: str) -> int:
+    """Sandboxes of the namespace now served by a member of `pool`."""
+    return sum(
+        1
+        for body in _linked(sandboxes, links, (SERVED, namespace, pool))
+        if claimed(body) and body["status"]["pool"].get("name") == pool
     )
 
 
@@ -402,6 +438,7 @@ __all__ = [
     "claim_patch",
     "claimable",
     "claimed_by",
+    "claimed_count",
     "counts",
     "failure_of",
     "member_generation",
@@ -409,6 +446,7 @@ __all__ = [
     "members_of",
     "owned_member",
     "pod_alive",
+    "pool_links",
     "ready_condition",
     "refill_plan",
 ]

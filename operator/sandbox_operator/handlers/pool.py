@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from sandbox_operator import metrics
 from sandbox_operator.api.common import readable
 from sandbox_operator.api.pool import PoolCondition, SandboxPoolSpec, SandboxPoolStatus
-from sandbox_operator.api.sandbox import PoolOutcome, SandboxReason
+from sandbox_operator.api.sandbox import SandboxReason
 from sandbox_operator.builders import pool as pools
 from sandbox_operator.builders.conditions import FALSE, Cond, merge
 from sandbox_operator.builders.template import describe, template_path
@@ -42,20 +42,13 @@ INDEX_WAIT_STEPS = 100
 REFUSED_RETRY_SECONDS = 5.0
 
 
-def claimed_count(sandboxes: Index, namespace: str, pool: str) -> int:
-    """Sandboxes of the namespace now served by a member of `pool`."""
-    return sum(
-        1
-        for (ns, _), store in sandboxes.items()
-        if ns == namespace
-        for body in store
-        if ((body.get("status") or {}).get("pool") or {}).get("name") == pool
-        and ((body.get("status") or {}).get("pool") or {}).get("outcome") == PoolOutcome.CLAIMED
-    )
-
-
 async def reconcile(
-    ctx: OperatorContext, body: JSON, sandboxes: Index, pods: Index, logger: kopf.Logger
+    ctx: OperatorContext,
+    body: JSON,
+    sandboxes: Index,
+    links: pools.Links,
+    pods: Index,
+    logger: kopf.Logger,
 ) -> None:
     """One pass: read the template, create or delete members, write status."""
     meta = body["metadata"]
@@ -70,14 +63,14 @@ async def reconcile(
         return
     template = await ctx.kube.get(template_path(spec.template_ref, namespace))
     generation = int((template or {}).get("metadata", {}).get("generation") or 0)
-    members = pools.members_of(sandboxes, body)
+    members = pools.members_of(sandboxes, links, body)
     observed = [
         pools.member_of(m, pools.pod_alive(pods, namespace, m["metadata"]["name"])) for m in members
     ]
     if template is not None and not meta.get("deletionTimestamp"):
         plan = pools.refill_plan(observed, spec.replicas, spec.max_creating, generation)
         await _carry_out(ctx, body, spec, plan, generation, sandboxes, logger)
-        members = pools.members_of(sandboxes, body)
+        members = pools.members_of(sandboxes, links, body)
         observed = [
             pools.member_of(m, pools.pod_alive(pods, namespace, m["metadata"]["name"]))
             for m in members
@@ -102,7 +95,7 @@ async def reconcile(
             "replicas": counted.replicas,
             "ready": counted.ready,
             "creating": counted.creating,
-            "claimed": claimed_count(sandboxes, namespace, name),
+            "claimed": pools.claimed_count(sandboxes, links, namespace, name),
             "selector": f"{LABEL_POOL}={name}",
             "template_generation": generation or None,
         }
@@ -196,7 +189,7 @@ async def _report_refusal(ctx: OperatorContext, body: JSON, why: str) -> None:
 async def run(
     ctx: OperatorContext,
     body: Mapping[str, Any],
-    indexes: Mapping[str, Index],
+    indexes: Mapping[str, Any],
     logger: kopf.Logger,
     stopped: Any,
 ) -> None:
@@ -208,7 +201,12 @@ async def run(
         woken.clear()
         try:
             await reconcile(
-                ctx, dict(body), indexes["sandbox_bodies"], indexes["sandbox_pods"], logger
+                ctx,
+                dict(body),
+                indexes["sandbox_bodies"],
+                indexes["sandbox_pool_links"],
+                indexes["sandbox_pods"],
+                logger,
             )
         except KubeError as exc:
             # Refused (a ResourceQuota, a namespace being deleted) or unreachable:

@@ -106,7 +106,12 @@ _INHERITED = ("template", "workspaceSnapshot", "workspaceLineage", "workspaceRes
 
 
 async def take_member(
-    ctx: OperatorContext, body: JSON, sandboxes: Index, pods: Index, pools_index: Index
+    ctx: OperatorContext,
+    body: JSON,
+    sandboxes: Index,
+    links: pools.Links,
+    pods: Index,
+    pools_index: Index,
 ) -> JSON:
     """`body` with `status.pool` decided when it names a pool: a member claimed, a
     cold start, or (raised) a wait. Sandboxes without a pool, and ones whose
@@ -123,10 +128,10 @@ async def take_member(
     use = PoolUse(
         name=pool["metadata"]["name"], outcome=PoolOutcome.CLAIMED, template_ref=spec.template_ref
     )
-    mine = pools.owned_member(sandboxes, body)
+    mine = pools.owned_member(sandboxes, links, body)
     if mine is not None:
         return _bound(body, _claimed(use, mine), mine)
-    claimed, mismatch = await _race(ctx, body, pool, _ready_members(pool, sandboxes, pods))
+    claimed, mismatch = await _race(ctx, body, pool, _ready_members(pool, sandboxes, links, pods))
     if claimed is not None:
         return _bound(body, _claimed(use, claimed), claimed)
     if mismatch is not None:
@@ -172,12 +177,12 @@ async def _pool_of(
     return pool, spec
 
 
-def _ready_members(pool: JSON, sandboxes: Index, pods: Index) -> list[JSON]:
+def _ready_members(pool: JSON, sandboxes: Index, links: pools.Links, pods: Index) -> list[JSON]:
     """The pool's members ready to claim now (their pods included)."""
     namespace = pool["metadata"]["namespace"]
     return [
         m
-        for m in pools.members_of(sandboxes, pool)
+        for m in pools.members_of(sandboxes, links, pool)
         if pools.member_of(m, pools.pod_alive(pods, namespace, m["metadata"]["name"])).state
         is pools.MemberState.READY
     ]

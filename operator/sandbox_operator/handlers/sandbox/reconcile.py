@@ -29,7 +29,7 @@ from sandbox_operator.api.sandbox import (
 )
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.builders import sandbox_status
-from sandbox_operator.builders.pool import claimed_by
+from sandbox_operator.builders.pool import Links, claimed_by
 from sandbox_operator.builders.sandbox_status import Observed
 from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.clock import now_utc, parse_time
@@ -133,6 +133,7 @@ async def reconcile(
     pods: ChildIndex,
     claims: ChildIndex,
     sandboxes: SandboxIndex,
+    links: Links,
     quotas: QuotaIndex,
     pools: ChildIndex,
     pod: JSON | None = None,
@@ -142,7 +143,8 @@ async def reconcile(
     """Converge one Sandbox. `children` says how far beyond the pod to look;
     `pod_known` means `pod` is the pod as it stands (None: there is none);
     otherwise the pod index is asked. `sandboxes` and `quotas` are what quota
-    admission counts with; `pools` is where a claim finds its pool. The final
+    admission counts with; `pools` is where a claim finds its pool, `links`
+    its members. The final
     status goes into `status_into` when given (see `write_status`). Returns
     the status a full pass arrived at (None when it stopped early)."""
     meta = body["metadata"]
@@ -153,7 +155,7 @@ async def reconcile(
         if claimed_by(body) is not None:
             return None  # a pool member another Sandbox claimed: that one looks after it now
         recorded = (body.get("status") or {}).get("pool")
-        body = await take_member(ctx, body, sandboxes, pods, pools)
+        body = await take_member(ctx, body, sandboxes, links, pods, pools)
         kids = build.children_ref(body)
         if kids.uid != meta["uid"] and not _present(sandboxes, kids):
             # Its children went with the member: nothing to rebuild them from.
