@@ -5,12 +5,14 @@ from __future__ import annotations
 import base64
 import collections
 import json
+import os
 import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,97 @@ def percentile(values: list[float], q: float) -> float:
 def latency_row(label: str, values: list[float]) -> str:
     p50, p90 = statistics.median(values) * 1000, percentile(values, 0.9) * 1000
     return f"  {label:<36} p50 {p50:8.1f} ms   p90 {p90:8.1f} ms"
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# Node processes by the start of their name (/proc/PID/comm), first match wins.
+COMPONENTS = (
+    ("kube-apiserver", "kube-apiserver"),
+    ("etcd", "etcd"),
+    ("kubelet", "kubelet"),
+    ("kube-controller", "kube-controller-manager"),
+    ("kube-scheduler", "kube-scheduler"),
+    ("containerd-shim", "containerd shims"),
+    ("containerd", "containerd"),
+    ("kopf", "operator"),
+    ("sandbox-gateway", "gateway"),
+    ("sandbox-agent", "sandbox agents"),
+)
+
+
+def _processes() -> dict[tuple[int, str], tuple[str, float]]:
+    """Every process now, keyed by PID and start time (a reused PID is another
+    process), to its component and the CPU seconds it has used."""
+    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+    found: dict[tuple[int, str], tuple[str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        pid = int(entry.name)
+        label = next((name for prefix, name in COMPONENTS if comm.startswith(prefix)), "other")
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        found[(pid, fields[19])] = ("benchmark" if pid == me else label, cpu)
+    return found
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the machine so far, summed over its cores."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - idle) / tick, sum(ticks) / tick
+
+
+@dataclass
+class CpuUse:
+    """What the machine's CPUs did over a stretch of time (`cpu_use`)."""
+
+    wall: float = 0.0
+    busy: float = 0.0
+    available: float = 0.0
+    by_component: dict[str, float] = field(default_factory=dict)
+
+    def report(self) -> str:
+        share = self.busy / self.available if self.available else 0.0
+        ranked = sorted(self.by_component.items(), key=lambda item: -item[1])
+        parts = ", ".join(f"{name} {cpu:.2f}" for name, cpu in ranked)
+        return (
+            f"  CPU: {self.busy:.2f} of {self.available:.2f} CPU-s busy ({share:.0%}) over"
+            f" {self.wall:.2f} s on {os.cpu_count()} cores\n  by component (CPU-s): {parts}"
+        )
+
+    def to_json(self) -> JSON:
+        return {
+            "wall_s": self.wall,
+            "busy_cpu_s": self.busy,
+            "available_cpu_s": self.available,
+            "by_component_cpu_s": dict(self.by_component),
+        }
+
+
+@contextmanager
+def cpu_use() -> Iterator[CpuUse]:
+    """Measures, from entry to exit, the CPU seconds of the whole machine and of
+    each node component (processes that ended meanwhile count only in the
+    machine's total): whether a stretch was bound by CPU, and by whose."""
+    use = CpuUse()
+    before, (busy0, all0), started = _processes(), _machine_cpu(), time.monotonic()
+    yield use
+    after, (busy1, all1) = _processes(), _machine_cpu()
+    use.wall, use.busy, use.available = time.monotonic() - started, busy1 - busy0, all1 - all0
+    for key, (label, cpu) in after.items():
+        used = cpu - before.get(key, (label, 0.0))[1]
+        use.by_component[label] = use.by_component.get(label, 0.0) + used
 
 
 def write_results(name: str, results: dict[str, Any]) -> None:

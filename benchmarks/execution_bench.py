@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.common import Watcher, latency_row, sandbox_ready  # noqa: E402
+from benchmarks.common import Watcher, latency_row, process_cpu, sandbox_ready  # noqa: E402
 from devcluster.cluster import LocalCluster  # noqa: E402
 from devcluster.deploy import NAMESPACE as OPERATOR_NAMESPACE  # noqa: E402
 from devcluster.deploy import RELEASE as OPERATOR  # noqa: E402
@@ -238,12 +238,6 @@ def latency(
         "loadavg_start": loadavg_start,
         "loadavg_end": os.getloadavg(),
     }
-
-
-def process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def operator_cpu(kube: KubeJSON) -> float:

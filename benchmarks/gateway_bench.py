@@ -55,9 +55,10 @@ from benchmarks.common import (  # noqa: E402
     audit_flags,
     audit_requests,
     percentile,
+    process_cpu,
     write_results,
 )
-from benchmarks.sandbox_scale import NAMESPACE, cpu_seconds, create_all  # noqa: E402
+from benchmarks.sandbox_scale import NAMESPACE, create_all  # noqa: E402
 from devcluster.controlplane import ControlPlane  # noqa: E402
 from devcluster.helm import helm_binary  # noqa: E402
 from sandbox_operator.gateway.config import GatewaySettings  # noqa: E402
@@ -288,9 +289,9 @@ class Bench:
         n = self.args.iterations
         # Warm both paths and the gateway's caches.
         interleaved(lambda: direct.exec(body), lambda: gateway.exec(body), max(10, n // 10))
-        started, cpu0 = time.time(), cpu_seconds(self.pid)
+        started, cpu0 = time.time(), process_cpu(self.pid)
         d, g = interleaved(lambda: direct.exec(body), lambda: gateway.exec(body), n)
-        gateway_cpu = (cpu_seconds(self.pid) - cpu0) / n
+        gateway_cpu = (process_cpu(self.pid) - cpu0) / n
         self.windows.append((f"{name}, sequential", started, time.time(), n))
         direct.close()
         gateway.close()
@@ -326,7 +327,7 @@ class Bench:
 
         direct_rps: list[float] = []
         gateway_rps: list[float] = []
-        started, cpu0, calls = time.time(), cpu_seconds(self.pid), 0
+        started, cpu0, calls = time.time(), process_cpu(self.pid), 0
         for i in range(self.args.rounds):
             if i % 2 == 0:
                 direct_rps.append(concurrent(make_direct, 10, per))
@@ -335,7 +336,7 @@ class Bench:
                 gateway_rps.append(concurrent(make_gateway, 10, per))
                 direct_rps.append(concurrent(make_direct, 10, per))
             calls += 10 * (per + 1)  # each worker warms its connection with one call
-        gateway_cpu = (cpu_seconds(self.pid) - cpu0) / calls
+        gateway_cpu = (process_cpu(self.pid) - cpu0) / calls
         self.windows.append((f"{name}, 10-way", started, time.time(), calls))
         d_rps, g_rps = statistics.median(direct_rps), statistics.median(gateway_rps)
         ratio = g_rps / d_rps
@@ -365,11 +366,11 @@ class Bench:
         direct, gateway = self.setup.direct(), self.setup.via_gateway()
         for client in (direct, gateway):  # warm: page cache, connections, caches
             assert client.download("download.bin") == size
-        started, cpu0 = time.time(), cpu_seconds(self.pid)
+        started, cpu0 = time.time(), process_cpu(self.pid)
         d, g = interleaved(
             lambda: direct.download("download.bin"), lambda: gateway.download("download.bin"), reps
         )
-        gateway_cpu = (cpu_seconds(self.pid) - cpu0) / reps
+        gateway_cpu = (process_cpu(self.pid) - cpu0) / reps
         self.windows.append(("download", started, time.time(), reps))
         direct.close()
         gateway.close()

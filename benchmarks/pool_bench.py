@@ -14,6 +14,8 @@
 4. API writes by the operator (the kube-apiserver's audit log): per claim, on
    the claim's path (the claiming Sandbox and the member it took) and, apart,
    everything else in the same time (the refill making new members).
+5. CPU: the machine's busy share and each node component's CPU seconds, idle
+   with the full pool and over the burst, to show what bounds the burst.
 
 The template has an ephemeral workspace and the dense resource profile, so
 that 100 members fit the node (maxPods 110, 2 cores): the cold start it is compared
@@ -43,6 +45,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import (  # noqa: E402
     Watcher,
     audit_flags,
+    cpu_use,
     create_namespace,
     latency_row,
     percentile,
@@ -58,6 +61,8 @@ NS = "poolbench"
 GROUP = "sandbox.dev/v1alpha1"
 # The pool's size for the sequential samples.
 WARM = 10
+# How long the node's CPU is measured with the full pool and nothing asked.
+IDLE_SECONDS = 10.0
 OPERATOR_USER = f"system:serviceaccount:{deploy.NAMESPACE}:sandbox-operator"
 WRITES = {"create", "update", "patch", "delete"}
 # The dense resource profile: a hundred members and their agents fit one 2-core node.
@@ -264,22 +269,29 @@ def main() -> None:
             kube.patch(pool_path("warm"), {"spec": {"maxCreating": 1}})
             print(f"refilled in {refill_s:.1f} s; the burst starts", flush=True)
 
+            # What the node spends with nothing asked of it: the burst competes with it.
+            with cpu_use() as idle:
+                time.sleep(IDLE_SECONDS)
+            print(idle.report(), flush=True)
+
             names = [f"burst-{i:03d}" for i in range(args.burst)]
-            wall0, first = time.time(), time.monotonic()
-            with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-                starts = dict(
-                    zip(
-                        names,
-                        # One client for all (httpx pools its connections), as a
-                        # backend keeps one: a TLS handshake per create is not a claim's.
-                        pool.map(
-                            lambda n: create_sandbox(kube, n, {"poolRef": {"name": "warm"}}),
+            # First create to last Ready: the machine's CPU, and whose it was.
+            with cpu_use() as burst_cpu:
+                wall0, first = time.time(), time.monotonic()
+                with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+                    starts = dict(
+                        zip(
                             names,
-                        ),
-                        strict=True,
+                            # One client for all (httpx pools its connections), as a
+                            # backend keeps one: a TLS handshake per create is not a claim's.
+                            pool.map(
+                                lambda n: create_sandbox(kube, n, {"poolRef": {"name": "warm"}}),
+                                names,
+                            ),
+                            strict=True,
+                        )
                     )
-                )
-            seen_at = {n: watch.wait(n, {"ready"}, timeout=300)[1] for n in names}
+                seen_at = {n: watch.wait(n, {"ready"}, timeout=300)[1] for n in names}
             # Kopf's own bookkeeping of the last claims (finalizer, digest) follows Ready.
             time.sleep(3)
             wall1 = time.time()
@@ -320,6 +332,8 @@ def main() -> None:
         print(f"  {label + ':':<25} {len(mine) / count:.2f}   {kinds}")
     print("Other operator writes during the burst (the refill, pool status, peering):")
     print(f"  {dict(collections.Counter(map(describe, rest_burst)))}")
+    print(f"Idle, the pool full ({IDLE_SECONDS:.0f} s):\n{idle.report()}")
+    print(f"Burst, first create to last Ready:\n{burst_cpu.report()}")
     write_results(
         "pool",
         {
@@ -340,6 +354,8 @@ def main() -> None:
             "writes_per_claim_burst": len(all_burst) / args.burst,
             "claim_path_writes": dict(collections.Counter(map(describe, all_burst))),
             "other_writes_burst": dict(collections.Counter(map(describe, rest_burst))),
+            "idle_cpu": idle.to_json(),
+            "burst_cpu": burst_cpu.to_json(),
         },
     )
 

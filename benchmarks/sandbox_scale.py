@@ -39,7 +39,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import Watcher, audit_flags, audit_requests, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    Watcher,
+    audit_flags,
+    audit_requests,
+    process_cpu,
+    write_results,
+)
 from devcluster.controlplane import ControlPlane  # noqa: E402
 from sandbox_operator.kube import Kube  # noqa: E402
 from sandbox_operator.resources import PODS, SANDBOXES  # noqa: E402
@@ -49,11 +55,6 @@ from tests.kube import KubeJSON  # noqa: E402
 OPERATOR_USER = "system:serviceaccount:sandbox-system:sandbox-operator"
 NAMESPACE = "bench"
 WRITES = ("create", "update", "patch", "delete", "deletecollection")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mib(pid: int, field: str = "VmHWM") -> float:
@@ -136,8 +137,8 @@ def run_size(count: int, args: argparse.Namespace) -> Result:
         pods = Watcher(cp.kubeconfig, PODS.path(NAMESPACE), lambda _: "made", keep_last=False)
         watches = [sandboxes, pods]
         result.rss_start = rss_mib(pid)
-        cpu_operator0 = cpu_seconds(pid)
-        cpu_cluster0 = sum(cpu_seconds(p) for p in cp.pids().values())
+        cpu_operator0 = process_cpu(pid)
+        cpu_cluster0 = sum(process_cpu(p) for p in cp.pids().values())
 
         # 1. Create them all; wait for every pod and status.
         started = time.time()
@@ -159,8 +160,8 @@ def run_size(count: int, args: argparse.Namespace) -> Result:
                 f" {sandboxes.counts['written']}, pods {pods.counts['made']}"
             )
         result.rss_peak = rss_mib(pid)
-        result.cpu_operator = cpu_seconds(pid) - cpu_operator0
-        result.cpu_cluster = sum(cpu_seconds(p) for p in cp.pids().values()) - cpu_cluster0
+        result.cpu_operator = process_cpu(pid) - cpu_operator0
+        result.cpu_cluster = sum(process_cpu(p) for p in cp.pids().values()) - cpu_cluster0
 
         # 2. One change at a time among `count` settled Sandboxes: spec -> status.
         time.sleep(args.settle)
@@ -179,11 +180,11 @@ def run_size(count: int, args: argparse.Namespace) -> Result:
 
         # 3. Idle: longer than the reconcile interval, so every timer runs in it.
         time.sleep(2)  # the last change's own writes are over
-        idle_cpu0, idle0 = cpu_seconds(pid), time.time()
+        idle_cpu0, idle0 = process_cpu(pid), time.time()
         time.sleep(args.idle)
         idle1 = time.time()
         result.idle_s = idle1 - idle0
-        result.idle_cpu = cpu_seconds(pid) - idle_cpu0
+        result.idle_cpu = process_cpu(pid) - idle_cpu0
         result.rss_idle = rss_mib(pid, "VmRSS")
         time.sleep(1)  # let the audit backend flush
         result.requests = dict(audit_requests(audit_log, OPERATOR_USER, started, finished))
