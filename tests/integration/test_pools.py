@@ -169,6 +169,9 @@ def test_pool_fills_serves_a_claim_refills_and_scales(
     sandboxes.delete("agent-1")
     wait_for(lambda: sandboxes.get(member) is None, 60, f"member {member} deleted")
     assert len(members(kube, ns, "warm")) == 1
+    wait_for(
+        lambda: pools.read("warm")["status"].get("claimed") == 0, 10, "the pool's claimed count 0"
+    )
 
 
 def test_fifty_concurrent_claims_on_a_pool_of_twenty(

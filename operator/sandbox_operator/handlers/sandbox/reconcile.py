@@ -29,7 +29,7 @@ from sandbox_operator.api.sandbox import (
 )
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.builders import sandbox_status
-from sandbox_operator.builders.pool import Links, claimed_by
+from sandbox_operator.builders.pool import Links, claimed, claimed_by
 from sandbox_operator.builders.sandbox_status import Observed
 from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.clock import now_utc, parse_time
@@ -325,6 +325,9 @@ def forget(ctx: OperatorContext, body: JSON) -> None:
     metrics.PHASES.forget(own.namespace, own.name)
     ctx.forget(own.namespace, own.name, own.uid)
     ctx.tokens.pop((served_by.namespace, served_by.uid), None)
+    if claimed(body):
+        # Its pool counts one claimed member less now, not at its next periodic pass.
+        ctx.wake_pool(own.namespace, body["status"]["pool"]["name"])
 
 
 async def teardown(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> None:
