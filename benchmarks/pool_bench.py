@@ -16,6 +16,10 @@
    everything else in the same time (the refill making new members).
 5. CPU: the machine's busy share and each node component's CPU seconds, idle
    with the full pool and over the burst, to show what bounds the burst.
+6. The API floor, side by side on the same node: the operator stopped, this
+   client makes the burst's API writes itself (the creates, and for each the
+   three patches of a claim) at the same parallelism. No operator on this
+   node can make the burst faster than that.
 
 The template has an ephemeral workspace and the dense resource profile, so
 that 100 members fit the node (maxPods 110, 2 cores): the cold start it is compared
@@ -35,7 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402
+    CpuUse,
     Watcher,
     audit_flags,
     cpu_use,
@@ -55,6 +60,7 @@ from benchmarks.common import (  # noqa: E402
 from devcluster import deploy  # noqa: E402
 from devcluster.cluster import LocalCluster  # noqa: E402
 from devcluster.storage import StorageAddon  # noqa: E402
+from sandbox_operator.resources import FINALIZER  # noqa: E402
 from tests.kube import JSON, KubeJSON, api_path, core_path  # noqa: E402
 
 NS = "poolbench"
@@ -164,6 +170,69 @@ def claim_writes(writes: list[JSON], claims: list[Claim], until_ready: bool) -> 
             continue
         mine.append(write)
     return mine
+
+
+def api_floor(kube: KubeJSON, count: int, parallel: int, owner: JSON) -> tuple[float, CpuUse]:
+    """The burst's API writes with no operator: `count` creates, each followed by a
+    claim's three patches (the claimer's finalizer and digest; a member's owner
+    and pool label, with its resourceVersion; the claimer's status with Ready),
+    `parallel` at a time. The time from the first create to the last patch."""
+    deployment = api_path("apps/v1", "deployments", deploy.NAMESPACE, deploy.RELEASE)
+    kube.patch(deployment, {"spec": {"replicas": 0}})
+    wait_until(
+        lambda: (
+            not kube.list(
+                core_path("pods", deploy.NAMESPACE), label_selector=deploy.OPERATOR_SELECTOR
+            )
+        ),
+        120,
+    )
+    reference = {
+        "apiVersion": GROUP,
+        "kind": "Sandbox",
+        "name": owner["metadata"]["name"],
+        "uid": owner["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    ready = {"type": "Ready", "status": "True", "reason": "SandboxReady", "message": "claimed"}
+
+    def claim(name: str) -> None:
+        kube.create(
+            sandboxes_path(),
+            {"apiVersion": GROUP, "kind": "Sandbox", "metadata": {"name": name}, "spec": {}},
+        )
+        path = sandboxes_path(name)
+        digest = {"kopf.sandbox.dev/last-handled-digest": "0" * 64}
+        marked = kube.patch(path, {"metadata": {"finalizers": [FINALIZER], "annotations": digest}})
+        member = {  # conditioned, as a claim is (here on the same object)
+            "resourceVersion": marked["metadata"]["resourceVersion"],
+            "labels": {"sandbox.dev/pool": None, "floor": "member"},
+            "ownerReferences": [reference],
+        }
+        kube.patch(path, {"metadata": member})
+        use = {
+            "name": "warm",
+            "outcome": "Claimed",
+            "member": name,
+            "memberUid": "-",
+            "templateRef": {"kind": "SandboxTemplate", "name": "py"},
+        }
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        status = {
+            "phase": "Running",
+            "pool": use,
+            "conditions": [ready | {"lastTransitionTime": now}],
+        }
+        kube.patch(f"{path}/status", {"status": status})
+
+    names = [f"floor-{i:03d}" for i in range(count)]
+    with cpu_use() as used:
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            list(pool.map(claim, names))
+        took = time.monotonic() - started
+    return took, used
 
 
 @contextmanager
@@ -302,6 +371,7 @@ def main() -> None:
                 ((watch.last[n].get("status") or {}).get("pool") or {}).get("outcome")
                 for n in names
             )
+            floor_s, floor_cpu = api_floor(kube, args.burst, args.parallel, watch.last[names[0]])
         time.sleep(2)  # the audit backend flushes
         burst_writes = audit_writes(log, wall0, wall1)
 
@@ -334,6 +404,11 @@ def main() -> None:
     print(f"  {dict(collections.Counter(map(describe, rest_burst)))}")
     print(f"Idle, the pool full ({IDLE_SECONDS:.0f} s):\n{idle.report()}")
     print(f"Burst, first create to last Ready:\n{burst_cpu.report()}")
+    print(
+        f"\nAPI floor: the burst's {args.burst} creates and {3 * args.burst} claim patches"
+        f" from this client, {args.parallel} at a time, no operator: {floor_s * 1000:.0f} ms"
+        f" (burst / floor {all_ready_s / floor_s:.1f}x)\n{floor_cpu.report()}"
+    )
     write_results(
         "pool",
         {
@@ -356,6 +431,8 @@ def main() -> None:
             "other_writes_burst": dict(collections.Counter(map(describe, rest_burst))),
             "idle_cpu": idle.to_json(),
             "burst_cpu": burst_cpu.to_json(),
+            "api_floor_ms": floor_s * 1000,
+            "api_floor_cpu": floor_cpu.to_json(),
         },
     )
 
