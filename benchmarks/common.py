@@ -38,10 +38,19 @@ def latency_row(label: str, values: list[float]) -> str:
     return f"  {label:<36} p50 {p50:8.1f} ms   p90 {p90:8.1f} ms"
 
 
+def _stat(proc: Path) -> list[str]:
+    """The fields of /proc/PID/stat after the process name (field 3 on: state)."""
+    return (proc / "stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _cpu(stat: list[str]) -> float:
+    """CPU seconds (user + system, all threads) from `_stat` fields."""
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def process_cpu(pid: int) -> float:
     """CPU seconds (user + system, all threads) a process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _cpu(_stat(Path(f"/proc/{pid}")))
 
 
 # Node processes by the start of their name (/proc/PID/comm), first match wins.
@@ -62,20 +71,19 @@ COMPONENTS = (
 def _processes() -> dict[tuple[int, str], tuple[str, float]]:
     """Every process now, keyed by PID and start time (a reused PID is another
     process), to its component and the CPU seconds it has used."""
-    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+    me = os.getpid()
     found: dict[tuple[int, str], tuple[str, float]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             comm = (entry / "comm").read_text().strip()
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            stat = _stat(entry)
         except OSError:
             continue  # gone meanwhile
         pid = int(entry.name)
         label = next((name for prefix, name in COMPONENTS if comm.startswith(prefix)), "other")
-        cpu = (int(fields[11]) + int(fields[12])) / tick
-        found[(pid, fields[19])] = ("benchmark" if pid == me else label, cpu)
+        found[(pid, stat[19])] = ("benchmark" if pid == me else label, _cpu(stat))
     return found
 
 

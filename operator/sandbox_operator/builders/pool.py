@@ -384,7 +384,9 @@ def pool_links(body: JSON) -> dict[LinkKey, str] | None:
 
 
 def _linked(sandboxes: Index, links: Links, key: LinkKey) -> list[JSON]:
-    """The Sandboxes linked under `key`, as the Sandbox index holds them."""
+    """The Sandboxes linked under `key`, as the Sandbox index holds them. Kopf
+    updates both indexes from the same event at once, so each body still has
+    what linked it: no need to check that again."""
     namespace = key[1]
     return [body for name in links.get(key, ()) for body in sandboxes.get((namespace, name), ())]
 
@@ -395,8 +397,7 @@ def members_of(sandboxes: Index, links: Links, pool: JSON) -> list[JSON]:
     return [
         body
         for body in _linked(sandboxes, links, (MEMBER, meta["namespace"], meta["name"]))
-        if (body["metadata"].get("labels") or {}).get(LABEL_POOL) == meta["name"]
-        and not body["metadata"].get("deletionTimestamp")
+        if not body["metadata"].get("deletionTimestamp")
         and any(
             o.get("controller") and o.get("uid") == meta["uid"]
             for o in body["metadata"].get("ownerReferences") or []
@@ -407,23 +408,12 @@ def members_of(sandboxes: Index, links: Links, pool: JSON) -> list[JSON]:
 def owned_member(sandboxes: Index, links: Links, body: JSON) -> JSON | None:
     """A member this Sandbox already claimed (its status write was lost)."""
     meta = body["metadata"]
-    return next(
-        (
-            member
-            for member in _linked(sandboxes, links, (CLAIMED_BY, meta["namespace"], meta["uid"]))
-            if (claimed_by(member) or {}).get("uid") == meta["uid"]
-        ),
-        None,
-    )
+    return next(iter(_linked(sandboxes, links, (CLAIMED_BY, meta["namespace"], meta["uid"]))), None)
 
 
 def claimed_count(sandboxes: Index, links: Links, namespace: str, pool: str) -> int:
     """Sandboxes of the namespace now served by a member of `pool`."""
-    return sum(
-        1
-        for body in _linked(sandboxes, links, (SERVED, namespace, pool))
-        if claimed(body) and body["status"]["pool"].get("name") == pool
-    )
+    return len(_linked(sandboxes, links, (SERVED, namespace, pool)))
 
 
 __all__ = [
