@@ -4,8 +4,23 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CLUSTER ?= dev
-# The tiers `make test` runs.
-TEST_TIERS ?= tests/unit tests/integration tests/devcluster sandbox-agent/tests sandbox-sdk/tests tests/e2e
+# The tiers `make test` runs, in three lanes at the same time (devcluster/lanes.py),
+# each its own pytest session with its own clusters: the plain processes' (a
+# control plane, agents on loopback), and two of the node's (kubelet,
+# containerd, images), the end-to-end tier split between them by file (the
+# node lanes mostly wait on pods and probes; one e2e lane alone left a core idle).
+PROCESS_TIERS ?= tests/unit tests/integration sandbox-sdk/tests
+NODE_TIERS ?= tests/devcluster tests/e2e
+# The agent's own tests need no cluster: they run last in the second node lane,
+# a pytest session of their own (warm, the processes lane was the longest). Not
+# first: cold, their CPU slowed the node's builds, which every node test waits on.
+# --rootdir=.: its test ids and its row in .ci/run's table read sandbox-agent/tests.
+AGENT_TIERS ?= sandbox-agent/tests
+# The e2e files of the second node lane; every other e2e file runs in the first.
+E2E_SECOND ?= tests/e2e/test_isolation_e2e.py tests/e2e/test_sandbox_e2e.py \
+	tests/e2e/test_snapshot_e2e.py tests/e2e/test_running_sandbox_e2e.py \
+	tests/e2e/test_sdk_e2e.py tests/e2e/test_quota_e2e.py
+TEST_TIERS ?= $(PROCESS_TIERS) $(AGENT_TIERS) $(NODE_TIERS)
 
 .DEFAULT_GOAL := help
 
@@ -40,9 +55,18 @@ binaries: install ## Build (or reuse) the pinned Kubernetes, etcd, helm and goph
 	$(PY) -m devcluster.luahealth
 
 .PHONY: test
-test: install binaries ## Lint, then every test tier that runs on this machine
-	$(MAKE) lint
-	$(PY) -m pytest -p devcluster.pytest_plugin $(TEST_TIERS)
+# The binaries are built in the processes lane, not before the lanes: the node
+# lanes meanwhile build their own (kubelet, kube-proxy...) and the images, whose
+# downloads and unpacking overlap the compiles (builds of one thing are locked,
+# so a lane needing what another builds waits for it before its first test).
+test: install ## Lint and every test tier, in three lanes side by side (node / e2e+agent / processes)
+	$(PY) -m devcluster.lanes \
+		"node=$(PY) -m pytest -p devcluster.pytest_plugin $(NODE_TIERS) $(addprefix --ignore=,$(E2E_SECOND))" \
+		"e2e=$(PY) -m pytest -p devcluster.pytest_plugin $(E2E_SECOND); e2e=\$$?; \
+			$(PY) -m pytest -p devcluster.pytest_plugin --rootdir=. $(AGENT_TIERS) && exit \$$e2e" \
+		"processes=make --no-print-directory binaries || exit \$$?; \
+			$(PY) -m devcluster.phases run lint -- make --no-print-directory lint; \
+			lint=\$$?; $(PY) -m pytest -p devcluster.pytest_plugin $(PROCESS_TIERS) && exit \$$lint"
 
 .PHONY: test-unit
 test-unit: install ## Fast tests: models, builders, conditions, CRD freshness
@@ -72,8 +96,9 @@ test-sdk: install binaries ## The SDK: freshness checks, then against the integr
 	$(PY) -m pytest -p devcluster.pytest_plugin tests/integration/test_sdk.py
 
 .PHONY: openapi
-openapi: install ## Regenerate sandbox-agent/openapi.json (a test fails when it is stale)
+openapi: install ## Regenerate sandbox-agent/openapi.json and the gateway's operation table from it (tests fail when stale)
 	$(PY) -m sandbox_agent.openapi > sandbox-agent/openapi.json
+	$(PY) -m sandbox_operator.gateway.operations
 
 .PHONY: cluster-up
 cluster-up: install ## Start a local control plane (etcd, apiserver, controller-manager)
@@ -92,7 +117,7 @@ run: install ## Run the operator locally against the cluster-up cluster
 	$(VENV)/bin/kopf run -m sandbox_operator.main --all-namespaces --standalone
 
 .PHONY: bench
-bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under attack in a 256 MiB cgroup; 1,000, 3,000 and 10,000 Sandboxes; node cold start and exec; runc vs gVisor; Executions vs Jobs; snapshots vs tar; resume vs a pod start; pool claims vs cold starts; idle sandboxes a node holds by resource profile; gateway vs direct; the SDK vs raw HTTP; MCP vs the SDK; chaos (operator kills, an API server restart) with invariants checked
+bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under attack in a 256 MiB cgroup; 1,000, 3,000 and 10,000 Sandboxes; node cold start and exec; runc vs gVisor; Executions vs Jobs; snapshots vs tar; resume vs a pod start; pool claims vs cold starts; idle sandboxes a node holds by resource profile; gateway vs direct; the SDK vs raw HTTP; kubectl sandbox exec vs kubectl exec; MCP vs the SDK; chaos (operator kills, an API server restart) with invariants checked
 	$(PY) benchmarks/agent_bench.py
 	$(PY) benchmarks/agent_memory_bench.py
 	$(PY) benchmarks/sandbox_scale.py
@@ -105,6 +130,7 @@ bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under a
 	$(PY) benchmarks/density_bench.py
 	$(PY) benchmarks/gateway_bench.py
 	$(PY) benchmarks/sdk_bench.py
+	$(PY) benchmarks/cli_bench.py
 	$(PY) benchmarks/mcp_bench.py
 	$(PY) benchmarks/chaos_bench.py
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from devcluster import records, versions
+from devcluster import phases, records, versions
 
 log = logging.getLogger("devcluster.build")
 
@@ -611,9 +611,10 @@ def main() -> None:
             print(f"{size / 2**20:10.0f} MiB  {info['cache_root']}/{name}")
         print(json.dumps(info["builds"], indent=2))
         return
-    print(etcd_binary())
-    for path in kubernetes_binaries().values():
-        print(path)
+    with phases.phase("binaries: etcd, Kubernetes"):
+        print(etcd_binary())
+        for path in kubernetes_binaries().values():
+            print(path)
 
 
 if __name__ == "__main__":

@@ -330,6 +330,7 @@ class LocalCluster(ControlPlane):
                 f"per-pod PID limit ({POD_PIDS_LIMIT}) cannot be enforced"
             )
         hostdeps.ensure()
+        hostdeps.raise_limits()
         built = [imagelib.ensure_built(imagelib.IMAGES[name]) for name in self.image_names]
         # A fresh image store starts as a clone of a seeded one (a second,
         # instead of importing every image); the seed is made once per set.

@@ -686,6 +686,18 @@ class ControlPlane:
             if remove_state:
                 shutil.rmtree(self.state_dir, ignore_errors=True)
 
+    def stop_if_orphaned(self) -> bool:
+        """Stop and remove this cluster if the process that started it is gone;
+        whether it did. Decided under the cluster's lock: a cluster another
+        process is starting right now (its owner not recorded yet) is waited
+        for, then found owned, and left alone."""
+        with self._locked():
+            if self.owner_alive():
+                return False
+            self._stop_locked()
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+        return True
+
     def _stop_locked(self) -> None:
         errors = []
         recorded = {record.name: record for record in self._records()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from devcluster import build, versions
+from devcluster import build, phases, versions
 
 HELM_VERSION = versions.HELM
 HELM_MODULE = versions.HELM_MODULE
@@ -85,4 +85,6 @@ def uninstall_chart(
 
 
 if __name__ == "__main__":
-    print(helm_binary())
+    # `make binaries`: a phase of CI's table when SANDBOX_CI_PHASES is set.
+    with phases.phase("binaries: helm"):
+        print(helm_binary())

@@ -104,6 +104,29 @@ def ensure(packages: dict[str, str] | None = None) -> list[str]:
         return todo
 
 
+# Kernel limits a node needs more of than a stock host gives. Every containerd
+# (its CNI config monitor), kubelet and CSI sidecar holds inotify instances;
+# Debian's 128 per user ran out with three node clusters on the machine (a
+# test's own beside the session's and `make up`'s): containerd then started
+# without its CRI plugin ("too many open files") and never became ready.
+HOST_LIMITS = {
+    "/proc/sys/fs/inotify/max_user_instances": 8192,
+    "/proc/sys/fs/inotify/max_user_watches": 1048576,
+}
+
+
+def raise_limits(limits: dict[str, int] | None = None) -> dict[str, int]:
+    """Raise each limit below its value (never lower one); returns what changed."""
+    changed: dict[str, int] = {}
+    for path, wanted in (HOST_LIMITS if limits is None else limits).items():
+        current = int(Path(path).read_text().split()[0])
+        if current < wanted:
+            Path(path).write_text(f"{wanted}\n")
+            changed[path] = wanted
+            log.info("raised %s from %d to %d", path, current, wanted)
+    return changed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m devcluster.hostdeps",

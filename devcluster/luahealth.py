@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from devcluster import build, versions
+from devcluster import build, phases, versions
 
 SOURCE = Path(__file__).resolve().parent / "lua"
 CHART = Path(__file__).resolve().parent.parent / "charts" / "sandbox-operator"
@@ -60,4 +60,6 @@ def evaluate(objects: Sequence[dict[str, Any]], script: Path = SCRIPT) -> list[H
 
 
 if __name__ == "__main__":
-    print(binary())
+    # `make binaries`: a phase of CI's table when SANDBOX_CI_PHASES is set.
+    with phases.phase("binaries: luahealth (gopher-lua)"):
+        print(binary())

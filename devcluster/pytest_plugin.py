@@ -18,6 +18,11 @@ started. Needs root. It never skips either: missing Debian packages are
 installed, binaries and images are built during collection, and whatever
 fails errors the tests that use it. `--devcluster-node NAME` runs against
 the named node cluster (`python -m devcluster up --node`) and leaves it up.
+
+With `SANDBOX_CI_PHASES` set (`.ci/run`), the builds during collection and
+the session clusters' starts and stops are recorded as phases, and at the
+end of the session each test tier's time and the slowest tests (see
+`devcluster.phases`).
 """
 
 from __future__ import annotations
@@ -28,20 +33,24 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
 import pytest
 
-from devcluster import build, hostdeps, images, netbuild
+from devcluster import build, hostdeps, images, netbuild, phases
 from devcluster.cluster import LocalCluster, node_binaries
 from devcluster.controlplane import ControlPlane, ControlPlaneError
 from devcluster.registry import sweep_orphans
 
 FIXTURE = "control_plane"
-NODE_FIXTURE = "local_cluster"
+# What a test needing the node asks for (directly, or through a fixture of its
+# own that starts a private node cluster: the e2e tier's).
+NODE_FIXTURE = "node_tier"
 _build_error = pytest.StashKey[str]()
 _node_build_error = pytest.StashKey[str]()
+_tally = pytest.StashKey[phases.TestTally]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -60,6 +69,61 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="local_cluster: use the named node cluster (started if not healthy) and leave "
         "it running; default: a private node cluster for this session",
     )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if phases.destination() is not None:
+        tally = config.stash[_tally] = phases.TestTally(_tiers(config))
+        # An object, not module hooks: pytest_runtest_logreport gets no config
+        # to find the tally in, and a module global would outlive the session.
+        config.pluginmanager.register(_PhaseRecorder(tally), "devcluster-phases")
+
+
+def _tiers(config: pytest.Config) -> list[str]:
+    """The paths pytest was given (`make test`: the Makefile's TEST_TIERS),
+    relative to the rootdir like the test ids they are matched against."""
+    root = config.rootpath.resolve()
+    tiers = []
+    for arg in config.args:
+        # An absolute arg stays itself when joined.
+        path = Path(config.invocation_params.dir, arg.split("::")[0]).resolve()
+        with contextlib.suppress(ValueError):
+            tiers.append(path.relative_to(root).as_posix())
+    return tiers
+
+
+class _PhaseRecorder:
+    """Sums each test's setup + call + teardown into its tier and writes the
+    tiers and the slowest tests to the phase file when the session ends."""
+
+    def __init__(self, tally: phases.TestTally) -> None:
+        self.tally = tally
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.tally.add(report.nodeid, report.when, report.outcome, report.duration)
+
+    # Last: after an interrupt the session clusters stop in pytest's own
+    # sessionfinish, and their rows then come before the tiers as usual.
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self) -> None:
+        for record in self.tally.records():
+            phases.append(record)
+
+
+@contextlib.contextmanager
+def _cluster_phase(config: pytest.Config, name: str) -> Iterator[None]:
+    """A cluster start or stop as a phase of its own. It runs inside the setup
+    (or teardown) of whichever test first needs (or last held) the session
+    fixture, so its time is taken out of that test's, else the tier's total
+    would count it twice."""
+    began = time.monotonic()
+    try:
+        with phases.phase(name):
+            yield
+    finally:
+        tally = config.stash.get(_tally, None)
+        if tally is not None:
+            tally.exclude(time.monotonic() - began)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -95,17 +159,28 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def _prepare_control_plane() -> None:
-    build.etcd_binary()
-    build.kubernetes_binaries()
+    # After `make binaries` this only checks the stamps; a row near 0 s says so.
+    with phases.phase("binaries: etcd, Kubernetes (pytest's check)"):
+        build.etcd_binary()
+        build.kubernetes_binaries()
 
 
 def _prepare_node() -> None:
-    """Debian packages, node binaries and images for `local_cluster`."""
-    hostdeps.ensure()
-    node_binaries(build_missing=True)
-    netbuild.network_binaries(build_missing=True)
+    """Debian packages, node binaries and images for `local_cluster`, each a
+    phase of its own: together they are the largest cold cost of a run."""
+    with phases.phase("node tier: host packages"):
+        hostdeps.ensure()
+    with phases.phase("node tier: binaries (kubelet, kube-scheduler, crictl)"):
+        node_binaries(build_missing=True)
+    with phases.phase("node tier: binaries (kube-proxy, CoreDNS, kube-network-policies)"):
+        netbuild.network_binaries(build_missing=True)
+    built = []
+    for spec in images.IMAGES.values():
+        with phases.phase(f"image {spec.name}"):
+            built.append(images.ensure_built(spec))
     # The fixture's cluster imports every image: its seeded store too.
-    images.ensure_seed([images.ensure_built(spec) for spec in images.IMAGES.values()])
+    with phases.phase("image seed store"):
+        images.ensure_seed(built)
 
 
 def _prepare(
@@ -169,12 +244,19 @@ def control_plane(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
 
 
 @pytest.fixture(scope="session")
-def local_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+def node_tier(request: pytest.FixtureRequest) -> None:
+    """The node tier's packages, binaries and images, built before the first test
+    (see pytest_collection_finish): a fixture that starts a node cluster of its
+    own asks for this one, so that no build runs under a test's timeout."""
+    _fail_if_unprepared(request, "preparing the node tier", _build_error, _node_build_error)
+
+
+@pytest.fixture(scope="session")
+def local_cluster(request: pytest.FixtureRequest, node_tier: None) -> Iterator[LocalCluster]:
     """A running single-node cluster: pods are scheduled and run, from the local
     images (use `imagePullPolicy: IfNotPresent` or `Never`). Pod IPs are
     reachable from the test process. Fails, never skips, when it cannot start.
     """
-    _fail_if_unprepared(request, "preparing the node tier", _build_error, _node_build_error)
     yield from _session_cluster(
         request, "devcluster_node", LocalCluster, f"pytest-{os.getpid()}-node"
     )
@@ -194,7 +276,7 @@ def _session_cluster(
     the end."""
     name: str | None = request.config.getoption(option)
     if name:
-        yield _reused(kind(name))
+        yield _reused(request, kind(name))
         return
     # die_with_parent: even a SIGKILLed pytest takes its cluster along.
     with private_cluster(request, kind(private_name, die_with_parent=True)) as cluster:
@@ -210,11 +292,11 @@ def _fail_if_unprepared(
             pytest.fail(f"devcluster: {what} failed: {error}", pytrace=False)
 
 
-def _reused(cluster: ClusterT) -> ClusterT:
+def _reused(request: pytest.FixtureRequest, cluster: ClusterT) -> ClusterT:
     """A named cluster (the developer's, for a fast edit-test loop): started
     unless it is healthy, and left running after the session."""
     if not cluster.is_healthy():
-        _start(cluster)
+        _start(request, cluster)
     elif isinstance(cluster, LocalCluster):
         # Images rebuilt since it started (an edit to sandbox-agent/) go in
         # without a restart.
@@ -229,12 +311,13 @@ def private_cluster(request: pytest.FixtureRequest, cluster: ClusterT) -> Iterat
     unwinds through here too. A failed session keeps the state (logs!) for a look."""
     sweep_orphans("pytest-")
     with _sigterm_raises_interrupt():
-        _start(cluster)
+        _start(request, cluster)
         try:
             yield cluster
         finally:
             failed = request.session.testsfailed > 0
-            cluster.stop(remove_state=not failed)
+            with _cluster_phase(request.config, f"cluster stop: {_label(request, cluster)}"):
+                cluster.stop(remove_state=not failed)
             if failed:
                 reporter = request.config.pluginmanager.get_plugin("terminalreporter")
                 if reporter is not None:
@@ -243,8 +326,15 @@ def private_cluster(request: pytest.FixtureRequest, cluster: ClusterT) -> Iterat
                     )
 
 
-def _start(cluster: ControlPlane) -> None:
+def _label(request: pytest.FixtureRequest, cluster: ControlPlane) -> str:
+    """What the phase table calls a cluster: the fixture that holds it
+    (control_plane, local_cluster, e2e_install), not its per-run name."""
+    return request.fixturename or cluster.name
+
+
+def _start(request: pytest.FixtureRequest, cluster: ControlPlane) -> None:
     try:
-        cluster.start()
+        with _cluster_phase(request.config, f"cluster start: {_label(request, cluster)}"):
+            cluster.start()
     except (ControlPlaneError, images.ImageError, hostdeps.HostDepsError) as error:
         pytest.fail(f"devcluster: cluster {cluster.name!r} did not start: {error}", pytrace=False)

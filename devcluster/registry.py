@@ -53,9 +53,12 @@ def sweep_orphans(prefix: str) -> list[str]:
             continue
         cluster = open_cluster(state_dir.name, state_dir=state_dir)
         if cluster.owner_alive():
-            continue
+            continue  # the common case, without waiting for its lock
         try:
-            cluster.stop(remove_state=True)
+            # Looked at again under its lock: another lane may be starting it now,
+            # before its owner is recorded (it was stopped under that lane once).
+            if not cluster.stop_if_orphaned():
+                continue
         except ControlPlaneError as error:
             # Not this session's problem to fail on; but say so.
             log.warning("could not remove orphaned cluster %s: %s", state_dir.name, error)

@@ -72,10 +72,22 @@ def _gateway_access(cluster: LocalCluster) -> tuple[str, str]:
     token = deploy.kubectl(cluster, "create", "token", DEMO_ACCOUNT, "-n", "default")
     if token.returncode != 0:
         raise SystemExit(token.stderr)
-    service = _json(cluster, "get", "service", "-n", deploy.NAMESPACE, f"{deploy.RELEASE}-gateway")
-    spec = service["spec"]
-    assert isinstance(spec, dict)
-    return f"http://{spec['clusterIP']}", token.stdout.strip()
+    url = _gateway_url(cluster)
+    assert url is not None, "the chart made no gateway Service"
+    return url, token.stdout.strip()
+
+
+def _gateway_url(cluster: LocalCluster) -> str | None:
+    """The gateway Service's ClusterIP URL (kube-proxy on the node makes it reachable
+    from this host as is); None before the chart made the Service."""
+    found = deploy.kubectl(
+        cluster, "get", "service", "-n", deploy.NAMESPACE, f"{deploy.RELEASE}-gateway", "-o", "json"
+    )
+    if found.returncode != 0:
+        return None
+    spec = json.loads(found.stdout)["spec"]
+    port = spec["ports"][0]["port"]
+    return f"http://{spec['clusterIP']}" + ("" if port == 80 else f":{port}")
 
 
 STEPS = 7
@@ -124,7 +136,15 @@ def _start(progress: Progress, cluster: LocalCluster) -> None:
             said.append(f"up at {cluster.server}")
             refreshed = []
     with progress.step(_step(5, f"chart {deploy.RELEASE} in {deploy.NAMESPACE}")) as said:
-        said.append(deploy.install_operator(cluster).strip().splitlines()[0])
+        # The URLs handed out (preview ports, downloads) on the address this host
+        # reaches the gateway at: its ClusterIP, known once the Service exists.
+        known = _gateway_url(cluster)
+        external = [f"gateway.externalURL={known}"] if known else []
+        said.append(deploy.install_operator(cluster, extra_values=external).strip().splitlines()[0])
+        if known is None:
+            deploy.install_operator(
+                cluster, extra_values=[f"gateway.externalURL={_gateway_url(cluster)}"]
+            )
         if any("sandbox-operator" in reference for reference in refreshed):
             # Same tag, new image: the Deployment's template did not change, so roll it.
             deploy.restart_operator(cluster)

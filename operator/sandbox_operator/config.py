@@ -128,8 +128,10 @@ class Settings(BaseModel):
         default_factory=lambda: {"app.kubernetes.io/name": "sandbox-operator"}
     )
     gateway_pod_labels: dict[str, str] | None = None
-    # Where clients reach the gateway (status.ports[].url), and the domain of
-    # preview hosts `{port}-{sandbox}-{namespace}.{preview_domain}` when set.
+    # Where clients reach the gateway, the base of status.ports[].url: the chart
+    # sets the gateway's external URL (gateway.externalURL), else its Service's
+    # in-cluster URL, which resolves only in pods. The domain of preview hosts
+    # `{port}-{sandbox}-{namespace}.{preview_domain}`, when set, wins.
     gateway_url: str | None = None
     preview_domain: str | None = None
     preview_scheme: str = "https"

@@ -19,6 +19,7 @@ import kopf
 from sandbox_operator.agent_client import AgentClient, LimitCounters
 from sandbox_operator.builders.sandbox import TOKEN_KEY, children_ref, names
 from sandbox_operator.config import Settings
+from sandbox_operator.errors import Backoffs
 from sandbox_operator.kube import Api
 from sandbox_operator.resources import SECRETS
 
@@ -64,10 +65,21 @@ class OperatorContext:
     # seconds) and the claiming Sandbox's UID. Other claims skip them instead of
     # racing for the same one until the index shows the claim.
     reserved: dict[Key, tuple[float, str]] = field(default_factory=dict)
+    # A claiming Sandbox's pool outcome (claimed or cold, with what it inherits) by
+    # (namespace, Sandbox UID), from the decision until its status shows it. A pass
+    # that holds an older body (the claim's status goes out with Kopf's patch,
+    # after the handler) takes this decision up instead of deciding again: two
+    # decisions would announce a cold start and claim a member for one Sandbox.
+    pool_decisions: dict[Key, JSON] = field(default_factory=dict)
     # Per SandboxPool: set to have its loop make a pass now (handlers.pool).
     pool_wakeups: dict[Key, asyncio.Event] = field(default_factory=dict)
-    # Where Events go: Kopf's poster in the operator, a list in unit tests.
+    # Refusal streaks by object, shared by all of an object's triggers (errors.py).
+    backoffs: Backoffs = field(default_factory=Backoffs)
+    # Where Events go: the EventRecorder (events.py) in the operator, a list in unit
+    # tests; Kopf's own poster (one Event per call) when nothing else is given.
     post: Callable[[JSON, str, str, str], None] = field(default_factory=lambda: post_event)
+    # Events of what happens once in an object's life (None: `post`).
+    post_once: Callable[[JSON, str, str, str, str], None] | None = None
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -113,6 +125,8 @@ class OperatorContext:
         if uid is not None:
             self.tokens.pop((namespace, uid), None)
             self.limit_counters.pop((namespace, uid), None)
+            self.pool_decisions.pop((namespace, uid), None)
+            self.backoffs.streaks.pop(uid, None)
 
     async def agent_token(self, sandbox: JSON) -> str | None:
         """The bearer token of a sandbox's agent, read from its Secret once (a pool
@@ -138,6 +152,13 @@ class OperatorContext:
     def event(self, body: JSON, kind: str, reason: str, message: str) -> None:
         """A Kubernetes Event on one of our objects: `kind` is "info" or "warn"."""
         self.post(body, kind, reason, message)
+
+    def event_once(self, body: JSON, kind: str, reason: str, message: str, key: str = "") -> None:
+        """An Event posted once per object, reason and `key` (events.EventRecorder)."""
+        if self.post_once is None:
+            self.post(body, kind, reason, message)
+        else:
+            self.post_once(body, kind, reason, message, key)
 
 
 def post_event(body: JSON, kind: str, reason: str, message: str) -> None:

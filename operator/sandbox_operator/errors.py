@@ -21,6 +21,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import kopf
@@ -37,7 +39,45 @@ def refused_delay(retry: int) -> float:
     return min(REFUSED_RETRY_SECONDS, float(2 ** min(retry, 10)))
 
 
+JSON = dict[str, Any]
 Report = Callable[[Refused], Awaitable[None]]
+
+
+@dataclass
+class Backoffs:
+    """Refusals by object: one streak per object UID and spec generation, shared
+    by every trigger of that object. The change handler, the timer and child
+    events each keep a retry count of their own in Kopf (a timer's is always 0),
+    so without this an object the API server refuses was retried every second."""
+
+    # UID -> (generation, refusals in a row, monotonic time of the next try)
+    streaks: dict[str, tuple[int, int, float]] = field(default_factory=dict)
+
+    @staticmethod
+    def _key(body: JSON) -> tuple[str, int]:
+        meta = body.get("metadata") or {}
+        return str(meta.get("uid", "")), int(meta.get("generation") or 0)
+
+    def remaining(self, body: JSON) -> float:
+        """Seconds until this object may be tried again (0: now). A new spec
+        generation is tried at once."""
+        uid, generation = self._key(body)
+        streak = self.streaks.get(uid)
+        if streak is None or streak[0] != generation:
+            return 0.0
+        return max(0.0, streak[2] - time.monotonic())
+
+    def refused(self, body: JSON) -> float:
+        """Count a refusal; the delay before the next try."""
+        uid, generation = self._key(body)
+        previous = self.streaks.get(uid)
+        count = previous[1] + 1 if previous and previous[0] == generation else 1
+        delay = refused_delay(count - 1)
+        self.streaks[uid] = (generation, count, time.monotonic() + delay)
+        return delay
+
+    def clear(self, body: JSON) -> None:
+        self.streaks.pop(self._key(body)[0], None)
 
 
 def transient(exc: BaseException) -> bool:
@@ -55,9 +95,11 @@ async def policy(
     *,
     daemon: bool = False,
     retry: int = 0,
+    backoff: tuple[Backoffs, JSON] | None = None,
 ) -> AsyncIterator[None]:
     """Run one handler under the policy above (`retry`: Kopf's count of this
-    handler's retries), and count it in the metrics."""
+    handler's retries; `backoff`: where the controller counts the object's
+    refusals, shared by all its triggers), and count it in the metrics."""
     started = time.perf_counter()
     result = "error"
     try:
@@ -78,7 +120,12 @@ async def policy(
         if exc.permanent and not daemon:
             raise kopf.PermanentError(str(exc)) from exc
         # A daemon whose object the report made final picks that up at once.
-        delay = TRANSIENT_RETRY_SECONDS if exc.permanent else refused_delay(retry)
+        if exc.permanent:
+            delay = TRANSIENT_RETRY_SECONDS
+        elif backoff is not None and (recorded := backoff[0].remaining(backoff[1])) > 0:
+            delay = recorded  # the controller counted the refusal in the object's streak
+        else:
+            delay = refused_delay(retry)
         raise kopf.TemporaryError(str(exc), delay=delay) from exc
     except Exception as exc:
         if transient(exc):

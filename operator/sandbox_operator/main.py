@@ -22,6 +22,7 @@ from sandbox_operator.agent_client import AgentClient
 from sandbox_operator.builders import pool as pools
 from sandbox_operator.builders.sandbox import pod_essentials
 from sandbox_operator.context import OperatorContext
+from sandbox_operator.events import EventRecorder
 from sandbox_operator.handlers import execution, sandbox
 from sandbox_operator.handlers import pool as pool_controller
 from sandbox_operator.handlers import quota as quotas
@@ -30,6 +31,7 @@ from sandbox_operator.handlers import template as templates
 from sandbox_operator.kube import Kube
 from sandbox_operator.resources import (
     CLAIMS,
+    CLUSTER_SANDBOX_TEMPLATES,
     EXECUTIONS,
     LABEL_MANAGED_BY,
     LABEL_POOL,
@@ -50,6 +52,7 @@ EXECUTION = (EXECUTIONS.group, EXECUTIONS.plural)
 SNAPSHOT = (SNAPSHOTS.group, SNAPSHOTS.plural)
 QUOTA = (SANDBOX_QUOTAS.group, SANDBOX_QUOTAS.plural)
 TEMPLATE = (SANDBOX_TEMPLATES.group, SANDBOX_TEMPLATES.plural)
+CLUSTER_TEMPLATE = (CLUSTER_SANDBOX_TEMPLATES.group, CLUSTER_SANDBOX_TEMPLATES.plural)
 POOL = (SANDBOX_POOLS.group, SANDBOX_POOLS.plural)
 POD = (PODS.group, PODS.version, PODS.plural)
 CLAIM = (CLAIMS.group, CLAIMS.version, CLAIMS.plural)
@@ -81,10 +84,14 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     settings.posting.level = logging.WARNING
     settings.networking.connect_timeout = 10
     logs.configure()
+    kube = Kube.from_environment(connections=SETTINGS.api_connections)
+    memo.events = EventRecorder(kube)
     memo.ctx = OperatorContext(
         settings=SETTINGS,
-        kube=Kube.from_environment(connections=SETTINGS.api_connections),
+        kube=kube,
         agents=AgentClient(timeout=SETTINGS.agent_timeout_seconds),
+        post=memo.events.post,
+        post_once=memo.events.post_once,
     )
     memo.scheduler = execution.Scheduler()
     await peering.ensure_objects(memo.ctx.kube, settings, SETTINGS.watch_namespaces)
@@ -102,6 +109,7 @@ async def login(logger: kopf.Logger, **kwargs: Any) -> kopf.AiohttpSession:
 @kopf.on.cleanup()
 async def close(memo: Any, **_: Any) -> None:
     ctx: OperatorContext = memo.ctx
+    await memo.events.drain()
     await ctx.kube.close()
     await ctx.agents.close()
 
@@ -188,7 +196,10 @@ async def sandbox_changed(
         "update": sandbox.Children.CONVERGE,
     }.get(str(reason), sandbox.Children.ENSURE)
     refused = sandbox.refused(ctx, dict(body))
-    async with errors.policy("Sandbox", str(reason), refused, retry=kwargs["retry"]):
+    backoff = (ctx.backoffs, dict(body))
+    async with errors.policy(
+        "Sandbox", str(reason), refused, retry=kwargs["retry"], backoff=backoff
+    ):
         await sandbox.reconcile(
             ctx,
             dict(body),
@@ -210,7 +221,9 @@ async def sandbox_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs
     ctx = _ctx(memo)
     # A bad spec was already reported in status by the change handler.
     with suppress(kopf.PermanentError):
-        async with errors.policy("Sandbox", "timer", sandbox.refused(ctx, dict(body))):
+        backoff = (ctx.backoffs, dict(body))
+        report = sandbox.refused(ctx, dict(body))
+        async with errors.policy("Sandbox", "timer", report, backoff=backoff):
             await sandbox.reconcile(
                 ctx,
                 dict(body),
@@ -261,7 +274,8 @@ async def _child_changed(
     # A pod event carries the pod as it stands; a claim event leaves the pod to the index.
     is_pod = trigger == "pod-event"
     with suppress(kopf.PermanentError):
-        async with errors.policy("Sandbox", trigger, sandbox.refused(ctx, owner)):
+        report = sandbox.refused(ctx, owner)
+        async with errors.policy("Sandbox", trigger, report, backoff=(ctx.backoffs, owner)):
             await sandbox.reconcile(
                 ctx,
                 owner,
@@ -393,9 +407,13 @@ async def snapshot_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **_:
 
 
 # -- SandboxTemplate -------------------------------------------------------------------
-# ClusterSandboxTemplates have no setup (snapshots are namespaced): nothing to reconcile.
+# ClusterSandboxTemplates have no setup (snapshots are namespaced): their status
+# says whether Sandboxes of them can run here, and is kept current by spec changes.
 
 
+@kopf.on.create(*CLUSTER_TEMPLATE)
+@kopf.on.update(*CLUSTER_TEMPLATE)
+@kopf.on.resume(*CLUSTER_TEMPLATE)
 @kopf.on.create(*TEMPLATE)
 @kopf.on.update(*TEMPLATE)
 @kopf.on.resume(*TEMPLATE)

@@ -386,6 +386,43 @@ def test_patch_invalid(sandbox: Sandbox, patch: str) -> None:
     assert sandbox.error(r, 400) == "invalid_patch"
 
 
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ("@@ -x +y @@\n-a\n+A\n", "malformed hunk header at line 3"),
+        ("@@ -1,2 +1,2 @@\n-a\n+A\n b\n@@ broken\n-c\n+C\n", "line 7"),
+        ("@@ -1 +1 @@\n-a\n+A\n-b\n+B\n", "line 6"),
+        ("", "has no hunks"),
+    ],
+)
+def test_a_malformed_patch_writes_nothing_and_names_the_line(
+    sandbox: Sandbox, wsdir: str, body: str, says: str
+) -> None:
+    original = b"a\nb\nc\n"
+    sandbox.write(f"{wsdir}/m.txt", original)
+    before = (sandbox.workspace / wsdir / "m.txt").stat().st_mtime_ns
+    patch = f"--- a/{wsdir}/m.txt\n+++ b/{wsdir}/m.txt\n{body}"
+    r = sandbox.client.post("/v1/files/patch", json={"patch": patch})
+    assert sandbox.error(r, 400) == "invalid_patch"
+    assert says in r.json()["error"]["message"], r.text
+    assert sandbox.read(f"{wsdir}/m.txt") == original
+    assert (sandbox.workspace / wsdir / "m.txt").stat().st_mtime_ns == before
+
+
+def test_a_format_patch_mail_applies(sandbox: Sandbox, wsdir: str) -> None:
+    """`git format-patch` output: prose with dashes before, a signature after."""
+    sandbox.write(f"{wsdir}/mail.txt", b"a\nb\n")
+    patch = (
+        "Subject: [PATCH] b\n\n- fixes b\n---\n mail.txt | 2 +-\n\n"
+        f"diff --git a/{wsdir}/mail.txt b/{wsdir}/mail.txt\n"
+        f"--- a/{wsdir}/mail.txt\n+++ b/{wsdir}/mail.txt\n@@ -1,2 +1,2 @@\n a\n-b\n+B\n"
+        "-- \n2.39.5\n"
+    )
+    r = sandbox.client.post("/v1/files/patch", json={"patch": patch})
+    assert r.status_code == 200, r.text
+    assert sandbox.read(f"{wsdir}/mail.txt") == b"a\nB\n"
+
+
 def test_patch_paths_are_confined(sandbox: Sandbox) -> None:
     patch = "--- a/../../etc/passwd\n+++ b/../../etc/passwd\n@@ -1 +1 @@\n-root\n+evil\n"
     r = sandbox.client.post("/v1/files/patch", json={"patch": patch})

@@ -10,11 +10,11 @@ import pytest
 from sandbox_mcp import settings, tools
 from sandbox_mcp.sessions import session_label
 
-from sandbox_sdk.errors import CommandLost
+from sandbox_sdk.errors import CommandLost, Forbidden
 
 
 def test_every_tool_has_a_valid_schema_and_a_description() -> None:
-    assert len({t.name for t in tools.TOOLS}) == len(tools.TOOLS) == 14
+    assert len({t.name for t in tools.TOOLS}) == len(tools.TOOLS) == 16
     for tool in tools.TOOLS:
         jsonschema.Draft202012Validator.check_schema(tool.schema)
         assert tool.schema["additionalProperties"] is False
@@ -79,3 +79,48 @@ def test_a_command_cut_by_a_restart_reads_as_interrupted() -> None:
     assert text.startswith("interrupted: ")
     assert "agent_restarted" in text
     assert "may have partly run" in text
+
+
+def test_a_command_that_could_not_start_does_not_read_as_partly_run() -> None:
+    lost = CommandLost("the command did not run to its end: no such file", code="spawn_failed")
+    text = tools.failure(lost).text()
+    assert text.startswith("error: the command could not be started")
+    assert "partly run" not in text
+
+
+def test_arguments_are_checked_against_the_tools_schema() -> None:
+    for tool in tools.TOOLS:
+        # Each default is a value the schema itself accepts.
+        defaults = {k: p["default"] for k, p in tool.schema["properties"].items() if "default" in p}
+        required = {k: "x" for k in tool.schema["required"]}
+        assert tools.check(tool.name, {**required, **defaults}) is tool
+    with pytest.raises(tools.ToolFailure) as refused:
+        tools.check("sandbox_write_file", {"path": "a", "contents": "b", "mode": "999"})
+    assert refused.value.kind == "invalid"
+    assert refused.value.message.startswith(
+        "missing argument 'content'; unknown argument 'contents'; argument 'mode' does not match"
+    )
+    with pytest.raises(tools.ToolFailure, match="characters long; it takes at most 131071"):
+        tools.check("sandbox_run_command", {"command": "x" * 200_000})
+
+
+def test_binary_is_a_nul_or_bytes_that_are_no_utf8() -> None:
+    assert tools.is_binary(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    assert tools.is_binary(b"\xff\xfe latin-1 \xe9t\xe9")
+    assert not tools.is_binary("café \ufffd\n".encode())
+    # A character cut at the probe's end is no sign of binary.
+    assert not tools.is_binary(("a" * (tools.BINARY_PROBE - 1) + "é").encode())
+
+
+def test_only_kubernetes_refusals_mention_rbac() -> None:
+    escape = Forbidden("path resolves outside the workspace", status=403, code="path_escape")
+    assert "RBAC" not in tools.failure(escape).text()
+    assert "outside the workspace" in tools.failure(escape).text()
+    denied = Forbidden("sandboxes/exec is not allowed", status=403, code="forbidden")
+    assert "RBAC" in tools.failure(denied).text()
+
+
+def test_a_call_waits_for_its_sandbox_as_long_as_documented() -> None:
+    # README: "a call's wait for the session's sandbox ... 60 s" (the SDK's is 180 s).
+    assert settings.parse([]).ready_timeout == 60.0
+    assert settings.parse(["--ready-timeout", "5"]).ready_timeout == 5.0

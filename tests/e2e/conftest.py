@@ -67,12 +67,17 @@ class E2E:
         return "\n".join(parts)
 
 
+E2E_RECONCILE = "settings.reconcile_interval_seconds=5"
+
+
 def _gone(kube: KubeJSON, path: str) -> bool:
     return kube.get(path) is None
 
 
 @pytest.fixture(scope="session")
-def e2e_install(request: pytest.FixtureRequest) -> Iterator[tuple[LocalCluster, chart.Before]]:
+def e2e_install(
+    request: pytest.FixtureRequest, node_tier: None
+) -> Iterator[tuple[LocalCluster, chart.Before]]:
     """The cluster, with the chart installed the way users get it: the previous
     chart version first, a Sandbox started under it, then `helm upgrade` to
     this tree's chart (tests/e2e/test_chart_e2e.py checks what it kept)."""
@@ -84,7 +89,10 @@ def e2e_install(request: pytest.FixtureRequest) -> Iterator[tuple[LocalCluster, 
             version = chart.chart_version(previous)
         deploy.wait_for_crds(cluster)
         before = chart.start_sandbox(cluster, version)
-        deploy.install_operator(cluster)
+        # What the operator learns on its periodic pass (limits biting, a full
+        # workspace, idle deadlines) shows within seconds instead of the
+        # default 30: the tests wait on conditions, not on the clock.
+        deploy.install_operator(cluster, extra_values=[E2E_RECONCILE])
         deploy.wait_for_crds(cluster)
         yield cluster, before
 

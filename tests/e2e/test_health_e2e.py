@@ -104,7 +104,9 @@ def test_health_of_every_phase(e2e: E2E) -> None:
         "starting",
         lambda s: s.get("phase") in ("Pending", "Starting"),
     )
-    sandboxes.create("bad", {"runtime": "no-such-runtime"})
+    # A resource profile the operator does not offer: admitted (the chart's
+    # admission policy checks runtimes and ports), then InvalidSpec.
+    sandboxes.create("bad", {"resources": {"profile": "no-such-profile"}})
     capture(
         "sandbox-invalid-spec",
         sandboxes,

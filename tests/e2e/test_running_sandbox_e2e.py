@@ -48,6 +48,14 @@ def _runtime_restarts(kube: KubeJSON, ns: str, name: str) -> int:
     return 0
 
 
+def _kubelet_cache_retry(event: JSON) -> bool:
+    """The kubelet's own retry of a volume whose Secret its watch had not yet
+    delivered (seen on a loaded node: "failed to sync secret cache: timed out
+    waiting for the condition"): the Secret existed before the pod, the mount
+    succeeds on the kubelet's next try, and nothing the operator does decides it."""
+    return event["reason"] == "FailedMount" and "failed to sync secret cache" in event["message"]
+
+
 def test_a_cold_start_logs_no_warning(e2e: E2E) -> None:
     """The pod waits for its bound claim and the agent's readiness waits for its
     runner: a normal start leaves no FailedScheduling or Unhealthy Event."""
@@ -59,7 +67,9 @@ def test_a_cold_start_logs_no_warning(e2e: E2E) -> None:
     warnings = [
         f"{e['reason']}: {e['message']}"
         for e in _events(e2e.kube, ns, "Pod", "calm")
-        if e["type"] == "Warning" and e["reason"] != "MissingClusterDNS"
+        if e["type"] == "Warning"
+        and e["reason"] != "MissingClusterDNS"
+        and not _kubelet_cache_retry(e)
     ]
     assert warnings == []
     # The operator's own liveness probe (every 10 s) is not worth a log line.

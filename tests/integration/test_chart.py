@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import ssl
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import httpx
+import pytest
 import yaml
 
 from devcluster.controlplane import ControlPlane
@@ -14,8 +18,10 @@ from devcluster.deploy import restricted_namespace
 from devcluster.helm import helm_binary
 from sandbox_operator import config
 from sandbox_operator.gateway import config as gateway_config
+from sandbox_sdk import Forbidden, NotFound, SandboxClient, ServerError
 from tests.integration.conftest import kubectl
-from tests.integration.harness import chart_rules
+from tests.integration.harness import chart_rules, service_account_token, wait_for
+from tests.kube import KubeJSON, api_path, core_path
 
 
 def _helm(*args: str) -> str:
@@ -248,3 +254,327 @@ def test_api_server_accepts_the_rendered_chart(
     assert applied.returncode == 0, applied.stderr
     assert "deployment.apps/sbx created (server dry run)" in applied.stdout
     assert "deployment.apps/sbx-mcp created (server dry run)" in applied.stdout
+
+
+def test_admission_refuses_what_the_settings_cannot_serve(
+    control_plane: ControlPlane, crds: None, repo: Path, tmp_path: Path
+) -> None:
+    """The chart's ValidatingAdmissionPolicies: the agent's port (as configured)
+    and runtimes outside the catalog are refused when applied, with the reason;
+    what the settings serve is admitted, and so are metadata-only updates."""
+    docs = [
+        doc
+        for doc in render(repo, "settings.agent_port=9090", release="adm", namespace="adm-ns")
+        if doc["kind"].startswith("ValidatingAdmissionPolicy")
+    ]
+    assert len(docs) == 4, [d["metadata"]["name"] for d in docs]
+    manifest = tmp_path / "admission.yaml"
+    manifest.write_text(yaml.safe_dump_all(docs))
+    ns = f"adm-{os.urandom(3).hex()}"
+    assert kubectl(control_plane, "create", "namespace", ns).returncode == 0
+
+    def apply(
+        kind: str, name: str, spec: dict[str, Any], *flags: str
+    ) -> subprocess.CompletedProcess[str]:
+        doc = {
+            "apiVersion": "sandbox.dev/v1alpha1",
+            "kind": kind,
+            "metadata": {"name": name, "namespace": ns},
+            "spec": spec,
+        }
+        return kubectl(control_plane, "apply", *flags, "-f", "-", input=json.dumps(doc))
+
+    agent_port = {"network": {"exposedPorts": [{"name": "a", "port": 9090}]}}
+    try:
+        applied = kubectl(control_plane, "apply", "-f", str(manifest))
+        assert applied.returncode == 0, applied.stderr
+
+        # A policy is enforced once the API server has compiled it: retry briefly.
+        def refused_once() -> subprocess.CompletedProcess[str] | None:
+            # A dry run: one admitted before the policy is in force would stay.
+            answer = apply("Sandbox", "agentport", agent_port, "--dry-run=server")
+            return answer if answer.returncode != 0 else None
+
+        refused = wait_for(refused_once, 30, "the policy in force")
+        assert "spec.network.exposedPorts: port 9090 is reserved for the sandbox agent" in (
+            refused.stderr
+        )
+        refused = apply("Sandbox", "cobol", {"runtime": "cobol"})
+        assert refused.returncode != 0
+        assert "spec.runtime: unknown runtime cobol; this cluster offers: node, python" in (
+            refused.stderr
+        )
+        refused = apply("SandboxTemplate", "cobol", {"sandbox": {"runtime": "cobol"}})
+        assert "spec.sandbox.runtime: unknown runtime cobol" in refused.stderr
+        refused = apply("SandboxTemplate", "port", {"sandbox": agent_port})
+        assert "spec.sandbox.network.exposedPorts: port 9090" in refused.stderr
+        # What the settings serve: 8080 is an ordinary port when the agent is on 9090.
+        served = {"runtime": "node", "network": {"exposedPorts": [{"name": "w", "port": 8080}]}}
+        ok = apply("Sandbox", "fine", served)
+        assert ok.returncode == 0, ok.stderr
+        assert apply("SandboxTemplate", "fine", {"sandbox": served}).returncode == 0
+        assert apply("SandboxTemplate", "bare", {}).returncode == 0
+        labelled = kubectl(control_plane, "label", "-n", ns, "sandbox", "fine", "x=y")
+        assert labelled.returncode == 0, labelled.stderr
+    finally:
+        kubectl(control_plane, "delete", "-f", str(manifest), "--wait=false")
+        kubectl(control_plane, "delete", "namespace", ns, "--wait=false")
+
+
+def _settings(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    settings: dict[str, Any] = yaml.safe_load(
+        _kind(docs, "ConfigMap", name)["data"]["settings.yaml"]
+    )
+    return settings
+
+
+def test_the_gateways_external_url_is_what_urls_are_handed_out_on(
+    repo: Path, tmp_path: Path
+) -> None:
+    """gateway.externalURL reaches the operator (status.ports[].url, hence
+    Sandbox.url() and `kubectl sandbox port`) and the gateway (signed URLs), and a
+    change rolls the operator, which reads its settings once."""
+    external = "https://sandboxes.example.com"
+    docs = render(repo, f"gateway.externalURL={external}")
+    operator_file = tmp_path / "operator.yaml"
+    operator_file.write_text(_kind(docs, "ConfigMap", "sbx-settings")["data"]["settings.yaml"])
+    assert config.load({"SANDBOX_OPERATOR_CONFIG": str(operator_file)}).gateway_url == external
+    gateway_file = tmp_path / "gateway.yaml"
+    gateway_file.write_text(
+        _kind(docs, "ConfigMap", "sbx-gateway-settings")["data"]["settings.yaml"]
+    )
+    assert gateway_config.load({"SANDBOX_GATEWAY_CONFIG": str(gateway_file)}).external_url == (
+        external
+    )
+    # Unset: the Service's in-cluster URL for the operator, nothing for the gateway.
+    default = render(repo)
+    assert (
+        _settings(default, "sbx-settings")["gateway_url"] == "http://sbx-gateway.sandbox-system.svc"
+    )
+    assert "external_url" not in _settings(default, "sbx-gateway-settings")
+
+    def checksum(docs: list[dict[str, Any]]) -> str:
+        pod = _kind(docs, "Deployment", "sbx")["spec"]["template"]
+        return str(pod["metadata"]["annotations"]["checksum/settings"])
+
+    assert checksum(docs) != checksum(default)
+    assert checksum(render(repo, "watchNamespaces={team-a}")) != checksum(default)
+    # Not a URL: refused by the values' schema, before anything is installed.
+    refused = subprocess.run(
+        [
+            str(helm_binary()),
+            "template",
+            "sbx",
+            str(repo / "charts/sandbox-operator"),
+            "--set",
+            "gateway.externalURL=sandboxes.example.com",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert refused.returncode != 0
+    assert "externalURL" in refused.stderr
+
+
+def _service_account(kube: KubeJSON, ns: str, name: str, cluster_role: str) -> str:
+    """A ServiceAccount holding only the built-in `cluster_role` in its own
+    namespace (as a namespace's users are given it), and a token of it."""
+    kube.create(
+        core_path("serviceaccounts", ns),
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
+    )
+    rbac = "rbac.authorization.k8s.io/v1"
+    kube.create(
+        api_path(rbac, "rolebindings", ns),
+        {
+            "apiVersion": rbac,
+            "kind": "RoleBinding",
+            "metadata": {"name": f"{name}-{cluster_role}"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": cluster_role,
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
+        },
+    )
+    return service_account_token(kube, ns, name, seconds=3600)
+
+
+def test_holders_of_edit_or_view_reach_the_gateway_through_the_service_proxy(
+    control_plane: ControlPlane,
+    kube: KubeJSON,
+    access_roles: None,
+    repo: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The SDK's route from a kubeconfig, the API server's proxy to the gateway
+    Service, is open to users who hold nothing but `edit` (or `view`) in their own
+    namespace once the chart is applied: `services/proxy` on the gateway's name as
+    the SDK's URL spells it, in the release namespace, and nothing more. Before,
+    the SDK's refusal says what opens it."""
+    suffix = os.urandom(3).hex()
+    release_ns, user_ns = f"rel-{suffix}", f"users-{suffix}"
+    for name in (release_ns, user_ns):
+        assert kubectl(control_plane, "create", "namespace", name).returncode == 0
+    try:
+        tokens = {
+            role: _service_account(kube, user_ns, f"{role}-user", role) for role in ("edit", "view")
+        }
+
+        def can_i(
+            role: str, verb: str, resource: str, name: str = "", ns: str = release_ns
+        ) -> bool:
+            """A SubjectAccessReview for the ServiceAccount, with the groups the API
+            server gives its tokens."""
+            group, _, subresource = resource.partition("/")
+            review = kube.create(
+                "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+                {
+                    "apiVersion": "authorization.k8s.io/v1",
+                    "kind": "SubjectAccessReview",
+                    "spec": {
+                        "user": f"system:serviceaccount:{user_ns}:{role}-user",
+                        "groups": [
+                            "system:serviceaccounts",
+                            f"system:serviceaccounts:{user_ns}",
+                            "system:authenticated",
+                        ],
+                        "resourceAttributes": {
+                            "namespace": ns,
+                            "verb": verb,
+                            "group": "sandbox.dev" if group == "sandboxes" else "",
+                            "resource": group,
+                            "subresource": subresource,
+                            "name": name,
+                        },
+                    },
+                },
+            )
+            return bool(review["status"].get("allowed"))
+
+        # The controller manager aggregates the chart's roles into `edit` and `view`.
+        for role in ("edit", "view"):
+            wait_for(lambda: can_i(role, "get", "sandboxes", ns=user_ns), 60, f"{role} aggregated")  # noqa: B023
+        # Their sandbox (the chart's user and viewer roles are aggregated into
+        # `edit` and `view`): nothing needs to run it, the proxy refuses first.
+        kube.create(
+            api_path("sandbox.dev/v1alpha1", "sandboxes", user_ns),
+            {
+                "apiVersion": "sandbox.dev/v1alpha1",
+                "kind": "Sandbox",
+                "metadata": {"name": "box"},
+                "spec": {"runtime": "python"},
+            },
+        )
+        # Services with nothing behind them: a proxied request that passes RBAC is
+        # answered by the API server itself (404 or 503: nowhere to send it); one
+        # that does not, 403.
+        for service in ("sbx-gateway", "other"):
+            kube.create(
+                core_path("services", release_ns),
+                {
+                    "apiVersion": "v1",
+                    "kind": "Service",
+                    "metadata": {"name": service},
+                    "spec": {"ports": [{"port": 80}]},
+                },
+            )
+        monkeypatch.delenv("SANDBOX_GATEWAY_URL", raising=False)
+        monkeypatch.setenv("SANDBOX_GATEWAY_SERVICE", f"{release_ns}/sbx-gateway:80")
+
+        def sdk_call(token: str) -> None:
+            with SandboxClient(
+                user_ns,
+                api_server=control_plane.server,
+                token=token,
+                ca_file=str(control_plane.ca_cert),
+                gateway="proxy",
+            ) as sdk:
+                sdk.connect("box").files.read("x")
+
+        # Without the chart's grant: the authorizer's 403, and the fix named.
+        with pytest.raises(Forbidden) as refused:
+            sdk_call(tokens["edit"])
+        message = str(refused.value)
+        assert 'cannot get resource "services/proxy"' in message, message
+        assert f"'http:sbx-gateway:80' in namespace {release_ns}" in message
+        assert "gateway.serviceProxyGroups" in message
+        assert "gateway_url=" in message
+        assert "$SANDBOX_GATEWAY_URL" in message
+
+        docs = [
+            d
+            for d in render(repo, namespace=release_ns)
+            if d["kind"] in ("Role", "RoleBinding") and d["metadata"]["name"] == "sbx-gateway-proxy"
+        ]
+        assert [d["kind"] for d in docs] == ["Role", "RoleBinding"]
+        manifest = tmp_path / "proxy.yaml"
+        manifest.write_text(yaml.safe_dump_all(docs))
+        applied = kubectl(control_plane, "apply", "-f", str(manifest))
+        assert applied.returncode == 0, applied.stderr
+
+        gateway = "http:sbx-gateway:80"
+        for role in ("edit", "view"):
+            for verb in ("get", "create", "update", "patch", "delete"):
+                assert can_i(role, verb, "services/proxy", gateway), (role, verb)
+            # Nothing else of the release namespace: not another Service's proxy,
+            # nor the gateway under other spellings, nor the Service itself.
+            for name in (
+                "http:other:80",
+                "other",
+                "sbx-gateway",
+                "sbx-gateway:80",
+                "https:sbx-gateway:80",
+            ):
+                assert not can_i(role, "get", "services/proxy", name), (role, name)
+            assert not can_i(role, "list", "services/proxy")
+            assert not can_i(role, "get", "services", "sbx-gateway")
+            assert not can_i(role, "get", "pods/proxy", "x")
+        # And in a namespace of their own, the chart's Role is not what they hold.
+        assert not can_i("view", "get", "services/proxy", gateway, ns=user_ns)
+
+        # The API server's own path parsing agrees: a real request with the user's
+        # token passes the authorizer for the gateway's name (and then finds
+        # nothing to send it to), and is refused for the other Service.
+        def proxied(token: str, service: str, method: str) -> httpx.Response:
+            url = f"/api/v1/namespaces/{release_ns}/services/{service}/proxy/v1/namespaces/x"
+            with httpx.Client(
+                base_url=control_plane.server,
+                verify=ssl.create_default_context(cafile=str(control_plane.ca_cert)),
+                timeout=30,
+            ) as http:
+                return http.request(method, url, headers={"Authorization": f"Bearer {token}"})
+
+        def allowed() -> bool:  # RBAC's caches follow the new binding within moments
+            return proxied(tokens["view"], gateway, "GET").status_code != 403
+
+        wait_for(allowed, 30, "the binding in force")
+        for role, token in tokens.items():
+            for method in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+                answer = proxied(token, gateway, method)
+                assert answer.status_code in (404, 503), (role, method, answer.text)
+                assert answer.json()["details"]["name"] == "sbx-gateway"
+            refused_other = proxied(token, "http:other:80", "GET")
+            assert refused_other.status_code == 403, refused_other.text
+        # The SDK's call now gets past the proxy's RBAC, as far as the Service.
+        with pytest.raises((NotFound, ServerError)) as passed:
+            sdk_call(tokens["edit"])
+        assert "sbx-gateway" in str(passed.value)
+
+        # Turned off, or given to other groups.
+        off = render(repo, "gateway.serviceProxyGroups=null")
+        assert not [d for d in off if d["metadata"]["name"] == "sbx-gateway-proxy"]
+        teams = _kind(
+            render(repo, "gateway.serviceProxyGroups={team-a,team-b}"),
+            "RoleBinding",
+            "sbx-gateway-proxy",
+        )
+        assert [s["name"] for s in teams["subjects"]] == ["team-a", "team-b"]
+        assert {s["kind"] for s in teams["subjects"]} == {"Group"}
+    finally:
+        for name in (release_ns, user_ns):
+            kubectl(control_plane, "delete", "namespace", name, "--wait=false")

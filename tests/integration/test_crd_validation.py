@@ -5,14 +5,16 @@ No operator is involved: this is the CRDs' OpenAPI schemas and CEL rules alone.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from devcluster.controlplane import ControlPlane
 from sandbox_operator.api.common import GROUP, VERSION
-from tests.integration.conftest import namespace_manifest
+from tests.integration.conftest import kubectl, namespace_manifest
 from tests.kube import ApiError, KubeJSON, api_path, core_path
 
 LONG = "x" * 300
@@ -184,6 +186,16 @@ BAD: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
         {},
         "may hold at most 131072 characters together",
     ),
+    (
+        "Execution",
+        "executions",
+        {
+            "sandboxTemplate": {"paused": True},
+            "command": ["true"],
+        },
+        {},
+        "sandboxTemplate.paused cannot be true",
+    ),
     # 2.5 MB: a schema message, not the storage layer's own error.
     (
         "Execution",
@@ -330,3 +342,74 @@ def test_execution_command_is_immutable(kube: KubeJSON, namespace: str) -> None:
     assert "immutable after creation" in refused.value.body["message"]
     # Cancelling is the one change allowed.
     kube.patch(fixed, {"spec": {"cancel": True}})
+
+
+def _one_shot(template_files: int, template_env: int, script: int) -> dict[str, Any]:
+    """A one-shot Execution with inputs of these sizes (env in values of 32 KiB at most)."""
+    env = [
+        {"name": f"V{i}", "value": "e" * min(32_768, template_env - i * 32_768)}
+        for i in range(-(-template_env // 32_768))
+    ]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "Execution",
+        "metadata": {"name": f"big-{uuid.uuid4().hex[:6]}"},
+        "spec": {
+            "sandboxTemplate": {
+                "files": [{"path": "in.txt", "content": "f" * template_files}],
+                "env": env,
+            },
+            "script": "s" * script,
+        },
+    }
+
+
+def test_every_admitted_one_shot_can_be_kubectl_applied(
+    control_plane: ControlPlane, kube: KubeJSON, namespace: str
+) -> None:
+    """A one-shot's sandbox files and env count toward its inputs: one over the
+    bound is refused with the schema's message (it was admitted, and then could
+    not be `kubectl apply`-ed), and the largest admitted one can be applied."""
+    over = _one_shot(131_072, 65_536, 131_072)
+    with pytest.raises(ApiError) as refused:
+        kube.create(_path(namespace, "executions"), over)
+    message = refused.value.body["message"]
+    assert "with a one-shot's sandboxTemplate (" in message, message
+    assert "may hold at most 196608 characters together" in message, message
+    # As large as a Sandbox's files and env may be together, with an Execution's inputs.
+    largest = _one_shot(90_000, 65_536, 41_072)
+    applied = kubectl(control_plane, "apply", "-n", namespace, "-f", "-", input=json.dumps(largest))
+    assert applied.returncode == 0, applied.stderr
+
+
+def test_reapplying_an_unchanged_manifest_changes_nothing(
+    control_plane: ControlPlane, namespace: str
+) -> None:
+    """No defaults inside list items: the API server fills none in, so the second
+    `kubectl apply` of the same manifest finds nothing to change."""
+    docs = [
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "Sandbox",
+            "metadata": {"name": "ported"},
+            "spec": {"network": {"exposedPorts": [{"name": "web", "port": 3000}]}},
+        },
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "SandboxTemplate",
+            "metadata": {"name": "with-setup"},
+            "spec": {
+                "setup": [{"name": "deps", "script": "true"}],
+                "sandbox": {"network": {"exposedPorts": [{"name": "web", "port": 3000}]}},
+            },
+        },
+    ]
+    manifest = "\n---\n".join(json.dumps(d) for d in docs)
+    first = kubectl(control_plane, "apply", "-n", namespace, "-f", "-", input=manifest)
+    assert first.returncode == 0, first.stderr
+    again = kubectl(control_plane, "apply", "-n", namespace, "-f", "-", input=manifest)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split("\n")[:2] == [
+        "sandbox.sandbox.dev/ported unchanged",
+        "sandboxtemplate.sandbox.dev/with-setup unchanged",
+    ], again.stdout

@@ -15,11 +15,14 @@ from pathlib import Path
 
 import httpx
 
-from tests.integration.conftest import RELEASE
+from devcluster.controlplane import ControlPlane
+from sandbox_sdk import SandboxClient
+from tests.integration.conftest import OPERATOR_ENV, RELEASE
 from tests.integration.harness import (
     AgentProcess,
     GatewayProcess,
     Node,
+    OperatorProcess,
     secret_token,
     service_account_token,
     wait_for,
@@ -263,14 +266,15 @@ def test_scoped_tokens_and_signed_urls(
     assert tar.status_code == 200
     with tarfile.open(fileobj=io.BytesIO(tar.content)) as archive:
         assert any(name.endswith("data.csv") for name in archive.getnames())
+    # A URL that does not verify is a credential not accepted: 401, as a bad token.
     bad = url.replace("data.csv", "other.csv")
     assert bad != url
-    assert httpx.get(gateway.url + bad).status_code == 403
+    assert httpx.get(gateway.url + bad).status_code == 401
     sig = url.split("sig=")[1].split("&")[0]
-    assert httpx.get(gateway.url + url.replace(sig, sig[::-1])).status_code == 403
+    assert httpx.get(gateway.url + url.replace(sig, sig[::-1])).status_code == 401
     time.sleep(2.1)
     expired = httpx.get(gateway.url + short)
-    assert (expired.status_code, code(expired)) == (403, "invalid_signature")
+    assert (expired.status_code, code(expired)) == (401, "invalid_signature")
     assert "expired" in expired.json()["error"]["message"]
 
     # A namesake made after the token refuses it (the token is bound to the UID).
@@ -281,7 +285,7 @@ def test_scoped_tokens_and_signed_urls(
         stale = http.post("/executions", json={"command": "true"})
         assert stale.status_code == 403
         assert "deleted" in stale.json()["error"]["message"]
-    assert httpx.get(gateway.url + url).status_code == 403
+    assert httpx.get(gateway.url + url).status_code == 401
 
 
 def _serve_preview(ip: str, port: int) -> Callable[[], None]:
@@ -322,31 +326,45 @@ def _serve_preview(ip: str, port: int) -> Callable[[], None]:
 def test_preview_ports_serve_http_and_websockets(
     gateway: GatewayProcess, kube: KubeJSON, ns: str, live_sandbox: LiveSandbox
 ) -> None:
+    # Not 18000-18999: the node lane's tests give pods hostPorts there, which
+    # DNAT every local connection to that port, whatever its address.
     ports = [
-        {"name": "app", "port": 18000},
-        {"name": "docs", "port": 18001, "public": True},
+        {"name": "app", "port": 17000},
+        {"name": "docs", "port": 17001, "public": True},
     ]
     agent = live_sandbox("web", {"network": {"exposedPorts": ports}})
-    stops = [_serve_preview(agent.ip, 18000), _serve_preview(agent.ip, 18001)]
+    stops = [_serve_preview(agent.ip, 17000), _serve_preview(agent.ip, 17001)]
     try:
         base = f"{gateway.url}/v1/namespaces/{ns}/sandboxes/web/ports"
-        assert httpx.get(f"{base}/18001/guide").text == "preview /guide "
-        assert httpx.get(f"{base}/18000/").status_code == 401
-        assert httpx.get(f"{base}/9999/").status_code == 404
+        assert httpx.get(f"{base}/17001/guide").text == "preview /guide "
+        # A link's token is the gateway's: a public port's server never sees it.
+        assert httpx.get(f"{base}/17001/guide?token=sbxt1.x.y&a=1&a=2").text == (
+            "preview /guide a=1&a=2"
+        )
+        assert httpx.get(f"{base}/17000/").status_code == 401
+        # Which ports exist is told only to a caller who may reach them.
+        assert httpx.get(f"{base}/9999/").status_code == 401
         alice = caller(kube, ns, "alice", "user")
+        for port in (9999, 8080):  # 8080: the agent's own port is never a preview port
+            assert (
+                httpx.get(
+                    f"{base}/{port}/healthz", headers={"Authorization": f"Bearer {alice}"}
+                ).status_code
+                == 404
+            )
         assert httpx.get(
-            f"{base}/18000/app?x=1", headers={"Authorization": f"Bearer {alice}"}
+            f"{base}/17000/app?x=1", headers={"Authorization": f"Bearer {alice}"}
         ).text == ("preview /app x=1")
         with client(gateway, ns, "web", alice) as http:
             scoped = http.post("/tokens", json={"operations": ["ports"], "ttlSeconds": 300}).json()[
                 "token"
             ]
         with httpx.Client(follow_redirects=True) as browser:
-            page = browser.get(f"{base}/18000/app", params={"token": scoped, "x": "2"})
+            page = browser.get(f"{base}/17000/app", params={"token": scoped, "x": "2"})
             assert page.status_code == 200, page.text
             assert page.text == "preview /app x=2"
             assert "token=" not in str(page.url)
-            again = browser.get(f"{base}/18000/other")  # the cookie carries on
+            again = browser.get(f"{base}/17000/other")  # the cookie carries on
             assert again.text == "preview /other "
         status = wait_for(
             lambda: kube.read(api_path("sandbox.dev/v1alpha1", "sandboxes", ns, "web"))[
@@ -355,8 +373,8 @@ def test_preview_ports_serve_http_and_websockets(
             20,
             "status.ports",
         )
-        assert [p["port"] for p in status] == [18000, 18001]
-        _websocket_echo(f"{base}/18000/ws".replace("http://", "ws://"), alice)
+        assert [p["port"] for p in status] == [17000, 17001]
+        _websocket_echo(f"{base}/17000/ws".replace("http://", "ws://"), alice)
     finally:
         for stop in stops:
             stop()
@@ -547,3 +565,92 @@ def test_a_claimed_sandbox_is_served_and_its_pool_members_are_not(
             refused = http.post("/executions", json={"command": "touch /workspace/planted"})
             assert refused.status_code == 409, refused.text
             assert code(refused) == "pool_member"
+
+
+def test_urls_handed_out_are_on_the_gateways_external_url(
+    gateway: GatewayProcess,
+    kube: KubeJSON,
+    ns: str,
+    live_sandbox: LiveSandbox,
+    running_operator: OperatorProcess,
+    operator_kubeconfig: Path,
+    control_plane: ControlPlane,
+    tmp_path: Path,
+) -> None:
+    """With the gateway's external URL in the settings (the chart's
+    gateway.externalURL; here `localhost` and the test gateway's port, what this
+    host reaches), status.ports[].url and Sandbox.url() are on it and work from
+    where the user is: `?token=` -> 302 with an HttpOnly cookie -> 200; signed
+    download URLs are on the gateway's own external URL."""
+    external = f"http://localhost:{gateway.port}"
+    # In place of the session's operator (which `running_operator` starts again).
+    running_operator.stop()
+    operator = OperatorProcess(
+        operator_kubeconfig,
+        tmp_path,
+        {**OPERATOR_ENV, "SANDBOX_OPERATOR_GATEWAY_URL": external},
+        name="external-url",
+    )
+    operator.start()
+    try:
+        agent = live_sandbox("web", {"network": {"exposedPorts": [{"name": "app", "port": 17000}]}})
+        stop = _serve_preview(agent.ip, 17000)
+        try:
+            ports = wait_for(
+                lambda: kube.read(api_path("sandbox.dev/v1alpha1", "sandboxes", ns, "web"))[
+                    "status"
+                ].get("ports"),
+                20,
+                "status.ports",
+            )
+            url = f"{external}/v1/namespaces/{ns}/sandboxes/web/ports/17000/"
+            assert [p["url"] for p in ports] == [url]
+            alice = caller(kube, ns, "alice", "user")
+            with SandboxClient(
+                ns,
+                api_server=control_plane.server,
+                token=alice,
+                ca_file=str(control_plane.ca_cert),
+                gateway_url=gateway.url,
+            ) as sdk:
+                link = sdk.connect("web").url(17000)
+                sdk.connect("web").files.write("report.txt", "numbers")
+            assert link.startswith(url + "?token=")
+            with httpx.Client() as browser:
+                first = browser.get(link)
+                assert first.status_code == 302, first.text
+                assert "HttpOnly" in first.headers["set-cookie"]
+                page = browser.get(httpx.URL(link).join(first.headers["location"]))
+                assert page.status_code == 200, page.text
+                assert page.text == "preview / "
+        finally:
+            stop()
+    finally:
+        operator.stop()
+        assert operator.errors() == [], f"handler tracebacks in {operator.log}"
+
+    # A gateway with an external URL signs download URLs on it, whichever way the
+    # request came; the SDK hands that URL out (here reached directly).
+    own = GatewayProcess(
+        gateway.kubeconfig,
+        tmp_path / "gateway",
+        {"SANDBOX_GATEWAY_EXTERNAL_URL": "https://sandboxes.example.test/gw/"},
+    )
+    own.start()
+    try:
+        with SandboxClient(
+            ns,
+            api_server=control_plane.server,
+            token=alice,
+            ca_file=str(control_plane.ca_cert),
+            gateway_url=own.url,
+        ) as sdk:
+            signed = sdk.connect("web").files.download_url("report.txt")
+        assert signed.startswith(
+            f"https://sandboxes.example.test/gw/v1/namespaces/{ns}/sandboxes/web/download?"
+        )
+        # What the Ingress at that address would send on, without its prefix.
+        path = signed.removeprefix("https://sandboxes.example.test/gw")
+        assert httpx.get(own.url + path).content == b"numbers"
+    finally:
+        own.stop()

@@ -244,7 +244,8 @@ def test_every_tool_over_stdio(
                 "sandbox_list_directory", "sandbox_run_command", "sandbox_grep_files",
                 "sandbox_find_files", "sandbox_apply_patch", "sandbox_find_replace",
                 "sandbox_download_url", "sandbox_create", "sandbox_snapshot",
-                "sandbox_restore", "sandbox_destroy",
+                "sandbox_restore", "sandbox_destroy", "sandbox_list_commands",
+                "sandbox_command_output",
             }  # fmt: skip
             assert listed["sandbox_run_command"].input_schema["required"] == ["command"]
 
@@ -386,6 +387,8 @@ def test_progress_notifications_carry_a_long_commands_output(
             async def progress(progress: float, total: float | None, message: str | None) -> None:
                 seen.append((progress, message, time.monotonic()))
 
+            # The sandbox first (waiting for it is reported too: not this test's matter).
+            await ok(client, "sandbox_list_directory")
             result = await client.call_tool(
                 "sandbox_run_command",
                 {"command": "for i in 1 2 3 4; do echo tick $i; sleep 0.5; done"},
@@ -401,6 +404,216 @@ def test_progress_notifications_carry_a_long_commands_output(
             assert [d for d, _, _ in seen] == sorted(d for d, _, _ in seen)
 
     asyncio.run(main())
+
+
+def test_run_command_is_bash(
+    kubeconfig: Path, gateway: GatewayProcess, ns: str, node_player: NodePlayer
+) -> None:
+    """The tool says bash: bash's own syntax works (the agent's `command` form
+    would be /bin/sh, dash here, where both lines below are errors)."""
+
+    async def main() -> None:
+        async with _stdio(kubeconfig, gateway, ns, "--on-end=destroy") as client:
+            out = await ok(
+                client,
+                "sandbox_run_command",
+                command='set -o pipefail; [[ -n "$BASH_VERSION" ]] && echo bash;'
+                " false | true; echo status $?",
+            )
+            assert out == "exit code: 0\nstdout:\nbash\nstatus 1\n", out
+            # stdin still reaches the script, and an over-long script is refused
+            # with what to do instead (Linux caps one argument at 128 KiB).
+            assert "stdout:\nhi\n" in await ok(
+                client, "sandbox_run_command", command="cat", stdin="hi\n"
+            )
+            refused = await fails(
+                client, "sandbox_run_command", "invalid", command="#" + "é" * 70_000
+            )
+            assert "bash FILE" in refused
+            listed = {t.name: t for t in (await client.list_tools()).tools}
+            assert "bash" in (listed["sandbox_run_command"].description or "")
+
+    asyncio.run(main())
+
+
+def test_tool_arguments_are_checked_against_the_tools_schemas(
+    kubeconfig: Path, gateway: GatewayProcess, ns: str, kube: KubeJSON
+) -> None:
+    """Every call is held to its tool's declared schema before anything is
+    done (no sandbox is even created): the refusal names the argument."""
+
+    async def main() -> None:
+        async with _stdio(kubeconfig, gateway, ns, "--on-end=destroy") as client:
+            listed = {t.name: t for t in (await client.list_tools()).tools}
+            missing = await fails(client, "sandbox_run_command", "invalid")
+            assert "missing argument 'command'" in missing, missing
+            assert "sandbox_run_command takes: command (required)" in missing
+            unknown = await fails(
+                client, "sandbox_run_command", "invalid", command="true", shell="zsh"
+            )
+            assert "unknown argument 'shell'" in unknown, unknown
+            typed = await fails(client, "sandbox_read_file", "invalid", path="a", start_line="2")
+            assert "argument 'start_line'" in typed, typed
+            # The schema's depth limit is the agent's (64), not one of its own.
+            depth = listed["sandbox_list_directory"].input_schema["properties"]["depth"]
+            assert depth["maximum"] == 64
+            deep = await fails(client, "sandbox_list_directory", "invalid", depth=65)
+            assert "argument 'depth': 65 is greater than the maximum of 64" in deep, deep
+            await fails(client, "sandbox_destroy", "invalid", force=True)
+        assert session_sandboxes(kube, ns) == []
+
+    asyncio.run(main())
+
+
+def test_refusals_and_binary_files_say_what_they_are(
+    kubeconfig: Path, gateway: GatewayProcess, ns: str, node_player: NodePlayer
+) -> None:
+    async def main() -> None:
+        async with _stdio(kubeconfig, gateway, ns, "--on-end=destroy") as client:
+            await ok(
+                client,
+                "sandbox_run_command",
+                command="ln -s /etc/hostname outside; printf '\\x89PNG\\r\\n\\x1a\\n\\0\\0\\0'"
+                " > 'my image.png'; printf 'caf\\xc3\\xa9 \\xef\\xbf\\xbd\\n' > text.txt",
+            )
+            # The agent's own refusal (a symlink out of the workspace) is no
+            # matter of Kubernetes permissions: no RBAC in what the model reads.
+            escape = await fails(client, "sandbox_read_file", "forbidden", path="outside")
+            assert "path_escape" in escape, escape
+            assert "outside the workspace" in escape
+            assert "RBAC" not in escape
+            # A binary file is named as one, with its size and ways to get it.
+            binary = await fails(client, "sandbox_read_file", "binary", path="my image.png")
+            assert "my image.png is a binary file (11 bytes)" in binary, binary
+            assert "sandbox_download_url" in binary
+            assert "xxd 'my image.png'" in binary
+            # UTF-8 text, even with a U+FFFD of its own, is text.
+            assert await ok(client, "sandbox_read_file", path="text.txt") == "1\tcafé \ufffd"
+            # The grep tool says what the agent's regexes are: RE2, no lookaround.
+            listed = {t.name: t for t in (await client.list_tools()).tools}
+            grep = listed["sandbox_grep_files"].description or ""
+            assert "RE2" in grep
+            assert "Python" not in grep
+            refused = await fails(client, "sandbox_grep_files", "invalid", pattern="a(?=b)")
+            assert "RE2" in refused, refused
+
+    asyncio.run(main())
+
+
+class Scheduler:
+    """The scheduler's part for every pod of a namespace, on a full node:
+    PodScheduled False, Unschedulable, for want of CPU."""
+
+    MESSAGE = "0/1 nodes are available: 1 Insufficient cpu."
+
+    def __init__(self, control_plane: ControlPlane, ns: str) -> None:
+        self.kube = KubeJSON(control_plane.kubeconfig)
+        self.ns = ns
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        done: set[str] = set()
+        while not self.stop.is_set():
+            for pod in self.kube.list(core_path("pods", self.ns)):
+                if pod["metadata"]["uid"] not in done:
+                    Node(self.kube).unschedulable(self.ns, pod["metadata"]["name"], self.MESSAGE)
+                    done.add(pod["metadata"]["uid"])
+            self.stop.wait(0.2)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.kube.close()
+
+
+def test_a_sandbox_that_cannot_be_scheduled_is_reported_while_waiting(
+    control_plane: ControlPlane, kubeconfig: Path, gateway: GatewayProcess, ns: str
+) -> None:
+    """The first call's wait for its sandbox is not silent: progress
+    notifications carry the Ready condition's reason as it changes, and the
+    wait ends at --ready-timeout (60 s by default, as documented) with it."""
+    scheduler = Scheduler(control_plane, ns)
+    scheduler.thread.start()
+    seen: list[tuple[str, float]] = []
+
+    async def progress(progress: float, total: float | None, message: str | None) -> None:
+        seen.append((message or "", time.monotonic()))
+
+    async def main() -> None:
+        async with _stdio(
+            kubeconfig, gateway, ns, "--on-end=destroy", "--ready-timeout=12"
+        ) as client:
+            began = time.monotonic()
+            result = await client.call_tool(
+                "sandbox_read_file", {"path": "x.txt"}, progress_callback=progress
+            )
+            ended = time.monotonic()
+            assert result.is_error
+            assert text(result).startswith("not_ready: "), text(result)
+            assert "Insufficient cpu" in text(result)
+            assert "call again" in text(result)
+            assert 12 <= ended - began < 40
+            told = [at for message, at in seen if "Insufficient cpu" in message]
+            assert told, seen
+            # Said while waiting, long before the end.
+            assert told[0] < ended - 5, (told[0] - began, ended - began)
+
+    try:
+        asyncio.run(main())
+    finally:
+        scheduler.close()
+
+
+def test_a_command_cut_off_by_a_server_restart_is_listed_and_reattached(
+    kubeconfig: Path, gateway: GatewayProcess, ns: str, node_player: NodePlayer, kube: KubeJSON
+) -> None:
+    """The server goes away under a running command (the client restarts it):
+    the command runs on, and the same session key finds it, reads it while it
+    runs and re-attaches to its end, so a model need not run it twice."""
+    script = "echo begun; sleep 8; echo finished; echo $RANDOM >> runs.txt"
+
+    async def first() -> None:
+        async with _stdio(kubeconfig, gateway, ns, "--session=cut-1") as client:
+            begun = asyncio.Event()
+
+            async def progress(progress: float, total: float | None, message: str | None) -> None:
+                if "begun" in (message or ""):
+                    begun.set()
+
+            call = asyncio.create_task(
+                client.call_tool(
+                    "sandbox_run_command", {"command": script}, progress_callback=progress
+                )
+            )
+            await asyncio.wait_for(begun.wait(), 120)
+            call.cancel()  # the client goes, and its server with it
+
+    async def again() -> None:
+        async with _stdio(kubeconfig, gateway, ns, "--session=cut-1") as client:
+            listing = await ok(client, "sandbox_list_commands")
+            [line] = [x for x in listing.splitlines() if "sleep 8" in x]
+            assert "  running  " in line, listing
+            command_id = line.split()[0]
+            assert await ok(client, "sandbox_list_commands", status="completed") == (
+                "no commands completed"
+            )
+            running = await ok(client, "sandbox_command_output", id=command_id, wait_seconds=0)
+            assert running.startswith(f"command {command_id} is still running"), running
+            assert running.endswith("output so far:\nbegun")
+            out = await ok(client, "sandbox_command_output", id=command_id, wait_seconds=60)
+            assert out == "exit code: 0\nstdout:\nbegun\nfinished\n", out
+            # It ran once, to its end.
+            assert len((await ok(client, "sandbox_read_file", path="runs.txt")).splitlines()) == 1
+            listing = await ok(client, "sandbox_list_commands")
+            assert f"{command_id}  completed (exit code 0)" in listing, listing
+            await fails(client, "sandbox_command_output", "not_found", id="no-such-command")
+
+    asyncio.run(first())
+    [name] = session_sandboxes(kube, ns)
+    # Not paused under its command by the end of the first server's session.
+    assert (kube.get(f"{SANDBOXES.format(ns=ns)}/{name}") or {})["spec"].get("paused") is not True
+    asyncio.run(again())
 
 
 def test_stdio_session_resumes_after_the_server_restarts(

@@ -203,6 +203,23 @@ def test_fifty_concurrent_claims_on_a_pool_of_twenty(
     assert len(owners) == 20
     for name in cold:
         assert "no ready member" in uses[name]["message"], uses[name]
+
+    # One Event per cold start, on the Sandbox and on the pool, however many
+    # passes saw it (two did: the arrival and the creation handler).
+    def cold_events() -> list[JSON] | None:
+        # Posted in the background: wait for both kinds of each cold start.
+        events = kube.list(core_path("events", ns))
+        kinds = [e for e in events if e.get("reason") in ("PoolColdStart", "ColdStart")]
+        return events if len(kinds) >= 2 * len(cold) else None
+
+    events = wait_for(cold_events, 30, "an Event for each cold start")
+    time.sleep(2)  # a duplicate would come as soon as the first
+    events = kube.list(core_path("events", ns))
+    announced = [e for e in events if e.get("reason") == "PoolColdStart"]
+    assert sorted(e["involvedObject"]["name"] for e in announced) == sorted(cold)
+    assert {e.get("count", 1) for e in announced} == {1}, announced
+    on_pool = [e for e in events if e.get("reason") == "ColdStart"]
+    assert sorted(e["message"].split(":")[0] for e in on_pool) == sorted(cold)
     kubelet.paused.clear()
     for name in names:
         sandboxes.wait_ready(name, timeout=120)
@@ -408,6 +425,17 @@ def test_what_a_pool_cannot_do_is_named(
     cond = pools.wait_reason("lost", "TemplateNotFound")
     assert "missing" in str(cond["status"]["conditions"])
 
+    # A template no Sandbox of which can run here says so itself, and its pool
+    # makes no members (each would only fail the same way).
+    templates.create("cobol", {"sandbox": {"runtime": "cobol"}})
+    invalid = templates.wait_reason("cobol", "InvalidSpec", timeout=30)
+    message = next(c for c in invalid["status"]["conditions"] if c["type"] == "Ready")["message"]
+    assert message.startswith("spec.sandbox.runtime: unknown runtime 'cobol'"), message
+    pools.create("cobol", {"templateRef": {"name": "cobol"}, "replicas": 2})
+    cond = pools.wait_reason("cobol", "TemplateInvalid")
+    assert "unknown runtime 'cobol'" in str(cond["status"]["conditions"])
+    assert members(kube, ns, "cobol") == []
+
     # A template whose image has no python3: its member's runtime cannot start.
     templates.create("bare", {"sandbox": {"image": "busybox:1", "workspace": {"ephemeral": True}}})
     pools.create("bare", {"templateRef": {"name": "bare"}, "replicas": 1})
@@ -465,3 +493,41 @@ def test_pool_members_are_paced(
     pools.wait_object("paced", "3 creating", lambda s: s.get("creating") == 3)
     time.sleep(2)
     assert len(members(kube, ns, "paced")) == 3
+
+
+def test_a_cold_start_its_stopped_operator_decided_is_announced_by_the_next(
+    kube: KubeJSON,
+    ns: str,
+    sandboxes: Sandboxes,
+    templates: Templates,
+    pools: Pools,
+    running_operator: OperatorProcess,
+) -> None:
+    """An operator that recorded a cold start and stopped before its Event went
+    out (Events are posted in the background): the next one posts it, once."""
+    templates.create("py", TEMPLATE)
+    pools.create("empty", {"templateRef": {"name": "py"}, "replicas": 0})
+    message = "SandboxPool empty had no ready member: starting a new pod"
+    running_operator.kill()
+    try:
+        sandboxes.create("late", {"poolRef": {"name": "empty"}})
+        use = {
+            "name": "empty",
+            "outcome": "ColdStart",
+            "templateRef": {"kind": "SandboxTemplate", "name": "py"},
+            "message": message,
+        }
+        kube.patch(sandboxes.path("late") + "/status", {"status": {"pool": use}})
+    finally:
+        running_operator.start()
+
+    def announced() -> list[JSON]:
+        return [
+            e
+            for e in kube.list(core_path("events", ns))
+            if e.get("reason") == "PoolColdStart" and e["involvedObject"]["name"] == "late"
+        ]
+
+    events = wait_for(announced, 60, "the PoolColdStart Event")
+    assert events[0]["message"] == message
+    assert events[0].get("count", 1) == 1

@@ -81,9 +81,14 @@ def test_a_sandbox_over_a_limit_waits_without_a_pod_and_starts_when_room_is_made
     assert ready_reason(status)[1] == f"exceeded SandboxQuota team: {words}"
     assert status["phase"] == "Pending"
     assert not status.get("admitted")
-    events = kube.list(core_path("events", ns))
-    assert any(
-        e["involvedObject"]["name"] == "third" and e["reason"] == "QuotaExceeded" for e in events
+    # Events are posted beside the status write, not before it: wait for it.
+    wait_for(
+        lambda: any(
+            e["involvedObject"]["name"] == "third" and e["reason"] == "QuotaExceeded"
+            for e in kube.list(core_path("events", ns))
+        ),
+        20,
+        "the QuotaExceeded Event of the third sandbox",
     )
     # Refused before any child was made: no pod, no claim, no token.
     assert _pod(kube, ns, "third") is None
@@ -198,9 +203,14 @@ def test_a_resource_quota_refusing_the_pod_shows_in_status_then_lets_it_start(
     assert "exceeded quota: cpu" in message
     assert "requested: requests.cpu=150m" in message
     assert _pod(kube, ns, "big") is None
-    events = kube.list(core_path("events", ns))
-    assert any(
-        e["involvedObject"]["name"] == "big" and e["reason"] == "QuotaExceeded" for e in events
+    # Events are posted in the background: soon after the status, not with it.
+    wait_for(
+        lambda: any(
+            e["involvedObject"]["name"] == "big" and e["reason"] == "QuotaExceeded"
+            for e in kube.list(core_path("events", ns))
+        ),
+        30,
+        "a QuotaExceeded Event",
     )
     kube.patch(quota, {"spec": {"hard": {"requests.cpu": "1"}}})
     wait_for(lambda: _pod(kube, ns, "big"), 60, "the pod once the quota allows it")

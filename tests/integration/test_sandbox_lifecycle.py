@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from tests.integration.harness import (
 )
 from tests.kube import JSON, ApiError, KubeJSON, api_path, core_path
 from tests.sandboxes import Sandboxes
+from tests.templates import cluster_template_path, create_cluster_template
 
 MANAGED = "app.kubernetes.io/managed-by=sandbox-operator"
 
@@ -507,6 +509,81 @@ def test_invalid_spec_is_explained_and_blocks_nobody(sandboxes: Sandboxes) -> No
     )
     sandboxes.patch("mike", {"spec": {"resources": {"profile": "dense"}}})
     sandboxes.wait_phase("mike", "Pending")
+    # The agent's own port is not the sandbox's to publish (where the chart's
+    # admission policy is not installed, the operator says so).
+    agent_port = {"name": "agent", "port": 8080, "public": True}
+    sandboxes.create("nov", {"network": {"exposedPorts": [agent_port]}})
+    body = sandboxes.wait_phase("nov", "Failed")
+    ready = next(c for c in body["status"]["conditions"] if c["type"] == "Ready")
+    assert (ready["reason"], ready["message"]) == (
+        "InvalidSpec",
+        "spec.network.exposedPorts[0].port: 8080 is reserved for the sandbox agent"
+        " (reserved ports: 8080)",
+    )
+
+
+def _events_of(kube: KubeJSON, ns: str, name: str, reason: str) -> list[JSON]:
+    return [
+        e
+        for e in kube.list(core_path("events", ns))
+        if e["involvedObject"]["name"] == name and e.get("reason") == reason
+    ]
+
+
+def test_a_refused_pod_backs_off_and_its_event_counts_the_tries(
+    sandboxes: Sandboxes, kube: KubeJSON
+) -> None:
+    """A RuntimeClass that does not exist: the API server refuses the pod every
+    time. The retries back off (1, 2, 4 ... 30 s), and each one counts on one
+    Event instead of adding another; an invalid spec likewise stays one Event."""
+    ns = sandboxes.namespace
+    sandboxes.create("norc", {"runtimeClassName": "no-such-class"})
+    sandboxes.create("cobol", {"runtime": "cobol"})
+
+    def refused() -> JSON | None:
+        ready = sandboxes.condition("norc", "Ready") or {}
+        return ready if ready.get("reason") == "CreateFailed" else None
+
+    ready = wait_for(refused, 30, "Ready=False CreateFailed")
+    assert "no-such-class" in ready["message"], ready
+    first = time.monotonic()
+    # Tries 1 s, 2 s, 4 s and 8 s apart: the fifth comes 15 s after the first.
+    counted = wait_for(
+        lambda: [e for e in _events_of(kube, ns, "norc", "CreateFailed") if e["count"] >= 5],
+        60,
+        "five tries counted on one Event",
+    )
+    elapsed = time.monotonic() - first
+    events = _events_of(kube, ns, "norc", "CreateFailed")
+    assert len(events) == 1, events
+    assert counted[0]["type"] == "Warning"
+    assert "no-such-class" in counted[0]["message"]
+    # Once a second (the defect) would have counted 5 in 4 s.
+    assert elapsed > 10, f"5 tries within {elapsed:.1f}s: no backoff"
+    invalid = _events_of(kube, ns, "cobol", "InvalidSpec")
+    assert len(invalid) == 1, invalid
+
+
+def test_catalog_templates_have_a_status(kube: KubeJSON) -> None:
+    """ClusterSandboxTemplates say whether Sandboxes of them can run here."""
+    good, bad = f"cat-{os.urandom(3).hex()}", f"cat-{os.urandom(3).hex()}"
+    create_cluster_template(kube, good, {"sandbox": {"runtime": "python"}})
+    create_cluster_template(kube, bad, {"sandbox": {"runtime": "cobol"}})
+    try:
+
+        def ready_of(name: str) -> JSON | None:
+            body = kube.get(cluster_template_path(name)) or {}
+            conds = (body.get("status") or {}).get("conditions") or []
+            return next((c for c in conds if c["type"] == "Ready"), None)
+
+        cond = wait_for(lambda: ready_of(good), 30, "the good template's Ready")
+        assert cond["status"] == "True", cond
+        cond = wait_for(lambda: ready_of(bad), 30, "the bad template's Ready")
+        assert (cond["status"], cond["reason"]) == ("False", "InvalidSpec"), cond
+        assert "unknown runtime 'cobol'" in cond["message"]
+    finally:
+        kube.delete(cluster_template_path(good))
+        kube.delete(cluster_template_path(bad))
 
 
 def test_runtime_without_python_is_not_ready_with_a_reason(

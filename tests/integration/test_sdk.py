@@ -30,9 +30,9 @@ from sandbox_sdk import (
     AsyncSandboxClient,
     CommandLost,
     CommandTimeout,
-    ConfigError,
     Conflict,
     Forbidden,
+    Gone,
     Invalid,
     NotFound,
     NotReady,
@@ -263,11 +263,11 @@ def test_a_retried_execute_never_runs_twice(
 ) -> None:
     """The request body carries the idempotency key: sending it again (what the
     SDK does after a dropped connection or a 502) returns the first run."""
-    from sandbox_sdk._async.client import _exec_body
+    from sandbox_sdk._wire import exec_body
 
     live_sandbox("box")
     sandbox = client.connect("box")
-    body = _exec_body(
+    body = exec_body(
         "echo x >> count.txt; cat count.txt",
         env=None,
         cwd=None,
@@ -543,12 +543,14 @@ def test_discovery_modes(
             assert admin.config is not None
             assert admin.config.certificate_only
             assert admin.connect("box").execute("id -un || true").ok
-        # Through the API server's proxy no link works without credentials:
-        # said, rather than a URL of the API server that nothing serves.
+        # Through the API server's proxy the SDK asks the gateway for the URL (on
+        # its external URL, if it has one) and never makes one of the API server,
+        # which nothing serves without credentials: here, with no gateway behind
+        # the Service, that request's failure is what the caller gets.
         monkeypatch.delenv("SANDBOX_GATEWAY_URL")
         with (
             SandboxClient(ns, gateway="proxy") as via_proxy,
-            pytest.raises(ConfigError, match="API server's proxy"),
+            pytest.raises(NotFound, match=f"sbx-gateway-{ns}"),
         ):
             via_proxy.connect("box").files.download_url("anything")
         account_body = kube.read(core_path("serviceaccounts", ns, "sandbox-sdk"))
@@ -619,3 +621,99 @@ def test_the_async_client_has_the_same_surface(
             return [result.stdout, "".join(events)]
 
     assert asyncio.run(use()) == ["async\n", "1\n2\n"]
+
+
+def test_pause_returns_once_the_pod_is_gone(
+    client: SandboxClient, live_sandbox: LiveSandbox, kube: KubeJSON, ns: str
+) -> None:
+    """A pod takes its grace period to stop; pause() waits for that, not only
+    for the phase (which reads Paused as soon as the pod is asked to go)."""
+    sandbox = client.create("python", name="box", wait=False)
+    _start(live_sandbox, "box")
+    pod = core_path("pods", ns, "box")
+    # Held by a finalizer, the pod stays Terminating (as a kubelet stopping
+    # its containers keeps it) until the test lets it go.
+    kube.patch(pod, {"metadata": {"finalizers": ["test.sandbox.dev/hold"]}})
+    done = threading.Event()
+
+    def pause() -> None:
+        sandbox.pause()
+        done.set()
+
+    pauser = threading.Thread(target=pause)
+    pauser.start()
+    try:
+        wait_for(
+            lambda: (kube.get(pod) or {}).get("metadata", {}).get("deletionTimestamp"),
+            30,
+            "the pod to be terminating",
+        )
+        wait_for(lambda: sandbox.refresh().status.phase == "Paused", 30, "Paused")  # type: ignore[union-attr]
+        time.sleep(1.0)  # time for a pause() that returns too early to do so
+        assert not done.is_set(), "pause() returned while the pod was still there"
+    finally:
+        kube.patch(pod, {"metadata": {"finalizers": None}})
+    pauser.join(60)
+    assert done.is_set()
+    assert kube.get(pod) is None
+
+
+def test_events_are_oldest_first_within_a_second(
+    client: SandboxClient, kube: KubeJSON, ns: str
+) -> None:
+    """Events of one second: lastTimestamp cannot order them, and the API
+    server lists them by name; the order they were written in decides."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    names = ["ghost.e", "ghost.d", "ghost.c", "ghost.b", "ghost.a"]  # written in this order
+    for i, name in enumerate(names):
+        kube.create(
+            core_path("events", ns),
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": name},
+                "involvedObject": {"kind": "Sandbox", "name": "ghost", "namespace": ns},
+                "reason": f"Step{i}",
+                "message": f"step {i}",
+                "type": "Normal",
+                "firstTimestamp": stamp,
+                "lastTimestamp": stamp,
+                "count": 1,
+                "source": {"component": "test"},
+            },
+        )
+    events = Sandbox(client, "ghost", ns).events()
+    assert [e.reason for e in events] == [f"Step{i}" for i in range(5)]
+
+
+def test_deleting_a_missing_snapshot_is_not_found(client: SandboxClient) -> None:
+    with pytest.raises(NotFound):
+        client.delete_snapshot("no-such-snapshot")
+    with pytest.raises(NotFound):
+        client.connect("no-such-sandbox")
+
+
+def test_shell_errors_read_as_a_shell_s_and_a_pruned_log_is_gone(
+    client: SandboxClient, live_sandbox: LiveSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agent keeps at most 100 KB of logs: a second 60 KB one prunes the first.
+    monkeypatch.setenv("SANDBOX_AGENT_MAX_LOG_DIR_BYTES", "100000")
+    sandbox = client.create("python", name="box", wait=False)
+    _start(live_sandbox, "box")
+
+    missing = sandbox.execute("no-such-command-x")
+    assert missing.exit_code == 127
+    assert "/dev/fd" not in missing.stderr, missing.stderr
+    assert missing.stderr.endswith(": 1: no-such-command-x: not found\n"), missing.stderr
+    # A script too large for argv still runs (from a descriptor).
+    large = sandbox.execute(": padding\n" * 8000 + "echo large")
+    assert (large.exit_code, large.stdout) == (0, "large\n"), large.stderr
+
+    first = sandbox.start("head -c 60000 /dev/zero")
+    first.wait()
+    assert len(first.output(0).chunks) == 1
+    sandbox.start("head -c 60000 /dev/zero").wait()
+    with pytest.raises(Gone) as gone:
+        first.output(0)
+    assert (gone.value.status, gone.value.code) == (410, "log_pruned")
+    assert first.wait().exit_code == 0  # the record stays

@@ -10,6 +10,8 @@ the workspace data is read and written in the driver's volume directories.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +20,8 @@ import pytest
 from devcluster import build, storage
 from devcluster.controlplane import ControlPlaneError
 from devcluster.storage import StorageControlPlane
+from sandbox_operator.resources import RESTORE_ANNOTATION
+from sandbox_sdk import Conflict, NotFound, SandboxClient
 from tests.integration.conftest import OPERATOR_ENV, archive_audit_logs, kubectl
 from tests.integration.harness import (
     AgentProcess,
@@ -249,6 +253,131 @@ def test_rollback_interrupted_by_an_operator_crash_converges(
     assert (workspace_dir(cluster, skube, sns, "crashy") / "data.txt").read_text() == (
         "checkpoint\n"
     )
+
+
+def _claim_uid(kube: KubeJSON, ns: str, sandbox: str) -> str:
+    uid: str = kube.read(core_path("persistentvolumeclaims", ns, f"{sandbox}-workspace"))[
+        "metadata"
+    ]["uid"]
+    return uid
+
+
+def test_a_restore_to_a_missing_snapshot_is_refused_and_never_armed(
+    cluster: StorageControlPlane, skube: KubeJSON, sns: str, soperator: OperatorProcess
+) -> None:
+    """A rollback to a snapshot that is not there changes nothing, says so at once,
+    and stays dropped: a snapshot made later under that name does not roll back a
+    workspace that went on being used."""
+    sandboxes, snapshots = Sandboxes(skube, sns), Snapshots(skube, sns)
+    sandboxes.create("keep", {"paused": True, "workspace": {"size": "16Mi"}})
+    sandboxes.create("other", {"paused": True, "workspace": {"size": "16Mi"}})
+    volume = workspace_dir(cluster, skube, sns, "keep")
+    (volume / "work.txt").write_text("before\n")
+    (workspace_dir(cluster, skube, sns, "other") / "work.txt").write_text("other\n")
+    claim = _claim_uid(skube, sns, "keep")
+
+    with SandboxClient(sns, kubeconfig=str(cluster.kubeconfig)) as client:
+        # The SDK refuses before touching the spec.
+        started = time.monotonic()
+        with pytest.raises(NotFound, match="snapshot nope does not exist"):
+            client.connect("keep").restore("nope", timeout=120)
+        assert time.monotonic() - started < 30
+        assert "fromSnapshot" not in sandboxes.read("keep")["spec"].get("workspace", {})
+
+        # Asked for directly (kubectl, GitOps): the operator drops the request.
+        sandboxes.patch(
+            "keep",
+            {
+                "metadata": {"annotations": {RESTORE_ANNOTATION: "r1"}},
+                "spec": {"workspace": {"fromSnapshot": "nope"}},
+            },
+        )
+
+        def refused() -> JSON | None:
+            status = (sandboxes.get("keep") or {}).get("status") or {}
+            return status.get("workspaceRestoreRefused")
+
+        refusal = wait_for(refused, 30, "the restore refused")
+        assert (refusal["snapshot"], refusal["request"]) == ("nope", "r1"), refusal
+        assert "does not exist" in refusal["message"]
+        cond = sandboxes.condition("keep", "WorkspaceRestored") or {}
+        assert (cond.get("status"), cond.get("reason")) == ("False", "RestoreRefused"), cond
+        wait_for(
+            lambda: any(
+                e.get("reason") == "RestoreRefused" and e["involvedObject"]["name"] == "keep"
+                for e in skube.list(core_path("events", sns))
+            ),
+            30,
+            "a RestoreRefused Event",
+        )
+
+        # The workspace goes on being used; a namesake appears; the Sandbox is
+        # reconciled again (a spec change): nothing is rolled back.
+        (volume / "work.txt").write_text("edited\n")
+        snapshots.create("nope", "other")
+        snapshots.wait_phase("nope", "Ready")
+        body = skube.patch(sandboxes.path("keep"), {"spec": {"lifecycle": {"idleTimeout": "7m"}}})
+        wait_for(
+            lambda: (
+                ((sandboxes.get("keep") or {}).get("status") or {}).get("observedGeneration")
+                == body["metadata"]["generation"]
+            ),
+            30,
+            "the spec change observed",
+        )
+        assert _claim_uid(skube, sns, "keep") == claim
+        assert (volume / "work.txt").read_text() == "edited\n"
+        assert (sandboxes.condition("keep", "WorkspaceRestored") or {}).get("reason") == (
+            "RestoreRefused"
+        )
+
+        # Asked again, now that it exists: it applies.
+        client.connect("keep").restore("nope", wait=False)
+        wait_for(
+            lambda: (
+                ((sandboxes.get("keep") or {}).get("status") or {}).get("workspaceSnapshot")
+                == "nope"
+            ),
+            90,
+            "the second request restored",
+        )
+        assert _claim_uid(skube, sns, "keep") != claim
+        assert (workspace_dir(cluster, skube, sns, "keep") / "work.txt").read_text() == "other\n"
+
+        # A snapshot deleted between the request and the operator's turn: the SDK's
+        # wait ends with the refusal, not a timeout.
+        snapshots.create("fleeting", "other")
+        snapshots.wait_phase("fleeting", "Ready")
+        soperator.kill()
+        answer: list[BaseException | None] = []
+
+        def restore() -> None:
+            try:
+                client.connect("keep").restore("fleeting", timeout=120)
+                answer.append(None)
+            except BaseException as exc:  # handed to the test thread
+                answer.append(exc)
+
+        waiter = threading.Thread(target=restore)
+        try:
+            waiter.start()
+            wait_for(
+                lambda: (
+                    (sandboxes.read("keep")["spec"]["workspace"] or {}).get("fromSnapshot")
+                    == "fleeting"
+                ),
+                30,
+                "the request in the spec",
+            )
+            snapshots.delete("fleeting")
+        finally:
+            soperator.start()
+        waiter.join(120)
+        assert len(answer) == 1, "the SDK's wait did not end"
+        assert isinstance(answer[0], Conflict), answer
+        assert answer[0].code == "RestoreRefused"
+        assert "fleeting" in answer[0].message
+        assert (workspace_dir(cluster, skube, sns, "keep") / "work.txt").read_text() == "other\n"
 
 
 def test_a_volume_snapshot_deleted_behind_the_operators_back_shows(

@@ -334,3 +334,28 @@ def test_pod_essentials_keep_what_reconciliation_reads_and_little_else() -> None
     assert "managedFields" not in kept["metadata"]
     assert set(kept["spec"]) == {"containers"}
     assert len(json.dumps(kept)) < len(json.dumps(pod)) / 2
+
+
+def test_preview_urls_are_on_the_gateways_external_url() -> None:
+    """status.ports[].url is where users are told to go: on the gateway's external
+    URL when the chart sets one (gateway.externalURL), a path under it, whatever
+    trailing slash it was given; without it, the in-cluster URL; by host when a
+    preview domain is set; none without a gateway."""
+    spec = SandboxSpec.model_validate(
+        {"network": {"exposedPorts": [{"name": "web", "port": 3000, "public": True}]}}
+    )
+    tail = "/v1/namespaces/team-a/sandboxes/demo/ports/3000/"
+    for base in ("http://10.96.0.12", "https://sandboxes.example.com/gw/"):
+        external = Settings(gateway_url=base)
+        assert build.preview_url(REF, 3000, external) == base.rstrip("/") + tail
+        assert build.port_statuses(REF, spec, external) == [
+            {"name": "web", "port": 3000, "url": base.rstrip("/") + tail, "public": True}
+        ]
+    in_cluster = Settings(gateway_url="http://sbx-gateway.sandbox-system.svc")
+    assert build.preview_url(REF, 3000, in_cluster) == (
+        "http://sbx-gateway.sandbox-system.svc" + tail
+    )
+    by_host = Settings(gateway_url="http://10.96.0.12", preview_domain="preview.example.com")
+    assert build.preview_url(REF, 3000, by_host) == "https://3000-demo-team-a.preview.example.com/"
+    assert build.preview_url(REF, 3000, SETTINGS) is None
+    assert build.port_statuses(REF, spec, SETTINGS)[0]["url"] is None

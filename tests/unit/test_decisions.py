@@ -391,7 +391,10 @@ def _execution(spec: JSON, name: str = "job") -> JSON:
             "namespace": "ns",
             "uid": f"{name}-0000-uid",
             "generation": 1,
-            "creationTimestamp": iso(NOW),
+            # The real clock's now, not the module's NOW: the Execution controller
+            # measures its wait bound against the real clock, and a test session
+            # may start long after this module was imported (collection builds).
+            "creationTimestamp": iso(datetime.now(UTC)),
         },
         "spec": spec,
     }

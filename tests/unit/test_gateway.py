@@ -1,5 +1,7 @@
-"""The gateway's pure parts: which permission each agent call needs, scoped
-tokens and signed URLs (with key rotation), bounded caches, preview hosts."""
+"""The gateway's pure parts: which agent operations it forwards with which
+permission (generated from the agent's document), canonical paths, scoped
+tokens and signed URLs (with key rotation and their minter's lifetime),
+bounded caches, preview hosts."""
 
 from __future__ import annotations
 
@@ -11,8 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_operator.gateway.access import Operation, TtlCache
-from sandbox_operator.gateway.app import operation_of, preview_host
+from sandbox_operator.gateway import canonical, operations
+from sandbox_operator.gateway.access import Caller, Operation, TtlCache, jwt_expiry
+from sandbox_operator.gateway.app import (
+    agent_operation,
+    attachment,
+    preview_host,
+    workspace_path_problem,
+)
 from sandbox_operator.gateway.signing import Claims, Keys, SigningError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,25 +39,165 @@ NOT_SERVED = {
 }
 
 
-def test_every_agent_operation_is_classified() -> None:
-    """The agent's contract, read from its OpenAPI document: each operation is
-    either served with a named permission or deliberately not served."""
+def test_the_gateways_table_is_generated_from_the_agents_document() -> None:
+    """Each operation of the agent's OpenAPI document is forwarded with the
+    permission its x-access-class names, or not at all; the checked-in table
+    is what the generator makes of the document now."""
+    assert operations.main(["--check"]) == 0, "run `make openapi`"
     document = json.loads((REPO / "sandbox-agent/openapi.json").read_text())
-    for path, operations in document["paths"].items():
-        for method in operations:
+    for path, methods in document["paths"].items():
+        for method, spec in methods.items():
             tail = path.removeprefix("/v1/").replace("{id}", "ex-1")
-            operation = operation_of(method.upper(), tail)
+            found = agent_operation(method.upper(), tail)
             if path in NOT_SERVED:
-                assert operation is None, f"{method} {path} is served"
+                assert spec["x-access-class"] in ("operator", "public", "metrics"), path
+                assert found is None, f"{method} {path} is served"
             else:
-                assert operation is not None, f"{method} {path} is not classified"
-    assert operation_of("GET", "files/content") is Operation.FILES_READ
-    assert operation_of("POST", "files/search") is Operation.FILES_READ
-    assert operation_of("PUT", "files/archive") is Operation.FILES_WRITE
-    assert operation_of("POST", "files/remove") is Operation.FILES_WRITE
-    assert operation_of("GET", "executions/ex-1/output") is Operation.EXEC
-    assert operation_of("GET", "info") is Operation.VIEW
+                assert found is not None, f"{method} {path} is not served"
+                assert found.operation.value == spec["x-access-class"]
+    assert _permission("GET", "files/content") is Operation.FILES_READ
+    assert _permission("POST", "files/search") is Operation.FILES_READ
+    assert _permission("PUT", "files/archive") is Operation.FILES_WRITE
+    assert _permission("GET", "executions/ex-1/output") is Operation.EXEC
+    assert _permission("HEAD", "files/content") is Operation.FILES_READ
     assert Operation.EXEC.describe() == "create sandboxes/exec.sandbox.dev"
+    # What is not in the table is not forwarded, however it is spelled.
+    for method, tail in (
+        ("POST", "workspace/quiesce"),
+        ("PUT", "environment"),
+        ("GET", "files"),
+        ("GET", "files/content/extra"),
+        ("PATCH", "files/content"),
+        ("GET", "executions/ex-1/output/more"),
+        ("GET", "executions/-bad/output"),
+        ("GET", "executions/" + "x" * 200),
+        ("POST", "info"),
+    ):
+        assert agent_operation(method, tail) is None, (method, tail)
+
+
+def _permission(method: str, tail: str) -> Operation:
+    found = agent_operation(method, tail)
+    assert found is not None, (method, tail)
+    return found.operation
+
+
+def test_an_operation_without_an_access_class_fails_generation() -> None:
+    document = {"paths": {"/v1/new": {"post": {"x-access-class": "root"}}}}
+    with pytest.raises(ValueError, match="unknown x-access-class"):
+        operations.render(document)
+    with pytest.raises(ValueError, match="unknown x-access-class"):
+        operations.render({"paths": {"/v1/new": {"post": {}}}})
+
+
+API = "/v1/namespaces/ns/sandboxes/box"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"{API}/files/content",
+        f"{API}/executions/ex-1/output",
+        "/healthz",
+        "/",
+        f"{API}/ports/8000",
+        f"{API}/ports/8000/",
+        f"{API}/ports/8000/app/a%20b/",
+        f"{API}/ports/8000/caf%C3%A9",
+    ],
+)
+def test_canonical_paths_pass(path: str) -> None:
+    canonical.check(path)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        f"{API}/files/%2e%2e/executions",
+        f"{API}/files/%2E%2E/executions",
+        f"{API}/files/%252e%252e/executions",
+        f"{API}/files/../executions",
+        f"{API}/files/./content",
+        f"{API}/files//content",
+        f"{API}/files/content/",
+        f"{API}/files%2fcontent",
+        f"{API}/files%5ccontent",
+        f"{API}/files\\content",
+        f"{API}/files;x/content",
+        f"{API}/files/content;x",
+        f"{API}/fil%65s/content",
+        "/v1/namespaces/n%73/sandboxes/box/info",
+        f"{API}/ports/8000/a/../../files/content",
+        f"{API}/ports/8000/a/%2e%2e/b",
+        f"{API}/ports/8000/a/%25252e%25252e/b",
+        f"{API}/ports/8000/a%2fb",
+        f"{API}/ports/8000/a%5cb",
+        f"{API}/ports/8000/a;jsessionid=1",
+        f"{API}/ports/8000//a",
+        f"{API}/ports/8000/a%00",
+        f"{API}/ports/8000/%09/evil.example/",
+        f"{API}/ports/8000/a%0d%0aX-Injected:%20yes",
+        "http://evil/v1/namespaces/ns/sandboxes/box/info",
+        "*",
+    ],
+)
+def test_anything_else_is_refused(path: str) -> None:
+    with pytest.raises(canonical.NotCanonical):
+        canonical.check(path)
+
+
+def test_a_preview_host_path_is_checked_as_a_preview_path() -> None:
+    canonical.check("/any/%20path/", preview_host=True)
+    for path in ("/a/%2e%2e/b", "/a//b", "/a;b", "/a%2Fb"):
+        with pytest.raises(canonical.NotCanonical):
+            canonical.check(path, preview_host=True)
+
+
+def test_what_a_url_may_name_is_refused_at_minting() -> None:
+    assert workspace_path_problem("report/data.csv") is None
+    assert workspace_path_problem(".") is None
+    for path in (
+        "",
+        "../../etc/passwd",
+        "/etc/passwd",
+        "a/../../b",
+        "%2e%2e/x",
+        "%252e%252e/x",
+        "a\\b",
+        "a\0b",
+        "%2fetc",
+        "x" * 5000,
+        "n\r\nX-Injected: 1",
+        "\ud800",
+    ):
+        assert workspace_path_problem(path) is not None, path
+
+
+def test_download_names_cannot_break_the_header() -> None:
+    assert attachment("data.csv") == "attachment; filename=\"data.csv\"; filename*=UTF-8''data.csv"
+    header = attachment('n\r\nX-Inj: 1;"é')
+    assert "\r" not in header
+    assert "\n" not in header
+    assert header.endswith("filename*=UTF-8''n%0D%0AX-Inj%3A%201%3B%22%C3%A9")
+
+
+def _jwt(claims: dict[str, object]) -> str:
+    def part(data: dict[str, object]) -> str:
+        return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+
+    return f"{part({'alg': 'RS256'})}.{part(claims)}.c2ln"
+
+
+def test_nothing_minted_outlives_its_minter() -> None:
+    assert jwt_expiry(_jwt({"exp": 1_900_000_000, "sub": "x"})) == 1_900_000_000
+    assert jwt_expiry(_jwt({"sub": "x"})) is None
+    assert jwt_expiry(_jwt({"exp": True})) is None
+    assert jwt_expiry("opaque-token") is None
+    assert jwt_expiry("a.!!!.c") is None
+    now = 1_000_000.0
+    assert Caller("u").lifetime(600, now) == 1_000_600
+    assert Caller("u", expires=now + 5).lifetime(86400, now) == 1_000_005
+    assert Caller("u", expires=now + 5000).lifetime(60, now) == 1_000_060
 
 
 def _key(directory: Path, kid: str) -> None:
@@ -76,6 +224,19 @@ def test_scoped_tokens_verify_and_refuse(tmp_path: Path) -> None:
         keys.verify_token(keys.mint_token(_claims(-1)))
     with pytest.raises(SigningError, match="malformed"):
         keys.verify_token("sbxt1.nonsense")
+    # One token, one spelling: nothing may follow or pad its signature.
+    for variant in (
+        token + "=",
+        token + "=;Max-Age=9",
+        token + "A",
+        f"{body}.{sig}==",
+        " " + token,
+    ):
+        with pytest.raises(SigningError, match="malformed"):
+            keys.verify_token(variant)
+    nested = "sbxt1." + base64.urlsafe_b64encode(b"[" * 1500).rstrip(b"=").decode() + "." + sig
+    with pytest.raises(SigningError, match="malformed"):
+        keys.verify_token(nested)
 
 
 def test_keys_rotate_without_invalidating_what_was_signed(tmp_path: Path) -> None:
@@ -116,6 +277,11 @@ def test_signed_urls_are_bound_to_everything_they_name(tmp_path: Path) -> None:
         keys.verify_url("GET", "ns", "box", "uid-1", "a.txt", {**query, "exp": str(exp + 1)})
     with pytest.raises(SigningError, match="not a signed URL"):
         keys.verify_url("GET", "ns", "box", "uid-1", "a.txt", {})
+    # No such sandbox (uid ""): refused as a wrong signature is, after the same checks.
+    with pytest.raises(SigningError, match="signature does not match"):
+        keys.verify_url("GET", "ns", "box", "", "a.txt", query)
+    with pytest.raises(SigningError, match="signature does not match"):
+        keys.verify_url("GET", "ns", "box", "uid-1", "a.txt", {**query, "sig": "é" * 43})
     short_key = tmp_path / "weak"
     short_key.write_bytes(b"too short")
     keys._checked = 0
@@ -147,6 +313,11 @@ def test_preview_hosts_with_dashes_in_both_names() -> None:
     assert preview_host("8000-web-app-team-a", exists) == ("team-a", "web-app", 8000)
     assert preview_host("8000-web-team-a", exists) is None
     assert preview_host("web-app-team-a", exists) is None
+    assert preview_host("²-web-app-team-a", exists) is None
+    assert preview_host("123456-web-app-team-a", exists) is None
+    # Another tenant's sandbox that also resolves the label does not take it over.
+    existing.add(("app-team-a", "web"))
+    assert preview_host("8000-web-app-team-a", exists) is None
 
 
 def test_concurrent_misses_ask_once_and_warm_answers_refresh_ahead() -> None:

@@ -26,7 +26,14 @@ from sandbox_operator.builders.pool import (
     stuck_member,
 )
 from sandbox_operator.builders.sandbox import children_ref
-from sandbox_operator.handlers.sandbox.pool import Reservations, release, reserved_by_others
+from sandbox_operator.handlers.sandbox.pool import (
+    Decisions,
+    Reservations,
+    release,
+    remember,
+    reserved_by_others,
+    with_decision,
+)
 
 JSON = dict[str, Any]
 
@@ -246,6 +253,24 @@ def test_a_claim_is_never_held_back_by_its_own_reservation() -> None:
     release(reserved, ("ns", "gone"), "me")
     assert reserved == {("ns", "w-1"): (1.0, "other"), ("elsewhere", "w-2"): (1.0, "other")}
     assert reserved_by_others(reserved, "ns", "other") == []
+
+
+def test_a_pass_with_an_older_body_takes_up_the_decision_made() -> None:
+    """A claim's outcome goes out with Kopf's patch after the handler; a pass that
+    runs on a body from before it must not decide again (a cold start announced
+    and a member claimed for one Sandbox)."""
+    decisions: Decisions = {}
+    old: JSON = {"metadata": {"namespace": "ns", "name": "s", "uid": "u1"}, "status": {}}
+    cold = {"outcome": "ColdStart", "name": "warm", "message": "no ready member"}
+    remember(decisions, {**old, "status": {"phase": "Pending", "pool": cold, "template": None}})
+    assert decisions == {("ns", "u1"): {"pool": cold}}
+    assert with_decision(decisions, old)["status"] == {"pool": cold}
+    namesake = {"metadata": {**old["metadata"], "uid": "u2"}, "status": {}}
+    assert with_decision(decisions, namesake) == namesake
+    # Written: the status holds from then on, and the memory goes.
+    written = {**old, "status": {"pool": {**cold, "message": "as written"}}}
+    assert with_decision(decisions, written) == written
+    assert decisions == {}
 
 
 def _indexed(bodies: list[JSON]) -> tuple[dict[Any, list[JSON]], dict[Any, list[str]]]:

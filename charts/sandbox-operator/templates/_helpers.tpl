@@ -112,3 +112,17 @@ subjects:
     namespace: {{ $root.Release.Namespace }}
 {{- end }}
 {{- end -}}
+
+{{- /* The operator's settings file (sandbox_operator/config.py): the values'
+`settings` and what other values imply. */}}
+{{- define "sandbox-operator.settings" -}}
+{{- $derived := dict "operator_namespace" .Release.Namespace "watch_namespaces" .Values.watchNamespaces }}
+{{- if .Values.gateway.enabled }}
+{{- /* The agents admit the gateway (NetworkPolicy); status shows preview URLs. */}}
+{{- $url := .Values.gateway.externalURL | default (printf "http://%s-gateway.%s.svc" .Release.Name .Release.Namespace) }}
+{{- $_ := set $derived "gateway_pod_labels" (include "sandbox-operator.gatewayLabels" . | fromYaml) }}
+{{- $_ := set $derived "gateway_url" $url }}
+{{- if .Values.gateway.previewDomain }}{{- $_ := set $derived "preview_domain" .Values.gateway.previewDomain }}{{- end }}
+{{- end }}
+{{- toYaml (merge $derived .Values.settings) }}
+{{- end -}}

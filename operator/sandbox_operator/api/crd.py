@@ -244,10 +244,27 @@ def _resolve(schema: JSON, defs: dict[str, JSON]) -> JSON:
     return {**head, **out}
 
 
+def _no_defaults_in_lists(schema: Any, in_list: bool = False) -> Any:
+    """No `default` inside a list's items: the API server would fill it into each
+    item, and `kubectl apply` (which replaces a custom resource's lists whole)
+    would then find every re-apply of an unchanged manifest `configured`. The
+    models' defaults apply when the operator reads the object."""
+    if isinstance(schema, list):
+        return [_no_defaults_in_lists(v, in_list) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {
+        key: _no_defaults_in_lists(value, in_list or key == "items")
+        for key, value in schema.items()
+        if not (in_list and key == "default")
+    }
+
+
 def openapi_schema(model: type[BaseModel]) -> JSON:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
-    return _resolve(raw, defs)
+    cleaned: JSON = _no_defaults_in_lists(_resolve(raw, defs))
+    return cleaned
 
 
 def _subresources(kind: Kind) -> JSON:

@@ -26,7 +26,7 @@ from sandbox_operator.api.common import (
     total_size_rule,
     validations,
 )
-from sandbox_operator.api.sandbox import SandboxSpec
+from sandbox_operator.api.sandbox import MAX_ENV_CHARACTERS, SandboxSpec
 
 # The longest command the sandbox agent accepts (its SANDBOX_AGENT_MAX_TIMEOUT,
 # which the operator sets from this value).
@@ -96,6 +96,25 @@ class ExecutionReason(StrEnum):
     INVALID_SPEC = "InvalidSpec"
 
 
+# CEL sizes (characters; 0 when unset) of an Execution's own inputs, and of the
+# large fields of a one-shot's sandboxTemplate.
+_OWN_INPUTS = {
+    "script": "has(self.script) ? size(self.script) : 0",
+    "command": "has(self.command) ? self.command.map(a, size(a)).sum() : 0",
+    "stdin": "has(self.stdin) ? size(self.stdin) : 0",
+    "files": "has(self.files) ? self.files.map(f, size(f.content)).sum() : 0",
+    "env": "has(self.env) ? self.env.map(e, has(e.value) ? size(e.value) : 0).sum() : 0",
+}
+_TEMPLATE_INPUTS = {
+    "sandboxTemplate.files": "has(self.sandboxTemplate) && has(self.sandboxTemplate.files)"
+    " ? self.sandboxTemplate.files.map(f, size(f.content)).sum() : 0",
+    "sandboxTemplate.env": "has(self.sandboxTemplate) && has(self.sandboxTemplate.env)"
+    " ? self.sandboxTemplate.env.map(e, has(e.value) ? size(e.value) : 0).sum() : 0",
+}
+# The most a Sandbox's own env and files may hold together.
+MAX_ONE_SHOT_CHARACTERS = MAX_INPUT_CHARACTERS + MAX_ENV_CHARACTERS
+
+
 class ExecutionSpec(Model):
     """Desired state of an Execution. Immutable once created, except `cancel`."""
 
@@ -109,6 +128,12 @@ class ExecutionSpec(Model):
                 "has(self.command) != has(self.script)",
                 "exactly one of command or script must be set",
             ),
+            cel(
+                "!has(self.sandboxTemplate) || !has(self.sandboxTemplate.paused)"
+                " || !self.sandboxTemplate.paused",
+                "sandboxTemplate.paused cannot be true: a one-shot sandbox is made to run"
+                " this command now",
+            ),
             immutable(
                 "sandboxRef",
                 "sandboxTemplate",
@@ -121,17 +146,13 @@ class ExecutionSpec(Model):
                 "timeout",
                 "combinedOutput",
             ),
+            total_size_rule(MAX_INPUT_CHARACTERS, _OWN_INPUTS, "the inputs"),
+            # A one-shot's sandbox is part of the same object, and of the copy
+            # `kubectl apply` keeps of it: together no larger than a Sandbox may be.
             total_size_rule(
-                MAX_INPUT_CHARACTERS,
-                {
-                    "script": "has(self.script) ? size(self.script) : 0",
-                    "command": "has(self.command) ? self.command.map(a, size(a)).sum() : 0",
-                    "stdin": "has(self.stdin) ? size(self.stdin) : 0",
-                    "files": "has(self.files) ? self.files.map(f, size(f.content)).sum() : 0",
-                    "env": "has(self.env) ? self.env.map(e, has(e.value) ? size(e.value) : 0)"
-                    ".sum() : 0",
-                },
-                "the inputs",
+                MAX_ONE_SHOT_CHARACTERS,
+                {**_OWN_INPUTS, **_TEMPLATE_INPUTS},
+                "the inputs with a one-shot's sandboxTemplate",
             ),
         )
     )
@@ -188,6 +209,14 @@ class ExecutionSpec(Model):
         )
         if total > MAX_INPUT_CHARACTERS:
             raise ValueError(f"the inputs may hold at most {MAX_INPUT_CHARACTERS} characters")
+        if self.sandbox_template is not None:
+            total += sum(len(f.content) for f in self.sandbox_template.files)
+            total += sum(len(var.value or "") for var in self.sandbox_template.env)
+            if total > MAX_ONE_SHOT_CHARACTERS:
+                raise ValueError(
+                    "the inputs with a one-shot's sandboxTemplate may hold at most"
+                    f" {MAX_ONE_SHOT_CHARACTERS} characters"
+                )
         return self
 
 

@@ -33,6 +33,8 @@ class PoolReason(StrEnum):
     FILLING = "Filling"
     TEMPLATE_NOT_FOUND = "TemplateNotFound"
     TEMPLATE_WITHOUT_PYTHON = "TemplateWithoutPython"
+    # The template's own status says no Sandbox of it can run here (InvalidSpec).
+    TEMPLATE_INVALID = "TemplateInvalid"
     MEMBER_FAILING = "MemberFailing"
 
 

@@ -120,6 +120,9 @@ class SandboxReason(StrEnum):
     ROLLING_BACK = "RollingBack"
     SNAPSHOT_NOT_READY = "SnapshotNotReady"
     SNAPSHOT_FAILED = "SnapshotFailed"
+    # A rollback named a snapshot that did not exist (or had failed) when the
+    # operator looked: the request is dropped for good, the workspace kept.
+    RESTORE_REFUSED = "RestoreRefused"
     # A SandboxQuota of the namespace, or a Kubernetes ResourceQuota, has no room.
     QUOTA_EXCEEDED = "QuotaExceeded"
     # spec.templateRef names a template that does not exist (yet).
@@ -557,6 +560,18 @@ class TemplateUse(Model):
     )
 
 
+class RestoreRefusal(Model):
+    """A rollback request that was dropped, so that no later namesake applies it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    snapshot: str = Field(description="The Snapshot the request named.")
+    request: str = Field(
+        default="", description="The restore-requested-at annotation value of the request."
+    )
+    message: str = Field(default="", description="Why it was dropped.")
+
+
 class SandboxStatus(Model):
     """Observed state, written only by the operator."""
 
@@ -621,6 +636,12 @@ class SandboxStatus(Model):
     workspace_restore_request: str | None = Field(
         default=None,
         description="The restore-requested-at annotation value the last restore answered.",
+    )
+    workspace_restore_refused: RestoreRefusal | None = Field(
+        default=None,
+        description="The last rollback request that was dropped because its Snapshot did not"
+        " exist, had failed or was being deleted; it never applies later (ask again with a"
+        " new request).",
     )
     idle_snapshot: str | None = Field(
         default=None, description="The Snapshot the idle policy took (or is taking)."

@@ -142,10 +142,17 @@ def build() -> JSON:
                 "description": "Preview ports by host under this domain; empty: by path only.",
                 "pattern": f"^$|{_DNS_SUBDOMAIN}",
             },
-            "url": {
+            "externalURL": {
                 "type": "string",
-                "description": "Base URL clients reach the gateway at; empty: the Service's.",
-                "pattern": "^$|^https?://",
+                "description": "The gateway's address as users outside the cluster reach it;"
+                " every URL handed out is on it. Empty: the Service's in-cluster URL.",
+                "pattern": "^$|^https?://[^/?#]+(/[^?#]*)?$",
+            },
+            "serviceProxyGroups": {
+                "type": "array",
+                "description": "Groups allowed to reach the gateway through the API"
+                " server's service proxy (a Role on that Service's proxy alone); empty: none.",
+                "items": {"type": "string", "minLength": 1},
             },
             **_placement("gateway"),
             "settings": _model(GatewaySettings, "Gateway settings (gateway/config.py)."),

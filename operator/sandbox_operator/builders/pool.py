@@ -308,11 +308,26 @@ def claim_patch(member: JSON, claimer: JSON) -> JSON:
     }
 
 
+def template_problem(template: JSON | None) -> str:
+    """Why the template's own status says no Sandbox of it can run ('' when it does
+    not say so, or speaks of an older generation). Pure."""
+    if template is None:
+        return ""
+    status = template.get("status") or {}
+    if status.get("observedGeneration") != template["metadata"].get("generation"):
+        return ""
+    ready: JSON = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    if ready.get("status") == FALSE and ready.get("reason") == "InvalidSpec":
+        return str(ready.get("message") or "invalid spec")
+    return ""
+
+
 def ready_condition(
     *,
     template_found: bool,
     template_name: str,
     template_has_python: bool,
+    template_invalid: str = "",
     replicas: int,
     ready: int,
     failing_member: str | None = None,
@@ -328,6 +343,14 @@ def ready_condition(
             FALSE,
             PoolReason.TEMPLATE_NOT_FOUND,
             f"template {template_name} not found",
+        )
+    if template_invalid:
+        return Cond(
+            PoolCondition.READY,
+            FALSE,
+            PoolReason.TEMPLATE_INVALID,
+            f"template {template_name} cannot make sandboxes here, so no members are made:"
+            f" {template_invalid}",
         )
     if not template_has_python:
         return Cond(

@@ -150,6 +150,25 @@ def profile_of(spec: SandboxSpec, settings: Settings) -> ResourceProfile:
     return _offered(settings.resource_profiles, name, "resource profile")
 
 
+def settings_problem(spec: SandboxSpec, settings: Settings, at: str = "spec") -> str | None:
+    """What in `spec` this operator's settings cannot serve (None: nothing): a
+    runtime or resource profile it does not offer, or an exposed port that is the
+    agent's own (serving it would open the agent to the preview URL). `at` is
+    where the spec sits in the object, for the message."""
+    for field, offered in (("runtime", image_of), ("resources.profile", profile_of)):
+        try:
+            offered(spec, settings)
+        except ValueError as exc:
+            return f"{at}.{field}: {exc}"
+    for i, port in enumerate(spec.network.exposed_ports):
+        if port.port == settings.agent_port:
+            return (
+                f"{at}.network.exposedPorts[{i}].port: {port.port} is reserved for the sandbox"
+                f" agent (reserved ports: {settings.agent_port})"
+            )
+    return None
+
+
 def _offered(catalog: Mapping[str, T], name: str, what: str) -> T:
     """`catalog[name]`, or ValueError naming what this cluster offers instead."""
     if name not in catalog:

@@ -1,7 +1,9 @@
 """`python -m sandbox_operator.gateway`: serve until SIGTERM.
 
 On SIGTERM the listener closes at once (the Service stops sending here),
-running streams get `SHUTDOWN_GRACE` seconds, then they are cut.
+execution event streams end at once with an `interrupted` event (callers
+reattach through another replica), other answers in progress get
+`SHUTDOWN_GRACE` seconds, then they are cut.
 """
 
 from __future__ import annotations
@@ -63,15 +65,22 @@ async def serve(settings: config.GatewaySettings) -> None:
         shutdown_timeout=SHUTDOWN_GRACE,
     )
     await runner.setup()
-    await web.TCPSite(runner, settings.host, settings.port).start()
+    loop = asyncio.get_running_loop()
+    # Our own listener rather than aiohttp's site: each connection goes through
+    # the guard's limits and deadlines (connections.py).
+    assert runner.server is not None  # set by setup()
+    server = await loop.create_server(
+        gateway.guard.factory(runner.server), settings.host, settings.port, reuse_address=True
+    )
     if settings.metrics_port:
         start_http_server(settings.metrics_port)
     logging.getLogger("sandbox_gateway").info("serving on %s:%d", settings.host, settings.port)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    server.close()
+    gateway.upstreams.interrupt_streams()
     await runner.cleanup()
     await table.close()
     await kube.close()

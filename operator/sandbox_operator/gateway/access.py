@@ -5,8 +5,11 @@ memory, so a warm gateway asks the API server nothing per call."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
+import json
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -17,7 +20,6 @@ from typing import Any, Generic, TypeVar
 from sandbox_operator.api.common import GROUP
 from sandbox_operator.gateway import metrics
 from sandbox_operator.gateway.signing import Claims, Keys, SigningError
-from sandbox_operator.gateway.table import Route
 from sandbox_operator.kube import Api, KubeError
 from sandbox_operator.resources import SANDBOXES, Resource
 
@@ -29,6 +31,9 @@ ACCESS_REVIEWS = Resource("authorization.k8s.io/v1", "subjectaccessreviews", nam
 # A refused token is remembered for less time than an accepted one: a mistyped
 # token is corrected soon, and a flood of bad ones costs one review each per window.
 REFUSED_TOKEN_SECONDS = 5.0
+# A bearer token as RFC 6750 spells it (b64token), of a sane length: anything
+# else is refused before it is hashed, parsed or sent to the API server.
+BEARER = re.compile(r"[A-Za-z0-9._~+/-]{1,16384}=*")
 
 
 class Operation(Enum):
@@ -78,6 +83,18 @@ class Caller:
     extra: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # Set for a scoped token: what it allows, on which Sandbox object.
     scope: Claims | None = None
+    # When the credential stops being valid (epoch seconds), where it says so:
+    # a scoped token's expiry, a Kubernetes token's `exp` claim. Nothing the
+    # gateway mints for this caller outlives it, and a cached answer ends there.
+    expires: float | None = None
+
+    def lifetime(self, wanted: int, now: float) -> int:
+        """The expiry (epoch seconds) of a credential minted for this caller that
+        asks for `wanted` seconds: never later than the caller's own."""
+        end = now + wanted
+        if self.expires is not None:
+            end = min(end, self.expires)
+        return int(end)
 
 
 @dataclass
@@ -158,6 +175,20 @@ class TtlCache(Generic[V]):
             await self._load(key, load, ttl)
 
 
+def jwt_expiry(token: str) -> float | None:
+    """The `exp` claim of a JWT (ServiceAccount and OIDC tokens), read only after
+    the API server accepted the token; None for tokens that carry none."""
+    parts = token.split(".")
+    if len(parts) != 3:
+        return None
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+        exp = claims.get("exp") if isinstance(claims, dict) else None
+    except ValueError:
+        return None
+    return float(exp) if isinstance(exp, int | float) and not isinstance(exp, bool) else None
+
+
 class Access:
     def __init__(
         self, kube: Api, keys: Keys, token_seconds: float, access_seconds: float, size: int
@@ -175,12 +206,18 @@ class Access:
         if not authorization or not authorization.lower().startswith("bearer "):
             raise Denied(401, "unauthenticated", "send a bearer token (Authorization: Bearer ...)")
         token = authorization[7:].strip()
+        if not BEARER.fullmatch(token):
+            raise Denied(401, "invalid_token", "a bearer token is letters, digits and -._~+/=")
         if Keys.is_scoped(token):
             try:
                 claims = self.keys.verify_token(token)
             except SigningError as exc:
                 raise Denied(401, "invalid_token", str(exc)) from exc
-            return Caller(user=f"scoped:{claims.namespace}/{claims.name}", scope=claims)
+            return Caller(
+                user=f"scoped:{claims.namespace}/{claims.name}",
+                scope=claims,
+                expires=float(claims.expires),
+            )
         digest = hashlib.sha256(token.encode()).hexdigest()
         found, hit = await self.callers.fetch(
             digest,
@@ -191,6 +228,9 @@ class Access:
             metrics.CACHE_HITS.labels("token").inc()
         if found is None:
             raise Denied(401, "unauthenticated", "the token was not accepted by the API server")
+        if found.expires is not None and found.expires <= time.time():
+            # A review is cached for a while; the token's own end comes first.
+            raise Denied(401, "invalid_token", "the token has expired")
         return found
 
     async def _review(self, token: str) -> Caller | None:
@@ -216,15 +256,21 @@ class Access:
             uid=str(user.get("uid", "")),
             groups=tuple(user.get("groups") or ()),
             extra=extra,
+            expires=jwt_expiry(token),
         )
 
-    async def check(self, caller: Caller, operation: Operation, route: Route) -> None:
-        """Denied 403 (naming the permission) unless `caller` may do `operation`."""
+    async def check(
+        self, caller: Caller, operation: Operation, namespace: str, name: str, uid: str | None
+    ) -> None:
+        """Denied 403 (naming the permission) unless `caller` may do `operation` on
+        the sandbox `namespace/name` (`uid`: the object there now, None when there
+        is none). Decided the same whether it exists or not, so that a refusal
+        tells a caller nothing about what exists."""
         if caller.scope is not None:
             claims = caller.scope
-            if (claims.namespace, claims.name) != (route.namespace, route.name):
+            if (claims.namespace, claims.name) != (namespace, name):
                 raise Denied(403, "forbidden", "this token is for another sandbox")
-            if claims.uid != route.uid:
+            if uid is not None and claims.uid != uid:
                 raise Denied(
                     403, "forbidden", "this token is for a sandbox of that name that was deleted"
                 )
@@ -232,10 +278,10 @@ class Access:
                 raise Denied(403, "forbidden", f"this token does not allow {operation.value!r}")
             return
         verb, sub = operation.rbac
-        key = (caller.user, caller.groups, caller.extra, verb, sub, route.namespace, route.name)
+        key = (caller.user, caller.groups, caller.extra, verb, sub, namespace, name)
         allowed, hit = await self.decisions.fetch(
             key,
-            lambda: self._allowed(caller, verb, sub, route.namespace, route.name),
+            lambda: self._allowed(caller, verb, sub, namespace, name),
             lambda _: self.access_seconds,
         )
         if hit:
@@ -244,7 +290,7 @@ class Access:
             raise Denied(
                 403,
                 "forbidden",
-                f"{caller.user} may not {operation.describe()} in namespace {route.namespace}",
+                f"{caller.user} may not {operation.describe()} in namespace {namespace}",
             )
 
     async def _allowed(

@@ -34,9 +34,21 @@ class GatewaySettings(BaseModel):
     max_token_seconds: Annotated[int, Field(ge=60, le=7 * 86400)] = 86400
     # Preview ports by host: `{port}-{sandbox}-{namespace}.{preview_domain}`.
     preview_domain: str | None = None
+    # The gateway's address as users outside the cluster reach it (the chart's
+    # gateway.externalURL): signed URLs are handed out on it, since the address a
+    # request came by may be the API server's proxy or a cluster-internal name.
+    external_url: Annotated[str | None, Field(pattern=r"^https?://[^/?#]+(/[^?#]*)?$")] = None
     # Timeouts towards agents: connecting, and between bytes of a response
     # (commands stream for as long as they run: no total).
     agent_connect_seconds: float = 5.0
+    # Client connections (connections.py): a request head must arrive within
+    # `head_seconds` of connecting and the next one within `idle_seconds` of an
+    # answer; at most `connections_per_client` from one address (the API
+    # server's service proxy is one address) and `max_connections` in all.
+    head_seconds: Annotated[float, Field(gt=0, le=600)] = 10.0
+    idle_seconds: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    connections_per_client: Annotated[int, Field(ge=1, le=100_000)] = 1024
+    max_connections: Annotated[int, Field(ge=1, le=1_000_000)] = 16_000
 
 
 def load(environ: Mapping[str, str] | None = None) -> GatewaySettings:

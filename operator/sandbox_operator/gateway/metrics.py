@@ -34,3 +34,15 @@ UPSTREAM_ERRORS = Counter(
     "Agents or preview ports that could not be reached or broke off.",
 )
 ROUTES = Gauge("sandbox_gateway_routes", "Sandboxes in the route table.")
+CONNECTIONS = Gauge("sandbox_gateway_connections", "Client connections open now.")
+CONNECTIONS_CLOSED = Counter(
+    "sandbox_gateway_connections_closed_total",
+    "Client connections the gateway closed itself: a request head or the next request"
+    " not sent in time (deadline), or a connection over a limit (limit).",
+    ["reason"],
+)
+STREAMS_INTERRUPTED = Counter(
+    "sandbox_gateway_streams_interrupted_total",
+    "Event streams ended with an 'interrupted' event: the agent's broke off, or shutdown.",
+    ["reason"],
+)

@@ -4,12 +4,19 @@ Nothing is buffered whole: a 1 GiB tar or a command that prints for half an
 hour passes through in chunks. The caller's credentials never travel on; the
 agent gets its own token. When the caller goes away, the upstream connection
 is closed too, so the agent sees the disconnect.
+
+An execution's event stream (ndjson or SSE) passes through event by event and
+never ends silently: when the agent's stream breaks off, ends before its
+`finished` event, or the gateway shuts down, the caller gets a last
+`interrupted` event (reattach from the last cursor) instead of a cut that
+looks like an end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping
 
@@ -40,6 +47,13 @@ _HOP = {
     "content-length",
 }
 _CREDENTIALS = {"authorization", "cookie", "x-sandbox-authorization"}
+# What the caller says of the path to it: only the gateway may say that.
+_FORWARDING = {"forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto"}
+NDJSON = "application/x-ndjson"
+SSE = "text/event-stream"
+# An event longer than this is passed on as it comes, unaligned (the agent's
+# events are far smaller: output is sent in bounded pieces).
+MAX_EVENT = 16 << 20
 
 
 class UpstreamError(Exception):
@@ -47,7 +61,7 @@ class UpstreamError(Exception):
 
 
 def forwarded_headers(headers: Mapping[str, str], drop: Iterable[str] = ()) -> CIMultiDict[str]:
-    skip = _HOP | _CREDENTIALS | {h.lower() for h in drop}
+    skip = _HOP | _CREDENTIALS | _FORWARDING | {h.lower() for h in drop}
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in headers.items():
         if key.lower() not in skip:
@@ -63,7 +77,11 @@ async def _body(request: web.Request) -> AsyncIterator[bytes]:
 class Upstreams:
     """One pooled HTTP client for every agent and preview port."""
 
-    def __init__(self, connect_seconds: float) -> None:
+    def __init__(self, connect_seconds: float, body_seconds: float = 10.0) -> None:
+        self.body_seconds = body_seconds
+        # Event streams being passed on, so shutdown can end each with a last event.
+        self.streams: set[asyncio.Task[object]] = set()
+        self.closing = False
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=1024, limit_per_host=64, keepalive_timeout=30),
             # Commands stream for as long as they run: no total, no read timeout.
@@ -75,6 +93,12 @@ class Upstreams:
     async def close(self) -> None:
         await self.session.close()
 
+    def interrupt_streams(self) -> None:
+        """Shutdown: every event stream ends now, with an `interrupted` event."""
+        self.closing = True
+        for task in list(self.streams):
+            task.cancel()
+
     async def forward(
         self,
         request: web.Request,
@@ -84,15 +108,23 @@ class Upstreams:
         headers: CIMultiDict[str] | None = None,
         method: str | None = None,
         extra_response_headers: Mapping[str, str] | None = None,
+        events: bool = False,
     ) -> web.StreamResponse:
         """Send `request` (its method, headers and streamed body) to `url`, and
-        stream the answer back. UpstreamError when the upstream cannot be reached."""
+        stream the answer back. UpstreamError when the upstream cannot be reached.
+        `events`: the answer is an execution's event stream (see `_events`)."""
         outgoing = headers if headers is not None else forwarded_headers(request.headers)
         length = request.content_length
         data: bytes | AsyncIterator[bytes] | None = None
         if request.body_exists:
             if length is not None and length <= SMALL:
-                data = await request.read()
+                # Read whole before anything is sent on, within a deadline: a caller
+                # that announces a body and sends nothing must not hold a connection.
+                try:
+                    async with asyncio.timeout(self.body_seconds):
+                        data = await request.read()
+                except TimeoutError as exc:
+                    raise web.HTTPRequestTimeout(reason="the body did not arrive in time") from exc
             else:
                 data = _body(request)
                 if length is not None:
@@ -120,6 +152,14 @@ class Upstreams:
             if upstream.content_length is not None:
                 response.content_length = upstream.content_length
             await response.prepare(request)
+            if request.method == "HEAD":
+                # Headers only: a body after them would be read as the next answer.
+                with contextlib.suppress(ConnectionResetError):
+                    await response.write_eof()
+                return response
+            kind = upstream.headers.get("Content-Type", "").split(";")[0].strip()
+            if events and upstream.status == 200 and kind in (NDJSON, SSE):
+                return await self._events(upstream, response, sse=kind == SSE)
             async for chunk in upstream.content.iter_any():
                 try:
                     await response.write(chunk)
@@ -146,6 +186,65 @@ class Upstreams:
                 upstream.release()
             else:
                 upstream.close()
+
+    async def _events(
+        self, upstream: aiohttp.ClientResponse, response: web.StreamResponse, *, sse: bool
+    ) -> web.StreamResponse:
+        """Pass whole events on; end with `interrupted` unless the last was `finished`."""
+        separator = b"\n\n" if sse else b"\n"
+        pending, last = b"", b""
+        reason = "upstream_ended"
+        task = asyncio.current_task()
+        assert task is not None
+        self.streams.add(task)
+        try:
+            if self.closing:
+                # Its answer came after shutdown began: ended at once, and said so.
+                raise asyncio.CancelledError
+            async for chunk in upstream.content.iter_any():
+                pending += chunk
+                cut = pending.rfind(separator)
+                if cut < 0 and len(pending) < MAX_EVENT:
+                    continue
+                end = cut + len(separator) if cut >= 0 else len(pending)
+                whole, pending = pending[:end], pending[end:]
+                last = whole.rstrip(b"\n").rsplit(separator, 1)[-1]
+                try:
+                    await response.write(whole)
+                except ConnectionResetError:
+                    return response  # the caller left: nothing to tell
+        except asyncio.CancelledError:
+            if not self.closing:
+                raise  # the caller left
+            reason = "gateway_shutdown"
+        except (aiohttp.ClientError, OSError):
+            reason = "upstream_lost"
+        finally:
+            self.streams.discard(task)
+        if reason == "upstream_ended" and _event_type(last, sse) == "finished":
+            with contextlib.suppress(ConnectionResetError):
+                await response.write_eof()
+            return response
+        metrics.STREAMS_INTERRUPTED.labels(reason).inc()
+        messages = {
+            "upstream_ended": "the sandbox's stream ended before the command's end",
+            "upstream_lost": "the connection to the sandbox broke off",
+            "gateway_shutdown": "the gateway replica is shutting down",
+        }
+        event = {
+            "type": "interrupted",
+            "error": {
+                "code": reason,
+                "message": f"{messages[reason]}: reattach from the last cursor",
+            },
+        }
+        data = json.dumps(event).encode()
+        prefix = b"" if not pending else separator  # a partial event is cut off
+        line = b"event: interrupted\ndata: " + data + b"\n\n" if sse else data + b"\n"
+        with contextlib.suppress(ConnectionResetError):
+            await response.write(prefix + line)
+            await response.write_eof()
+        return response
 
     async def websocket(
         self, request: web.Request, url: str, headers: CIMultiDict[str]
@@ -200,3 +299,16 @@ class Upstreams:
             await upstream.close()
             await downstream.close()
         return downstream
+
+
+def _event_type(event: bytes, sse: bool) -> str | None:
+    """The `type` of one ndjson line or SSE event (its data line), if it parses."""
+    if sse:
+        data = next((line[5:] for line in event.split(b"\n") if line.startswith(b"data:")), b"")
+    else:
+        data = event
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return None
+    return str(parsed.get("type")) if isinstance(parsed, dict) else None

@@ -19,12 +19,17 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 PREFIX = "sbxt1."
 RELOAD_SECONDS = 5.0
+# The only shape a scoped token has: checked whole before anything is decoded,
+# so a token with trailing bytes, a padded or altered signature, or a payload
+# built to exhaust the JSON parser is refused as malformed.
+_TOKEN = re.compile(r"sbxt1\.[A-Za-z0-9_-]{1,2048}\.[A-Za-z0-9_-]{43}")
 
 
 class SigningError(Exception):
@@ -111,12 +116,15 @@ class Keys:
         return f"{body}.{_b64(hmac.new(key, body.encode(), hashlib.sha256).digest())}"
 
     def verify_token(self, token: str) -> Claims:
+        if not _TOKEN.fullmatch(token):
+            raise SigningError("a malformed token")
         body, _, signature = token.rpartition(".")
         try:
             payload = json.loads(_unb64(body.removeprefix(PREFIX)))
             kid = str(payload["kid"])
             expected = hmac.new(self._key(kid), body.encode(), hashlib.sha256).digest()
-            if not hmac.compare_digest(expected, _unb64(signature)):
+            # Compared as text: one signature, one spelling.
+            if not hmac.compare_digest(_b64(expected), signature):
                 raise SigningError("the token's signature does not match")
             claims = Claims(
                 namespace=str(payload["ns"]),
@@ -125,7 +133,7 @@ class Keys:
                 operations=tuple(str(op) for op in payload["ops"]),
                 expires=int(payload["exp"]),
             )
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise SigningError("a malformed token") from exc
         if claims.expires < time.time():
             raise SigningError("the token has expired")
@@ -149,16 +157,19 @@ class Keys:
     def verify_url(
         self, method: str, namespace: str, name: str, uid: str, path: str, query: dict[str, str]
     ) -> None:
+        """SigningError unless the query signs exactly this. `uid` "" (no such
+        sandbox) fails as a wrong signature does, after the same checks, so the
+        answer tells nothing about what exists."""
         try:
             exp = int(query["exp"])
             key = self._key(query["kid"])
-            given = _unb64(query["sig"])
+            given = query["sig"]
         except (KeyError, ValueError) as exc:
             raise SigningError("not a signed URL (exp, kid and sig are needed)") from exc
         expected = hmac.new(
             key, self._message(method, namespace, name, uid, path, exp), hashlib.sha256
         ).digest()
-        if not hmac.compare_digest(expected, given):
+        if not uid or not given.isascii() or not hmac.compare_digest(_b64(expected), given):
             raise SigningError("the URL's signature does not match")
         if exp < time.time():
             raise SigningError("the URL has expired")

@@ -271,9 +271,10 @@ class Run:
     async def pause(self, seconds: float) -> None:
         await self.race(asyncio.sleep(seconds))
 
-    async def wait(self, reason: str, message: str) -> None:
+    async def wait(self, reason: str, message: str, **changes: Any) -> None:
         """Stay Queued for `reason`; fail once the configured bound has passed,
-        unless the wait is for a slot (a busy sandbox is not a broken one)."""
+        unless the wait is for a slot (a busy sandbox is not a broken one).
+        `changes` land in the same status write as the reason."""
         bound = parse_duration(self.ctx.settings.execution_sandbox_wait)
         overdue = self.created and now_utc() - parse_time(self.created) > bound
         if overdue and reason not in PATIENT_REASONS:
@@ -281,7 +282,7 @@ class Run:
                 reason, f"{message} (gave up after {self.ctx.settings.execution_sandbox_wait})"
             )
             return
-        await self.write(phase=ExecutionPhase.QUEUED, reason=reason, message=message)
+        await self.write(phase=ExecutionPhase.QUEUED, reason=reason, message=message, **changes)
         if reason not in (*PATIENT_REASONS, R.SECRET_NOT_FOUND):
             key = (self.namespace, self.sandbox_name())
             self.scheduler.waiting.setdefault(key, set()).add(self.name)
@@ -430,8 +431,9 @@ class Run:
                 return
             if not self.status.sandbox_resumed:
                 await self.resume(sandbox)
-                await self.write(sandbox_resumed=True)
-            await self.wait(R.SANDBOX_RESUMING, f"resuming sandbox {name}, paused when idle")
+            # The flag and the reason in one write: a reader never sees one without the other.
+            message = f"resuming sandbox {name}, paused when idle"
+            await self.wait(R.SANDBOX_RESUMING, message, sandbox_resumed=True)
             return
         endpoint, pod_uid = sb_status.agent_endpoint, sb_status.pod_uid
         ready = find(sb_status.conditions, SandboxCondition.READY)

@@ -67,7 +67,8 @@ async def reconcile(
     observed = [
         pools.member_of(m, pools.pod_alive(pods, namespace, m["metadata"]["name"])) for m in members
     ]
-    if template is not None and not meta.get("deletionTimestamp"):
+    invalid = pools.template_problem(template)
+    if template is not None and not invalid and not meta.get("deletionTimestamp"):
         plan = pools.refill_plan(observed, spec.replicas, spec.max_creating, generation)
         await _carry_out(ctx, body, spec, plan, generation, sandboxes, logger)
         members = pools.members_of(sandboxes, links, body)
@@ -84,6 +85,7 @@ async def reconcile(
         template_found=template is not None,
         template_name=describe(spec.template_ref, namespace),
         template_has_python=reason != SandboxReason.RUNTIME_NO_PYTHON,
+        template_invalid=invalid,
         replicas=spec.replicas,
         ready=counted.ready,
         failing_member=failing["metadata"]["name"] if failing is not None else None,

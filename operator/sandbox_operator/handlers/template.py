@@ -27,10 +27,12 @@ from sandbox_operator.api.template import (
 )
 from sandbox_operator.builders import template as build
 from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, find, merge
+from sandbox_operator.builders.sandbox import settings_problem
 from sandbox_operator.clock import iso, now_utc, parse_time
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.kube import MERGE_PATCH, status_patch
 from sandbox_operator.resources import (
+    CLUSTER_SANDBOX_TEMPLATES,
     EXECUTIONS,
     LABEL_TEMPLATE,
     SANDBOX_TEMPLATES,
@@ -55,8 +57,10 @@ class Build:
         self.body = body
         self.logger = logger
         meta = body["metadata"]
-        self.namespace: str = meta["namespace"]
+        # A ClusterSandboxTemplate has no namespace, and no setup to build.
+        self.namespace: str = meta.get("namespace") or ""
         self.name: str = meta["name"]
+        self.resource = SANDBOX_TEMPLATES if self.namespace else CLUSTER_SANDBOX_TEMPLATES
         self.old = SandboxTemplateStatus.model_validate(body.get("status") or {})
 
     async def write(self, cond: Cond, **fields: Any) -> None:
@@ -72,12 +76,12 @@ class Build:
         patch = status_patch(self.body.get("status") or {}, status.to_wire())
         if patch is not None:
             await self.ctx.kube.patch(
-                SANDBOX_TEMPLATES.path(self.namespace, self.name, "status"), patch, MERGE_PATCH
+                self.resource.path(self.namespace, self.name, "status"), patch, MERGE_PATCH
             )
         self.body["status"], self.old = status.to_wire(), status
         self.ctx.template_statuses[self.body["metadata"]["uid"]] = self.body["status"]
         if before is None or before.reason != cond.reason:
-            if cond.reason in _FAILED:
+            if cond.reason in _FAILED or cond.reason == R.INVALID_SPEC:
                 self.ctx.event(self.body, "warn", reason=cond.reason, message=cond.message)
             elif cond.reason == R.READY:
                 self.ctx.event(self.body, "info", reason="BaseReady", message=cond.message)
@@ -92,6 +96,12 @@ class Build:
         except ValidationError as exc:
             await self.write(Cond(READY, FALSE, R.INVALID_SPEC, readable(exc)))
             raise kopf.PermanentError(readable(exc)) from exc
+        # What no Sandbox of this template could run here: said now, not by each
+        # Sandbox (or pool member) that fails on it.
+        problem = settings_problem(spec.sandbox, self.ctx.settings, at="spec.sandbox")
+        if problem is not None:
+            await self.write(Cond(READY, FALSE, R.INVALID_SPEC, problem))
+            raise kopf.PermanentError(problem)
         digest = build.setup_hash(spec)
         if digest is None:
             await self.write(
@@ -266,7 +276,7 @@ class Build:
 
 async def reconcile(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> None:
     meta = body["metadata"]
-    async with ctx.lock(meta["namespace"], f"template:{meta['name']}"):
+    async with ctx.lock(meta.get("namespace") or "", f"template:{meta['name']}"):
         # Build on the status this process last wrote: writes send the whole status,
         # so a pass from an older body would put back what a newer pass replaced
         # (a build log without its last steps).

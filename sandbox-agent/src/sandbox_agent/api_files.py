@@ -135,11 +135,10 @@ async def file_write_json(request: Request, args: Args) -> Response:
 
 
 async def file_stat(request: Request, args: Args) -> Response:
-    """Stat a path (symlinks not followed)"""
+    """Stat a path (a final symlink is described itself unless follow=true)"""
     st = state_of(request)
-    return await _in_thread(
-        request, "stat", lambda: files.stat(st.workspace, args.need("path", str))
-    )
+    path, follow = args.need("path", str), args.need("follow", bool)
+    return await _in_thread(request, "stat", lambda: files.stat(st.workspace, path, follow))
 
 
 async def file_list(request: Request, args: Args) -> Response:

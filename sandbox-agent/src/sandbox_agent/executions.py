@@ -97,6 +97,26 @@ _JOURNAL_END = {
 }
 
 
+# A script up to this size travels in the shell's argv (see _spawn_request):
+# half of Linux's limit on one argument, and far below the spawn frame's 1 MiB.
+ARGV_SCRIPT_MAX = 64 << 10
+ARGV_ENV_MAX = 256 << 10  # with a larger environment the frame is left to it
+
+
+def _fits_argv(command: str, script: bytes, env: dict[str, str]) -> bool:
+    """Whether `command` can be `sh -c`'s argument: small, no NUL (argv strings
+    end at one), valid UTF-8 (the spawn frame is JSON), beside a modest env."""
+    if len(script) > ARGV_SCRIPT_MAX or "\0" in command:
+        return False
+    if sum(len(k) + len(v) for k, v in env.items()) > ARGV_ENV_MAX:
+        return False
+    try:
+        command.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8
+        return False
+    return True
+
+
 @dataclass
 class Chunk:
     stream: int
@@ -645,15 +665,24 @@ class ExecutionManager:
         env = {**self.environment.env, **req.env}
         spawn = Spawn(argv, env, self.environment.unset, cwd, want_stdin, req.combined_output)
         if req.command is not None:
-            # The script goes to the shell on a descriptor, not in argv (where
-            # Linux refuses one argument over 128 KiB). `sh -c '. file' sh`
-            # keeps $0 and the positional parameters as `sh -c command` has them.
             shell = argv[0]
-            spawn.argv = [shell, "-c", f". /dev/fd/{SCRIPT_FD}", shell]
             try:
-                spawn.script = req.command.encode("utf-8", "surrogateescape")
+                script = req.command.encode("utf-8", "surrogateescape")
             except UnicodeEncodeError:
                 raise Invalid("invalid_request", "command is not valid Unicode") from None
+            if _fits_argv(req.command, script, env):
+                # `sh -c command sh`, as a person types it: errors read as a shell
+                # reports them ("/bin/sh: 1: x: not found"); a script sourced from
+                # a descriptor has the shell name the file in each one
+                # ("/bin/sh: 1: /dev/fd/3: x: not found").
+                spawn.argv = [shell, "-c", req.command, shell]
+            else:
+                # Too long for argv (Linux refuses one argument over 128 KiB, and
+                # the spawn frame holds 1 MiB): the script goes to the shell on a
+                # descriptor. `sh -c '. file' sh` keeps $0 and the positional
+                # parameters as `sh -c command` has them.
+                spawn.argv = [shell, "-c", f". /dev/fd/{SCRIPT_FD}", shell]
+                spawn.script = script
         return spawn
 
     def submit(

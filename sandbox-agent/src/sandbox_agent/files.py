@@ -125,8 +125,8 @@ def _info_at(dir_fd: int, name: str, rel: str) -> models.FileInfo:
     return info(rel, s, target)
 
 
-def stat(ws: Workspace, rel: str) -> models.FileInfo:
-    with os_errors(rel), ws.locate(rel, follow=False) as loc:
+def stat(ws: Workspace, rel: str, follow: bool = False) -> models.FileInfo:
+    with os_errors(rel), ws.locate(rel, follow=follow) as loc:
         return _info_at(loc.dir_fd, loc.name, loc.rel)
 
 

@@ -99,10 +99,11 @@ class ExecRequest(_Base, kw_only=True):
             Meta(
                 min_length=1,
                 description="Shell script, up to the request body limit "
-                "(SANDBOX_AGENT_MAX_BODY_BYTES, 8 MiB). It does not travel in argv: the shell "
-                "reads it from descriptor 3 (SANDBOX_AGENT_SHELL -c '. /dev/fd/3' "
-                "SANDBOX_AGENT_SHELL), so $0 is the shell and there are no positional "
-                "parameters, as with `sh -c command`.",
+                "(SANDBOX_AGENT_MAX_BODY_BYTES, 8 MiB). Up to 64 KiB it runs as "
+                "SANDBOX_AGENT_SHELL -c command SANDBOX_AGENT_SHELL; a larger one does not "
+                "travel in argv: the shell reads it from descriptor 3 (SANDBOX_AGENT_SHELL "
+                "-c '. /dev/fd/3' SANDBOX_AGENT_SHELL). Either way $0 is the shell and there "
+                "are no positional parameters, as with `sh -c command`.",
             ),
         ]
         | None
@@ -234,8 +235,13 @@ class OutputPage(_Out, kw_only=True):
 
 
 class StreamEvent(_Out, kw_only=True, omit_defaults=True):
-    type: Literal["started", "output", "truncated", "finished"]
+    """One event of an execution's stream. A stream ends with `finished`, or
+    with `interrupted` (written by the gateway when the agent's stream broke off
+    or the gateway shuts down: reattach from the last cursor), never silently."""
+
+    type: Literal["started", "output", "truncated", "finished", "interrupted"]
     execution: Execution | None = None
+    error: ErrorDetail | None = None
     stream: Literal["stdout", "stderr"] | None = None
     data: str | None = None
     data_base64: str | None = None

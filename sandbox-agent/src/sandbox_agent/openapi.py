@@ -88,6 +88,9 @@ def _operation(op: Op, ref_of: dict[Any, dict[str, Any]]) -> dict[str, Any]:
         "operationId": op.handler.__name__,
         "summary": op.summary,
         "tags": [op.tag],
+        # Read by the gateway's generator: the permission it demands, or
+        # "operator"/"public"/"metrics" for what it never forwards.
+        "x-access-class": op.access_class,
     }
     if op.description:
         entry["description"] = op.description

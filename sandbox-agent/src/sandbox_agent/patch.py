@@ -44,6 +44,17 @@ def _header_path(line: str) -> str:
     return p
 
 
+def _file_header(lines: list[str], i: int) -> bool:
+    return lines[i].startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ ")
+
+
+def _stray(lines: list[str], i: int) -> bool:
+    """A changed line where only a header, prose or the next hunk may follow
+    (`-- ` is the signature line of `git format-patch`)."""
+    line = lines[i]
+    return line[:1] in ("+", "-") and line not in ("--", "-- ") and not _file_header(lines, i)
+
+
 def parse(text: str) -> list[FilePatch]:
     lines = text.split("\n")
     if lines and lines[-1] == "":
@@ -52,12 +63,19 @@ def parse(text: str) -> list[FilePatch]:
     i = 0
     while i < len(lines):
         line = lines[i]
-        if line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+        if _file_header(lines, i):
             fp = FilePatch(_header_path(line), _header_path(lines[i + 1]))
             out.append(fp)
             i += 2
             continue
         m = _HUNK.match(line)
+        if line.startswith("@@") and not m:
+            # Skipping it would apply the other hunks and report success.
+            raise Invalid(
+                "invalid_patch",
+                f"malformed hunk header at line {i + 1}: {line!r}"
+                " (expected '@@ -START[,COUNT] +START[,COUNT] @@')",
+            )
         if m:
             if not out:
                 raise Invalid("invalid_patch", f"hunk before any file header (line {i + 1})")
@@ -100,6 +118,14 @@ def parse(text: str) -> list[FilePatch]:
                 if last in (" ", "+"):
                     hunk.new_noeol = True
                 i += 1
+            if i < len(lines) and _stray(lines, i):
+                # The header counted fewer lines than the hunk has: applying the
+                # counted part would silently drop the rest.
+                raise Invalid(
+                    "invalid_patch",
+                    f"line {i + 1} ({lines[i]!r}) follows a hunk its header says is"
+                    " complete: the header's line counts are wrong",
+                )
             out[-1].hunks.append(hunk)
             continue
         i += 1  # "diff --git", "index", mode lines and prose are ignored
@@ -149,6 +175,8 @@ def apply(ws: Workspace, req: models.PatchRequest, s: Settings) -> models.PatchR
                 else 0
             )
         rel = _strip(fp.old_path if deleting else fp.new_path, strip)
+        if not fp.hunks and not (creating or deleting):
+            raise Invalid("invalid_patch", f"the patch of {rel} has no hunks: nothing to apply")
         if creating:
             with files.os_errors(rel), ws.locate(rel, follow=False) as loc:
                 try:

@@ -106,9 +106,21 @@ class Workspace:
             decoded = nxt
         for cand in candidates:
             if cand.startswith("/"):
-                raise _refuse("path_traversal", "absolute paths are not allowed", rel)
+                # Say what paths are: "/" reads as the workspace's root to someone
+                # who has not met the confinement yet.
+                raise _refuse(
+                    "path_traversal",
+                    "absolute paths are not allowed: paths are relative to the workspace"
+                    " ('.' is its root)",
+                    rel,
+                )
             if ".." in cand.split("/"):
-                raise _refuse("path_traversal", "'..' is not allowed in paths", rel)
+                raise _refuse(
+                    "path_traversal",
+                    "'..' is not allowed in paths: paths are relative to the workspace"
+                    " and stay inside it",
+                    rel,
+                )
         norm = posixpath.normpath(rel) if rel else "."
         return norm
 

@@ -10,10 +10,18 @@ module and an entry here; nothing else lists routes.
 from __future__ import annotations
 
 from . import api_environment, api_exec, api_files, api_health, api_info, api_workspace, models
-from .routing import Op, Param
+from .routing import GatewayAccess, Op, Param
 
 # -- parameters (the bounds declared here are the ones enforced) --------------
-ID = Param("id", "string", "Execution id", required=True, location="path")
+# The gateway matches a path segment against this pattern before it forwards.
+ID = Param(
+    "id",
+    "string",
+    "Execution id",
+    required=True,
+    location="path",
+    pattern="^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+)
 PATH = Param("path", "string", "Path relative to the workspace", required=True)
 DIR = Param("path", "string", "Directory relative to the workspace", default=".")
 ENCODING = Param("encoding", "string", "Output encoding in JSON", enum=("utf-8", "base64"))
@@ -54,10 +62,22 @@ LINE_RANGE = (
     Param("lineCount", "integer", "Number of lines", minimum=0),
 )
 MODE = Param("mode", "string", "Octal permission bits, e.g. 0644", pattern="^0?[0-7]{3,4}$")
+FOLLOW = Param(
+    "follow",
+    "boolean",
+    "Describe what a final symlink points to (inside the workspace)",
+    default=False,
+)
 PARENTS = Param("parents", "boolean", "Create missing parent directories", default=True)
 DEPTH = Param("depth", "integer", "Levels to descend", default=1, minimum=1, maximum=64)
 HIDDEN = Param("hidden", "boolean", "Include dot files", default=True)
 GZIP = Param("gzip", "boolean", "gzip the tar", default=False)
+
+# -- what the gateway demands before it forwards (None: never forwarded) -------
+VIEW: GatewayAccess = "view"
+EXEC_ACCESS: GatewayAccess = "exec"
+READS: GatewayAccess = "files:read"
+WRITES: GatewayAccess = "files:write"
 
 # -- documented error statuses ---------------------------------------------------
 EXEC = (409, 413, 429, 503)  # starting a command
@@ -76,7 +96,7 @@ OPS: tuple[Op, ...] = (
        more={503: models.RuntimeLiveness}, access="public"),
     Op("GET", "/metrics", api_info.metrics_text, "prometheus", access="metrics"),
     Op("GET", "/openapi.json", api_info.openapi_json, "object"),
-    Op("GET", "/v1/info", api_info.info, models.Info),
+    Op("GET", "/v1/info", api_info.info, models.Info, gateway=VIEW),
     # the workspace as a whole
     Op("POST", "/v1/workspace/sync", api_workspace.workspace_sync, models.SyncResult),
     Op("POST", "/v1/workspace/quiesce", api_workspace.workspace_quiesce, models.QuiesceResult,
@@ -87,51 +107,56 @@ OPS: tuple[Op, ...] = (
        errors=(413, 507), body=models.EnvironmentRequest),
     # executions
     Op("POST", "/v1/executions", api_exec.exec_create, models.Execution,
-       more={202: models.Execution}, errors=EXEC, body=models.ExecRequest, writes=True),
+       more={202: models.Execution}, errors=EXEC, body=models.ExecRequest, writes=True,
+       gateway=EXEC_ACCESS),
     Op("POST", "/v1/executions/stream", api_exec.exec_stream, "events",
-       errors=EXEC, body=models.ExecRequest, params=(ENCODING,), writes=True),
-    Op("GET", "/v1/executions", api_exec.exec_list, models.ExecutionList, params=(STATUS,)),
+       errors=EXEC, body=models.ExecRequest, params=(ENCODING,), writes=True, gateway=EXEC_ACCESS),
+    Op("GET", "/v1/executions", api_exec.exec_list, models.ExecutionList, params=(STATUS,),
+       gateway=EXEC_ACCESS),
     Op("GET", "/v1/executions/{id}", api_exec.exec_get, models.Execution,
-       errors=(404,), params=(ID, OUTPUT, WAIT_EXIT)),
+       errors=(404,), params=(ID, OUTPUT, WAIT_EXIT), gateway=EXEC_ACCESS),
     Op("DELETE", "/v1/executions/{id}", api_exec.exec_delete, None,
-       status=204, errors=RUNNING, params=(ID,)),
+       status=204, errors=RUNNING, params=(ID,), gateway=EXEC_ACCESS),
     Op("GET", "/v1/executions/{id}/output", api_exec.exec_output, models.OutputPage,
-       errors=(404, 410), params=(ID, CURSOR, MAX_BYTES, WAIT_OUTPUT, ENCODING)),
+       errors=(404, 410), params=(ID, CURSOR, MAX_BYTES, WAIT_OUTPUT, ENCODING),
+       gateway=EXEC_ACCESS),
     Op("GET", "/v1/executions/{id}/stream", api_exec.exec_attach, "events",
-       errors=(404, 410), params=(ID, CURSOR, ENCODING)),
+       errors=(404, 410), params=(ID, CURSOR, ENCODING), gateway=EXEC_ACCESS),
     Op("POST", "/v1/executions/{id}/stdin", api_exec.exec_stdin, models.StdinResult,
-       errors=(*RUNNING, 429), body=models.StdinRequest, params=(ID,)),
+       errors=(*RUNNING, 429), body=models.StdinRequest, params=(ID,), gateway=EXEC_ACCESS),
     Op("POST", "/v1/executions/{id}/signal", api_exec.exec_signal, models.Execution,
-       errors=RUNNING, body=models.SignalRequest, params=(ID,)),
+       errors=RUNNING, body=models.SignalRequest, params=(ID,), gateway=EXEC_ACCESS),
     Op("POST", "/v1/executions/{id}/cancel", api_exec.exec_cancel, models.Execution,
-       errors=(404,), body=models.CancelRequest, body_required=False, params=(ID,)),
+       errors=(404,), body=models.CancelRequest, body_required=False, params=(ID,),
+       gateway=EXEC_ACCESS),
     # files
     Op("GET", "/v1/files/content", api_files.file_read, "binary",
-       errors=(*READ, 413), params=(PATH, *BYTE_RANGE, *LINE_RANGE)),
+       errors=(*READ, 413), params=(PATH, *BYTE_RANGE, *LINE_RANGE), gateway=READS),
     Op("PUT", "/v1/files/content", api_files.file_write_raw, models.FileInfo,
-       errors=WRITE, body="binary", params=(PATH, MODE, PARENTS), writes=True),
+       errors=WRITE, body="binary", params=(PATH, MODE, PARENTS), writes=True, gateway=WRITES),
     Op("POST", "/v1/files/write", api_files.file_write_json, models.FileInfo,
-       errors=WRITE, body=models.WriteRequest, writes=True),
-    Op("GET", "/v1/files/stat", api_files.file_stat, models.FileInfo, errors=READ, params=(PATH,)),
+       errors=WRITE, body=models.WriteRequest, writes=True, gateway=WRITES),
+    Op("GET", "/v1/files/stat", api_files.file_stat, models.FileInfo,
+       errors=READ, params=(PATH, FOLLOW), gateway=READS),
     Op("GET", "/v1/files/list", api_files.file_list, models.FileList,
-       errors=READ, params=(DIR, DEPTH, HIDDEN)),
+       errors=READ, params=(DIR, DEPTH, HIDDEN), gateway=READS),
     Op("POST", "/v1/files/mkdir", api_files.file_mkdir, models.FileInfo,
-       errors=WRITE, body=models.MkdirRequest, writes=True),
+       errors=WRITE, body=models.MkdirRequest, writes=True, gateway=WRITES),
     Op("POST", "/v1/files/remove", api_files.file_remove, models.Removed,
-       errors=WRITE, body=models.RemoveRequest, writes=True),
+       errors=WRITE, body=models.RemoveRequest, writes=True, gateway=WRITES),
     Op("POST", "/v1/files/move", api_files.file_move, models.FileInfo,
-       errors=WRITE, body=models.MoveRequest, writes=True),
+       errors=WRITE, body=models.MoveRequest, writes=True, gateway=WRITES),
     Op("POST", "/v1/files/search", api_files.file_search, models.SearchResult,
-       errors=READ, body=models.SearchRequest),
+       errors=READ, body=models.SearchRequest, gateway=READS),
     Op("POST", "/v1/files/find", api_files.file_find, models.FindResult,
-       errors=READ, body=models.FindRequest),
+       errors=READ, body=models.FindRequest, gateway=READS),
     Op("POST", "/v1/files/patch", api_files.file_patch, models.PatchResult,
-       errors=WRITE, body=models.PatchRequest, writes=True),
+       errors=WRITE, body=models.PatchRequest, writes=True, gateway=WRITES),
     Op("POST", "/v1/files/replace", api_files.file_replace, models.ReplaceResult,
-       errors=WRITE, body=models.ReplaceRequest, writes=True),
+       errors=WRITE, body=models.ReplaceRequest, writes=True, gateway=WRITES),
     Op("GET", "/v1/files/archive", api_files.archive_download, "tar",
-       errors=READ, params=(DIR, GZIP)),
+       errors=READ, params=(DIR, GZIP), gateway=READS),
     Op("PUT", "/v1/files/archive", api_files.archive_upload, models.ArchiveResult,
-       errors=WRITE, body="tar", params=(DIR,), writes=True),
+       errors=WRITE, body="tar", params=(DIR,), writes=True, gateway=WRITES),
 )
 # fmt: on

@@ -27,6 +27,12 @@ ParamType = Literal["string", "integer", "number", "boolean"]
 # "token": bearer token required; "public": never (probes); "metrics": public
 # only when SANDBOX_AGENT_METRICS_AUTH=false lets a scraper in.
 Access = Literal["token", "public", "metrics"]
+# The permission the gateway demands before it forwards an operation (the names
+# of its scoped-token operations; each maps to one RBAC check there). An
+# operation without one is never forwarded: the operator's own controls and
+# what only probes and scrapers read. The gateway's table is generated from the
+# OpenAPI document's `x-access-class`, so this is the one place that decides.
+GatewayAccess = Literal["exec", "files:read", "files:write", "view"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,8 @@ class Op:
     body_required: bool = True  # False: an empty body means every field's default
     params: tuple[Param, ...] = ()
     access: Access = "token"
+    # None: not forwarded by the gateway (see GatewayAccess).
+    gateway: GatewayAccess | None = None
     # Changes the workspace: waits while it is quiesced (reads, signals and
     # stdin go through so a snapshot never waits for them).
     writes: bool = False
@@ -97,6 +105,14 @@ class Op:
         out: dict[int, Any] = {self.status: self.result, **self.more}
         out.update((code, "error") for code in self.errors)
         return out
+
+    @property
+    def access_class(self) -> str:
+        """Who may call it: a gateway permission, "operator" (the agent token
+        only) or "public"/"metrics" (no token)."""
+        if self.access != "token":
+            return self.access
+        return self.gateway or "operator"
 
     @property
     def summary(self) -> str:

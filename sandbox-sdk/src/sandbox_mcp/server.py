@@ -36,7 +36,10 @@ MCP_SESSION_HEADER = "mcp-session-id"
 INSTRUCTIONS = (
     "Tools of an isolated Linux sandbox that belongs to this conversation: its files"
     " (paths relative to the workspace; the user's uploads are in ./user-uploads/) and"
-    " shell commands. Files and installed packages persist for the whole session."
+    " shell commands. Files and installed packages persist for the whole session. A"
+    " command whose call was cut off (a lost connection, a restarted server) runs on:"
+    " sandbox_list_commands finds it and sandbox_command_output re-attaches to it, so"
+    " check there before running it again."
 )
 
 
@@ -75,6 +78,22 @@ def _progress_requested(ctx: ServerRequestContext[Any, Any]) -> bool:
     return meta.get("progress_token") is not None or meta.get("progressToken") is not None
 
 
+def _reporter(ctx: ServerRequestContext[Any, Any]) -> tools.Progress | None:
+    """The call's progress notifications, when the client asked for them: one
+    running total (the protocol wants it to grow) over the wait for the
+    sandbox and the command's output."""
+    if not _progress_requested(ctx):
+        return None
+    total = 0.0
+
+    async def report(advance: float, text: str) -> None:
+        nonlocal total
+        total += max(advance, 0.001)
+        await ctx.session.report_progress(total, None, text)
+
+    return report
+
+
 def session_of(app: App, ctx: ServerRequestContext[Any, Any]) -> Session:
     """The request's session: stdio's one; over HTTP the caller's, keyed by
     `X-Sandbox-Session` (a key the client keeps, to resume later), else the
@@ -91,7 +110,7 @@ def session_of(app: App, ctx: ServerRequestContext[Any, Any]) -> Session:
 
 
 async def _on_sandbox(
-    ctx: ServerRequestContext[Any, Any], name: str, sandbox: AsyncSandbox, args: dict[str, Any]
+    name: str, sandbox: AsyncSandbox, args: dict[str, Any], progress: tools.Progress | None
 ) -> types.CallToolResult:
     if name == "sandbox_snapshot":
         snap = await sandbox.snapshot(args.get("tag"), description=args.get("description"))
@@ -101,35 +120,30 @@ async def _on_sandbox(
         await sandbox.client.get_snapshot(str(args["snapshot"]), namespace=sandbox.namespace)
         await sandbox.restore(str(args["snapshot"]))
         return _result(f"the workspace is restored from {args['snapshot']}")
-    progress = None
-    if _progress_requested(ctx):
-
-        async def progress(done: float, text: str) -> None:
-            await ctx.session.report_progress(done, None, text)
-
     return _result(await tools.call(name, sandbox, args, progress))
 
 
 async def call_tool(
     app: App, ctx: ServerRequestContext[Any, Any], name: str, args: dict[str, Any]
 ) -> types.CallToolResult:
-    tool = tools.BY_NAME.get(name)
-    if tool is None:
-        return _result(f"invalid: no tool named {name!r}; see tools/list", error=True)
     try:
+        # Before anything is done: a call the schema does not allow is refused
+        # whole, naming the argument, rather than half-run or run on a default.
+        tools.check(name, args)
         session = session_of(app, ctx)
+        progress = _reporter(ctx)
         if name == "sandbox_create":
             sandbox = await session.create(
-                args.get("runtime"), args.get("image"), args.get("from_snapshot")
+                args.get("runtime"), args.get("image"), args.get("from_snapshot"), progress
             )
             return _result(f"sandbox {sandbox.name} is ready")
         if name == "sandbox_destroy":
             gone = await session.destroy()
             return _result(f"destroyed {gone}" if gone else "this session had no sandbox")
         for attempt in (1, 2):
-            sandbox = await session.sandbox()
+            sandbox = await session.sandbox(progress)
             try:
-                return await _on_sandbox(ctx, name, sandbox, args)
+                return await _on_sandbox(name, sandbox, args, progress)
             except (Paused, NotReady, NotFound) as exc:
                 # Refused before anything ran: the sandbox was paused (its idle
                 # policy), is restarting or is gone; find it again, once.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +20,18 @@ from pathlib import Path
 import anyio
 
 from sandbox_mcp.settings import Settings
-from sandbox_mcp.tools import ToolFailure
+from sandbox_mcp.tools import Progress, ToolFailure
 from sandbox_sdk import AsyncSandbox, AsyncSandboxClient
 from sandbox_sdk.errors import NotFound, SandboxError
 
 SESSION_LABEL = "sandbox.dev/mcp-session"
 UPLOADS = "user-uploads"
 REVIEW_PATH = "/apis/authentication.k8s.io/v1/selfsubjectreviews"
+# While a call waits for the sandbox: its Ready condition is looked at this
+# often, and reported when it changes or after REPEAT seconds without news.
+LOOK_SECONDS = 1.0
+REPEAT_SECONDS = 10.0
+END_LOOK_SECONDS = 5.0  # at a session's end, for whether commands still run
 
 log = logging.getLogger("sandbox_mcp")
 
@@ -90,7 +96,54 @@ class Session:
         """The sandbox refused a call as paused, not ready or missing: look again."""
         self.ready = False
 
-    async def sandbox(self) -> AsyncSandbox:
+    def _bounded(self, sandbox: AsyncSandbox) -> AsyncSandbox:
+        # Every wait for Ready, the SDK's own retries of a call included, is
+        # bounded by the server's setting rather than the SDK's default.
+        sandbox.ready_timeout = self.settings.ready_timeout
+        return sandbox
+
+    async def _wait_ready(self, sandbox: AsyncSandbox, progress: Progress | None) -> None:
+        """Until Ready (NotReady after `ready_timeout`, with the Sandbox's reason);
+        with `progress`, the Ready condition's reason and message are reported
+        while it is not, so a client sees an unschedulable pod at once."""
+        if progress is None:
+            await sandbox.wait_ready()
+            return
+
+        async def report() -> None:
+            began = last = time.monotonic()
+            said = ""
+            while True:
+                await anyio.sleep(LOOK_SECONDS)  # a sandbox ready by then: nothing to say
+                try:
+                    body = await sandbox.client.get(sandbox.name, namespace=sandbox.namespace)
+                except SandboxError:
+                    continue  # the wait itself says what is wrong, if anything
+                conditions = (body.status.conditions if body.status else None) or []
+                ready = next((c for c in conditions if c.type == "Ready"), None)
+                why = f"{ready.reason}: {ready.message}" if ready else "no status yet"
+                now = time.monotonic()
+                if why != said or now - last >= REPEAT_SECONDS:
+                    await progress(
+                        now - last,
+                        f"waiting for sandbox {sandbox.name} to become ready"
+                        f" ({now - began:.0f}s of {self.settings.ready_timeout:.0f}s): {why}",
+                    )
+                    said, last = why, now
+
+        failed: SandboxError | None = None
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(report)
+            try:
+                await sandbox.wait_ready()
+            except SandboxError as exc:
+                failed = exc  # raised below, as itself rather than in a group
+            finally:
+                tasks.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
+
+    async def sandbox(self, progress: Progress | None = None) -> AsyncSandbox:
         """The session's sandbox, Ready: found (and resumed when paused) or created."""
         current = self.current
         if self.ready and current is not None and current.client is self.client:
@@ -108,9 +161,9 @@ class Session:
                 elif body.spec.paused or (body.status and body.status.phase == "Paused"):
                     log.info("session %s: resuming %s", self.label[:12], sandbox.name)
                     await sandbox.resume(wait=False)
-            self.current = sandbox
+            self.current = self._bounded(sandbox)
         try:
-            await sandbox.wait_ready()
+            await self._wait_ready(sandbox, progress)
         except NotFound:
             self.current = None  # deleted meanwhile: the next call makes a new one
             raise
@@ -154,7 +207,11 @@ class Session:
         return path
 
     async def create(
-        self, runtime: str | None, image: str | None, from_snapshot: str | None
+        self,
+        runtime: str | None,
+        image: str | None,
+        from_snapshot: str | None,
+        progress: Progress | None = None,
     ) -> AsyncSandbox:
         async with self.lock:
             existing = self.current or await self._find()
@@ -164,9 +221,9 @@ class Session:
                     f"this session has a sandbox already ({existing.name});"
                     " call sandbox_destroy first to replace it",
                 )
-            self.current = await self._create(runtime, image, from_snapshot)
+            self.current = self._bounded(await self._create(runtime, image, from_snapshot))
             self.ready = False
-        await self.current.wait_ready()
+        await self._wait_ready(self.current, progress)
         self.ready = True
         return self.current
 
@@ -179,6 +236,15 @@ class Session:
             await sandbox.destroy(wait=True)
             return sandbox.name
 
+    async def _running(self, sandbox: AsyncSandbox) -> int:
+        """How many commands run in the sandbox (0 when that cannot be told soon)."""
+        with anyio.move_on_after(END_LOOK_SECONDS):
+            try:
+                return len(await sandbox.jobs(status="running"))
+            except SandboxError:
+                pass
+        return 0
+
     async def end(self) -> None:
         """The session is over: pause or destroy its sandbox, as configured.
         Idle sandboxes of sessions that never end fall to their idle policy."""
@@ -189,6 +255,18 @@ class Session:
         try:
             if self.settings.on_end == "destroy":
                 await sandbox.destroy(wait=False)
+            elif running := await self._running(sandbox):
+                # A pause would kill them. The end of a session is also a
+                # restart of its server, after which the same key re-attaches
+                # to them (sandbox_list_commands); the sandbox's idle policy
+                # pauses it once they are done (a running command is activity).
+                log.info(
+                    "session %s: %s left running for its %d command(s)",
+                    self.label[:12],
+                    sandbox.name,
+                    running,
+                )
+                return
             else:
                 await sandbox.pause(wait=False)
             log.info("session %s: %s %s", self.label[:12], self.settings.on_end, sandbox.name)

@@ -37,6 +37,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     session_idle_seconds: float = 1800.0
+    # How long one tool call waits for the session's sandbox to become Ready
+    # (then not_ready with the Sandbox's reason; the sandbox goes on starting).
+    ready_timeout: float = 60.0
     uploads: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -130,6 +133,14 @@ def parser() -> argparse.ArgumentParser:
         " [$SANDBOX_MCP_SESSION_IDLE_SECONDS]",
     )
     p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=float(_env("SANDBOX_MCP_READY_TIMEOUT", "60") or 60),
+        help="seconds a tool call waits for the session's sandbox to become ready, with"
+        " progress notifications of why it is not yet; then a not_ready result (the"
+        " sandbox goes on starting) [$SANDBOX_MCP_READY_TIMEOUT]",
+    )
+    p.add_argument(
         "--upload",
         action="append",
         default=[],
@@ -161,5 +172,6 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
         host=args.host,
         port=args.port,
         session_idle_seconds=args.session_idle_seconds,
+        ready_timeout=args.ready_timeout,
         uploads=tuple(args.upload),
     )

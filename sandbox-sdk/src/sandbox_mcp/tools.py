@@ -5,19 +5,23 @@ reason the model can act on; `server.py` turns them into `isError` results."""
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+from jsonschema import Draft202012Validator, ValidationError  # type: ignore[import-untyped]
 
 from sandbox_sdk import AsyncSandbox
-from sandbox_sdk._async.client import DEFAULT_TIMEOUT, MAX_TIMEOUT
+from sandbox_sdk._async.client import DEFAULT_TIMEOUT, AsyncFiles, AsyncJob
+from sandbox_sdk._wire import MAX_TIMEOUT
 from sandbox_sdk.errors import (
     CommandLost,
     CommandTimeout,
     Conflict,
     Forbidden,
+    Gone,
     Invalid,
     NotFound,
     NotReady,
@@ -26,13 +30,21 @@ from sandbox_sdk.errors import (
     Timeout,
     Unauthorized,
 )
+from sandbox_sdk.models import agent
 from sandbox_sdk.types import CommandResult
 
 JSON = dict[str, Any]
 FILE_TIMEOUT = 60.0  # every file operation's bound
 READ_LIMIT = 256 * 1024  # characters of one read returned to the model
 OUTPUT_LIMIT = 64 * 1024  # characters of each stream of a command's result
-# (progress so far, the new output): MCP progress notifications while a command runs.
+# The script is bash's argument (`bash -c SCRIPT`: the agent's own `command`
+# form runs its configured shell, /bin/sh), and Linux refuses one argument of
+# more than 128 KiB with its NUL (MAX_ARG_STRLEN).
+SHELL = "bash"
+MAX_SCRIPT_BYTES = 128 * 1024 - 1
+# (how far it got since the last report, what to say): MCP progress notifications
+# while a call waits (seconds) or a command runs (characters of output); the
+# server adds them up, since a notification's progress must only grow.
 Progress = Callable[[float, str], Awaitable[None]]
 
 
@@ -56,6 +68,17 @@ def _with_output(kind: str, message: str, result: object) -> ToolFailure:
     return ToolFailure(kind, f"{message}\n{output}".rstrip())
 
 
+# The agent's 403s (sandbox-agent's paths.py and files.py): its file system's
+# refusals, with what the model can do instead.
+AGENT_REFUSALS = {
+    "path_escape": "it leads outside the workspace (through a symbolic link); only paths"
+    " inside the workspace can be used",
+    "permission_denied": "the file's permissions do not allow it (see `ls -l`; chmod it"
+    " with sandbox_run_command if it is yours)",
+    "read_only": "that part of the file system is read-only",
+}
+
+
 def failure(exc: SandboxError) -> ToolFailure:
     """The SDK's typed error as the model should read it."""
     if isinstance(exc, CommandTimeout):
@@ -65,6 +88,9 @@ def failure(exc: SandboxError) -> ToolFailure:
             f" timeout_seconds (at most {MAX_TIMEOUT:.0f}).",
             exc.result,
         )
+    if isinstance(exc, CommandLost) and exc.code == "spawn_failed":
+        # Nothing ran: not the "may have partly run" of a restart.
+        return ToolFailure("error", f"the command could not be started: {exc}")
     if isinstance(exc, CommandLost):
         return _with_output(
             "interrupted",
@@ -73,13 +99,19 @@ def failure(exc: SandboxError) -> ToolFailure:
         )
     if isinstance(exc, NotFound):
         return ToolFailure("not_found", str(exc))
+    if isinstance(exc, Forbidden) and exc.code in AGENT_REFUSALS:
+        # The sandbox's own file system said no, not Kubernetes: RBAC would
+        # send the model looking for permissions it cannot change.
+        return ToolFailure("forbidden", f"{exc}: {AGENT_REFUSALS[exc.code]}")
     if isinstance(exc, Unauthorized | Forbidden):
         return ToolFailure("forbidden", f"{exc} (the caller's Kubernetes RBAC decides this)")
     if isinstance(exc, Paused):
         return ToolFailure("not_ready", f"{exc}; the session resumes it on the next call")
     if isinstance(exc, NotReady):
+        # A wait that ran out leaves the sandbox starting: the next call waits on.
+        more = "; it goes on starting: call again to wait longer" if exc.code == "timeout" else ""
         return ToolFailure(
-            "not_ready", f"the sandbox is not ready ({exc.reason or exc.code}): {exc}"
+            "not_ready", f"the sandbox is not ready ({exc.reason or exc.code}): {exc}{more}"
         )
     if isinstance(exc, Timeout):
         return ToolFailure("timeout", str(exc))
@@ -107,7 +139,30 @@ def _schema(required: list[str], **properties: JSON) -> JSON:
     }
 
 
-PATH = {"type": "string", "description": "Path relative to the workspace root ('.' is the root)"}
+# The agent's and the gateway's own limits (sandbox-agent/openapi.json, made
+# from the agent's code; tests/unit/test_mcp_limits.py holds these to it), so
+# that a model learns them from the schema instead of from a refusal.
+MAX_PATH = 4096  # the agent's Path
+STATUSES = ("running", "completed", "failed", "timed_out", "cancelled", "lost")  # Execution
+MAX_LISTED = 200  # commands one listing shows (the agent keeps up to 1,000)
+ATTACH_WAIT = 60.0  # a re-attach's default wait for the end
+MAX_DEPTH = 64  # GET /v1/files/list ?depth
+MAX_SEARCH_RESULTS = 1000  # SANDBOX_AGENT_SEARCH_MAX_RESULTS: more are cut there
+MAX_REGEX = 4096  # SearchRequest.pattern
+MAX_GLOB = 1024  # SearchRequest.glob, FindRequest.pattern
+# A fuzzy query becomes a glob of up to 5 characters a letter ('*[mM]'), within MAX_GLOB.
+MAX_FUZZY_QUERY = (MAX_GLOB - 1) // 5
+MAX_STRIP = 32  # PatchRequest.strip
+MAX_URL_SECONDS = 86400  # the gateway's max_token_seconds (its default)
+OCTAL_MODE = "^0?[0-7]{3,4}$"  # the agent's OctalMode
+SNAPSHOT_TAG = "^[A-Za-z0-9][-._A-Za-z0-9]*$"  # Snapshot spec.tag (at most 128)
+
+PATH = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": MAX_PATH,
+    "description": "Path relative to the workspace root ('.' is the root)",
+}
 
 TOOLS = [
     Tool(
@@ -134,7 +189,11 @@ TOOLS = [
             ["path", "content"],
             path=PATH,
             content={"type": "string", "description": "The whole new content"},
-            mode={"type": "string", "description": "Octal permissions, e.g. '755'"},
+            mode={
+                "type": "string",
+                "pattern": OCTAL_MODE,
+                "description": "Octal permissions, e.g. '755'",
+            },
         ),
     ),
     Tool(
@@ -148,21 +207,35 @@ TOOLS = [
         _schema(
             [],
             path={**PATH, "default": "."},
-            depth={"type": "integer", "minimum": 1, "maximum": 10, "default": 1},
+            depth={"type": "integer", "minimum": 1, "maximum": MAX_DEPTH, "default": 1},
         ),
         read_only=True,
     ),
     Tool(
         "sandbox_run_command",
-        "Run a shell command (bash -c) in the workspace and return its exit code and output."
+        "Run a bash script (`bash -c SCRIPT`: [[ ]], arrays and `set -o pipefail` work) in the"
+        " workspace and return its exit code and output."
         f" It is stopped after timeout_seconds ({DEFAULT_TIMEOUT:.0f} by default, at most"
         f" {MAX_TIMEOUT:.0f}); start long servers in the background. Output arrives as"
         " progress notifications while it runs. Installed packages and files persist for the"
-        " session.",
+        " session. A call cut off before its result (a lost connection, a restarted server)"
+        " leaves the command running: find it with sandbox_list_commands instead of running"
+        " it again.",
         _schema(
             ["command"],
-            command={"type": "string", "description": "A shell script"},
-            cwd={"type": "string", "description": "Working directory relative to the workspace"},
+            command={
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_SCRIPT_BYTES,
+                "description": "A bash script, at most 128 KiB (UTF-8): write a longer one to"
+                " a file and run `bash FILE`",
+            },
+            cwd={
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_PATH,
+                "description": "Working directory relative to the workspace",
+            },
             timeout_seconds={
                 "type": "number",
                 "exclusiveMinimum": 0,
@@ -171,24 +244,73 @@ TOOLS = [
             },
             env={
                 "type": "object",
-                "additionalProperties": {"type": "string"},
+                # What the agent refuses: empty names, '=' in a name, NUL anywhere.
+                "propertyNames": {"pattern": "^[^=\\x00]+$"},
+                "additionalProperties": {"type": "string", "pattern": "^[^\\x00]*$"},
                 "description": "Extra environment variables",
             },
             stdin={"type": "string", "description": "Text on the command's standard input"},
         ),
     ),
     Tool(
+        "sandbox_list_commands",
+        "List the commands of this session's sandbox, newest first: those running and those"
+        " finished recently, each with its id, status, exit code, start time and script."
+        " After a call that was cut off (a lost connection, a restarted MCP server) look"
+        " here before running a command again: one still running or already finished must"
+        " not run twice; sandbox_command_output re-attaches to it by id.",
+        _schema(
+            [],
+            status={"type": "string", "enum": list(STATUSES), "description": "Only these"},
+            limit={"type": "integer", "minimum": 1, "maximum": MAX_LISTED, "default": 20},
+        ),
+        read_only=True,
+    ),
+    Tool(
+        "sandbox_command_output",
+        "Re-attach to a command of sandbox_list_commands by its id (it is never run again):"
+        " wait up to wait_seconds for it to finish, its output arriving as progress"
+        " notifications, and return its exit code and output as sandbox_run_command does;"
+        " one still running then answers with its output so far (call again to wait more).",
+        _schema(
+            ["id"],
+            id={"type": "string", "minLength": 1, "description": "From sandbox_list_commands"},
+            wait_seconds={
+                "type": "number",
+                "minimum": 0,
+                "maximum": MAX_TIMEOUT,
+                "default": ATTACH_WAIT,
+            },
+        ),
+        read_only=True,
+    ),
+    Tool(
         "sandbox_grep_files",
-        "Search file contents by regular expression (Python syntax); one match a line as"
-        " path:line:column: text.",
+        "Search file contents by regular expression: RE2 syntax (as Go's regexp and ripgrep:"
+        " no backreferences, no lookahead or lookbehind); one match a line as"
+        " path:line:column: text. Binary files, files over 8 MiB and dot files are skipped.",
         _schema(
             ["pattern"],
-            pattern={"type": "string", "description": "Regular expression"},
+            pattern={
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_REGEX,
+                "description": "An RE2 regular expression",
+            },
             path={**PATH, "default": "."},
-            glob={"type": "string", "description": "Only files whose name matches, e.g. '*.py'"},
+            glob={
+                "type": "string",
+                "maxLength": MAX_GLOB,
+                "description": "Only files whose name matches, e.g. '*.py'",
+            },
             ignore_case={"type": "boolean", "default": False},
             fixed_string={"type": "boolean", "default": False, "description": "Not a regex"},
-            max_results={"type": "integer", "minimum": 1, "maximum": 5000, "default": 200},
+            max_results={
+                "type": "integer",
+                "minimum": 1,
+                "maximum": MAX_SEARCH_RESULTS,
+                "default": 200,
+            },
         ),
         read_only=True,
     ),
@@ -198,9 +320,14 @@ TOOLS = [
         " ('mdl' finds models.py); a query with * ? or [ is a glob instead. Best matches first.",
         _schema(
             ["query"],
-            query={"type": "string", "minLength": 1},
+            query={"type": "string", "minLength": 1, "maxLength": MAX_FUZZY_QUERY},
             path={**PATH, "default": "."},
-            max_results={"type": "integer", "minimum": 1, "maximum": 1000, "default": 50},
+            max_results={
+                "type": "integer",
+                "minimum": 1,
+                "maximum": MAX_SEARCH_RESULTS,
+                "default": 50,
+            },
         ),
         read_only=True,
     ),
@@ -210,10 +337,11 @@ TOOLS = [
         " all hunks apply or none, and a conflict names the hunk that does not.",
         _schema(
             ["patch"],
-            patch={"type": "string", "description": "The unified diff"},
+            patch={"type": "string", "minLength": 1, "description": "The unified diff"},
             strip={
                 "type": "integer",
                 "minimum": 0,
+                "maximum": MAX_STRIP,
                 "default": 1,
                 "description": "Leading path components to strip (1 for a/ b/ prefixes)",
             },
@@ -239,7 +367,12 @@ TOOLS = [
         _schema(
             ["path"],
             path=PATH,
-            ttl_seconds={"type": "integer", "minimum": 1, "maximum": 86400, "default": 600},
+            ttl_seconds={
+                "type": "integer",
+                "minimum": 1,
+                "maximum": MAX_URL_SECONDS,
+                "default": 600,
+            },
         ),
         read_only=True,
     ),
@@ -261,14 +394,22 @@ TOOLS = [
         " Snapshot's name for sandbox_restore.",
         _schema(
             [],
-            tag={"type": "string", "description": "A label for it, e.g. 'before-refactor'"},
-            description={"type": "string"},
+            tag={
+                "type": "string",
+                "pattern": SNAPSHOT_TAG,
+                "maxLength": 128,
+                "description": "A label for it, e.g. 'before-refactor'",
+            },
+            description={"type": "string", "maxLength": 1024},
         ),
     ),
     Tool(
         "sandbox_restore",
         "Roll the session's workspace back to a snapshot (running commands are stopped).",
-        _schema(["snapshot"], snapshot={"type": "string", "description": "The Snapshot's name"}),
+        _schema(
+            ["snapshot"],
+            snapshot={"type": "string", "minLength": 1, "description": "The Snapshot's name"},
+        ),
     ),
     Tool(
         "sandbox_destroy",
@@ -277,6 +418,52 @@ TOOLS = [
     ),
 ]
 BY_NAME = {tool.name: tool for tool in TOOLS}
+# Compiled once: a call is checked against its tool's schema in microseconds.
+_VALIDATORS = {tool.name: Draft202012Validator(tool.schema) for tool in TOOLS}
+
+
+def _takes(tool: Tool) -> str:
+    required = set(tool.schema["required"])
+    names = [f"{n} (required)" if n in required else n for n in tool.schema["properties"]]
+    return f"{tool.name} takes: {', '.join(names) or 'no arguments'}"
+
+
+def _why(error: ValidationError) -> str:
+    """One schema error in words naming the argument, without echoing a long value."""
+    where = error.absolute_path
+    arg = ".".join(str(p) for p in where) if where else ""
+    value = error.instance
+    kind = error.validator
+    if kind in ("maxLength", "minLength") and isinstance(value, str):
+        bound = "at most" if kind == "maxLength" else "at least"
+        limit = error.validator_value
+        return f"argument {arg!r} is {len(value)} characters long; it takes {bound} {limit}"
+    if kind == "pattern" and "propertyNames" in error.schema_path:
+        return f"argument {arg!r}: the name {value[:100]!r} does not match {error.validator_value}"
+    if kind == "pattern":
+        return f"argument {arg!r} does not match {error.validator_value}"
+    message = error.message if len(error.message) <= 300 else error.message[:300] + "..."
+    return f"argument {arg!r}: {message}" if arg else message
+
+
+def check(name: str, args: Mapping[str, Any]) -> Tool:
+    """The tool, when the arguments are what its schema declares: else the one
+    ToolFailure naming every missing, unknown or wrong argument."""
+    tool = BY_NAME.get(name)
+    if tool is None:
+        raise ToolFailure("invalid", f"no tool named {name!r}; see tools/list")
+    properties = tool.schema["properties"]
+    missing = [n for n in tool.schema["required"] if n not in args]
+    unknown = sorted(n for n in args if n not in properties)
+    problems = [f"missing argument {n!r}" for n in missing]
+    problems += [f"unknown argument {n!r}" for n in unknown]
+    # The rest (types, limits) of the arguments it does take.
+    known = {k: v for k, v in args.items() if k in properties}
+    errors = sorted(_VALIDATORS[name].iter_errors(known), key=lambda e: list(e.absolute_path))
+    problems += [_why(e) for e in errors if e.validator != "required"]
+    if problems:
+        raise ToolFailure("invalid", f"{'; '.join(problems)}. {_takes(tool)}")
+    return tool
 
 
 def _clip(text: str, limit: int) -> str:
@@ -333,41 +520,156 @@ async def _file_op(operation: Awaitable[Any], what: str) -> Any:
         ) from None
 
 
+BINARY_PROBE = 8192  # the agent's search calls a file binary by a NUL in this much
+
+
+def is_binary(head: bytes) -> bool:
+    """A NUL in the first 8 KiB (the agent's own test, so read and grep agree),
+    or bytes that are no UTF-8 (a character cut at the probe's end aside)."""
+    if b"\0" in head[:BINARY_PROBE]:
+        return True
+    try:
+        head[:BINARY_PROBE].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.start < min(len(head), BINARY_PROBE) - 3
+    return False
+
+
+async def _refuse_binary(files: AsyncFiles, path: str) -> None:
+    head: bytes = await _file_op(files.read_bytes(path, length=BINARY_PROBE), f"reading {path}")
+    if not is_binary(head):
+        return  # text that holds U+FFFD or a NUL further on: shown as it is
+    info = await _file_op(files.stat(path), f"looking up {path}")
+    quoted = shlex.quote(path)
+    raise ToolFailure(
+        "binary",
+        f"{path} is a binary file ({info.size} bytes), not text: this tool shows text only."
+        " Give it to the user with sandbox_download_url, or look into it with"
+        f" sandbox_run_command (`file {quoted}`, `xxd {quoted} | head -40`,"
+        f" `base64 {quoted}`).",
+    )
+
+
 async def run_command(
     sandbox: AsyncSandbox, args: Mapping[str, Any], progress: Progress | None
 ) -> str:
     timeout = float(args.get("timeout_seconds") or DEFAULT_TIMEOUT)
+    script = str(args["command"])
+    size = len(script.encode("utf-8", "surrogateescape"))
+    if size > MAX_SCRIPT_BYTES:
+        raise ToolFailure(
+            "invalid",
+            f"command is {size} bytes; a command line holds at most {MAX_SCRIPT_BYTES}: write"
+            " the script to a file (sandbox_write_file) and run `bash FILE`",
+        )
+    argv = [SHELL, "-c", script]
     options: JSON = {"cwd": args.get("cwd"), "env": args.get("env"), "stdin": args.get("stdin")}
     result: CommandResult | None
     if progress is None:
         # One request, no stream: nothing to report while it runs.
-        result = await sandbox.execute(args["command"], timeout=timeout, **options)
+        result = await sandbox.execute(argv, timeout=timeout, **options)
     else:
         result = None
-        done = 0.0
-        async for event in sandbox.stream(args["command"], timeout=timeout, **options):
+        async for event in sandbox.stream(argv, timeout=timeout, **options):
             if event.result is not None:
                 result = event.result
             elif event.data:
-                done += len(event.data)
-                await progress(done, event.data)
+                await progress(len(event.data), event.data)
         if result is None:
             raise ToolFailure("error", "the command's output stream ended before the command did")
-        if result.timed_out or result.status == "timed_out":
-            raise failure(
-                CommandTimeout(
-                    f"the command ran past its timeout ({timeout:.0f}s) and was stopped",
-                    result=result,
-                    code="timed_out",
-                )
+    return _outcome(result)
+
+
+def _outcome(result: CommandResult) -> str:
+    """A finished command's result for the model; a failure unless it succeeded."""
+    if result.timed_out or result.status == "timed_out":
+        raise failure(
+            CommandTimeout(
+                "the command ran past its timeout"
+                f" ({result.execution.timeout_seconds:.0f}s) and was stopped",
+                result=result,
+                code="timed_out",
             )
-    assert result is not None
+        )
+    if result.lost:  # as `execute` raises it
+        raise failure(CommandLost.of(result))
     if not result.ok:
         raise ToolFailure(
             "command_failed",
             f"the command did not succeed (status {result.status}).\n{_command_text(result)}",
         )
     return _command_text(result)
+
+
+def _script(execution: agent.Execution) -> str:
+    """What a command ran, as the model wrote it (run_command's `bash -c SCRIPT`)."""
+    if execution.command is not None:
+        return execution.command
+    if execution.argv[:2] == [SHELL, "-c"] and len(execution.argv) == 3:
+        return execution.argv[2]
+    return shlex.join(execution.argv)
+
+
+async def list_commands(sandbox: AsyncSandbox, args: Mapping[str, Any]) -> str:
+    status = args.get("status")
+    found = await _file_op(sandbox.jobs(status=status), "listing the commands")
+    found.sort(key=lambda e: e.created_at, reverse=True)
+    limit = int(args.get("limit", 20))
+    lines = []
+    for e in found[:limit]:
+        state = e.status
+        if e.exit_code is not None:
+            state += f" (exit code {e.exit_code})"
+        elif e.error is not None:
+            state += f" ({e.error.code})"
+        took = "" if e.duration_seconds is None else f", {e.duration_seconds:.1f}s"
+        script = _script(e)
+        first = script.strip().splitlines()[0] if script.strip() else script
+        if len(first) > 200 or first != script.strip():
+            first = first[:200] + " ..."
+        lines.append(f"{e.id}  {state}  started {e.created_at}{took}  $ {first}")
+    if len(found) > limit:
+        lines.append(f"[{len(found) - limit} older: pass a larger limit, or a status]")
+    return "\n".join(lines) or ("no commands" + (f" {status}" if status else ""))
+
+
+async def command_output(
+    sandbox: AsyncSandbox, args: Mapping[str, Any], progress: Progress | None
+) -> str:
+    job = sandbox.job(str(args["id"]))
+    await _file_op(job.info(), "looking up the command")  # an unknown id: not_found now
+    result: CommandResult | None = None
+    with anyio.move_on_after(float(args.get("wait_seconds", ATTACH_WAIT))):
+        if progress is not None:
+            await _relay_output(job, progress)
+        result = await job.wait()
+    if result is None:
+        info = await _file_op(job.info(), "looking up the command")
+        if info.status == "running":
+            so_far = await _file_op(job.logs(), "reading its output")
+            return (
+                f"command {job.id} is still running (started {info.created_at}); call again to"
+                " wait more (it is not run again).\n"
+                f"output so far:\n{_clip(so_far, OUTPUT_LIMIT)}"
+            ).rstrip()
+        result = await _file_op(job.wait(), "reading its result")
+    return _outcome(result)
+
+
+async def _relay_output(job: AsyncJob, progress: Progress) -> None:
+    """The job's output, all of it from the start, as progress until it ends."""
+    cursor = 0
+    try:
+        while True:
+            page = await job.output(cursor, wait=30.0)
+            for chunk in page.chunks:
+                if chunk.data:
+                    await progress(len(chunk.data), chunk.data)
+            cursor = page.cursor
+            if page.finished or (page.status != "running" and not page.chunks):
+                return
+    except Gone:
+        return  # its log is gone (pruned, or an agent restart): the record still tells
 
 
 async def call(
@@ -378,11 +680,18 @@ async def call(
     path = str(args.get("path", "."))
     if name == "sandbox_run_command":
         return await run_command(sandbox, args, progress)
+    if name == "sandbox_list_commands":
+        return await list_commands(sandbox, args)
+    if name == "sandbox_command_output":
+        return await command_output(sandbox, args, progress)
     if name == "sandbox_read_file":
         start, count = args.get("start_line"), args.get("line_count")
         text: str = await _file_op(
             files.read(path, start_line=start, line_count=count), f"reading {path}"
         )
+        if "\0" in text or "\ufffd" in text:
+            # Bytes that are not UTF-8 text came back replaced: say what the file is.
+            await _refuse_binary(files, path)
         first = int(start or 1)
         lines = text.splitlines()
         if args.get("line_numbers", True):

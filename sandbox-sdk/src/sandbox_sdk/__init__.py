@@ -10,13 +10,12 @@
 `SandboxClient` (sync) and `AsyncSandboxClient` (asyncio) have the same surface.
 """
 
-from sandbox_sdk._async.client import (
-    AsyncFiles,
-    AsyncJob,
-    AsyncSandbox,
-    AsyncSandboxClient,
-)
-from sandbox_sdk._sync.client import Files, Job, Sandbox, SandboxClient
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The errors module is light (no third-party imports): imported as usual.
 from sandbox_sdk.errors import (
     CommandFailed,
     CommandLost,
@@ -24,6 +23,7 @@ from sandbox_sdk.errors import (
     ConfigError,
     Conflict,
     Forbidden,
+    Gone,
     Invalid,
     NotFound,
     NotReady,
@@ -34,7 +34,28 @@ from sandbox_sdk.errors import (
     Unauthorized,
     WorkspaceFull,
 )
-from sandbox_sdk.types import CommandResult, Event, OutputEvent, Runtime, Template
+
+if TYPE_CHECKING:
+    from sandbox_sdk._async.client import (
+        AsyncFiles,
+        AsyncJob,
+        AsyncSandbox,
+        AsyncSandboxClient,
+    )
+    from sandbox_sdk._sync.client import Files, Job, Sandbox, SandboxClient
+    from sandbox_sdk.types import CommandResult, Event, OutputEvent, Runtime, Template
+
+# Where each public name lives. They are imported on first use (PEP 562), not
+# here: `kubectl sandbox` imports this package for its CLI module, and the
+# clients pull httpx, pydantic and every generated model (a third of a second
+# of start-up that `kubectl sandbox completion` or a usage error never needs).
+_HOMES = {
+    **dict.fromkeys(
+        ("AsyncFiles", "AsyncJob", "AsyncSandbox", "AsyncSandboxClient"), "_async.client"
+    ),
+    **dict.fromkeys(("Files", "Job", "Sandbox", "SandboxClient"), "_sync.client"),
+    **dict.fromkeys(("CommandResult", "Event", "OutputEvent", "Runtime", "Template"), "types"),
+}
 
 __version__ = "0.1.0.dev0"
 
@@ -52,6 +73,7 @@ __all__ = [
     "Event",
     "Files",
     "Forbidden",
+    "Gone",
     "Invalid",
     "Job",
     "NotFound",
@@ -68,3 +90,16 @@ __all__ = [
     "Unauthorized",
     "WorkspaceFull",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # once found, an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -9,31 +9,42 @@ Global flags as kubectl's: `-n/--namespace`, `--context`, `--kubeconfig`,
 `-o json|yaml|wide|name`. Errors are one line on stderr and a non-zero exit;
 `exec` and `run` exit with the command's own exit code (124 when it timed out,
 as `timeout(1)` does; 125 when it never reached an exit code, e.g. the
-sandbox's agent restarted under it). Shell completion: `kubectl sandbox completion bash`,
+sandbox's agent restarted under it); 141 when stdout's reader went away
+(`| head`), as after SIGPIPE; `logs` exits 3 when the log was cut at the
+agent's cap. Shell completion: `kubectl sandbox completion bash`,
 and `kubectl_complete-sandbox` for kubectl's own plugin completion.
 """
 
 from __future__ import annotations
 
 import argparse
-import http.server
+import importlib
 import io
 import json
+import os
 import sys
-import tarfile
-import threading
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import yaml
-
-from sandbox_sdk._sync.client import Sandbox, SandboxClient
+from sandbox_sdk import _wire
 from sandbox_sdk.errors import CommandLost, CommandTimeout, NotReady, SandboxError
-from sandbox_sdk.models import resources
 from sandbox_sdk.types import OutputEvent
+
+# Start-up time is the price of every `kubectl sandbox` call (a trivial exec
+# took 450 ms against kubectl exec's 115 ms, 340 of them importing): this
+# module imports only the standard library's light modules and the SDK's
+# dependency-free ones. The client (httpx, pydantic, the models), yaml,
+# http.server and tarfile are imported where a command needs them;
+# tests/integration/test_sdk.py checks that importing this module pulls none.
+if TYPE_CHECKING:
+    import http.server
+
+    from sandbox_sdk import _oneshot
+    from sandbox_sdk._sync.client import Sandbox, SandboxClient
+    from sandbox_sdk.models import resources
 
 JSON = dict[str, Any]
 COMMANDS = [
@@ -43,8 +54,17 @@ COMMANDS = [
 PROGRESS_FROM = 1 << 20  # bytes: smaller transfers show no progress bar
 WAIT_SLICE = 3.0  # seconds between looks at why a created sandbox is not ready yet
 # Waiting reasons worth a line: someone has to act, or something slow is under way.
-SAY_WHY = {"QuotaExceeded", "TemplateNotFound", "TemplateNotReady", "PoolNotFound", "PoolEmpty"}
+SAY_WHY = {
+    *("QuotaExceeded", "TemplateNotFound", "TemplateNotReady", "PoolNotFound", "PoolEmpty"),
+    "Unschedulable",  # the scheduler's message says what is short (Insufficient cpu)
+}
 LOST_EXIT = 125  # the command never reached an exit code (as timeout(1) says of itself)
+PIPE_EXIT = 128 + 13  # stdout's reader went away: what a shell reports of SIGPIPE
+TRUNCATED_EXIT = 3  # `logs`: the output log was cut at the agent's cap
+USAGE = {
+    "exec": "kubectl sandbox exec NAME [flags] -- COMMAND [ARGS...]",
+    "run": "kubectl sandbox run [flags] -- COMMAND [ARGS...]",
+}
 
 
 class CliError(Exception):
@@ -86,10 +106,14 @@ def _emit(objects: list[JSON], output: str | None, kind: str, many: bool) -> Non
     if output == "json":
         print(json.dumps(document, indent=2))
     else:
+        import yaml
+
         print(yaml.safe_dump(document, sort_keys=False), end="")
 
 
-def _print_sandboxes(items: list[resources.Sandbox], output: str | None, many: bool) -> None:
+def _print_sandboxes(
+    items: list[resources.Sandbox], output: str | None, many: bool, namespaces: bool = False
+) -> None:
     if output in ("json", "yaml", "name"):
         _emit(
             [s.model_dump(by_alias=True, exclude_none=True) for s in items], output, "Sandbox", many
@@ -98,13 +122,15 @@ def _print_sandboxes(items: list[resources.Sandbox], output: str | None, many: b
     if not items:
         print("No sandboxes found.", file=sys.stderr)
         return
-    header = ["NAME", "PHASE", "READY", "RUNTIME", "AGE"]
+    # Across namespaces the name alone is ambiguous: NAMESPACE first, as kubectl's -A.
+    header = [*(["NAMESPACE"] if namespaces else []), "NAME", "PHASE", "READY", "RUNTIME", "AGE"]
     if output == "wide":
         header += ["POD IP", "LAST ACTIVITY", "SNAPSHOT"]
     rows = [header]
     for s in items:
         status = s.status
         row = [
+            *([s.metadata.namespace or ""] if namespaces else []),
             s.metadata.name or "",
             (status.phase if status else None) or "",
             _ready(s),
@@ -245,8 +271,11 @@ def cmd_get(client: SandboxClient, args: argparse.Namespace) -> int:
         _print_sandboxes([client.get(n) for n in args.names], args.output, len(args.names) > 1)
     else:
         ns = "*" if args.all_namespaces else None
-        items = sorted(client.list(namespace=ns), key=lambda s: s.metadata.name or "")
-        _print_sandboxes(items, args.output, True)
+        items = sorted(
+            client.list(namespace=ns),
+            key=lambda s: (s.metadata.namespace or "", s.metadata.name or ""),
+        )
+        _print_sandboxes(items, args.output, True, namespaces=args.all_namespaces)
     return 0
 
 
@@ -257,21 +286,63 @@ def cmd_delete(client: SandboxClient, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_exec(client: SandboxClient, args: argparse.Namespace) -> int:
+def _exec_body(args: argparse.Namespace) -> JSON:
     if not args.command:
-        raise CliError("exec: give the command after --, e.g. exec NAME -- ls -l")
+        raise CliError(f"exec: no command; usage: {USAGE['exec']}")
     stdin = sys.stdin.buffer.read() if args.stdin else None
     command: str | list[str] = args.command[0] if len(args.command) == 1 else args.command
-    sandbox = client.connect(args.name)
-    events = sandbox.stream(
-        command, cwd=args.cwd, env=_env_pairs(args.env), stdin=stdin, timeout=args.timeout
+    return _wire.exec_body(
+        command,
+        env=_env_pairs(args.env),
+        cwd=args.cwd,
+        stdin=stdin,
+        timeout=_wire.timeout_seconds(args.timeout, _wire.MAX_TIMEOUT),
+        combined_output=False,
     )
+
+
+def exec_first(args: argparse.Namespace) -> int | None:
+    """`exec` in one request without the client (`sandbox_sdk._oneshot`): the
+    exit code, or None when the client is to take over (`args.handoff` says
+    where things stood)."""
+    from sandbox_sdk import _oneshot  # ssl, sockets and yaml: for exec alone
+
+    args.body = _exec_body(args)
+    try:
+        way = _oneshot.route(
+            args.namespace,
+            kubeconfig=args.kubeconfig,
+            context=args.context,
+            gateway=args.gateway,
+            gateway_url=args.gateway_url,
+        )
+        return _stream_to_terminal(_oneshot.events(way, args.name, args.body, args.timeout + 60))
+    except _oneshot.Handoff as handoff:
+        args.handoff = handoff
+        return None
+
+
+def cmd_exec(client: SandboxClient, args: argparse.Namespace) -> int:
+    body = getattr(args, "body", None) or _exec_body(args)
+    handoff: _oneshot.Handoff | None = getattr(args, "handoff", None)
+    sandbox = client.connect(args.name)
+    if handoff is not None and handoff.execution_id is not None:
+        events = sandbox.job(handoff.execution_id).stream(handoff.cursor)
+    else:
+        # The same body, so the same idempotency key: a command that a first try
+        # did start is not started again.
+        events = sandbox._events("POST", "executions/stream", body, args.timeout + 60)
     return _stream_to_terminal(events)
+
+
+def _say_waiting(reason: str, message: str) -> None:
+    print(f"waiting: {reason}: {message}" if message else f"waiting: {reason}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def cmd_run(client: SandboxClient, args: argparse.Namespace) -> int:
     if not args.command:
-        raise CliError("run: give the command after --, e.g. run --runtime python -- python3 -V")
+        raise CliError(f"run: no command; usage: {USAGE['run']}")
     files = {}
     for item in args.file:
         local, _, remote = item.partition(":")
@@ -287,6 +358,9 @@ def cmd_run(client: SandboxClient, args: argparse.Namespace) -> int:
             timeout=args.timeout,
             stdout=sys.stdout,
             stderr=sys.stderr,
+            # A pod the scheduler cannot place waits for minutes: say why, each
+            # time it changes, rather than sit silent.
+            on_waiting=_say_waiting,
         )
     except CommandTimeout:
         return 124
@@ -315,6 +389,8 @@ def cmd_cp(client: SandboxClient, args: argparse.Namespace) -> int:
                     files.write(target, local.read_bytes())
                 else:  # a tar of one member streams, with progress
                     parent, _, base = target.rpartition("/")
+                    import tarfile
+
                     spool = io.BytesIO()
                     with tarfile.open(fileobj=spool, mode="w") as tar:
                         tar.add(local, arcname=base)
@@ -343,6 +419,8 @@ def cmd_cp(client: SandboxClient, args: argparse.Namespace) -> int:
 def cmd_ls(client: SandboxClient, args: argparse.Namespace) -> int:
     entries = client.connect(args.name).files.list(args.path, depth=args.depth)
     if args.output in ("json", "yaml"):
+        import yaml
+
         data = [e.model_dump(by_alias=True) for e in entries]
         print(json.dumps(data, indent=2) if args.output == "json" else yaml.safe_dump(data), end="")
         return 0
@@ -358,14 +436,26 @@ def cmd_ls(client: SandboxClient, args: argparse.Namespace) -> int:
 def cmd_cat(client: SandboxClient, args: argparse.Namespace) -> int:
     files = client.connect(args.name).files
     if args.lines:
-        first, _, last = args.lines.partition(":")
-        start = int(first or 1)
-        count = int(last) - start + 1 if last else None
+        start, count = _line_range(args.lines)
         sys.stdout.write(files.read(args.path, start_line=start, line_count=count))
     else:
         sys.stdout.buffer.write(files.read_bytes(args.path))
     sys.stdout.flush()
     return 0
+
+
+def _line_range(text: str) -> tuple[int, int | None]:
+    """`FIRST:LAST`, `FIRST:` or `:LAST` (1-based, inclusive) or `FIRST`: the
+    first line and how many (None: to the end)."""
+    first, colon, last = text.partition(":")
+    try:
+        start = int(first) if first else 1
+        end = int(last) if last else None
+    except ValueError:
+        start, end = 0, None
+    if start < 1 or (end is not None and end < start) or (not colon and not first):
+        raise CliError(f"--lines {text!r}: expected FIRST:LAST, FIRST: or :LAST (1-based lines)")
+    return start, None if end is None else end - start + 1
 
 
 def cmd_grep(client: SandboxClient, args: argparse.Namespace) -> int:
@@ -381,6 +471,22 @@ def cmd_logs(client: SandboxClient, args: argparse.Namespace) -> int:
     for event in client.execution_output(args.execution, follow=args.follow):
         (sys.stderr if event.kind == "stderr" else sys.stdout).write(event.data)
     sys.stdout.flush()
+    # The agent keeps a command's output up to its log cap; past it the log
+    # ends early, and printing what there is as if it were all would mislead.
+    status = client.get_execution(args.execution).status
+    if status is None or not status.sandbox or not status.agent_execution_id:
+        return 0
+    try:
+        record = client.connect(status.sandbox).job(status.agent_execution_id).info()
+    except SandboxError:
+        return 0  # the sandbox is gone: what was printed are the status's tails
+    if record.log_truncated:
+        print(
+            f"warning: the output log of execution {args.execution} was cut at the agent's"
+            " cap (SANDBOX_AGENT_MAX_LOG_BYTES, 64 MiB by default); the rest was not kept",
+            file=sys.stderr,
+        )
+        return TRUNCATED_EXIT
     return 0
 
 
@@ -465,6 +571,9 @@ def cmd_port(client: SandboxClient, args: argparse.Namespace) -> int:
 def _forwarder(sandbox: Sandbox, port: int, local: int) -> http.server.ThreadingHTTPServer:
     """A local HTTP server relaying each request to the sandbox's port through
     the gateway, with this client's credentials (HTTP only, no WebSocket)."""
+    import http.server
+    import threading
+
     lock = threading.Lock()  # one httpx client under the handle: calls one at a time
 
     class Relay(http.server.BaseHTTPRequestHandler):
@@ -519,7 +628,7 @@ def complete(words: list[str]) -> list[str]:
         return ["bash", "zsh"]
     if len(positional) == 1 and positional[0] not in ("list", "run", "snapshots", "logs"):
         try:
-            with SandboxClient() as client:
+            with _client_class()() as client:
                 return sorted(s.metadata.name or "" for s in client.list())
         except SandboxError:
             return []
@@ -593,7 +702,9 @@ def parser() -> argparse.ArgumentParser:
         p = add(verb, helptext + "; output streams, the exit code is the command's")
         if verb == "exec":
             p.add_argument("name")
-            p.add_argument("--cwd")
+            p.add_argument(
+                "--cwd", help="directory relative to the workspace (its root: .), no '..'"
+            )
             p.add_argument("-i", "--stdin", action="store_true", help="pass this stdin on")
         else:
             p.add_argument("--runtime")
@@ -680,6 +791,18 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _client_class() -> type[SandboxClient]:
+    """The sync client, imported now that a command needs it. httpx imports its
+    own command line (`httpx._main`: rich, click, pygments, a third of httpx's
+    import time) whenever those happen to be installed, as the `mcp` extra
+    installs them; this process never runs httpx's command line, so its import
+    is refused (a None entry in sys.modules), which httpx answers with the stub
+    it keeps for installs without them."""
+    sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
+    client: type[SandboxClient] = importlib.import_module("sandbox_sdk._sync.client").SandboxClient
+    return client
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     if words[:1] == ["__complete"]:
@@ -691,13 +814,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" in words:
         cut = words.index("--")
         words, command = words[:cut], words[cut + 1 :]
-    args = parser().parse_args(words)
+    top = parser()
+    args, unknown = top.parse_known_args(words)
+    if unknown:
+        # A flag of the command given without `--` lands here (`exec box ls -l`):
+        # say where the command goes rather than print the top-level usage.
+        if args.verb in USAGE:
+            top.exit(2, f"error: unknown flag {unknown[0]!r}; usage: {USAGE[args.verb]}\n")
+        top.parse_args(words)  # argparse's own message and exit
     if command is not None and hasattr(args, "command"):
         args.command = [*args.command, *command]
     try:
+        return _run(args)
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as a command killed by
+        # SIGPIPE does (a shell reports 141), and point stdout at /dev/null so
+        # that the interpreter's last flush does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return PIPE_EXIT
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
         if args.verb == "completion":
             return cmd_completion(None, args)
-        with SandboxClient(
+        if args.verb == "exec" and (quick := exec_first(args)) is not None:
+            return quick
+        with _client_class()(
             args.namespace,
             kubeconfig=args.kubeconfig,
             context=args.context,
@@ -714,6 +857,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        raise
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -23,8 +23,6 @@ import base64
 import json
 import os
 import ssl
-import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -92,6 +90,8 @@ class ExecPlugin(TokenSource):
             request = {"apiVersion": self.api_version, "kind": "ExecCredential", "spec": {}}
             env = {**os.environ, **self.env, "KUBERNETES_EXEC_INFO": json.dumps(request)}
             try:
+                import subprocess  # exec plugins only: kept off `kubectl sandbox`'s start-up
+
                 done = subprocess.run(
                     [self.command, *self.args],
                     env=env,
@@ -162,6 +162,8 @@ def _ssl_context(
         context.verify_mode = ssl.CERT_NONE
     if cert is not None:
         # load_cert_chain reads files only: a private directory, removed at once.
+        import tempfile  # client certificates only: kept off the start-up
+
         with tempfile.TemporaryDirectory(prefix="sandbox-sdk-") as tmp:
             cert_path, key_path = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
             cert_path.write_bytes(cert[0])

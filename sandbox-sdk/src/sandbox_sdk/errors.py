@@ -110,6 +110,13 @@ class CommandLost(SandboxError):
         )
 
 
+class Gone(SandboxError):
+    """What was asked for existed but is no longer kept (410): `log_pruned`, a
+    command's output log removed to keep the agent's log directory under its
+    cap, or output that lived only in the memory of an agent that restarted
+    since. The command's record (exit code, output tails) is still there."""
+
+
 class ServerError(SandboxError):
     """The server failed (5xx other than not-ready), or could not be reached."""
 
@@ -152,6 +159,8 @@ def from_response(status: int, body: Any, fallback: str) -> SandboxError:
         return NotReady(message, reason=reason, **kwargs)
     if status == 507:
         return WorkspaceFull(message, **kwargs)
+    if status == 410:
+        return Gone(message, **kwargs)
     if status in (408, 504):
         return Timeout(message, **kwargs)
     return ServerError(message, **kwargs)

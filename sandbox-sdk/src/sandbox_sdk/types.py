@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import IO, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 
-from sandbox_sdk.models import agent
+if TYPE_CHECKING:  # only annotations: importing the models costs `kubectl sandbox` its start-up
+    from sandbox_sdk.models import agent
 
 # Called with each chunk of output text as it arrives.
 OutputCallback = Callable[[str], object]
@@ -18,7 +20,18 @@ Sink = OutputCallback | IO[str]
 
 @dataclass(frozen=True)
 class CommandResult:
-    """The outcome of a command: exit code, output, and the agent's full record."""
+    """The outcome of a command: exit code, output, and the agent's full record.
+
+    `stdout` and `stderr` hold at most the last 4 MiB of each stream (the
+    agent's capture bound; less in a sandbox with a small agent memory budget,
+    such as the `dense` profile): `stdout_truncated` / `stderr_truncated` say
+    that the beginning is missing. To get all of a large output, stream it
+    (`execute(..., stdout=file)`, `stream()`), or read a job's log from a cursor
+    (`start()`, then `job.output()` / `job.logs()`): both see every byte, up to
+    the on-disk log's own cap (`execution.log_truncated`).
+
+    `execution` is the agent's record as a model (timing, resource use,
+    `error`), built from `record` (its JSON) on first use."""
 
     id: str
     status: str
@@ -30,7 +43,10 @@ class CommandResult:
     signal: str | None
     stdout_truncated: bool
     stderr_truncated: bool
-    execution: agent.Execution = field(repr=False)
+    # The agent's record as it came on the wire. `execution` validates it on
+    # first use: most callers read only the fields above, and building the
+    # agent's models is most of `kubectl sandbox exec`'s start-up.
+    record: dict[str, Any] = field(repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -43,22 +59,37 @@ class CommandResult:
         under it, or it could not be started): `execution.error` says why."""
         return self.status in ("lost", "failed")
 
+    @functools.cached_property
+    def execution(self) -> agent.Execution:
+        """The agent's full record (timing, resource use, `error`, ...)."""
+        from sandbox_sdk.models import agent
+
+        return agent.Execution.model_validate(self.record)
+
     @classmethod
-    def of(cls, execution: agent.Execution) -> CommandResult:
-        return cls(
-            id=execution.id,
-            status=execution.status,
-            exit_code=execution.exit_code,
-            stdout=execution.stdout or "",
-            stderr=execution.stderr or "",
-            duration_seconds=execution.duration_seconds,
-            timed_out=bool(execution.timed_out),
-            signal=execution.signal_name
-            or (None if execution.signal is None else str(execution.signal)),
-            stdout_truncated=bool(execution.stdout_truncated),
-            stderr_truncated=bool(execution.stderr_truncated),
-            execution=execution,
+    def of(cls, execution: agent.Execution | Mapping[str, Any]) -> CommandResult:
+        """The result of the agent's record: its model, or its JSON as sent."""
+        if isinstance(execution, Mapping):
+            raw = dict(execution)
+        else:
+            raw = execution.model_dump(by_alias=True, mode="json")
+        signal = raw.get("signal")
+        result = cls(
+            id=str(raw["id"]),
+            status=str(raw["status"]),
+            exit_code=raw.get("exitCode"),
+            stdout=raw.get("stdout") or "",
+            stderr=raw.get("stderr") or "",
+            duration_seconds=raw.get("durationSeconds"),
+            timed_out=bool(raw.get("timedOut")),
+            signal=raw.get("signalName") or (None if signal is None else str(signal)),
+            stdout_truncated=bool(raw.get("stdoutTruncated")),
+            stderr_truncated=bool(raw.get("stderrTruncated")),
+            record=raw,
         )
+        if not isinstance(execution, Mapping):
+            result.__dict__["execution"] = execution  # already a model: keep it
+        return result
 
 
 @dataclass(frozen=True)

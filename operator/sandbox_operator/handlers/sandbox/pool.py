@@ -105,6 +105,31 @@ def _bound(body: JSON, use: PoolUse, member: JSON | None) -> JSON:
 _INHERITED = ("template", "workspaceSnapshot", "workspaceLineage", "workspaceRestoreRequest")
 
 
+Decisions = dict[Key, JSON]
+
+
+def remember(decisions: Decisions, bound: JSON) -> JSON:
+    """`bound` (a Sandbox with its outcome in status), remembered in `decisions`
+    until its status shows it (`OperatorContext.pool_decisions`)."""
+    meta, status = bound["metadata"], bound["status"]
+    kept = {k: status[k] for k in ("pool", *_INHERITED) if status.get(k) is not None}
+    decisions[(meta["namespace"], meta["uid"])] = kept
+    return bound
+
+
+def with_decision(decisions: Decisions, body: JSON) -> JSON:
+    """`body` with the outcome remembered for it while its status shows none;
+    once the status shows one, that one holds and the memory goes."""
+    meta = body["metadata"]
+    key = (meta["namespace"], meta["uid"])
+    status = body.get("status") or {}
+    if (status.get("pool") or {}).get("outcome") in (PoolOutcome.CLAIMED, PoolOutcome.COLD_START):
+        decisions.pop(key, None)
+        return body
+    decided = decisions.get(key)
+    return body if decided is None else {**body, "status": {**status, **decided}}
+
+
 async def take_member(
     ctx: OperatorContext,
     body: JSON,
@@ -116,7 +141,14 @@ async def take_member(
     """`body` with `status.pool` decided when it names a pool: a member claimed, a
     cold start, or (raised) a wait. Sandboxes without a pool, and ones whose
     outcome is recorded, come back as they are."""
+    ns = body["metadata"]["namespace"]
+    body = with_decision(ctx.pool_decisions, body)
     recorded = (body.get("status") or {}).get("pool") or {}
+    if recorded.get("outcome") == PoolOutcome.COLD_START and not _has_pod(body):
+        # Until its pod exists: a cold start decided by a process that then
+        # stopped is announced by this one (the Event is made once either way).
+        pool = next(iter(pools_index.get((ns, recorded.get("name", "")), [])), None)
+        _announce_cold(ctx, body, recorded.get("message", ""), pool)
     if recorded.get("outcome") in (PoolOutcome.CLAIMED, PoolOutcome.COLD_START):
         return body
     if (body.get("status") or {}).get("podUID") or body["metadata"].get("deletionTimestamp"):
@@ -130,10 +162,10 @@ async def take_member(
     )
     mine = pools.owned_member(sandboxes, links, body)
     if mine is not None:
-        return _bound(body, _claimed(use, mine), mine)
+        return remember(ctx.pool_decisions, _bound(body, _claimed(use, mine), mine))
     claimed, mismatch = await _race(ctx, body, pool, _ready_members(pool, sandboxes, links, pods))
     if claimed is not None:
-        return _bound(body, _claimed(use, claimed), claimed)
+        return remember(ctx.pool_decisions, _bound(body, _claimed(use, claimed), claimed))
     if mismatch is not None:
         return await _cold(ctx, body, use, mismatch, pool)
     if spec.when_empty is WhenEmpty.WAIT:
@@ -258,10 +290,24 @@ def _claimed(use: PoolUse, member: JSON) -> PoolUse:
 async def _cold(ctx: OperatorContext, body: JSON, use: PoolUse, why: str, pool: JSON) -> JSON:
     metrics.POOL_CLAIMS.labels("cold").inc()
     message = f"{why}: starting a new pod"
-    ctx.event(body, "info", reason="PoolColdStart", message=message)
-    ctx.event(pool, "info", reason="ColdStart", message=f"{body['metadata']['name']}: {message}")
+    _announce_cold(ctx, body, message, pool)
     cold = use.model_copy(update={"outcome": PoolOutcome.COLD_START, "message": message})
-    return _bound(body, cold, None)
+    return remember(ctx.pool_decisions, _bound(body, cold, None))
+
+
+def _has_pod(body: JSON) -> bool:
+    return bool((body.get("status") or {}).get("podUID"))
+
+
+def _announce_cold(ctx: OperatorContext, body: JSON, message: str, pool: JSON | None) -> None:
+    """One PoolColdStart Event on the Sandbox and one ColdStart on its pool, however
+    many passes (or processes) decide or see the cold start."""
+    ctx.event_once(body, "info", reason="PoolColdStart", message=message)
+    if pool is not None:
+        sandbox = body["metadata"]
+        ctx.event_once(
+            pool, "info", "ColdStart", f"{sandbox['name']}: {message}", key=sandbox["uid"]
+        )
 
 
 async def _claim(ctx: OperatorContext, body: JSON, member: JSON) -> JSON | None:

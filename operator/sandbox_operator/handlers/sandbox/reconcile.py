@@ -97,16 +97,7 @@ def parse_spec(body: JSON, settings: Settings) -> tuple[SandboxSpec | None, str 
         spec = sandbox_spec(body)
     except ValidationError as exc:
         return None, readable(exc)
-    # What the operator's settings offer: the runtime catalog and the resource profiles.
-    for field, offered in (
-        ("spec.runtime", build.image_of),
-        ("spec.resources.profile", build.profile_of),
-    ):
-        try:
-            offered(spec, settings)
-        except ValueError as exc:
-            return spec, f"{field}: {exc}"
-    return spec, None
+    return spec, build.settings_problem(spec, settings)
 
 
 def refused(ctx: OperatorContext, body: JSON) -> Any:
@@ -187,9 +178,18 @@ async def reconcile(
             and not await admit(ctx, body, spec, sandboxes, quotas)
         ):
             raise waiting(ctx, meta["namespace"])
-        await _reconcile(
-            ctx, body, logger, children=children, pod=pod, claim=claim, status_into=status_into
-        )
+        # Under the object's lock, so that racing triggers see each other's refusals.
+        if (wait := ctx.backoffs.remaining(body)) > 0:
+            raise kopf.TemporaryError(f"refused before; next try in {wait:.1f}s", delay=wait)
+        try:
+            await _reconcile(
+                ctx, body, logger, children=children, pod=pod, claim=claim, status_into=status_into
+            )
+        except Refused as exc:
+            if not exc.permanent:
+                ctx.backoffs.refused(body)
+            raise
+        ctx.backoffs.clear(body)
         status: JSON = body.get("status") or {}
         use = status.get("pool") or {}
         if use != (recorded or {}) and use.get("outcome") == PoolOutcome.CLAIMED:
@@ -239,6 +239,8 @@ async def _reconcile(
         # The pod is gone (evicted, deleted): its siblings may be too.
         created_claim = await ensure_children(ctx, ref, spec, converge=False, workspace=workspace)
     await roll_back(ctx, body, workspace, pod)
+    if workspace.refused and workspace.condition is not None:
+        ctx.event(body, "warn", reason="RestoreRefused", message=workspace.condition.message)
     claims = ClaimState()
     if not spec.workspace.ephemeral and not workspace.hold:
         if claim is None:

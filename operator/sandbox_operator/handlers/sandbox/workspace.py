@@ -10,6 +10,7 @@ from typing import Any
 
 from sandbox_operator import metrics
 from sandbox_operator.api.sandbox import (
+    RestoreRefusal,
     SandboxCondition,
     SandboxReason,
     SandboxSpec,
@@ -62,6 +63,8 @@ class WorkspacePlan:
     fields: JSON = field(default_factory=dict)
     # Worth retrying soon (a snapshot on its way, a pod or claim going).
     busy: bool = False
+    # A rollback request was dropped by this pass (an Event says so, once).
+    refused: bool = False
 
 
 def _restored(name: str) -> Cond:
@@ -70,6 +73,15 @@ def _restored(name: str) -> Cond:
         TRUE,
         SandboxReason.RESTORED,
         f"the workspace was restored from snapshot {name}",
+    )
+
+
+def _refused(snapshot: str, request: str, message: str, *, fresh: bool = False) -> WorkspacePlan:
+    """The workspace stays as it is; status remembers the dropped request."""
+    cond = Cond(SandboxCondition.WORKSPACE_RESTORED, FALSE, SandboxReason.RESTORE_REFUSED, message)
+    refusal = RestoreRefusal(snapshot=snapshot, request=request, message=message)
+    return WorkspacePlan(
+        condition=cond, fields={"workspace_restore_refused": refusal}, refused=fresh
     )
 
 
@@ -90,6 +102,11 @@ async def plan_workspace(ctx: OperatorContext, body: JSON, spec: SandboxSpec) ->
         request,
     ):
         return WorkspacePlan(condition=_restored(wanted))  # the steady state: no reads
+    refused = status.get("workspaceRestoreRefused") or {}
+    if (refused.get("snapshot"), refused.get("request") or "") == (wanted, request):
+        # Dropped earlier: a snapshot made later under that name must not roll back
+        # a workspace that went on being used meanwhile.
+        return _refused(wanted, request, str(refused.get("message") or ""))
     claim_name = build.names(build.children_ref(body).name)["claim"]
     claim = await ctx.kube.get(CLAIMS.path(meta["namespace"], claim_name))
     going = claim is not None and bool(claim["metadata"].get("deletionTimestamp"))
@@ -104,15 +121,23 @@ async def plan_workspace(ctx: OperatorContext, body: JSON, spec: SandboxSpec) ->
             return WorkspacePlan(condition=_restored(wanted), fields=fields)
     snap = await ctx.kube.get(SNAPSHOTS.path(meta["namespace"], wanted))
     snap_status = (snap or {}).get("status") or {}
-    if snap is None or snap_status.get("phase") != "Ready":
+    snap_going = snap is not None and bool(snap["metadata"].get("deletionTimestamp"))
+    if snap is None or snap_going or snap_status.get("phase") != "Ready":
         if snap is None:
             why = "does not exist"
+        elif snap_going:
+            why = "is being deleted"
         else:
             ready: JSON = next(
                 (c for c in snap_status.get("conditions") or [] if c.get("type") == "Ready"), {}
             )
             why = f"is {snap_status.get('phase') or 'Pending'}: {ready.get('message', '')}"
         failed = snap_status.get("phase") == "Failed"
+        if claim is not None and not going and (snap is None or snap_going or failed):
+            # A rollback of a live workspace to nothing that can be restored: drop the
+            # request now instead of arming it for whatever appears under that name.
+            why = f"snapshot {wanted} {why}".strip()
+            return _refused(wanted, request, f"{why}; the restore was dropped", fresh=True)
         cond = Cond(
             SandboxCondition.WORKSPACE_RESTORED,
             FALSE,

@@ -43,9 +43,20 @@ import httpx
 
 from sandbox_sdk._async.kube import AsyncKube, core_path
 from sandbox_sdk._async_io import sleep
+from sandbox_sdk._wire import (
+    DEFAULT_SERVICE,
+    GATEWAY_LABEL,
+    PROXIED_AUTHORIZATION,
+    SDK_ACCOUNT,
+    dns_base,
+    proxy_base,
+    service_env,
+    service_of,
+)
 from sandbox_sdk.errors import (
     ConfigError,
     Conflict,
+    Forbidden,
     NotFound,
     SandboxError,
     ServerError,
@@ -53,10 +64,6 @@ from sandbox_sdk.errors import (
 )
 
 JSON = dict[str, Any]
-GATEWAY_LABEL = "app.kubernetes.io/name=sandbox-gateway"
-DEFAULT_SERVICE = ("sandbox-system", "sandbox-operator-gateway", 80)
-PROXIED_AUTHORIZATION = "X-Sandbox-Authorization"
-SDK_ACCOUNT = "sandbox-sdk"
 TOKEN_SECONDS = 3600
 # Answers that say "try again": nothing ran (the agent creates no record then).
 _RETRY_STATUS = {429, 502}
@@ -73,17 +80,6 @@ class Location:
     via_api_server: bool
     service: tuple[str, str, int] | None = None
     describe: str = ""
-
-
-def _service_env() -> tuple[str, str, int] | None:
-    value = os.environ.get("SANDBOX_GATEWAY_SERVICE")
-    if not value:
-        return None
-    ns, _, rest = value.partition("/")
-    name, _, port = rest.partition(":")
-    if not ns or not name:
-        raise ConfigError(f"SANDBOX_GATEWAY_SERVICE={value!r}: expected namespace/name[:port]")
-    return ns, name, int(port or 80)
 
 
 class PortForward:
@@ -152,7 +148,7 @@ class AsyncGateway:
     # -- where ------------------------------------------------------------------
 
     async def _service(self) -> tuple[str, str, int]:
-        explicit = _service_env()
+        explicit = service_env()
         if explicit is not None:
             return explicit
         if self.kube is not None:
@@ -162,12 +158,10 @@ class AsyncGateway:
                 )
             except SandboxError:
                 found = []  # not allowed to list Services cluster-wide: the default
-            if found:
-                svc = found[0]
-                meta = svc["metadata"]
-                self.release = (meta.get("labels") or {}).get("app.kubernetes.io/instance")
-                ports = (svc.get("spec") or {}).get("ports") or [{"port": 80}]
-                return meta["namespace"], meta["name"], int(ports[0]["port"])
+            labelled = service_of(found)
+            if labelled is not None:
+                service, self.release = labelled
+                return service
         return DEFAULT_SERVICE
 
     async def locate(self) -> Location:
@@ -182,15 +176,14 @@ class AsyncGateway:
                     " with a kubeconfig or inside a pod"
                 )
             service = await self._service()
-            ns, name, port = service
             mode = self.mode
             if mode == "auto":
                 mode = "dns" if self.kube.config.in_cluster else "proxy"
             if mode in ("dns", "direct"):
-                base = f"http://{name}.{ns}.svc:{port}"
+                base = dns_base(service)
                 self.location = Location(base, False, service, f"{base} (cluster DNS)")
             elif mode == "proxy":
-                base = f"/api/v1/namespaces/{ns}/services/http:{name}:{port}/proxy"
+                base = proxy_base(service)
                 self.location = Location(
                     base, True, service, f"{self.kube.config.server}{base} (API server proxy)"
                 )
@@ -333,7 +326,7 @@ class AsyncGateway:
                 continue
             if response.status_code < 400:
                 return response
-            error = _error_of(response)
+            error = _error_of(response, self.location)
             transient = response.status_code in _RETRY_STATUS or error.code in _RETRY_CODES
             if not transient or last:
                 raise error
@@ -367,17 +360,39 @@ class AsyncGateway:
             ) as response:
                 if response.status_code >= 400:
                     await response.aread()
-                    raise _error_of(response)
+                    raise _error_of(response, self.location)
                 yield response
         except httpx.TransportError as exc:
             raise ServerError(f"{method} {tail}: the stream broke off: {exc}") from exc
 
 
-def _error_of(response: httpx.Response) -> SandboxError:
+def _error_of(response: httpx.Response, location: Location | None = None) -> SandboxError:
     try:
         body = response.json()
     except ValueError:
         body = None
-    return from_response(
+    error = from_response(
         response.status_code, body, f"HTTP {response.status_code}: {response.text[:300]}"
     )
+    if location is not None and location.via_api_server and _proxy_refused(error):
+        # RBAC of the proxy itself, before the gateway saw anything: say what opens it.
+        ns, name, port = location.service or DEFAULT_SERVICE
+        hint = (
+            f". The SDK reaches the gateway through the API server's service proxy,"
+            f" which needs get/create on services/proxy 'http:{name}:{port}' in namespace"
+            f" {ns}: the chart grants it to the groups of its value"
+            f" gateway.serviceProxyGroups (default system:authenticated; an admin may"
+            f" have emptied it), or reach the gateway directly with gateway_url= (or"
+            f" $SANDBOX_GATEWAY_URL, e.g. the chart's gateway.externalURL)"
+        )
+        return Forbidden(
+            error.message + hint, status=error.status, code=error.code, details=error.details
+        )
+    return error
+
+
+def _proxy_refused(error: SandboxError) -> bool:
+    """The API server's 403 for the service proxy (a Kubernetes Status about
+    `services`), not the gateway's own 403 (`{"error": ...}`), which is about the
+    sandbox and already names the permission it lacks."""
+    return error.status == 403 and error.details.get("kind") == "services"

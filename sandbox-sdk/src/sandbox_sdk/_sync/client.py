@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import builtins
 import collections
-import contextlib
 import io
 import json
 import math
@@ -15,27 +14,29 @@ import os
 import tarfile
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Literal
+from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 import yaml
 
+from sandbox_sdk import _lazy
 from sandbox_sdk import config as cluster_config
 from sandbox_sdk._sync.gateway import Gateway
 from sandbox_sdk._sync.kube import API_VERSION, Kube, core_path, resource_path
 from sandbox_sdk._sync_io import sleep
+from sandbox_sdk._wire import MAX_TIMEOUT, FileContent, event_of, exec_body, timeout_seconds
 from sandbox_sdk.errors import (
     CommandFailed,
     CommandLost,
     CommandTimeout,
     ConfigError,
     Conflict,
+    Gone,
     Invalid,
     NotFound,
     NotReady,
@@ -43,7 +44,6 @@ from sandbox_sdk.errors import (
     ServerError,
     Timeout,
 )
-from sandbox_sdk.models import agent, resources
 from sandbox_sdk.types import (
     CommandResult,
     Event,
@@ -55,9 +55,14 @@ from sandbox_sdk.types import (
     write_sink,
 )
 
+if TYPE_CHECKING:
+    from sandbox_sdk.models import agent, resources
+else:  # the generated models are built on first use: see sandbox_sdk._lazy
+    agent = _lazy.module("sandbox_sdk.models.agent")
+    resources = _lazy.module("sandbox_sdk.models.resources")
+
 JSON = dict[str, Any]
 DEFAULT_TIMEOUT = 180.0  # a command's, unless it says otherwise
-MAX_TIMEOUT = 1800.0  # what execute() admits (the agent allows up to its own maximum)
 MAX_JOB_TIMEOUT = 3600.0
 READY_TIMEOUT = 180.0
 RESUME_ANNOTATION = "sandbox.dev/resume-requested-at"
@@ -67,7 +72,6 @@ SDK_LABEL = "sandbox.dev/created-by"
 # operator replaces a failed pod on the same workspace).
 FATAL_REASONS = {"InvalidSpec", "RuntimeMissingPython", "ImagePullFailed"}
 CHUNK = 1 << 16
-FileContent = str | bytes
 
 
 def _now() -> str:
@@ -95,69 +99,48 @@ def _is_ready(body: JSON | None) -> bool:
     return bool(cond and cond.get("status") == "True" and _observed(body))
 
 
+def _timestamp(text: Any) -> datetime | None:
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _event_order(event: JSON) -> tuple[datetime, int, datetime, str]:
+    """When an Event last happened, for sorting oldest first. lastTimestamp has
+    whole seconds (and the list comes in name order, random suffixes), so
+    within one second the order of the writes decides: resourceVersion (the
+    API server's write counter; opaque by contract, a number in every
+    implementation), then the finest time the Event carries (eventTime and
+    series.lastObservedTime have microseconds)."""
+    meta = event.get("metadata") or {}
+    stamps = [
+        _timestamp(text)
+        for text in (
+            (event.get("series") or {}).get("lastObservedTime"),
+            event.get("lastTimestamp"),
+            event.get("eventTime"),
+            meta.get("creationTimestamp"),
+        )
+    ]
+    when = max((t for t in stamps if t is not None), default=datetime.min.replace(tzinfo=UTC))
+    version = str(meta.get("resourceVersion") or "")
+    return (
+        when.replace(microsecond=0),
+        int(version) if version.isdigit() else 0,
+        when,
+        str(meta.get("name") or ""),
+    )
+
+
 def _duration(seconds: float) -> str:
     return f"{max(1, math.ceil(seconds))}s"
 
 
 def _env_list(env: Mapping[str, str]) -> list[JSON]:
     return [{"name": k, "value": v} for k, v in env.items()]
-
-
-def _timeout_seconds(timeout: float, maximum: float) -> int:
-    if not 0 < timeout <= maximum:
-        raise Invalid(f"timeout must be more than 0 and at most {maximum:.0f} seconds")
-    return max(1, math.ceil(timeout))
-
-
-def _exec_body(
-    command: str | Sequence[str],
-    *,
-    env: Mapping[str, str] | None,
-    cwd: str | None,
-    stdin: FileContent | None,
-    timeout: int,
-    combined_output: bool,
-    background: bool = False,
-    stdin_open: bool = False,
-) -> JSON:
-    # A fresh idempotency key per call: every retry of this request carries it,
-    # so the agent runs the command at most once whatever the network does.
-    body: JSON = {"idempotencyKey": uuid.uuid4().hex, "timeoutSeconds": timeout}
-    if isinstance(command, str):
-        body["command"] = command
-    else:
-        body["argv"] = list(command)
-    if env:
-        body["env"] = dict(env)
-    if cwd:
-        body["cwd"] = cwd
-    if isinstance(stdin, bytes):
-        body["stdinBase64"] = base64.b64encode(stdin).decode()
-    elif stdin is not None:
-        body["stdin"] = stdin
-    if combined_output:
-        body["combinedOutput"] = True
-    if background:
-        body["background"] = True
-    if stdin_open:
-        body["stdinOpen"] = True
-    return body
-
-
-def _event_of(raw: JSON) -> tuple[str, OutputEvent | None, agent.Execution | None]:
-    kind = raw.get("type")
-    if kind == "output":
-        stream: Literal["stdout", "stderr"] = (
-            "stderr" if raw.get("stream") == "stderr" else "stdout"
-        )
-        data = raw.get("data")
-        if data is None and raw.get("dataBase64"):
-            data = base64.b64decode(raw["dataBase64"]).decode(errors="replace")
-        return "output", OutputEvent(stream, data or "", raw.get("cursor")), None
-    execution = agent.Execution.model_validate(raw["execution"]) if raw.get("execution") else None
-    if kind == "finished" and execution is not None:
-        return "finished", OutputEvent("exit", result=CommandResult.of(execution)), execution
-    return str(kind), None, execution
 
 
 class SandboxClient:
@@ -469,12 +452,15 @@ class SandboxClient:
         stderr: Sink | None = None,
         namespace: str | None = None,
         ready_timeout: float = READY_TIMEOUT,
+        on_waiting: Callable[[str, str], object] | None = None,
     ) -> CommandResult:
         """One-shot: a disposable sandbox (ephemeral workspace) runs `command` and
         is deleted, whatever happens. Output streams to `stdout`/`stderr`
         (callbacks or text files) while it runs. The sandbox also carries a
-        `maxLifetime`, so the operator removes it even if this process dies."""
-        _timeout_seconds(timeout, MAX_TIMEOUT)
+        `maxLifetime`, so the operator removes it even if this process dies.
+        `on_waiting(reason, message)`: told what the start waits on, each time it
+        changes (see `Sandbox.wait_ready`)."""
+        timeout_seconds(timeout, MAX_TIMEOUT)
         sandbox = self.create(
             runtime,
             image=image,
@@ -488,7 +474,7 @@ class SandboxClient:
             wait=False,
         )
         try:
-            sandbox.wait_ready(ready_timeout)
+            sandbox.wait_ready(ready_timeout, on_waiting=on_waiting)
             if files:
                 sandbox.files.write_many(files)
             return sandbox.execute(
@@ -514,8 +500,9 @@ class SandboxClient:
         return resources.Snapshot.model_validate(body)
 
     def delete_snapshot(self, name: str, *, namespace: str | None = None) -> None:
-        with contextlib.suppress(NotFound):
-            self._kube().delete(resource_path("snapshots", namespace or self.namespace, name))
+        """Delete a Snapshot (and its stored copy). NotFound when there is none,
+        as the other deletions of a named object raise it."""
+        self._kube().delete(resource_path("snapshots", namespace or self.namespace, name))
 
     def snapshot_lineage(self, name: str, *, namespace: str | None = None) -> builtins.list[str]:
         """The Snapshot's own name, then the snapshots its source came from (nearest first)."""
@@ -559,7 +546,7 @@ class SandboxClient:
                 cursor = page.cursor
                 if page.finished or (not follow and not page.chunks):
                     return
-        except (NotFound, NotReady, ServerError):
+        except (NotFound, NotReady, Gone, ServerError):
             if cursor:
                 raise
             if status.stdout:
@@ -670,16 +657,31 @@ class Sandbox:
                 sleep(0.2)
             body = self._get()
 
-    def wait_ready(self, timeout: float | None = None) -> resources.Sandbox:
+    def wait_ready(
+        self,
+        timeout: float | None = None,
+        *,
+        on_waiting: Callable[[str, str], object] | None = None,
+    ) -> resources.Sandbox:
         """Until the sandbox is Ready. NotReady (with the Sandbox's reason) when it
         cannot become ready (InvalidSpec, ImagePullFailed, ...) or does not in
-        `timeout` seconds; NotFound when it is deleted meanwhile."""
+        `timeout` seconds; NotFound when it is deleted meanwhile.
+
+        `on_waiting(reason, message)` is called each time the Ready condition's
+        reason or message changes while it is not ready: what it waits on, such
+        as `Unschedulable` with the scheduler's `Insufficient cpu`."""
         fatal: list[JSON] = []
+        told: list[tuple[str, str]] = []
 
         def done(body: JSON | None) -> bool:
             if body is None:
                 return True
             cond = _condition(body, "Ready")
+            if on_waiting is not None and cond and cond.get("status") != "True":
+                now = (str(cond.get("reason") or ""), str(cond.get("message") or ""))
+                if not told or told[-1] != now:
+                    told.append(now)
+                    on_waiting(*now)
             if cond and _observed(body) and cond.get("reason") in FATAL_REASONS:
                 fatal.append(cond)
                 return True
@@ -708,18 +710,19 @@ class Sandbox:
         return resources.Sandbox.model_validate(body)
 
     def pause(self, *, wait: bool = True, timeout: float = 120.0) -> None:
-        """Stop the pod, keep the workspace (`spec.paused: true`)."""
+        """Stop the pod, keep the workspace (`spec.paused: true`). With `wait`,
+        return once the pod is gone (its processes ended, the workspace
+        released), not when it starts terminating."""
         self._patch({"spec": {"paused": True}})
         if wait:
-            self._wait(
-                lambda b: (
-                    b is not None
-                    and _observed(b)
-                    and (b.get("status") or {}).get("phase") == "Paused"
-                ),
-                timeout,
-                "Paused",
-            )
+            # The phase reads Paused from the moment the pod is asked to stop
+            # (reason Pausing); the Paused condition turns True only once the
+            # pod has gone, seconds later.
+            def stopped(b: JSON | None) -> bool:
+                cond = _condition(b, "Paused")
+                return bool(cond and cond.get("status") == "True" and _observed(b))
+
+            self._wait(stopped, timeout, "Paused")
 
     def resume(self, *, wait: bool = True, timeout: float | None = None) -> None:
         """Start the pod again on the same workspace: `spec.paused: false`, and
@@ -878,34 +881,66 @@ class Sandbox:
 
     def restore(self, snapshot: str, *, wait: bool = True, timeout: float = 300.0) -> None:
         """Roll this sandbox's workspace back to `snapshot` (one of its own or any
-        in the namespace): the pod stops, the workspace is replaced, it starts."""
+        in the namespace): the pod stops, the workspace is replaced, it starts.
+
+        A snapshot that does not exist, or failed, raises at once and changes
+        nothing. Should it vanish before the operator acts, the operator drops the
+        request (`Conflict`, code `RestoreRefused`): a snapshot made later under
+        the same name never rolls the workspace back by surprise."""
         body = self._get()
         if body is None:
             raise NotFound(f"sandbox {self.name} does not exist", status=404)
-        current = ((body.get("spec") or {}).get("workspace") or {}).get("fromSnapshot")
-        request = None
-        if current == snapshot:
-            request = _now()
-            self._patch({"metadata": {"annotations": {RESTORE_ANNOTATION: request}}})
-        else:
-            self._patch({"spec": {"workspace": {"fromSnapshot": snapshot}}})
+        try:
+            snap = self.client._kube().get(resource_path("snapshots", self.namespace, snapshot))
+        except NotFound:
+            raise NotFound(
+                f"snapshot {snapshot} does not exist in namespace {self.namespace};"
+                f" sandbox {self.name} was not changed",
+                status=404,
+                code="NotFound",
+            ) from None
+        if ((snap.get("status") or {}).get("phase")) == "Failed":
+            why = (_condition(snap, "Ready") or {}).get("message", "")
+            raise Conflict(
+                f"snapshot {snapshot} failed ({why}); sandbox {self.name} was not changed",
+                status=409,
+                code="SnapshotFailed",
+            )
+        # A request of its own, every time: the status then says which request an
+        # answer (restored or refused) belongs to.
+        request = _now()
+        self._patch(
+            {
+                "metadata": {"annotations": {RESTORE_ANNOTATION: request}},
+                "spec": {"workspace": {"fromSnapshot": snapshot}},
+            }
+        )
         if not wait:
             return
+        refusal: JSON = {}
 
-        def restored(b: JSON | None) -> bool:
+        def answered(b: JSON | None) -> bool:
+            nonlocal refusal
             if b is None:
                 return True
             status = b.get("status") or {}
+            refused = status.get("workspaceRestoreRefused") or {}
+            if (refused.get("snapshot"), refused.get("request")) == (snapshot, request):
+                refusal = refused
+                return True
             cond = _condition(b, "WorkspaceRestored") or {}
             return (
                 _is_ready(b)
                 and cond.get("reason") == "Restored"
                 and status.get("workspaceSnapshot") == snapshot
-                and (request is None or status.get("workspaceRestoreRequest") == request)
+                and status.get("workspaceRestoreRequest") == request
             )
 
-        if self._wait(restored, timeout, f"restored from {snapshot}") is None:
+        if self._wait(answered, timeout, f"restored from {snapshot}") is None:
             raise NotFound(f"sandbox {self.name} was deleted", status=404)
+        if refusal:
+            message = refusal.get("message") or f"the restore to {snapshot} was dropped"
+            raise Conflict(message, status=409, code="RestoreRefused")
 
     def lineage(self) -> list[str]:
         """The snapshots this workspace came from: the one it was restored from,
@@ -938,7 +973,7 @@ class Sandbox:
             )
             for e in items
         ]
-        return sorted(events, key=lambda e: e.time)
+        return sorted(events, key=lambda e: _event_order(e.raw))
 
     def destroy(self, *, wait: bool = True, timeout: float = 120.0) -> None:
         """Delete the sandbox; with `wait`, return once it is gone."""
@@ -1014,8 +1049,8 @@ class Sandbox:
         the output is streamed to them while it runs. `check`: CommandFailed
         unless it exits 0. Retries never run the command twice (idempotency key).
         """
-        seconds = _timeout_seconds(timeout, MAX_TIMEOUT)
-        body = _exec_body(
+        seconds = timeout_seconds(timeout, MAX_TIMEOUT)
+        body = exec_body(
             command,
             env=env,
             cwd=cwd,
@@ -1057,8 +1092,8 @@ class Sandbox:
     ) -> Iterator[OutputEvent]:
         """Run a command and iterate over its output as it comes: `stdout` and
         `stderr` events, then one `exit` event whose `result` is the outcome."""
-        seconds = _timeout_seconds(timeout, MAX_TIMEOUT)
-        body = _exec_body(
+        seconds = timeout_seconds(timeout, MAX_TIMEOUT)
+        body = exec_body(
             command,
             env=env,
             cwd=cwd,
@@ -1099,9 +1134,9 @@ class Sandbox:
                     for line in response.iter_lines():
                         if not line:
                             continue
-                        kind, event, execution = _event_of(json.loads(line))
-                        if execution is not None:
-                            execution_id = execution.id
+                        kind, event, named = event_of(json.loads(line))
+                        if named is not None:
+                            execution_id = named
                         if event is not None:
                             if event.cursor is not None:
                                 cursor = event.cursor
@@ -1115,14 +1150,16 @@ class Sandbox:
             except (NotReady, NotFound) as exc:
                 if execution_id is not None or attempt == 3 or not self._worth_waiting(exc):
                     raise
-            except ServerError as exc:
-                if execution_id is not None and exc.code == "log_pruned":
-                    # The output from the cursor on is gone (pruned under the log
-                    # cap, or held in memory by an agent that restarted since); the
-                    # record still tells how the command ended.
-                    result = Job(self, execution_id).wait()
-                    yield _with_output(OutputEvent("exit", result=result), seen)
-                    return
+            except Gone:
+                if execution_id is None:
+                    raise
+                # The output from the cursor on is gone (pruned under the log
+                # cap, or held in memory by an agent that restarted since); the
+                # record still tells how the command ended.
+                result = Job(self, execution_id).wait()
+                yield _with_output(OutputEvent("exit", result=result), seen)
+                return
+            except ServerError:
                 if execution_id is None or attempt == 3:
                     raise
                 sleep(0.5)
@@ -1141,8 +1178,8 @@ class Sandbox:
     ) -> Job:
         """Start a background job (a server, a long build); returns at once.
         `stdin_open`: keep its stdin open for `job.write()`."""
-        seconds = _timeout_seconds(timeout, MAX_JOB_TIMEOUT)
-        body = _exec_body(
+        seconds = timeout_seconds(timeout, MAX_JOB_TIMEOUT)
+        body = exec_body(
             command,
             env=env,
             cwd=cwd,
@@ -1507,19 +1544,23 @@ class Files:
 
     def download_url(self, path: str, *, ttl: int = 600) -> str:
         """A URL that downloads `path` (a directory: as tar) without credentials
-        until it expires (a signed URL of the gateway, at the address this client
-        reaches the gateway by). ConfigError when that is the API server's proxy,
-        which no request without Kubernetes credentials passes."""
+        until it expires (a signed URL of the gateway): on the gateway's external
+        URL when the chart sets one (`gateway.externalURL`), else at the address
+        this client reaches the gateway by. ConfigError when that is the API
+        server's proxy, which no request without Kubernetes credentials passes."""
         location = self.sandbox.client.gateway.locate()
+        body = {"path": path, "ttlSeconds": ttl}
+        answer = (self.sandbox._request("POST", "urls", json_body=body)).json()
+        if answer.get("external"):
+            return str(answer["url"])
         if location.via_api_server:
             raise ConfigError(
                 "the gateway is reached through the API server's proxy, which needs"
                 " Kubernetes credentials: a link that works without them needs the"
-                " gateway's own address (gateway_url= or $SANDBOX_GATEWAY_URL, e.g. an"
-                " Ingress to the gateway)"
+                " gateway's own address (the chart's gateway.externalURL, or"
+                " gateway_url= or $SANDBOX_GATEWAY_URL here; e.g. an Ingress to the gateway)"
             )
-        answer = self.sandbox._request("POST", "urls", json_body={"path": path, "ttlSeconds": ttl})
-        return location.base + str(answer.json()["path"])
+        return location.base + str(answer["path"])
 
     def download_tar(
         self,

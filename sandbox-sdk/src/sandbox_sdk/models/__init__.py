@@ -1,7 +1,27 @@
 """Typed models: the custom resources (`resources`, from crds/) and the agent's
-wire shapes (`agent`, from sandbox-agent/openapi.json), both generated."""
+wire shapes (`agent`, from sandbox-agent/openapi.json), both generated.
 
-from sandbox_sdk.models import agent, resources
-from sandbox_sdk.models._base import WireModel
+The two modules (and pydantic under them) are imported on first use (PEP 562):
+building their classes is most of the SDK's import time, and a command such as
+`kubectl sandbox exec` never reads a custom resource."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sandbox_sdk.models import agent, resources
+    from sandbox_sdk.models._base import WireModel
 
 __all__ = ["WireModel", "agent", "resources"]
+
+
+def __getattr__(name: str) -> ModuleType | type[WireModel]:
+    if name == "WireModel":
+        base: type[WireModel] = importlib.import_module(f"{__name__}._base").WireModel
+        return base
+    if name not in ("agent", "resources"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return importlib.import_module(f"{__name__}.{name}")

@@ -13,7 +13,7 @@ class WireModel(BaseModel):
     Unknown fields are kept rather than refused: a newer operator or agent may
     send fields this SDK does not know yet, and they must survive a read."""
 
-    model_config = ConfigDict(populate_by_name=True, extra="allow")
+    model_config = ConfigDict(populate_by_name=True, extra="allow", defer_build=True)
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON the server expects: wire names, only the fields that were set (the

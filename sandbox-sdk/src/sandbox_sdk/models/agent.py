@@ -399,14 +399,15 @@ class StdinResult(WireModel):
 
 
 class StreamEvent(WireModel):
-    "StreamEvent"
+    "One event of an execution's stream. A stream ends with `finished`, or with `interrupted` (written by the gateway when the agent's stream broke off or the gateway shuts down: reattach from the last cursor), never silently."
 
     cursor: int | None = Field(default=None)
     data: str | None = Field(default=None)
     data_base64: str | None = Field(default=None, validation_alias="dataBase64", serialization_alias="dataBase64")
+    error: ErrorDetail | None = Field(default=None)
     execution: Execution | None = Field(default=None)
     stream: str | None = Field(default=None)
-    type: str = Field(description="One of: finished, output, started, truncated.")
+    type: str = Field(description="One of: finished, interrupted, output, started, truncated.")
 
 
 class SyncResult(WireModel):

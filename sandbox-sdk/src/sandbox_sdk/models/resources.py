@@ -90,8 +90,8 @@ class ExposedPort(WireModel):
 
     name: str = Field(description="The Service port's name.")
     port: int = Field(description="The port number, in the sandbox and on the Service.")
-    protocol: str = Field(default='TCP', description="TCP or UDP.")
-    public: bool = Field(default=False, description="Reachable through the gateway's preview URL without credentials. Otherwise a scoped token or the preview cookie it sets is needed.")
+    protocol: str | None = Field(default=None, description="TCP or UDP.")
+    public: bool | None = Field(default=None, description="Reachable through the gateway's preview URL without credentials. Otherwise a scoped token or the preview cookie it sets is needed.")
 
 
 class Network(WireModel):
@@ -139,7 +139,7 @@ class Condition(WireModel):
     type: str = Field(description="The condition's type, e.g. Ready.")
     status: str = Field(description="True, False or Unknown.")
     reason: str = Field(description="Why, in one CamelCase word that scripts can match.")
-    message: str = Field(default='', description="Why, for people.")
+    message: str | None = Field(default=None, description="Why, for people.")
     last_transition_time: str | None = Field(default=None, validation_alias="lastTransitionTime", serialization_alias="lastTransitionTime", description="When the status last changed.")
     observed_generation: int | None = Field(default=None, validation_alias="observedGeneration", serialization_alias="observedGeneration", description="The spec generation the condition was computed from.")
 
@@ -150,7 +150,15 @@ class PortStatus(WireModel):
     name: str = Field(description="The port's name.")
     port: int = Field(description="The port number in the sandbox.")
     url: str | None = Field(default=None, description="Its preview URL through the gateway (when one is set up).")
-    public: bool = Field(default=False, description="Reachable without credentials.")
+    public: bool | None = Field(default=None, description="Reachable without credentials.")
+
+
+class WorkspaceRestoreRefused(WireModel):
+    "The last rollback request that was dropped because its Snapshot did not exist, had failed or was being deleted; it never applies later (ask again with a new request)."
+
+    snapshot: str = Field(description="The Snapshot the request named.")
+    request: str = Field(default='', description="The restore-requested-at annotation value of the request.")
+    message: str = Field(default='', description="Why it was dropped.")
 
 
 class Template(WireModel):
@@ -196,6 +204,7 @@ class SandboxStatus(WireModel):
     workspace_snapshot: str | None = Field(default=None, validation_alias="workspaceSnapshot", serialization_alias="workspaceSnapshot", description="The Snapshot the current workspace was restored from.")
     workspace_lineage: list[str] | None = Field(default=None, validation_alias="workspaceLineage", serialization_alias="workspaceLineage", description="That Snapshot, then the one its source was restored from, and so on.")
     workspace_restore_request: str | None = Field(default=None, validation_alias="workspaceRestoreRequest", serialization_alias="workspaceRestoreRequest", description="The restore-requested-at annotation value the last restore answered.")
+    workspace_restore_refused: WorkspaceRestoreRefused | None = Field(default=None, validation_alias="workspaceRestoreRefused", serialization_alias="workspaceRestoreRefused", description="The last rollback request that was dropped because its Snapshot did not exist, had failed or was being deleted; it never applies later (ask again with a new request).")
     idle_snapshot: str | None = Field(default=None, validation_alias="idleSnapshot", serialization_alias="idleSnapshot", description="The Snapshot the idle policy took (or is taking).")
     idle_snapshot_started_at: str | None = Field(default=None, validation_alias="idleSnapshotStartedAt", serialization_alias="idleSnapshotStartedAt", description="When the idle policy asked for that Snapshot.")
     template: Template | None = Field(default=None, description="The template this Sandbox started from, as read then.")
@@ -330,4 +339,4 @@ class Snapshot(WireModel):
     spec: SnapshotSpec
     status: SnapshotStatus | None = Field(default=None)
 
-__all__ = ["Condition", "EnvVar", "EnvVarSource", "Execution", "ExecutionSpec", "ExecutionStatus", "ExposedPort", "InputFile", "Lifecycle", "LocalObjectReference", "Network", "ObjectMeta", "Pool", "PoolRef", "PortStatus", "Resources", "Sandbox", "SandboxSpec", "SandboxStatus", "SecretKeySelector", "Snapshot", "SnapshotSpec", "SnapshotStatus", "Template", "TemplateRef", "Toleration", "Workspace"]
+__all__ = ["Condition", "EnvVar", "EnvVarSource", "Execution", "ExecutionSpec", "ExecutionStatus", "ExposedPort", "InputFile", "Lifecycle", "LocalObjectReference", "Network", "ObjectMeta", "Pool", "PoolRef", "PortStatus", "Resources", "Sandbox", "SandboxSpec", "SandboxStatus", "SecretKeySelector", "Snapshot", "SnapshotSpec", "SnapshotStatus", "Template", "TemplateRef", "Toleration", "Workspace", "WorkspaceRestoreRefused"]

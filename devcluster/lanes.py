@@ -1,0 +1,191 @@
+"""Run the test tiers in lanes at the same time, and say how each ended.
+
+`make test` has two kinds of tiers: those of the node (a kubelet, containerd,
+images: `tests/devcluster`, `tests/e2e`) and those of plain processes (a
+control plane, agents on loopback: the unit, integration, agent and SDK
+tiers). They share nothing but the machine, and neither keeps both cores
+busy for long: the node tier waits on image builds, pod starts and the
+kubelet, the process tiers on watches and timers. So they run as two lanes,
+each its own pytest session (own clusters, own temporary directory), and the
+wall time is the longer lane's rather than the sum.
+
+    python -m devcluster.lanes NAME=COMMAND [NAME=COMMAND ...]
+
+Each COMMAND runs through the shell. Its output is written to the terminal
+line by line with a `[NAME]` prefix as it comes, and kept whole in a log
+file. At the end the runner prints each lane's exit status and the
+summary line of each pytest session it ran, then one plain closing line summing
+them (`N passed, N failed, N skipped`). Its exit status is 0 only when every
+lane's is. With `SANDBOX_CI_PHASES` set, each lane is a record of its own,
+and everything recorded inside it carries the lane's name
+(`SANDBOX_CI_LANE`), so the phase table shows the lanes side by side.
+
+Standard library only, like devcluster.phases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from devcluster import phases
+
+LANE_ENV = phases.LANE_ENV
+# pytest's last summary line: "==== 3 failed, 120 passed, 2 skipped in 9.1s ====".
+_SUMMARY = re.compile(r"^=+ (.*\d+ (?:passed|failed|errors?|skipped|deselected).*) in [\d.]+s")
+_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
+
+
+@dataclass
+class Lane:
+    name: str
+    command: str
+    log: Path
+    status: int | None = None
+    seconds: float = 0.0
+    ended: float = 0.0  # monotonic time its output closed: when it finished
+    summary: str = ""
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def parse_lanes(specs: Sequence[str], logs: Path) -> list[Lane]:
+    lanes: list[Lane] = []
+    for spec in specs:
+        name, sep, command = spec.partition("=")
+        if not sep or not name or not command.strip():
+            raise ValueError(f"a lane is NAME=COMMAND, not {spec!r}")
+        if any(lane.name == name for lane in lanes):
+            raise ValueError(f"two lanes named {name!r}")
+        lanes.append(Lane(name, command, logs / f"{name}.log"))
+    return lanes
+
+
+def counts_of(summary: str) -> dict[str, int]:
+    """{"passed": N, "failed": N, ...} of a pytest summary line (errors count as failed)."""
+    out: dict[str, int] = {}
+    for number, word in _COUNT.findall(summary):
+        key = "failed" if word.startswith("error") else word
+        out[key] = out.get(key, 0) + int(number)
+    return out
+
+
+def closing_line(lanes: Sequence[Lane]) -> str:
+    """One plain line for all lanes: `N passed, N failed` (`, N skipped`)."""
+    total: dict[str, int] = {}
+    for lane in lanes:
+        for key, value in lane.counts.items():
+            total[key] = total.get(key, 0) + value
+    failed = total.get("failed", 0) + sum(
+        1 for lane in lanes if lane.status != 0 and not lane.counts.get("failed")
+    )
+    line = f"{total.get('passed', 0)} passed, {failed} failed"
+    if total.get("skipped"):
+        line += f", {total['skipped']} skipped"
+    return line
+
+
+def _pump(lane: Lane, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+    with lane.log.open("w", encoding="utf-8") as log:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            log.write(line + "\n")
+            found = _SUMMARY.match(line)
+            if found:
+                # A lane may run more than one pytest session: each adds its counts.
+                lane.summary = "; ".join(filter(None, (lane.summary, line.strip("= "))))
+                for key, value in counts_of(found.group(1)).items():
+                    lane.counts[key] = lane.counts.get(key, 0) + value
+            with lock:
+                out.write(f"[{lane.name}] {line}\n")
+                out.flush()
+    lane.ended = time.monotonic()
+
+
+def run(lanes: Sequence[Lane], out: IO[str] = sys.stdout) -> int:
+    lock = threading.Lock()
+    started: list[tuple[Lane, subprocess.Popen[bytes], threading.Thread, float]] = []
+    stopped: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        # Each lane is a process group of its own: pass the signal on to all of
+        # it (pytest stops its clusters on SIGTERM), then wait for them below.
+        stopped.append(signum)
+        for _, proc, _, _ in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for lane in lanes:
+        env = {**os.environ, LANE_ENV: lane.name, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            ["bash", "-o", "pipefail", "-c", lane.command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        assert proc.stdout is not None
+        pump = threading.Thread(target=_pump, args=(lane, proc.stdout, out, lock), daemon=True)
+        pump.start()
+        started.append((lane, proc, pump, time.monotonic()))
+    if stopped:
+        # The signal came while lanes were still being started: those started
+        # after it get it too.
+        stop(stopped[0], None)
+    for lane, proc, pump, began in started:
+        lane.status = proc.wait()
+        pump.join()
+        # Its own end, not when the lanes waited before it ended.
+        lane.seconds = (lane.ended or time.monotonic()) - began
+        phases.append(
+            {
+                "kind": "lane",
+                "name": lane.name,
+                "seconds": round(lane.seconds, 3),
+                "ok": lane.status == 0,
+            }
+        )
+    out.write("\n")
+    for lane in lanes:
+        state = "ok" if lane.status == 0 else f"exit status {lane.status}"
+        out.write(
+            f"lane {lane.name}: {state} after {phases.mmss(lane.seconds)}"
+            f" ({lane.summary or 'no pytest summary'}; log: {lane.log})\n"
+        )
+    out.write(closing_line(lanes) + "\n")
+    out.flush()
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+    if stopped:
+        return 128 + stopped[0]
+    return 0 if all(lane.status == 0 for lane in lanes) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    specs = list(sys.argv[1:] if argv is None else argv)
+    if not specs:
+        print("usage: python -m devcluster.lanes NAME=COMMAND [NAME=COMMAND ...]", file=sys.stderr)
+        return 2
+    logs = Path(tempfile.mkdtemp(prefix="lanes-"))
+    try:
+        lanes = parse_lanes(specs, logs)
+    except ValueError as error:
+        print(f"devcluster.lanes: {error}", file=sys.stderr)
+        return 2
+    return run(lanes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
