@@ -190,6 +190,8 @@ class GatewayProcess:
             "SANDBOX_GATEWAY_PORT": str(self.port),
             "SANDBOX_GATEWAY_METRICS_PORT": str(self.metrics_port),
             "SANDBOX_GATEWAY_KEYS_DIR": str(self.keys),
+            # Stops are immediate unless a test is about the drain.
+            "SANDBOX_GATEWAY_DRAIN_SECONDS": "0",
             **self.env,
         }
         with self.log.open("wb") as log:
@@ -212,11 +214,16 @@ class GatewayProcess:
             text: str = r.read().decode()
             return text
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """SIGTERM, as the kubelet stops a pod; the drain starts."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.terminate()
             try:
-                self.proc.wait(20)
+                self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)

@@ -527,8 +527,10 @@ def test_a_stream_never_ends_silently(
     tmp_path: Path,
     access_roles: None,
 ) -> None:
-    """A stream cut by a replica's shutdown, or by the agent going away, ends with
-    an `interrupted` event the client can tell from an end."""
+    """A replica that is stopped drains (not ready, still serving, closing each
+    connection after its answer); a stream it then cuts, or one cut by the
+    agent going away, ends with an `interrupted` event the client can tell
+    from an end."""
     sandboxes.create("box", {"runtime": "python"})
     wait_for(lambda: kube.get(core_path("pods", ns, "box")) is not None, 20, "pod box")
     agent: AgentProcess = agents(secret_token(kube, ns, "box"))
@@ -536,14 +538,22 @@ def test_a_stream_never_ends_silently(
     sandboxes.wait_phase("box", "Running")
     box = f"/v1/namespaces/{ns}/sandboxes/box"
     admin = _account(kube, ns, "admin-user", cluster_role=f"{RELEASE}-user")
-    replica = GatewayProcess(gateway.kubeconfig, tmp_path)
+    replica = GatewayProcess(gateway.kubeconfig, tmp_path, {"SANDBOX_GATEWAY_DRAIN_SECONDS": "4"})
     replica.start()
     try:
         answer = _stream_lines(replica, box, admin, "echo start; sleep 30; echo end")
         first = json.loads(answer.readline())
         assert first["type"] in ("started", "output")
-        replica.stop()
+        replica.terminate()
+        wait_for(lambda: _get(replica, "/readyz")[0] == 503, 3, "readyz 503 while draining")
+        assert json.loads(_get(replica, "/readyz")[2])["status"] == "draining"
+        # New connections are still served while the Service catches up.
+        status, headers, _ = _get(replica, f"{box}/info", admin)
+        assert status == 200
+        assert headers.get("Connection", "").lower() == "close", headers
         events = [json.loads(line) for line in answer.read().splitlines() if line.strip()]
+        assert replica.proc is not None
+        assert replica.proc.wait(20) == 0
     finally:
         replica.stop()
     assert events[-1]["type"] == "interrupted", events
@@ -556,6 +566,20 @@ def test_a_stream_never_ends_silently(
     events = [json.loads(line) for line in answer.read().splitlines() if line.strip()]
     assert events[-1]["type"] == "interrupted", events
     assert events[-1]["error"]["code"] in ("upstream_lost", "upstream_ended")
+
+
+def _get(
+    gateway: GatewayProcess, path: str, token: str | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """One GET on a fresh connection: status, headers, body."""
+    connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=10)
+    try:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        connection.request("GET", path, headers=headers)
+        answer = connection.getresponse()
+        return answer.status, dict(answer.getheaders()), answer.read()
+    finally:
+        connection.close()
 
 
 def _raw(gateway: GatewayProcess, data: bytes, timeout: float = 10) -> bytes:

@@ -1,9 +1,11 @@
 """`python -m sandbox_operator.gateway`: serve until SIGTERM.
 
-On SIGTERM the listener closes at once (the Service stops sending here),
-execution event streams end at once with an `interrupted` event (callers
-reattach through another replica), other answers in progress get
-`SHUTDOWN_GRACE` seconds, then they are cut.
+On SIGTERM the replica drains for `drain_seconds`: `/readyz` answers 503 and
+every answer closes its connection, while new connections are still served
+(the Service's endpoints and kube-proxy's rules drop the pod only some time
+after the kubelet's signal). Then the listener closes, execution event streams
+end with an `interrupted` event (callers reattach through another replica),
+other answers in progress get `SHUTDOWN_GRACE` seconds, then they are cut.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ async def serve(settings: config.GatewaySettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    gateway.draining = True
+    logging.getLogger("sandbox_gateway").info("draining for %.0f s", settings.drain_seconds)
+    await asyncio.sleep(settings.drain_seconds)
     server.close()
     gateway.upstreams.interrupt_streams()
     await runner.cleanup()

@@ -152,6 +152,8 @@ class Gateway:
                 total=settings.max_connections,
             )
         )
+        # Set on SIGTERM (__main__): not ready, and no connection kept alive.
+        self.draining = False
 
     def app(self) -> web.Application:
         # Bodies the gateway reads itself (token and URL requests) are small; proxied
@@ -185,6 +187,11 @@ class Gateway:
         try:
             response = await handler(request)
             status = response.status
+            if self.draining:
+                # Keep-alive callers reconnect, through a Service that no longer
+                # sends them here (after a streamed answer too: aiohttp reads
+                # the flag when the answer ends).
+                response.force_close()
             return response
         except Refusal as exc:
             status = exc.status
@@ -257,11 +264,11 @@ class Gateway:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        ready = self.table.synced
+        ready = self.table.synced and not self.draining
+        state = "draining" if self.draining else "ok" if ready else "syncing"
         metrics.ROUTES.set(len(self.table.routes))
         return web.json_response(
-            {"status": "ok" if ready else "syncing", "routes": len(self.table.routes)},
-            status=200 if ready else 503,
+            {"status": state, "routes": len(self.table.routes)}, status=200 if ready else 503
         )
 
     async def _authorized(self, request: web.Request, operation: Operation) -> Route:

@@ -49,6 +49,11 @@ class GatewaySettings(BaseModel):
     idle_seconds: Annotated[float, Field(gt=0, le=3600)] = 60.0
     connections_per_client: Annotated[int, Field(ge=1, le=100_000)] = 1024
     max_connections: Annotated[int, Field(ge=1, le=1_000_000)] = 16_000
+    # On SIGTERM, how long the replica keeps serving while reporting not ready:
+    # kube-proxy and the API server's proxy learn of the pod's end some time
+    # after the kubelet signals it, and keep sending new connections here until
+    # then (closing the listener at once refused them during every rollout).
+    drain_seconds: Annotated[float, Field(ge=0, le=300)] = 5.0
 
 
 def load(environ: Mapping[str, str] | None = None) -> GatewaySettings:
