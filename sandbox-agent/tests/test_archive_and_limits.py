@@ -5,10 +5,13 @@ from __future__ import annotations
 import concurrent.futures
 import gzip
 import io
+import lzma
 import os
 import stat
+import struct
 import tarfile
 import time
+import zlib
 from collections.abc import Callable
 
 import httpx
@@ -100,6 +103,47 @@ def test_archive_errors(sandbox: Sandbox, wsdir: str) -> None:
     sandbox.write(f"{wsdir}/file", b"x")
     r = sandbox.client.get("/v1/files/archive", params={"path": f"{wsdir}/file"})
     assert sandbox.error(r, 400) == "not_a_directory"
+
+
+def _xz_asking_for(tar: bytes, dictionary_code: int) -> bytes:
+    """An .xz of `tar` whose block header says the LZMA2 dictionary is
+    `dictionary_code` (40: 4 GiB), its header checksum made to match."""
+    xz = bytearray(lzma.compress(tar, format=lzma.FORMAT_XZ, preset=0))
+    start, size = 12, (xz[12] + 1) * 4  # after the stream header
+    header = xz[start : start + size]
+    assert header[2:4] == b"\x21\x01", header.hex()  # one filter: LZMA2, 1 byte of properties
+    header[4] = dictionary_code
+    header[-4:] = struct.pack("<I", zlib.crc32(bytes(header[:-4])))
+    xz[start : start + size] = header
+    return bytes(xz)
+
+
+def test_compressed_archives_decompress_within_a_memory_limit(sandbox: Sandbox, wsdir: str) -> None:
+    """A 4 GiB dictionary asked for in a few bytes is refused, not allocated."""
+    tar = _tar(("x/a.txt", b"hello\n" * 1000, 0o644))
+    for name, body in (
+        ("xz", lzma.compress(tar, format=lzma.FORMAT_XZ)),
+        ("lzma", lzma.compress(tar, format=lzma.FORMAT_ALONE)),
+        ("xz -9", lzma.compress(tar, format=lzma.FORMAT_XZ, preset=9)),
+    ):
+        r = sandbox.client.put(
+            "/v1/files/archive", params={"path": f"{wsdir}/{name}"}, content=body
+        )
+        assert r.status_code == 200, (name, r.text)
+        assert sandbox.read(f"{wsdir}/{name}/x/a.txt") == b"hello\n" * 1000
+    alone = bytearray(lzma.compress(tar, format=lzma.FORMAT_ALONE))
+    alone[1:5] = struct.pack("<I", 0xFFFFFFFF)  # the header's dictionary size
+    for name, body in (("xz", _xz_asking_for(tar, 40)), ("lzma", bytes(alone))):
+        assert len(body) < 4096
+        r = sandbox.client.put(
+            "/v1/files/archive", params={"path": f"{wsdir}/big-{name}"}, content=body
+        )
+        assert sandbox.error(r, 413) == "archive_too_large", name
+        assert "MiB of memory" in r.json()["error"]["message"], r.text
+        assert not (sandbox.workspace / wsdir / f"big-{name}").exists() or not any(
+            (sandbox.workspace / wsdir / f"big-{name}").iterdir()
+        )
+    assert sandbox.client.get("/healthz").status_code == 200
 
 
 def _bomb(size: int) -> bytes:

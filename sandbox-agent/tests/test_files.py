@@ -41,6 +41,39 @@ def test_write_with_mode_and_mode_is_kept_on_overwrite(sandbox: Sandbox, wsdir: 
     assert sandbox.error(r, 400) == "invalid_request"
 
 
+def test_writes_never_leave_set_id_bits(sandbox: Sandbox, wsdir: str) -> None:
+    """Files the agent writes are the agent's: a set-id bit would let code in the
+    sandbox run as the agent's user."""
+    for mode in ("4755", "2755", "6777", "7777"):
+        r = sandbox.client.put(
+            "/v1/files/content", params={"path": f"{wsdir}/s", "mode": mode}, content=b"x"
+        )
+        assert sandbox.error(r, 400) == "invalid_mode", mode
+        r = sandbox.client.post("/v1/files/write", json={"path": f"{wsdir}/s", "mode": mode})
+        assert sandbox.error(r, 400) == "invalid_mode", mode
+        r = sandbox.client.post("/v1/files/mkdir", json={"path": f"{wsdir}/sd", "mode": mode})
+        assert sandbox.error(r, 400) == "invalid_mode", mode
+    assert not (sandbox.workspace / wsdir / "s").exists()
+    assert not (sandbox.workspace / wsdir / "sd").exists()
+    # A planted set-id file that is overwritten, or edited in place, loses the bits.
+    planted = sandbox.workspace / wsdir / "planted"
+    for edit in ("write", "replace"):
+        planted.write_bytes(b"old\n")
+        planted.chmod(0o6755)
+        if edit == "write":
+            info = sandbox.write(f"{wsdir}/planted", b"new\n")
+        else:
+            r = sandbox.client.post(
+                "/v1/files/replace",
+                json={"path": f"{wsdir}/planted", "find": "old", "replace": "new"},
+            )
+            assert r.status_code == 200, r.text
+            info = sandbox.client.get("/v1/files/stat", params={"path": f"{wsdir}/planted"}).json()
+        assert int(info["mode"], 8) & 0o7000 == 0, (edit, info)
+        assert stat.S_IMODE(planted.stat().st_mode) & 0o7755 == 0o755, edit
+        assert planted.read_bytes() == b"new\n"
+
+
 def test_write_without_parents_fails_cleanly(sandbox: Sandbox, wsdir: str) -> None:
     r = sandbox.client.put(
         "/v1/files/content", params={"path": f"{wsdir}/no/such/f", "parents": "false"}, content=b"x"

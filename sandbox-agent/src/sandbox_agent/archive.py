@@ -5,7 +5,9 @@ directory inside the destination (mode 0700, every step relative to its
 descriptor, with O_NOFOLLOW and O_EXCL), each entry checked before it is
 written (name, type, size, link targets), and only when the whole archive
 has unpacked are its top-level entries renamed into the destination. A
-refused or broken archive leaves nothing behind. The tar parser is bounded
+refused or broken archive leaves nothing behind. xz and lzma archives are
+decompressed within ``XZ_MEMLIMIT`` (a block header may ask for a 4 GiB
+dictionary; gzip and bzip2 need little memory by design). The tar parser is bounded
 before it allocates: long-name and PAX headers over 256 KiB, chains of them,
 and sparse members are refused while their headers are read, and no list
 of members is kept. Modes lose setuid, setgid, sticky and world-write bits;
@@ -18,7 +20,10 @@ swaps in during the walk is skipped, never followed.
 
 from __future__ import annotations
 
+import _compression
 import contextlib
+import io
+import lzma
 import math
 import os
 import queue
@@ -27,7 +32,7 @@ import stat as st
 import tarfile
 import threading
 import time
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from . import models
 from .config import Settings
@@ -35,12 +40,17 @@ from .errors import Invalid, TooLarge
 from .files import _DIR, _READ, os_errors, walk_tree
 from .paths import Workspace, display
 
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
 CHUNK = 1 << 20
 MAX_META = 256 << 10  # one long-name or PAX header
 MAX_META_CHAIN = 8  # such headers in front of one member
 MAX_NAME = 4096  # bytes of a member's name or link target (PATH_MAX)
 MAX_KEPT_NAMES = 32 << 20  # names remembered for hard-link checks, in all
 MAX_MTIME = 2**33  # year 2242; later (or NaN, or negative) is taken as "now"
+# What one xz/lzma decompressor may allocate: `xz -9` archives need 65 MiB.
+XZ_MEMLIMIT = 72 << 20
 _STAGE_PREFIX = ".sandbox-agent-extract-"
 _IMPLICIT_DIR_MODE = 0o775  # tar's 0o777 under the usual umask 0o002
 _META_TYPES = (
@@ -88,6 +98,64 @@ class _BoundedTarInfo(tarfile.TarInfo):
     _proc_gnusparse_00 = _sparse_refused
     _proc_gnusparse_01 = _sparse_refused
     _proc_gnusparse_10 = _sparse_refused
+
+
+class _LimitedLZMA:
+    """An LZMA decompressor that allocates at most XZ_MEMLIMIT; over it, the
+    archive is refused as too large rather than the agent killed for memory."""
+
+    def __init__(self) -> None:
+        self._d = lzma.LZMADecompressor(memlimit=XZ_MEMLIMIT)
+
+    def decompress(self, data: ReadableBuffer, /, max_length: int = -1) -> bytes:
+        try:
+            return self._d.decompress(data, max_length)
+        except lzma.LZMAError as exc:
+            if "memory usage limit" not in str(exc).lower():
+                raise
+            raise _Refused(
+                TooLarge(
+                    "archive_too_large",
+                    f"the archive's xz/lzma stream needs more than {XZ_MEMLIMIT >> 20} MiB"
+                    " of memory to decompress (its dictionary is too large)",
+                    limit=XZ_MEMLIMIT,
+                )
+            ) from None
+
+    @property
+    def eof(self) -> bool:
+        return self._d.eof
+
+    @property
+    def unused_data(self) -> bytes:
+        return self._d.unused_data
+
+    @property
+    def needs_input(self) -> bool:
+        return self._d.needs_input
+
+
+class _BoundedTarFile(tarfile.TarFile):
+    @classmethod
+    def xzopen(  # type: ignore[override]
+        cls, name: str | None, mode: str = "r", fileobj: IO[bytes] | None = None, **kwargs: Any
+    ) -> tarfile.TarFile:
+        """tarfile's xz reader, with a memory limit (its LZMAFile takes none)."""
+        if mode != "r" or fileobj is None:
+            raise tarfile.CompressionError("only reading an uploaded archive")
+        stream = io.BufferedReader(
+            _compression.DecompressReader(fileobj, _LimitedLZMA, trailing_error=lzma.LZMAError)
+        )
+        try:
+            tar = cls.taropen(name, "r", stream, **kwargs)
+        except (lzma.LZMAError, EOFError) as exc:
+            stream.close()
+            raise tarfile.ReadError("not an lzma file") from exc
+        except BaseException:
+            stream.close()
+            raise
+        tar._extfileobj = False  # type: ignore[attr-defined]  # close() closes the stream
+        return tar
 
 
 def _group_like_owner(mode: int) -> int:
@@ -342,10 +410,10 @@ def _merge(src_fd: int, dst_fd: int) -> None:
 
 def _open_tar(spool: IO[bytes]) -> tarfile.TarFile:
     try:
-        return tarfile.open(fileobj=spool, mode="r:*", tarinfo=_BoundedTarInfo)
+        return _BoundedTarFile.open(fileobj=spool, mode="r:*", tarinfo=_BoundedTarInfo)
     except _Refused as exc:
         raise exc.error from None
-    except (tarfile.TarError, EOFError, OSError, ValueError, RecursionError) as exc:
+    except (tarfile.TarError, EOFError, OSError, ValueError, RecursionError, lzma.LZMAError) as exc:
         raise Invalid("invalid_archive", f"not a valid tar archive: {exc}") from None
 
 
@@ -388,7 +456,7 @@ def _unpack(tar: tarfile.TarFile, stage: _Stage, s: Settings) -> tuple[int, int]
             raise exc.error from None
         except tarfile.TarError as exc:
             raise Invalid("invalid_archive", f"not a valid tar archive: {exc}") from None
-        except (EOFError, OSError, ValueError, RecursionError) as exc:
+        except (EOFError, OSError, ValueError, RecursionError, lzma.LZMAError) as exc:
             raise Invalid("invalid_archive", f"archive is truncated or corrupt: {exc}") from None
         if m is None:
             break
@@ -413,7 +481,9 @@ def _unpack(tar: tarfile.TarFile, stage: _Stage, s: Settings) -> tuple[int, int]
                 files_seen.add(key)
         try:
             stage.add(tar, m, parts, budget)
-        except (tarfile.TarError, EOFError) as exc:
+        except _Refused as exc:
+            raise exc.error from None
+        except (tarfile.TarError, EOFError, lzma.LZMAError) as exc:
             raise Invalid("invalid_archive", f"cannot extract {m.name!r}: {exc}") from None
         except OSError as exc:
             with os_errors(m.name):

@@ -79,8 +79,22 @@ _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
+# Set-user-ID and set-group-ID: files the agent writes are owned by the agent's
+# UID, so a set-id executable would let code in the sandbox run as the agent.
+SET_ID = st.S_ISUID | st.S_ISGID
+
+
 def parse_mode(mode: str | None) -> int | None:
-    return None if mode is None else int(mode, 8)
+    """A caller's octal mode (the route checked its syntax); set-id bits refused."""
+    if mode is None:
+        return None
+    bits = int(mode, 8)
+    if bits & SET_ID:
+        raise Invalid(
+            "invalid_mode",
+            f"mode {mode}: set-user-ID and set-group-ID bits are not allowed (mask 6000)",
+        )
+    return bits
 
 
 def _kind(mode: int) -> str:
@@ -319,7 +333,7 @@ class AtomicWriter:
                 # Keep the mode of a file we replace. The new file is ours (the
                 # agent's UID): a file the sandbox user owned must stay writable
                 # for them, through the group we share, as it was for its owner.
-                kept = st.S_IMODE(existing.st_mode)
+                kept = st.S_IMODE(existing.st_mode) & ~SET_ID
                 if existing.st_uid != os.geteuid():
                     kept |= (kept & 0o700) >> 3
                     self.gid = existing.st_gid
