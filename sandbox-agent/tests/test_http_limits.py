@@ -121,12 +121,16 @@ def test_connection_cap_evicts_idle_then_refuses(fresh: Callable[..., Sandbox]) 
     assert idle[0].recv(10) == b""
     for s in [*idle, s5]:
         s.close()
-    # Four busy connections (readiness waits for a runner that never comes):
-    # the fifth is refused at once with a 503 instead of being queued.
+    # Four busy connections that carried the token (readiness waits for a
+    # runner that never comes): the fifth is refused at once with a 503
+    # instead of being queued.
     busy = []
     for _ in range(4):
         s = socket.create_connection((sb.host, sb.port), timeout=10)
-        s.sendall(b"GET /readyz?waitSeconds=3 HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.sendall(
+            b"GET /readyz?waitSeconds=3 HTTP/1.1\r\nHost: x\r\n"
+            + f"Authorization: Bearer {sb.token}\r\n\r\n".encode()
+        )
         busy.append(s)
     time.sleep(0.3)
     s6 = socket.create_connection((sb.host, sb.port), timeout=10)
@@ -230,6 +234,69 @@ def test_bounds_never_stall_a_legitimate_pipeline(sandbox: Sandbox, wsdir: str) 
     assert statuses == [200] * 23, statuses
     assert (sandbox.workspace / wsdir / "chunked").read_bytes() == b"a" * 70000 + b"b" * 5
     assert (sandbox.workspace / wsdir / "big").read_bytes() == big
+
+
+def _held_before_auth(sb: Sandbox) -> socket.socket:
+    """A connection without the token that announces a large body, sends a few
+    bytes of it and keeps going: it gets its 401, then is drained."""
+    s = socket.create_connection((sb.host, sb.port), timeout=10)
+    s.sendall(
+        b"PUT /v1/files/content?path=x HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Length: 100000000\r\n\r\n" + b"y" * 100
+    )
+    assert s.recv(4096).startswith(b"HTTP/1.1 401")
+    return s
+
+
+def test_connections_without_the_token_cannot_hold_slots(fresh: Callable[..., Sandbox]) -> None:
+    """Connections held before authentication (a 401 whose body keeps coming)
+    give way to probes and to callers with the token, and are drained only
+    briefly; connections with the token keep their slots."""
+    sb = fresh(runner=False, max_connections=6)
+    sb.client.close()
+    sb.anon.close()
+    trusted = socket.create_connection((sb.host, sb.port), timeout=10)
+    trusted.sendall(
+        b"GET /readyz?waitSeconds=5 HTTP/1.1\r\nHost: x\r\n"
+        + f"Authorization: Bearer {sb.token}\r\n\r\n".encode()
+    )
+    held = [_held_before_auth(sb) for _ in range(5)]
+    stop = threading.Event()
+
+    def trickle() -> None:  # the body keeps coming, so none of them is idle
+        while not stop.wait(0.2):
+            for h in held:
+                with contextlib.suppress(OSError):
+                    h.send(b"y")
+
+    feeder = threading.Thread(target=trickle)
+    feeder.start()
+    try:
+        # Probes and a caller with the token are served, every time, within a second.
+        for _ in range(10):
+            t = time.monotonic()
+            with httpx.Client(base_url=sb.base_url, timeout=5) as c:
+                assert c.get("/healthz").status_code == 200
+            with httpx.Client(
+                base_url=sb.base_url, timeout=5, headers={"Authorization": f"Bearer {sb.token}"}
+            ) as c:
+                assert c.get("/v1/info").status_code == 200
+            assert time.monotonic() - t < 1.0
+        # The connection with the token kept its slot: it gets its answer
+        # (no runner here) rather than being closed for a newcomer.
+        trusted.settimeout(10)
+        assert trusted.recv(4096).startswith(b"HTTP/1.1 503")
+    finally:
+        stop.set()
+        feeder.join()
+    # Without eviction, a pre-auth drain ends within about two seconds anyway.
+    last = _held_before_auth(sb)
+    t = time.monotonic()
+    last.settimeout(10)
+    assert last.recv(10) == b""
+    assert time.monotonic() - t < 5
+    for h in [*held, last, trusted]:
+        h.close()
 
 
 def test_stalled_connections_make_room_for_new_ones(fresh: Callable[..., Sandbox]) -> None:

@@ -14,6 +14,7 @@ import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import models
+from .httpserver import AUTHENTICATED
 
 _encode = msgspec.json.Encoder().encode
 
@@ -71,17 +72,24 @@ class AuthMiddleware:
         return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.public:
+        if scope["type"] == "http":
             header = None
             for k, v in scope["headers"]:
                 if k == b"authorization":
                     header = v
                     break
-            if not token_matches(header, self.token) and not (
-                header and self._reloaded() and token_matches(header, self.token)
-            ):
-                await self._refuse(send, "missing or invalid bearer token" if header else None)
-                return
+            public = scope["path"] in self.public
+            if header is not None or not public:
+                if token_matches(header, self.token) or (
+                    header and self._reloaded() and token_matches(header, self.token)
+                ):
+                    # The connection holds its slot from now on (httpserver).
+                    trust = scope.get("extensions", {}).get(AUTHENTICATED)
+                    if trust is not None:
+                        trust()
+                elif not public:
+                    await self._refuse(send, "missing or invalid bearer token" if header else None)
+                    return
         await self.app(scope, receive, send)
 
     async def _refuse(self, send: Send, message: str | None) -> None:

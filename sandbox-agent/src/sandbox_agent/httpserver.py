@@ -16,12 +16,20 @@ requests parsed ahead of the one running (a client that pipelines without
 reading answers is no longer read from), the answers waiting in the send
 buffer (the next request starts only once it drained), and the body buffered
 for an app that has not asked for it yet.
+
+A connection is trusted once one of its requests carried the token (the auth
+middleware says so through the ``sandbox_agent.authenticated`` scope
+extension). Connections that never were cannot cost a trusted one or a probe
+its slot: at the cap they are the first to go (those from inside the pod
+first, then the oldest), and the body of a request answered before auth is
+drained for at most ``PRE_AUTH_DISCARD_TIMEOUT``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import signal
 import socket
@@ -44,6 +52,11 @@ IDLE_TIMEOUT = 75.0  # keep-alive connections with no request in flight
 HEADER_TIMEOUT = 30.0  # a started request must finish its headers in this time
 SEND_TIMEOUT = 120.0  # a client that reads nothing of its answers this long is dropped
 MAX_DISCARD = 16 << 20  # unread request body we drain to keep a connection alive
+# The same before authentication: a refused caller's body is drained briefly
+# (closing at once could reset the connection before the 401 is read).
+PRE_AUTH_MAX_DISCARD = 1 << 20
+PRE_AUTH_DISCARD_TIMEOUT = 2.0
+AUTHENTICATED = "sandbox_agent.authenticated"  # ASGI scope extension
 MAX_PIPELINE = 8  # requests parsed and waiting behind the running one
 # Bytes handed to the parser at once. httptools cannot stop in the middle of
 # a buffer, so a small step bounds how many pipelined requests one feed can
@@ -237,7 +250,14 @@ class HttpProtocol(asyncio.Protocol):
         self.discarding: _Cycle | None = None
         self.discarded = 0
         self.closed = False
-        self.last_active = self.loop.time()
+        self.last_active = self.opened = self.loop.time()
+        # One request carried the token; until then the connection is the
+        # first to go at the cap (Server.admit).
+        self.trusted = False
+        # Its peer is this pod: loopback, or the address it connected to (code
+        # in the sandbox). The gateway, the operator and the kubelet are not.
+        self.from_pod = False
+        self.extensions = {AUTHENTICATED: self.authenticated}
 
     # -- transport callbacks -------------------------------------------------
 
@@ -259,6 +279,7 @@ class HttpProtocol(asyncio.Protocol):
         self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
         sock = transport.get_extra_info("sockname")
         self.local = (sock[0], sock[1]) if isinstance(sock, tuple) else None
+        self.from_pod = _from_pod(self.client, self.local)
         s = transport.get_extra_info("socket")
         if s is not None:
             with contextlib.suppress(OSError):
@@ -396,6 +417,7 @@ class HttpProtocol(asyncio.Protocol):
             "query_string": parsed.query or b"",
             "headers": self.headers,
             "state": dict(self.server.state),
+            "extensions": self.extensions,
         }
         expect = any(n == b"expect" and v.lower() == b"100-continue" for n, v in self.headers)
         cycle = _Cycle(self, scope, self.parser.should_keep_alive(), expect)
@@ -411,7 +433,7 @@ class HttpProtocol(asyncio.Protocol):
             return
         if cycle.response_done:
             self.discarded += len(body)
-            if self.discarded > MAX_DISCARD:
+            if self.discarded > (MAX_DISCARD if self.trusted else PRE_AUTH_MAX_DISCARD):
                 self.close()
             return  # the app answered without reading; drop the rest
         cycle.body.append(body)
@@ -484,7 +506,7 @@ class HttpProtocol(asyncio.Protocol):
             # flight, so read and drop the rest (bounded), then carry on.
             self.discarding = cycle
             self.unblock()
-            self._arm(HEADER_TIMEOUT)
+            self._arm(HEADER_TIMEOUT if self.trusted else PRE_AUTH_DISCARD_TIMEOUT)
             return
         self._next()
 
@@ -498,6 +520,10 @@ class HttpProtocol(asyncio.Protocol):
         elif self.parsing is None and self.backlog is None:
             self._arm(IDLE_TIMEOUT)
         self.unblock()
+
+    def authenticated(self) -> None:
+        """Called by the auth middleware when a request carried the token."""
+        self.trusted = True
 
     @property
     def idle(self) -> bool:
@@ -571,6 +597,33 @@ class _TooLarge(Exception):
     pass
 
 
+def _from_pod(peer: tuple[str, int] | None, local: tuple[str, int] | None) -> bool:
+    if peer is None:
+        return True  # a Unix socket: on this machine
+    try:
+        address = ipaddress.ip_address(peer[0])
+    except ValueError:
+        return True
+    return address.is_loopback or (local is not None and peer[0] == local[0])
+
+
+def _eviction_order(conn: HttpProtocol) -> tuple[int, float] | None:
+    """Which connection goes first at the cap (lowest first); None: never.
+
+    Never-authenticated ones first (from inside the pod before the others,
+    oldest connection first: a client cannot make an old connection young by
+    trickling bytes), then authenticated ones that are idle or draining an
+    unread body, then those whose client reads none of their answers. An
+    authenticated connection with a request running stays."""
+    if not conn.trusted:
+        return (0 if conn.from_pod else 1, conn.opened)
+    if conn.idle or conn.discarding is not None:
+        return (2, conn.last_active)
+    if conn.stalled:
+        return (3, conn.last_active)
+    return None
+
+
 class Server:
     """Binds, runs the ASGI lifespan, serves until SIGTERM/SIGINT."""
 
@@ -592,20 +645,15 @@ class Server:
         self.started = False
 
     def admit(self, conn: HttpProtocol) -> bool:
-        """Room for a new connection: at the cap, the longest idle one is closed
-        (a keep-alive connection costs nothing to reopen), else the longest
-        stalled one (its client reads none of its answers); with none of
-        either the new one is refused. Either way the number stays bounded,
-        and holding many connections busy takes requests that really run
-        (which, before a token, only waiting readiness probes do, and those
-        are bounded too)."""
+        """Room for a new connection: at the cap one is closed for it
+        (`_eviction_order`: never-authenticated first, then idle, then
+        stalled); with none of those the new one is refused. The number stays
+        bounded, and only requests that carried the token can hold a slot."""
         if len(self.connections) >= self.max_connections:
-            victims = [c for c in self.connections if c.idle] or [
-                c for c in self.connections if c.stalled
-            ]
-            if not victims:
+            ranked = [(order, c) for c in self.connections if (order := _eviction_order(c))]
+            if not ranked:
                 return False
-            victim = min(victims, key=lambda c: c.last_active)
+            victim = min(ranked, key=lambda pair: pair[0])[1]
             self.connections.discard(victim)
             if victim.stalled:
                 victim._abort()  # close() would wait for a client that does not read
