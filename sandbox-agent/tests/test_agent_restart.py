@@ -90,3 +90,35 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_records_keep_a_prefix_of_long_commands(fresh: Callable[..., Sandbox]) -> None:
+    """A 4 MiB script runs whole, but its record (kept for up to max_records
+    executions, and journaled) keeps only its first 4 KiB and its size; the
+    idempotency key still tells that script from another."""
+    sb = fresh()
+    script = "true\n" + "# " + "é" * (2 << 20) + "\necho ran\n"  # ~4 MiB of UTF-8
+    size = len(script.encode())
+    ids = []
+    for i in range(6):
+        done = sb.sh(script, idempotencyKey=f"big-{i}")
+        assert done["stdout"] == "ran\n", done
+        assert done["commandTruncated"] is True and done["commandBytes"] == size
+        assert done["command"].startswith("true\n# é") and len(done["command"].encode()) <= 4096
+        ids.append(done["id"])
+    assert (sb.logs / "executions.journal").stat().st_size < 100_000
+    listed = sb.client.get("/v1/executions").json()["executions"]
+    assert sum(len(e["command"]) for e in listed) < 6 * 4096
+    r = sb.client.post(
+        "/v1/executions", json={"command": script + "# other\n", "idempotencyKey": "big-0"}
+    )
+    assert sb.error(r, 409) == "idempotency_key_reused"
+    assert sb.agent is not None
+    sb.agent.terminate()
+    sb.agent.wait(10)
+    sb.start_agent()
+    again = sb.sh(script, idempotencyKey="big-0")
+    assert again["id"] == ids[0] and again["commandTruncated"] is True
+    assert again["commandBytes"] == size
+    small = sb.sh("echo hi")
+    assert small["command"] == "echo hi" and small["commandTruncated"] is False

@@ -75,6 +75,8 @@ _JOURNAL_NEW = {
     "key": "key",
     "fp": "fingerprint",
     "command": "command",
+    "commandTruncated": "command_truncated",
+    "commandBytes": "command_bytes",
     "argv": "argv",
     "cwd": "cwd",
     "timeout": "timeout",
@@ -95,6 +97,21 @@ _JOURNAL_END = {
     "usage": "usage",
     "logTruncated": "log_truncated",
 }
+
+
+# What a record keeps of its command: kept for up to max_records executions and
+# written to the journal, a whole 4 MiB script each would be gigabytes.
+COMMAND_KEPT = 4 << 10
+
+
+def _kept(command: str | None) -> tuple[str | None, bool, int | None]:
+    """The command a record keeps, whether it was cut, and its whole size."""
+    if command is None:
+        return None, False, None
+    encoded = command.encode("utf-8", "surrogatepass")  # never raises (checked at spawn)
+    if len(encoded) <= COMMAND_KEPT:
+        return command, False, len(encoded)
+    return encoded[:COMMAND_KEPT].decode("utf-8", "ignore"), True, len(encoded)
 
 
 # A script up to this size travels in the shell's argv (see _spawn_request):
@@ -139,7 +156,7 @@ class Execution:
         self.id = "ex-" + uuid.uuid4().hex
         self.key = req.idempotency_key
         self.fingerprint = fingerprint
-        self.command = req.command
+        self.command, self.command_truncated, self.command_bytes = _kept(req.command)
         self.argv = argv
         self.cwd = req.cwd
         self.env = req.env
@@ -554,6 +571,8 @@ class Execution:
             finished_at=models.rfc3339(end) if end else None,
             duration_seconds=round(end - (start or self.created), 6) if end else None,
             command=self.command,
+            command_truncated=self.command_truncated,
+            command_bytes=self.command_bytes,
             argv=self.argv,
             cwd=self.cwd,
             timeout_seconds=self.timeout,

@@ -173,7 +173,21 @@ class Execution(_Out, kw_only=True):
     id: str
     idempotency_key: str | None = None
     status: ExecutionStatus
-    command: str | None = None
+    command: (
+        Annotated[
+            str,
+            Meta(
+                description="The command as sent, or its first 4 KiB when it was longer "
+                "(commandTruncated): records are kept for up to "
+                "SANDBOX_AGENT_MAX_RECORDS executions"
+            ),
+        ]
+        | None
+    ) = None
+    command_truncated: bool = False
+    command_bytes: (
+        Annotated[int, Meta(description="Size of the whole command in UTF-8 bytes")] | None
+    ) = None
     argv: list[str]
     cwd: str
     timeout_seconds: float

@@ -88,6 +88,8 @@ class Execution(WireModel):
     cancelled: bool = Field(default=False)
     combined_output: bool = Field(default=False, validation_alias="combinedOutput", serialization_alias="combinedOutput", description="stderr goes into the same pipe as stdout: one stream in true order (reported as stdout; stderr stays empty). Note that programs often buffer stdout but not stderr when it is not a terminal; this orders their writes, not their print calls.")
     command: str | None = Field(default=None)
+    command_bytes: int | None = Field(default=None, validation_alias="commandBytes", serialization_alias="commandBytes")
+    command_truncated: bool = Field(default=False, validation_alias="commandTruncated", serialization_alias="commandTruncated")
     created_at: str = Field(validation_alias="createdAt", serialization_alias="createdAt")
     cwd: str = Field()
     duration_seconds: float | None = Field(default=None, validation_alias="durationSeconds", serialization_alias="durationSeconds")
