@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import contextlib
 from collections.abc import Callable
@@ -91,3 +92,42 @@ def test_archive_uploads_are_spooled_in_the_workspace(fresh: Callable[..., Sandb
     assert r.status_code == 200, r.text
     spools = [t for t in seen if t.endswith("(deleted)")]
     assert spools and all(t.startswith(str(sb.workspace)) for t in spools), seen
+
+
+def test_tiny_output_records_page_in_bounded_chunks(fresh: Callable[..., Sandbox]) -> None:
+    """A command alternating 1-byte writes to stdout and stderr (its runner not
+    coalescing them: the image sets that) makes one record per write; a page
+    holds at most 4,096 chunks whatever its bytes, every byte is read back by
+    cursor, and writes to one stream become few records."""
+    sb = fresh(runner=False)
+    sb.start_runner(extra_env={"SANDBOX_RUNNER_LINGER_MS": "0"})
+    pairs, single = 20_000, 5_000
+    # Slow enough that the runner reads (nearly) every write on its own.
+    script = (
+        "import os, time\n"
+        f"for i in range({pairs}):\n"
+        "    os.write(1, b'o'); os.write(2, b'e'); time.sleep(0.0002)\n"
+        f"for i in range({single}):\n"
+        "    os.write(1, b'x'); time.sleep(0.0002)\n"
+    )
+    done = sb.run(command=f'python3 -c "{script}"', timeoutSeconds=120)
+    assert done["exitCode"] == 0 and done["stdoutBytes"] == pairs + single, done
+    out, err, cursor, chunks = bytearray(), bytearray(), 0, 0
+    while True:
+        page = sb.client.get(
+            f"/v1/executions/{done['id']}/output",
+            params={"cursor": cursor, "maxBytes": 1 << 20, "encoding": "base64"},
+        ).json()
+        assert len(page["chunks"]) <= 4096
+        chunks += len(page["chunks"])
+        for c in page["chunks"]:
+            (out if c["stream"] == "stdout" else err).extend(base64.b64decode(c["dataBase64"]))
+        cursor = page["cursor"]
+        if page["finished"]:
+            break
+    assert chunks > 4096  # the premise: many more records than one page holds
+    assert bytes(out) == b"o" * pairs + b"x" * single
+    assert bytes(err) == b"e" * pairs
+    # The stdout-only writes were merged into records as they came: the log
+    # holds far fewer than one 6-byte header per byte of them.
+    assert done["outputCursor"] < 2 * pairs * 7 + 2 * single, done["outputCursor"]

@@ -62,6 +62,12 @@ def _text(data: bytearray | memoryview | bytes, cap: int) -> str:
     return str(view[-cap:] if len(view) > cap else view, "utf-8", "replace")
 
 
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def signal_name(sig: int) -> str | None:
     try:
         return _signal.Signals(sig).name
@@ -134,10 +140,19 @@ def _fits_argv(command: str, script: bytes, env: dict[str, str]) -> bool:
     return True
 
 
+# A page of output holds at most this many chunks (a command that alternates
+# tiny writes to stdout and stderr makes one per write), whatever its bytes.
+MAX_PAGE_CHUNKS = 4096
+_READ_BLOCK = 256 << 10  # log bytes read at once while paging
+# A write continues the log's last record (no new header) while nobody was
+# handed a cursor at its end, up to this size.
+_RECORD_MAX = 64 << 10
+
+
 @dataclass
 class Chunk:
     stream: int
-    data: bytes
+    data: bytes | bytearray
     cursor: int  # just after this chunk
 
 
@@ -190,6 +205,12 @@ class Execution:
         self.log_size = 0
         self.log_truncated = False
         self.log_pruned = False
+        # The log's last record (offset, stream, data length), and the furthest
+        # cursor handed out: records before it are never changed (see _log).
+        self.last_rec = -1
+        self.last_stream = 0
+        self.last_len = 0
+        self.sealed = 0
         self.stdin_open = False
         self.channel = 0
         self.done = asyncio.Event()
@@ -299,30 +320,50 @@ class Execution:
     def _log(self, stream: int, data: bytes | memoryview) -> None:
         if self.log_truncated:
             return
-        need = REC.size + len(data)
+        # Many small writes to one stream become one record: a cursor handed
+        # out is always at a record's end, so the last record may grow while
+        # no cursor points at its end (and records cost 6 bytes each, in
+        # memory, on disk and as objects of a page).
+        extend = (
+            stream == self.last_stream
+            and self.sealed < self.log_size
+            and self.last_len + len(data) <= _RECORD_MAX
+        )
+        need = len(data) if extend else REC.size + len(data)
         if self.log_size + need > self.mgr.settings.max_log_bytes or not self.mgr.reserve_log(
             self, need
         ):
             self._materialize_capture()  # the log stops being the whole output
             self.log_truncated = True
             return
-        head = REC.pack(REC_MAGIC, stream, len(data))
+        length = self.last_len + len(data) if extend else len(data)
+        head = REC.pack(REC_MAGIC, stream, length)
         mem = self.mem_log
         if mem is not None and self.log_size + need <= self.mgr.settings.log_memory_bytes:
-            mem += head
+            if extend:
+                mem[self.last_rec : self.last_rec + REC.size] = head
+            else:
+                mem += head
             mem += data
-            self.log_size += need
             self.mgr.mem_log_bytes += need
-            return
-        try:
-            if mem is not None:
-                self.spill()
-            os.writev(self.log_fd, [head, data])
-            self.log_size += need
-        except OSError:
-            self._materialize_capture()
-            self.mgr.release_log(need)
-            self.log_truncated = True
+        else:
+            try:
+                if mem is not None:
+                    self.spill()
+                if extend:
+                    os.pwrite(self.log_fd, head, self.last_rec)
+                    _write_all(self.log_fd, data)
+                else:
+                    os.writev(self.log_fd, [head, data])
+            except OSError:
+                self._materialize_capture()
+                self.mgr.release_log(need)
+                self.log_truncated = True
+                return
+        if not extend:
+            self.last_rec, self.last_stream = self.log_size, stream
+        self.last_len = length
+        self.log_size += need
 
     def spill(self) -> None:
         """Move the in-memory log to its file (which stays open while running)."""
@@ -330,7 +371,9 @@ class Execution:
         if mem is None:
             return
         self._materialize_capture()
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        # Not O_APPEND: a record's header is rewritten in place when it grows
+        # (pwrite ignores the offset on an append-only descriptor).
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             view = memoryview(mem)
             while view:
@@ -351,8 +394,12 @@ class Execution:
             return bytes(mem[pos : pos + n])
         return os.pread(fd, n, pos)
 
-    def read_log(self, cursor: int, max_bytes: int) -> list[Chunk]:
-        """Records from ``cursor``; at least one if any, then up to max_bytes."""
+    def read_log(
+        self, cursor: int, max_bytes: int, max_chunks: int = MAX_PAGE_CHUNKS
+    ) -> list[Chunk]:
+        """Records from ``cursor``, consecutive ones of a stream merged: at least
+        one if any, then up to max_bytes of data and max_chunks chunks. The log
+        is read in blocks, so tiny records cost no system call each."""
         if cursor < 0 or cursor > self.log_size:
             raise Invalid("invalid_cursor", "cursor is outside the output log")
         if self.log_pruned:
@@ -361,26 +408,47 @@ class Execution:
             return []
         out: list[Chunk] = []
         fd = -1 if self.mem_log is not None else os.open(self.log_path, os.O_RDONLY | os.O_CLOEXEC)
+        block, at = b"", cursor  # log bytes [at, at + len(block))
         try:
             total = 0
             while cursor < self.log_size and (not out or total < max_bytes):
-                head = self._read_at(fd, cursor, REC.size)
-                if len(head) < REC.size:
-                    break
-                magic, stream, length = REC.unpack(head)
+                off = cursor - at
+                if off + REC.size > len(block):
+                    block, at, off = self._read_at(fd, cursor, _READ_BLOCK), cursor, 0
+                    if len(block) < REC.size:
+                        break
+                magic, stream, length = REC.unpack_from(block, off)
                 if magic != REC_MAGIC or stream not in _STREAM_NAME:
                     raise Invalid("invalid_cursor", "cursor is not at a record boundary")
-                data = self._read_at(fd, cursor + REC.size, length)
+                merge = bool(out) and out[-1].stream == stream
+                if not merge and len(out) >= max_chunks:
+                    break
+                start = off + REC.size
+                if start + length <= len(block):
+                    data: bytes | memoryview = memoryview(block)[start : start + length]
+                else:  # a record larger than what the block holds of it
+                    data = self._read_at(fd, cursor + REC.size, length)
                 cursor += REC.size + len(data)
                 total += len(data)
-                if out and out[-1].stream == stream:
-                    out[-1] = Chunk(stream, out[-1].data + data, cursor)
+                if merge:
+                    chunk = out[-1]
+                    if not isinstance(chunk.data, bytearray):
+                        chunk.data = bytearray(chunk.data)
+                    chunk.data += data
+                    chunk.cursor = cursor
                 else:
-                    out.append(Chunk(stream, data, cursor))
+                    out.append(Chunk(stream, bytes(data), cursor))
         finally:
             if fd >= 0:
                 os.close(fd)
+        if out:
+            self.sealed = max(self.sealed, out[-1].cursor)
         return out
+
+    def _seal(self) -> int:
+        """The log's end, as a cursor handed out: its last record stops growing."""
+        self.sealed = self.log_size
+        return self.log_size
 
     async def wait_change(self, wait: float) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -592,7 +660,7 @@ class Execution:
             stderr_truncated=self.truncated[STREAM_ERR] or self.totals[STREAM_ERR] > cap,
             stdout_bytes=self.totals[STREAM_OUT],
             stderr_bytes=self.totals[STREAM_ERR],
-            output_cursor=self.log_size,
+            output_cursor=self._seal(),
             log_truncated=self.log_truncated,
             stdin_open=self.stdin_open,
             user_cpu_seconds=self.usage.get("user"),
