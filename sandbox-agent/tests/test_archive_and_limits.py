@@ -378,6 +378,7 @@ def test_finished_tails_are_bounded_in_memory(fresh: Callable[..., Sandbox]) -> 
     assert all(e["stdout"] == c * 20000 for e, c in zip(exs, "abc", strict=True))
     oldest = sb.client.get(f"/v1/executions/{exs[0]['id']}").json()
     assert oldest["stdout"] == "" and oldest["stdoutTruncated"] is True
+    assert oldest["tailsDropped"] is True
     assert oldest["stdoutBytes"] == 20000 and oldest["exitCode"] == 0
     newest = sb.client.get(f"/v1/executions/{exs[2]['id']}").json()
     assert newest["stdout"] == "c" * 20000
@@ -386,6 +387,34 @@ def test_finished_tails_are_bounded_in_memory(fresh: Callable[..., Sandbox]) -> 
         f"/v1/executions/{exs[0]['id']}/output", params={"maxBytes": 1 << 20}
     ).json()
     assert "".join(c["data"] for c in page["chunks"]) == "a" * 20000
+
+
+def test_concurrent_answers_never_lose_their_output(fresh: Callable[..., Sandbox]) -> None:
+    """Commands ending together, whose tails together pass the budget for
+    finished records, each answer with their whole output: the budget drops
+    only tails no request is waiting for, and says so when it does."""
+    sb = fresh(
+        env={
+            "SANDBOX_AGENT_LOG_MEMORY_BYTES": "1000",  # logs spill: tails become buffers
+            "SANDBOX_AGENT_CAPTURE_MEMORY_TOTAL_BYTES": "100000",
+        }
+    )
+    letters = "abcdefghijkl"
+    # Started together, ended together (each waits for the same file).
+    command = "while [ ! -e go ]; do sleep 0.05; done; head -c 30000 /dev/zero | tr '\\0' {}"
+    with concurrent.futures.ThreadPoolExecutor(len(letters)) as pool:
+        futures = [pool.submit(sb.sh, command.format(c)) for c in letters]
+        wait_until(lambda: len(sb.client.get("/v1/executions").json()["executions"]) == 12)
+        (sb.workspace / "go").touch()
+        answers = [f.result() for f in futures]
+    for answer, c in zip(answers, letters, strict=True):
+        assert answer["stdout"] == c * 30000, (c, answer["stdout"][:20], answer["stdoutBytes"])
+        assert answer["tailsDropped"] is False
+    # Afterwards the budget holds: most of them kept no tails, and say so.
+    later = [sb.client.get(f"/v1/executions/{a['id']}").json() for a in answers]
+    dropped = [e for e in later if e["tailsDropped"]]
+    assert len(dropped) >= len(letters) - 100000 // 30000
+    assert all(e["stdout"] == "" and e["stdoutBytes"] == 30000 for e in dropped)
 
 
 def test_info_reports_the_runners_cgroup_counters(fresh: Callable[..., Sandbox]) -> None:

@@ -86,9 +86,10 @@ async def exec_create(request: Request, args: Args) -> Response:
         headers["Idempotent-Replayed"] = "true"
     if req.background:
         return ok(ex.view(output=False), 200 if replayed else 202, headers)
-    await ex.done.wait()
-    state_of(request).touch()
-    return ok(ex.view(output=True), 200, headers)
+    async with ex.answer():
+        await ex.done.wait()
+        state_of(request).touch()
+        return ok(ex.view(output=True), 200, headers)
 
 
 async def exec_stream(request: Request, args: Args) -> Response:
@@ -121,10 +122,14 @@ async def exec_get(request: Request, args: Args) -> Response:
     st = state_of(request)
     ex = st.executions.get(args.need("id", str))
     wait = args.need("waitSeconds", float)
-    if wait and ex.finished is None:
+    if not wait or ex.finished is not None:
+        return ok(ex.view(output=args.need("output", bool)))
+    # Waiting for the exit: the tails are kept until the answer is built (only
+    # running records are protected, so the protected ones stay few).
+    async with ex.answer():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ex.done.wait(), wait)
-    return ok(ex.view(output=args.need("output", bool)))
+        return ok(ex.view(output=args.need("output", bool)))
 
 
 async def exec_delete(request: Request, args: Args) -> Response:

@@ -212,6 +212,10 @@ class Execution:
         self.last_len = 0
         self.sealed = 0
         self.stdin_open = False
+        # Requests waiting to answer with this record's tails: the tail budget
+        # never drops those (the answer is built after the exit).
+        self.answering = 0
+        self.tails_dropped = False
         self.channel = 0
         self.done = asyncio.Event()
         self._waiters: list[asyncio.Future[None]] = []
@@ -445,6 +449,17 @@ class Execution:
             self.sealed = max(self.sealed, out[-1].cursor)
         return out
 
+    @contextlib.asynccontextmanager
+    async def answer(self) -> AsyncIterator[None]:
+        """While a request waits to answer with this record, keep its tails."""
+        self.answering += 1
+        try:
+            yield
+        finally:
+            self.answering -= 1
+            if not self.answering:
+                self.mgr._trim_captures()
+
     def _seal(self) -> int:
         """The log's end, as a cursor handed out: its last record stops growing."""
         self.sealed = self.log_size
@@ -656,6 +671,7 @@ class Execution:
             cancelled=self.cancelled,
             oom_killed=self.oom_killed,
             error=self.error,
+            tails_dropped=self.tails_dropped and output,
             stdout_truncated=self.truncated[STREAM_OUT] or self.totals[STREAM_OUT] > cap,
             stderr_truncated=self.truncated[STREAM_ERR] or self.totals[STREAM_ERR] > cap,
             stdout_bytes=self.totals[STREAM_OUT],
@@ -942,8 +958,10 @@ class ExecutionManager:
         """Bound the tails that finished records keep in memory (oldest go first).
 
         A record whose tails were dropped still reports its status, exit code
-        and byte counts; stdout/stderr come back empty and marked truncated,
-        and the full output stays readable by cursor while its log exists.
+        and byte counts; stdout/stderr come back empty, marked truncated and
+        `tailsDropped`, and the full output stays readable by cursor while its
+        log exists. Records a request is waiting to answer with are skipped
+        (at most one per request: bounded by the connections).
         """
         budget = self.settings.capture_memory_total_bytes
         if self.capture_bytes <= budget:
@@ -951,9 +969,15 @@ class ExecutionManager:
         for ex in list(self.records.values()):  # oldest first
             if self.capture_bytes <= budget:
                 break
-            if ex.finished is not None and ex.capture and any(ex.capture.values()):
+            if (
+                ex.finished is not None
+                and not ex.answering
+                and ex.capture
+                and any(ex.capture.values())
+            ):
                 self._release_capture(ex)
                 ex.truncated = {STREAM_OUT: True, STREAM_ERR: True}
+                ex.tails_dropped = True
 
     def _spill_memory_logs(self) -> None:
         """Keep finished in-memory logs together under their budget.

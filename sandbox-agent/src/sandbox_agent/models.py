@@ -217,6 +217,15 @@ class Execution(_Out, kw_only=True):
         bool, Meta(description="stdout exceeded the in-memory cap; only the tail is here")
     ] = False
     stderr_truncated: bool = False
+    tails_dropped: Annotated[
+        bool,
+        Meta(
+            description="stdout and stderr are empty because their tails were dropped "
+            "from memory (the agent's budget for finished records); the whole output "
+            "is readable by cursor from 0 (GET /v1/executions/{id}/output) while the "
+            "log exists (logPruned otherwise)"
+        ),
+    ] = False
     stdout_bytes: int = 0
     stderr_bytes: int = 0
     output_cursor: Annotated[int, Meta(description="End of the on-disk output log")] = 0

@@ -115,6 +115,7 @@ class Execution(WireModel):
     stdout_bytes: int = Field(default=0, validation_alias="stdoutBytes", serialization_alias="stdoutBytes")
     stdout_truncated: bool = Field(default=False, validation_alias="stdoutTruncated", serialization_alias="stdoutTruncated", description="stdout exceeded the in-memory cap; only the tail is here")
     system_cpu_seconds: float | None = Field(default=None, validation_alias="systemCpuSeconds", serialization_alias="systemCpuSeconds")
+    tails_dropped: bool = Field(default=False, validation_alias="tailsDropped", serialization_alias="tailsDropped", description="stdout and stderr are empty because their tails were dropped from memory (the agent's budget for finished records); the whole output is readable by cursor from 0 (GET /v1/executions/{id}/output) while the log exists (logPruned otherwise)")
     timed_out: bool = Field(default=False, validation_alias="timedOut", serialization_alias="timedOut")
     timeout_seconds: float = Field(validation_alias="timeoutSeconds", serialization_alias="timeoutSeconds")
     user_cpu_seconds: float | None = Field(default=None, validation_alias="userCpuSeconds", serialization_alias="userCpuSeconds")
