@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import stat
+import time
+from collections.abc import Callable
 
 import pytest
-from conftest import Sandbox
+from conftest import Sandbox, rss_kib
 
 
 def test_write_read_roundtrip_binary(sandbox: Sandbox, wsdir: str) -> None:
@@ -263,6 +266,60 @@ def test_search(sandbox: Sandbox, wsdir: str) -> None:
     assert res["matches"] == []
     r = sandbox.client.post("/v1/files/search", json={"pattern": "(", "path": wsdir})
     assert sandbox.error(r, 400) == "invalid_regex"
+
+
+def test_search_is_per_line_without_a_copy_per_line(fresh: Callable[..., Sandbox]) -> None:
+    """Lines as before (`^`, `$`, CRLF, nothing across a newline), but a file
+    of millions of short lines costs no object per line, and line ranges are
+    found without walking lines one by one."""
+    sb = fresh()
+    sb.write("crlf.txt", b"one x\r\ntwo\r\nx\r\n")
+    found = sb.client.post("/v1/files/search", json={"pattern": "x$"}).json()["matches"]
+    assert [(m["path"], m["line"], m["column"], m["text"]) for m in found] == [
+        ("crlf.txt", 1, 5, "one x"),
+        ("crlf.txt", 3, 1, "x"),
+    ]
+    sb.write("lines.txt", b"ab\ncd\nab cd\n")
+    found = sb.client.post(
+        "/v1/files/search", json={"pattern": r"b\s*c", "path": "lines.txt"}
+    ).json()["matches"]
+    assert [(m["line"], m["column"]) for m in found] == [(3, 2)]  # not across lines 1-2
+    found = sb.client.post("/v1/files/search", json={"pattern": "^cd", "path": "lines.txt"}).json()[
+        "matches"
+    ]
+    assert [m["line"] for m in found] == [2]
+    lines = (4 << 20) - 8  # 8 MiB in all, the largest file search reads
+    (sb.workspace / "short.txt").write_bytes(b"a\n" * lines + b"needle\n")
+    assert sb.agent is not None
+    before = rss_kib(sb.agent.pid)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(
+            pool.map(
+                lambda _: sb.client.post(
+                    "/v1/files/search", json={"pattern": "needle", "path": "short.txt"}
+                ).json(),
+                range(2),
+            )
+        )
+    for res in answers:
+        assert [m["line"] for m in res["matches"]] == [lines + 1], res
+    assert rss_kib(sb.agent.pid) - before < 64 * 1024  # was +166 MiB per search
+    some = sb.client.post(
+        "/v1/files/search", json={"pattern": "^a$", "path": "short.txt", "maxResults": 3}
+    ).json()
+    assert [m["line"] for m in some["matches"]] == [1, 2, 3] and some["truncated"] is True
+    (sb.workspace / "newlines.txt").write_bytes(b"\n" * (32 << 20))
+    t = time.monotonic()
+    r = sb.client.get(
+        "/v1/files/content", params={"path": "newlines.txt", "startLine": (32 << 20) + 5}
+    )
+    assert r.status_code == 200 and r.content == b""
+    r = sb.client.get(
+        "/v1/files/content",
+        params={"path": "newlines.txt", "startLine": (32 << 20) - 1, "lineCount": 5},
+    )
+    assert r.content == b"\n\n"
+    assert time.monotonic() - t < 10  # each took ~20 s walking line by line
 
 
 def test_search_skips_oversized_files(fresh: object) -> None:

@@ -287,6 +287,18 @@ def read_lines(fd: int, start: int, count: int | None, max_bytes: int, max_scan:
             break
         scanned += len(block)
         pos = 0
+        if line < start:
+            # Lines before the range are counted, not walked one by one (a
+            # block of newlines is a million lines).
+            ahead = block.count(b"\n")
+            if line + ahead < start:
+                line += ahead
+                if scanned > max_scan:
+                    raise TooLarge("read_too_large", f"line ranges scan at most {max_scan} bytes")
+                continue
+            for _ in range(start - line):
+                pos = block.index(b"\n", pos) + 1
+            line = start
         while pos < len(block) and (end_line is None or line < end_line):
             nl = block.find(b"\n", pos)
             stop = len(block) if nl < 0 else nl + 1
@@ -506,14 +518,18 @@ def move(ws: Workspace, req: models.MoveRequest) -> models.FileInfo:
             return _info_at(dst.dir_fd, dst.name, dst.rel)
 
 
-def compile_regex(pattern: str, ignore_case: bool = False, literal: bool = False) -> re2._Regexp:
+def compile_regex(
+    pattern: str, ignore_case: bool = False, literal: bool = False, one_line: bool = False
+) -> re2._Regexp:
     """A linear-time (RE2) regular expression: no pattern can backtrack for
     ever, and matching releases the GIL, so a search cannot stall the agent.
-    RE2 has no backreferences or lookaround; such patterns are a 400."""
+    RE2 has no backreferences or lookaround; such patterns are a 400.
+    `one_line`: no match spans a newline (search runs it over a whole file)."""
     opts = re2.Options()
     opts.log_errors = False
     opts.case_sensitive = not ignore_case
     opts.literal = literal
+    opts.never_nl = one_line
     try:
         return re2.compile(pattern, opts)
     except (re2.error, TypeError, ValueError) as exc:
@@ -545,11 +561,49 @@ def _read_for_search(ws: Workspace, dir_fd: int, name: str, limit: int) -> bytes
         os.close(fd)
 
 
+def _line_matches(rx: re2._Regexp, data: bytes) -> Iterator[tuple[int, int, int, int]]:
+    """(line number, line start, line end, match start) of each line's first
+    match (`rx` never matches across a newline). Nothing is made per line, so
+    a file of millions of short lines costs what its matches do: without CRs
+    the whole buffer is searched at once. A CR before the LF is not part of
+    the line (`x$` matches "x\\r\\n"): such files are searched line by line, one
+    line's copy at a time."""
+    size = len(data)
+    if b"\r" in data:
+        pos, lineno = 0, 1
+        while pos < size:
+            nl = data.find(b"\n", pos)
+            end = size if nl < 0 else nl
+            stop = end - 1 if end > pos and data[end - 1] == 0x0D else end
+            # A slice, not endpos: RE2 sees the CR after endpos, and `$` fails.
+            m = rx.search(data[pos:stop])
+            if m is not None:
+                yield lineno, pos, stop, pos + m.start()
+            pos, lineno = end + 1, lineno + 1
+        return
+    pos, lineno, counted = 0, 1, 0
+    while pos < size:
+        m = rx.search(data, pos)
+        if m is None or m.start() >= size:
+            return  # (an empty match after the last newline is no line)
+        nl = data.rfind(b"\n", pos, m.start())
+        start = pos if nl < 0 else nl + 1
+        lineno += data.count(b"\n", counted, start)
+        counted = start
+        end = data.find(b"\n", start)
+        end = size if end < 0 else end
+        yield lineno, start, end, m.start()
+        pos = end + 1
+
+
 def search(ws: Workspace, req: models.SearchRequest, s: Settings) -> models.SearchResult:
+    pattern = req.pattern.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    # Per line: `^` and `$` at each line's ends, no match across a newline.
     rx = compile_regex(
-        req.pattern.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),
+        pattern if req.fixed_string else "(?m)" + pattern,
         req.ignore_case,
         req.fixed_string,
+        one_line=True,
     )
     limit = min(req.max_results or s.search_max_results, s.search_max_results)
     matches: list[models.SearchMatch] = []
@@ -587,10 +641,7 @@ def search(ws: Workspace, req: models.SearchRequest, s: Settings) -> models.Sear
                     skipped += 1  # special, oversized or binary
                     continue
                 scanned += 1
-                for lineno, line in enumerate(data.splitlines(), start=1):
-                    m = rx.search(line)
-                    if m is None:
-                        continue
+                for lineno, start, end, at in _line_matches(rx, data):
                     if len(matches) >= limit:
                         truncated = True
                         break
@@ -598,8 +649,8 @@ def search(ws: Workspace, req: models.SearchRequest, s: Settings) -> models.Sear
                         models.SearchMatch(
                             path=display(rel),
                             line=lineno,
-                            column=len(line[: m.start()].decode("utf-8", "replace")) + 1,
-                            text=line[:1000].decode("utf-8", "replace"),
+                            column=len(data[start:at].decode("utf-8", "replace")) + 1,
+                            text=data[start : min(end, start + 1000)].decode("utf-8", "replace"),
                         )
                     )
                 if truncated:
