@@ -131,3 +131,38 @@ def test_tiny_output_records_page_in_bounded_chunks(fresh: Callable[..., Sandbox
     # The stdout-only writes were merged into records as they came: the log
     # holds far fewer than one 6-byte header per byte of them.
     assert done["outputCursor"] < 2 * pairs * 7 + 2 * single, done["outputCursor"]
+
+
+def test_edits_work_on_bytes_within_the_memory_budget(fresh: Callable[..., Sandbox]) -> None:
+    """replace and patch hold a file as bytes, never as one str (four bytes a
+    character once it holds one astral character) or one object per line,
+    and refuse what the budget cannot hold with 413 naming the limit."""
+    sb = fresh(memory_limit_bytes=256 * MiB)
+    limit = 32 * MiB  # an eighth of the memory limit
+    big = sb.workspace / "big.txt"
+    with big.open("wb") as f:
+        f.truncate(24 * MiB)  # zeros: valid UTF-8, nothing to read from disk
+        f.seek(24 * MiB)
+        f.write("\N{GRINNING FACE} X\n".encode())
+    assert sb.agent is not None
+    before = rss_kib(sb.agent.pid)
+    r = sb.client.post("/v1/files/replace", json={"path": "big.txt", "find": "X", "replace": "Y"})
+    assert r.status_code == 200, r.text
+    assert rss_kib(sb.agent.pid) - before < 100 * 1024  # was ~4 copies of 96 MiB
+    assert big.read_bytes()[-3:] == b" Y\n"
+    with big.open("ab") as f:
+        f.truncate(limit + 1)
+    r = sb.client.post("/v1/files/replace", json={"path": "big.txt", "find": "Y", "replace": "Z"})
+    assert sb.error(r, 413) == "file_too_large" and str(limit) in r.json()["error"]["message"]
+    # Short lines: a one-line patch of a file of millions of lines is refused
+    # by its number of lines, not OOM-killed building a list of them.
+    (sb.workspace / "short.txt").write_bytes(b"a\n" * (4 << 20))
+    diff = "--- a/short.txt\n+++ b/short.txt\n@@ -1,1 +1,1 @@\n-a\n+b\n"
+    r = sb.client.post("/v1/files/patch", json={"patch": diff})
+    assert sb.error(r, 413) == "patch_too_large", r.text
+    assert str(limit // 64) in r.json()["error"]["message"]
+    (sb.workspace / "ok.txt").write_bytes("é\n".encode() * 1000)
+    diff = "--- a/ok.txt\n+++ b/ok.txt\n@@ -2,1 +2,1 @@\n-é\n+\N{GRINNING FACE}\n"
+    r = sb.client.post("/v1/files/patch", json={"patch": diff})
+    assert r.status_code == 200, r.text
+    assert (sb.workspace / "ok.txt").read_text().splitlines()[:3] == ["é", "\N{GRINNING FACE}", "é"]

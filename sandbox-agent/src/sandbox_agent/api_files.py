@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from . import archive, files, metrics, models, patch
-from .errors import Invalid, TooLarge
+from .errors import Busy, Invalid, TooLarge
 from .paths import Workspace
 from .routing import Args, Handler
 from .state import AgentState, state_of
@@ -151,15 +151,36 @@ async def file_list(request: Request, args: Args) -> Response:
     )
 
 
+SCAN_WAIT = 10.0  # seconds a scan waits for a slot before 503 files_busy
+
+
 def _json_file_op(
-    op: str, summary: str, typ: type[Any], fn: Callable[[AgentState, Any], Any]
+    op: str,
+    summary: str,
+    typ: type[Any],
+    fn: Callable[[AgentState, Any], Any],
+    scan: bool = False,
 ) -> Handler:
-    """A handler for a JSON-bodied file operation: decode ``typ``, run ``fn`` in a thread."""
+    """A handler for a JSON-bodied file operation: decode ``typ``, run ``fn`` in a
+    thread; a `scan` (reads whole files) first takes one of the scan slots."""
 
     async def handler(request: Request, args: Args) -> Response:
         st = state_of(request)
         req = await body_as(request, typ)
-        return await _in_thread(request, op, lambda: fn(st, req))
+        if not scan:
+            return await _in_thread(request, op, lambda: fn(st, req))
+        try:
+            await asyncio.wait_for(st.file_scans.acquire(), SCAN_WAIT)
+        except TimeoutError:
+            raise Busy(
+                "files_busy",
+                f"{st.settings.max_file_scans} searches, patches or replaces are running"
+                " (SANDBOX_AGENT_MAX_FILE_SCANS); retry later",
+            ) from None
+        try:
+            return await _in_thread(request, op, lambda: fn(st, req))
+        finally:
+            st.file_scans.release()
 
     handler.__name__ = f"file_{op}"
     handler.__doc__ = summary
@@ -175,13 +196,13 @@ file_remove = _json_file_op("remove", "Remove a file, link or directory", models
 file_move = _json_file_op("move", "Move / rename", models.MoveRequest,
                           lambda st, r: files.move(st.workspace, r))
 file_search = _json_file_op("search", "Search file contents by regex", models.SearchRequest,
-                            lambda st, r: files.search(st.workspace, r, st.settings))
+                            lambda st, r: files.search(st.workspace, r, st.settings), scan=True)
 file_find = _json_file_op("find", "Find paths by glob", models.FindRequest,
-                          lambda st, r: files.find(st.workspace, r, st.settings))
+                          lambda st, r: files.find(st.workspace, r, st.settings), scan=True)
 file_patch = _json_file_op("patch", "Apply a unified diff (all or nothing)", models.PatchRequest,
-                           lambda st, r: patch.apply(st.workspace, r, st.settings))
+                           lambda st, r: patch.apply(st.workspace, r, st.settings), scan=True)
 file_replace = _json_file_op("replace", "Find and replace in one file", models.ReplaceRequest,
-                             lambda st, r: files.replace(st.workspace, r, st.settings))
+                             lambda st, r: files.replace(st.workspace, r, st.settings), scan=True)
 # fmt: on
 
 

@@ -47,6 +47,9 @@ class Settings:
     search_max_file_bytes: int = 8 * MiB
     search_max_files: int = 100_000
     list_max_entries: int = 10_000
+    # search, find, patch and replace at once (each may hold a file or two in
+    # memory); more wait up to 10 s, then 429 files_busy
+    max_file_scans: int = 2
     max_connections: int = 128  # open HTTP connections; the longest idle is closed first
     metrics_auth: bool = True
     malloc_keep_bytes: int = 128 * MiB  # freed heap kept for reuse (0: glibc defaults)
@@ -91,6 +94,7 @@ _ENV = {
     "search_max_file_bytes": "SANDBOX_AGENT_SEARCH_MAX_FILE_BYTES",
     "search_max_files": "SANDBOX_AGENT_SEARCH_MAX_FILES",
     "list_max_entries": "SANDBOX_AGENT_LIST_MAX_ENTRIES",
+    "max_file_scans": "SANDBOX_AGENT_MAX_FILE_SCANS",
     "max_connections": "SANDBOX_AGENT_MAX_CONNECTIONS",
     "metrics_auth": "SANDBOX_AGENT_METRICS_AUTH",
     "malloc_keep_bytes": "SANDBOX_AGENT_MALLOC_KEEP_BYTES",

@@ -14,6 +14,7 @@ user is another UID in the same group.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import fnmatch
@@ -693,18 +694,47 @@ def find(ws: Workspace, req: models.FindRequest, s: Settings) -> models.FindResu
     return models.FindResult(paths=out, truncated=truncated)
 
 
-def replace(ws: Workspace, req: models.ReplaceRequest, s: Settings) -> models.ReplaceResult:
+def edit_limit(s: Settings) -> int:
+    """The largest file replace and patch work on (and produce): held twice in
+    memory while edited, so an eighth of the agent's memory limit at most."""
     limit = s.search_max_file_bytes * 8
-    raw = read_all(ws, req.path, limit)
+    if s.memory_limit_bytes:
+        limit = min(limit, max(s.memory_limit_bytes // 8, 1 << 20))
+    return limit
+
+
+def require_utf8(data: bytes, rel: str) -> None:
+    """UTF-8 checked a block at a time: no decoded copy (a str of one astral
+    character and 60 MiB of ASCII takes 240 MiB)."""
+    check = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(data)
     try:
-        text = raw.decode("utf-8")
+        for pos in range(0, len(view), 1 << 20):
+            check.decode(view[pos : pos + (1 << 20)])
+        check.decode(b"", final=True)
     except UnicodeDecodeError:
-        raise Invalid("not_text", f"{display(req.path)} is not UTF-8 text") from None
+        raise Invalid("not_text", f"{display(rel)} is not UTF-8 text") from None
+
+
+def _utf8(value: str, field: str) -> bytes:
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Invalid("invalid_request", f"{field} is not valid Unicode") from None
+
+
+def replace(ws: Workspace, req: models.ReplaceRequest, s: Settings) -> models.ReplaceResult:
+    """Find and replace on the file's bytes (UTF-8 is self-synchronising: a
+    match of UTF-8 bytes is a match of characters)."""
+    limit = edit_limit(s)
+    raw = read_all(ws, req.path, limit)
+    require_utf8(raw, req.path)
+    find, replacement = _utf8(req.find, "find"), _utf8(req.replace, "replace")
     if req.regex:
         rx = compile_regex("(?m)" + req.find)
-        count = sum(1 for _ in rx.finditer(text))
+        count = sum(1 for _ in rx.finditer(raw))
     else:
-        count = text.count(req.find)
+        count = raw.count(find)
     if req.expected_count is not None and count != req.expected_count:
         raise Conflict(
             "match_count_mismatch",
@@ -722,36 +752,36 @@ def replace(ws: Workspace, req: models.ReplaceRequest, s: Settings) -> models.Re
     too_large = TooLarge(
         "replace_too_large", f"the file would grow past {limit} bytes", limit=limit
     )
-    if req.regex and "\\" not in req.replace:
+    if req.regex and b"\\" not in replacement:
         # No group references: each match becomes exactly the replacement.
-        if len(text) + count * len(req.replace) > limit:
+        if len(raw) + count * len(replacement) > limit:
             raise too_large
-        new = rx.sub(req.replace, text)
+        new = rx.sub(replacement, raw)
     elif req.regex:
         # Built piece by piece so that the size is checked as it grows: a
         # short pattern with a long replacement can multiply a file.
-        pieces: list[str] = []
+        pieces: list[bytes] = []
         size = pos = 0
         try:
-            for m in rx.finditer(text):
-                rep = m.expand(req.replace)
+            for m in rx.finditer(raw):
+                rep = m.expand(replacement)
                 size += m.start() - pos + len(rep)
                 if size > limit:
                     raise too_large
-                pieces += (text[pos : m.start()], rep)
+                pieces += (raw[pos : m.start()], rep)
                 pos = m.end()
         except (re2.error, IndexError, ValueError, KeyError) as exc:
             raise Invalid("invalid_replacement", f"invalid replacement: {exc}") from None
-        pieces.append(text[pos:])
-        new = "".join(pieces)
+        pieces.append(raw[pos:])
+        del raw  # the pieces are copies: the join then peaks at two, not three
+        new = b"".join(pieces)
     else:
-        if len(text) + count * (len(req.replace) - len(req.find)) > limit:
+        if len(raw) + count * (len(replacement) - len(find)) > limit:
             raise too_large
-        new = text.replace(req.find, req.replace)
-    data = new.encode("utf-8")
-    if len(data) > limit:
+        new = raw.replace(find, replacement)
+    if len(new) > limit:
         raise too_large
-    result = write_bytes(ws, req.path, data, parents=False)
+    result = write_bytes(ws, req.path, new, parents=False)
     return models.ReplaceResult(path=result.path, replacements=count)
 
 

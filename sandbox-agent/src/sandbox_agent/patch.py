@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from . import files, models
 from .config import Settings
-from .errors import Conflict, Invalid
+from .errors import Conflict, Invalid, TooLarge
 from .paths import Workspace
 
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
@@ -141,7 +141,7 @@ def _strip(path: str, n: int) -> str:
     return "/".join(parts[n:])
 
 
-def _find(lines: list[str], old: list[str], expected: int, lo: int) -> int:
+def _find(lines: list[bytes], old: list[bytes], expected: int, lo: int) -> int:
     """Index where ``old`` occurs in ``lines`` at or after ``lo``, nearest to ``expected``."""
     if not old:
         return min(max(expected, lo), len(lines))
@@ -154,10 +154,25 @@ def _find(lines: list[str], old: list[str], expected: int, lo: int) -> int:
     return best
 
 
+def _encoded(lines: list[str], rel: str) -> list[bytes]:
+    try:
+        return [line.encode("utf-8") for line in lines]
+    except UnicodeEncodeError:
+        raise Invalid("invalid_patch", f"the patch of {rel} is not valid Unicode") from None
+
+
 def apply(ws: Workspace, req: models.PatchRequest, s: Settings) -> models.PatchResult:
-    # A patched file is held in memory whole: allow more than a searched file,
-    # still bounded.
-    max_bytes = s.search_max_file_bytes * 8
+    # A patched file is held in memory whole, as a list of its lines (bytes: a
+    # decoded str of one astral character is four bytes per character), so
+    # both its size and its number of lines are bounded by the memory budget.
+    max_bytes = files.edit_limit(s)
+    max_lines = max_bytes // 64
+    if req.patch.count("\n") > max_lines:
+        raise TooLarge(
+            "patch_too_large",
+            f"the patch has more than {max_lines} lines (an edit holds at most that many)",
+            limit=max_lines,
+        )
     patches = parse(req.patch)
     results: list[models.PatchedFile] = []
     writes: list[tuple[str, bytes | None, int | None]] = []
@@ -185,25 +200,30 @@ def apply(ws: Workspace, req: models.PatchRequest, s: Settings) -> models.PatchR
                     pass
                 else:
                     raise Conflict("patch_conflict", f"{rel} already exists", path=rel)
-            lines: list[str] = []
+            lines: list[bytes] = []
             eol = True
             mode = None
         else:
             raw = files.read_all(ws, rel, max_bytes)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise Invalid("not_text", f"{rel} is not UTF-8 text") from None
-            eol = text.endswith("\n") or text == ""
-            lines = text.split("\n")
+            files.require_utf8(raw, rel)
+            if raw.count(b"\n") > max_lines:
+                raise TooLarge(
+                    "patch_too_large",
+                    f"{rel} has more than {max_lines} lines, the most a patch edits",
+                    limit=max_lines,
+                )
+            eol = raw.endswith(b"\n") or raw == b""
+            lines = raw.split(b"\n")
+            del raw
             if eol:
                 lines.pop()
             mode = None
         offset = 0
         floor = 0
         for n, h in enumerate(fp.hunks, start=1):
+            old, new = _encoded(h.old, rel), _encoded(h.new, rel)
             expected = max(h.old_start - 1, 0) + offset if h.old else h.old_start + offset
-            at = _find(lines, h.old, expected, floor)
+            at = _find(lines, old, expected, floor)
             if at < 0:
                 raise Conflict(
                     "patch_conflict",
@@ -221,7 +241,7 @@ def apply(ws: Workspace, req: models.PatchRequest, s: Settings) -> models.PatchR
                     path=rel,
                     hunk=n,
                 )
-            lines[at : at + len(h.old)] = h.new
+            lines[at : at + len(old)] = new
             if touches_end:
                 eol = not h.new_noeol
             offset += len(h.new) - len(h.old)
@@ -234,8 +254,9 @@ def apply(ws: Workspace, req: models.PatchRequest, s: Settings) -> models.PatchR
             writes.append((rel, None, None))
             results.append(models.PatchedFile(path=rel, status="deleted", hunks=len(fp.hunks)))
             continue
-        body = "\n".join(lines) + ("\n" if eol and lines else "")
-        writes.append((rel, body.encode("utf-8"), mode))
+        body = b"\n".join(lines) + (b"\n" if eol and lines else b"")
+        del lines
+        writes.append((rel, body, mode))
         results.append(
             models.PatchedFile(
                 path=rel, status="created" if creating else "modified", hunks=len(fp.hunks)

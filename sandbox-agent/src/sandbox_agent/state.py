@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from starlette.requests import Request
@@ -34,6 +35,10 @@ class AgentState:
         # only way an unauthenticated client can keep a connection busy, so
         # their number is bounded (see api_health.readyz).
         self.probe_waits = 0
+        # File operations that read whole files (search, find, patch, replace):
+        # bounded, so that they neither pile up in memory nor take every thread
+        # of the pool that stat, read and write run in.
+        self.file_scans = asyncio.Semaphore(settings.max_file_scans)
         self.runner.on_change.append(self._runner_changed)
 
     def touch(self) -> None:
