@@ -434,6 +434,30 @@ def test_stdin_for_a_runner_that_stops_reading_is_bounded(fresh: Callable[..., S
     sb.client.post(f"/v1/executions/{ex['id']}/cancel")
 
 
+def test_scripts_for_a_runner_that_stops_reading_are_bounded(
+    fresh: Callable[..., Sandbox],
+) -> None:
+    """Commands sent while the runner reads nothing wait in a bounded queue:
+    past it, 429 runner_backlogged, not an agent growing by each script."""
+    import signal
+
+    sb = fresh()
+    assert sb.agent is not None and sb.runner is not None
+    before = rss_kib(sb.agent.pid)
+    sb.runner.send_signal(signal.SIGSTOP)
+    script = "true\n# " + "x" * (4 << 20) + "\n"  # 4 MiB, sent to the runner whole
+    try:
+        statuses = []
+        for _ in range(12):  # 48 MiB offered
+            r = sb.client.post("/v1/executions", json={"command": script, "background": True})
+            statuses.append(r.status_code)
+        assert 429 in statuses, statuses
+        assert sb.error(r, 429) == "runner_backlogged"
+        assert rss_kib(sb.agent.pid) - before < 64 * 1024
+    finally:
+        sb.runner.send_signal(signal.SIGCONT)
+
+
 def test_a_replacement_cannot_multiply_a_file_without_bound(fresh: Callable[..., Sandbox]) -> None:
     """Each of 32 Ki "x" replaced by 1 KiB would be 32 MiB: refused while it
     grows, past the 64 KiB a replaced file may have here."""

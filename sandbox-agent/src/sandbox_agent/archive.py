@@ -569,7 +569,7 @@ class TarStream:
     def __init__(self, ws: Workspace, rel: str, gzip: bool, max_entries: int = 1 << 30) -> None:
         with os_errors(rel):
             top_fd, self.top = ws.open_dir(rel)
-        self.q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=8)
+        self.q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=2)
         self.stop = threading.Event()
         writer = _QueueWriter(self.q, self.stop)
 

@@ -27,9 +27,10 @@ log = logging.getLogger("sandbox_agent.runner")
 HELLO_TIMEOUT = 3.0
 SCRIPT_FD = 3  # where a command's shell script is (`sh -c '. /dev/fd/3' sh`)
 RECONNECT_DELAY = 0.1
-# Stdin bytes the runner has not read yet (our send buffer). The runner is
-# user-replaceable: one that stops reading must not make us queue for ever.
-MAX_UNSENT_STDIN = 16 << 20
+# Bytes the runner has not read yet (our send buffer: stdin, scripts, spawns).
+# The runner is user-replaceable: one that stops reading must not make us
+# queue for ever.
+MAX_UNSENT = 16 << 20
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
@@ -397,6 +398,13 @@ class RunnerClient:
         payload = _encode(spec)
         if len(payload) > wire.MAX_PAYLOAD:
             raise ValueError("arguments and environment exceed 1 MiB")
+        unsent = 0 if w.transport is None else w.transport.get_write_buffer_size()
+        if unsent and unsent + len(payload) + len(req.script or b"") > MAX_UNSENT:
+            raise Busy(
+                "runner_backlogged",
+                "the runner is not reading: commands already waiting for it are at the"
+                " limit; retry later",
+            )
         chan = w.next_channel
         w.next_channel = (chan + 1) & 0xFFFFFFFF or 1
         w.channels[chan] = ch
@@ -416,7 +424,7 @@ class RunnerClient:
         w = self.wire
         if w is None or w.transport is None:
             raise ConnectionError(self.last_error)
-        if w.transport.get_write_buffer_size() + len(data) > MAX_UNSENT_STDIN:
+        if w.transport.get_write_buffer_size() + len(data) > MAX_UNSENT:
             raise Busy(
                 "stdin_backlogged",
                 "the runner is not reading: stdin already waiting is at its limit; retry later",
