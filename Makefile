@@ -15,7 +15,10 @@ NODE_TIERS ?= tests/devcluster tests/e2e
 # a pytest session of their own (warm, the processes lane was the longest). Not
 # first: cold, their CPU slowed the node's builds, which every node test waits on.
 # --rootdir=.: its test ids and its row in .ci/run's table read sandbox-agent/tests.
-AGENT_TIERS ?= sandbox-agent/tests
+AGENT_TIERS ?= sandbox-agent/tests --ignore=sandbox-agent/tests/hostile
+# The agent under hostile workloads in a real 256 MiB memory cgroup (root): a
+# pytest session of its own at the end of the processes lane, the shortest.
+HOSTILE_TIERS ?= sandbox-agent/tests/hostile
 # The e2e files of the second node lane; every other e2e file runs in the first.
 E2E_SECOND ?= tests/e2e/test_isolation_e2e.py tests/e2e/test_sandbox_e2e.py \
 	tests/e2e/test_snapshot_e2e.py tests/e2e/test_running_sandbox_e2e.py \
@@ -66,7 +69,8 @@ test: install ## Lint and every test tier, in three lanes side by side (node / e
 			$(PY) -m pytest -p devcluster.pytest_plugin --rootdir=. $(AGENT_TIERS) && exit \$$e2e" \
 		"processes=make --no-print-directory binaries || exit \$$?; \
 			$(PY) -m devcluster.phases run lint -- make --no-print-directory lint; \
-			lint=\$$?; $(PY) -m pytest -p devcluster.pytest_plugin $(PROCESS_TIERS) && exit \$$lint"
+			lint=\$$?; $(PY) -m pytest -p devcluster.pytest_plugin $(PROCESS_TIERS) || exit \$$?; \
+			$(PY) -m pytest -p devcluster.pytest_plugin --rootdir=. $(HOSTILE_TIERS) && exit \$$lint"
 
 .PHONY: test-unit
 test-unit: install ## Fast tests: models, builders, conditions, CRD freshness

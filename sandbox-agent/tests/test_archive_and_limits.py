@@ -234,6 +234,11 @@ def test_capture_and_log_caps(fresh: Callable[..., Sandbox]) -> None:
     page = sb.client.get(f"/v1/executions/{ex['id']}/output", params={"maxBytes": 1 << 20}).json()
     assert page["logTruncated"] is True and page["finished"] is True
     assert sum(len(c["data"]) for c in page["chunks"]) < 100000
+    # Control characters take six bytes each in JSON: their tail is cut so the
+    # answer stays within the cap too.
+    ex = sb.sh("head -c 800 /dev/zero | tr '\\0' '\\1'")
+    assert ex["stdoutBytes"] == 800 and ex["stdoutTruncated"] is True
+    assert ex["stdout"] == "\x01" * (1000 // 6)
 
 
 def test_log_dir_cap_prunes_oldest(fresh: Callable[..., Sandbox]) -> None:

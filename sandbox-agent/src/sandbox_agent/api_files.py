@@ -19,6 +19,7 @@ from .state import AgentState, state_of
 from .web import OCTET, TAR, body_as, ok, one_of, spool_upload
 
 LINE_RANGE_BYTES = 16 << 20
+READ_BLOCK = 512 << 10  # streamed reads go in blocks of this size
 
 
 def file_op(op: str) -> None:
@@ -81,9 +82,9 @@ async def file_read(request: Request, args: Args) -> Response:
         pos = start
         try:
             while pos < end:
-                # 1 MiB at a time: what a reader that stops reading leaves in
-                # memory (the block sent and the next one).
-                data = await asyncio.to_thread(os.pread, fd, min(1 << 20, end - pos), pos)
+                # What a reader that stops reading leaves in memory: the block
+                # sent and the next one.
+                data = await asyncio.to_thread(os.pread, fd, min(READ_BLOCK, end - pos), pos)
                 if not data:
                     break  # file shrank: the client sees a short body
                 pos += len(data)
@@ -153,7 +154,7 @@ async def file_list(request: Request, args: Args) -> Response:
     )
 
 
-SCAN_WAIT = 10.0  # seconds a scan waits for a slot before 503 files_busy
+SCAN_WAIT = 10.0  # seconds a scan waits for a slot before 429 files_busy
 
 
 def _json_file_op(

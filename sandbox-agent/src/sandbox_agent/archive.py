@@ -43,7 +43,10 @@ from .paths import Workspace, display
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
-CHUNK = 1 << 20
+CHUNK = 1 << 20  # read from an uploaded archive's member at once
+# A download hands the response this much at a time, at most 2 ahead: what a
+# client that reads nothing leaves in memory (16 of them: ~16 MiB).
+OUT_CHUNK = 256 << 10
 MAX_META = 256 << 10  # one long-name or PAX header
 MAX_META_CHAIN = 8  # such headers in front of one member
 MAX_NAME = 4096  # bytes of a member's name or link target (PATH_MAX)
@@ -515,7 +518,7 @@ class _QueueWriter:
 
     def write(self, data: bytes) -> int:
         self.buf += data
-        if len(self.buf) >= CHUNK:
+        if len(self.buf) >= OUT_CHUNK:
             self.put(bytes(self.buf))
             self.buf.clear()
         return len(data)

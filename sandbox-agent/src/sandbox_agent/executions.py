@@ -56,10 +56,35 @@ def _write_file(path: str, data: bytearray) -> None:
         os.close(fd)
 
 
-def _text(data: bytearray | memoryview | bytes, cap: int) -> str:
-    """Lossy UTF-8 text of the last ``cap`` bytes, decoded without a copy."""
+# Control characters JSON writes as six bytes (\u0001); \n, \t and the like
+# take two, which the cap leaves alone (at most twice the tail).
+_LONG_ESCAPES = bytes(c for c in range(0x20) if c not in b"\b\t\n\f\r")
+
+
+def _escaped_size(view: memoryview) -> int:
+    """About what `view` takes as a JSON string: its six-byte escapes counted."""
+    raw = bytes(view)
+    return len(raw) + 5 * (len(raw) - len(raw.translate(None, _LONG_ESCAPES)))
+
+
+def _text(data: bytearray | memoryview | bytes, cap: int) -> tuple[str, bool]:
+    """Lossy UTF-8 text of the last ``cap`` bytes, decoded without a copy, and
+    whether it was cut. A tail of control characters is cut further so that
+    its JSON stays within the cap too (1.5 MiB of them would be 9 MiB)."""
     view = memoryview(data)
-    return str(view[-cap:] if len(view) > cap else view, "utf-8", "replace")
+    cut = len(view) > cap
+    if cut:
+        view = view[-cap:]
+    if _escaped_size(view) > cap:
+        lo, hi = 0, len(view)  # the shortest cut whose escaped rest fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _escaped_size(view[mid:]) > cap:
+                lo = mid + 1
+            else:
+                hi = mid
+        view, cut = view[lo:], True
+    return str(view, "utf-8", "replace"), cut
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -120,6 +145,18 @@ def _kept(command: str | None) -> tuple[str | None, bool, int | None]:
     return encoded[:COMMAND_KEPT].decode("utf-8", "ignore"), True, len(encoded)
 
 
+def _kept_argv(argv: list[str]) -> tuple[list[str], int]:
+    """An argv cut to about COMMAND_KEPT characters in all, and its whole size."""
+    kept: list[str] = []
+    room = COMMAND_KEPT
+    for arg in argv:
+        if room <= 0:
+            break
+        kept.append(arg[:room])
+        room -= len(arg)
+    return kept, sum(len(a.encode("utf-8", "surrogatepass")) for a in argv)
+
+
 # A script up to this size travels in the shell's argv (see _spawn_request):
 # half of Linux's limit on one argument, and far below the spawn frame's 1 MiB.
 ARGV_SCRIPT_MAX = 64 << 10
@@ -172,7 +209,11 @@ class Execution:
         self.key = req.idempotency_key
         self.fingerprint = fingerprint
         self.command, self.command_truncated, self.command_bytes = _kept(req.command)
-        self.argv = argv
+        # [shell, -c, command] shows the kept command, not a second whole copy.
+        self.argv = argv if req.command is None else [*argv[:-1], self.command or ""]
+        if req.command is None and sum(len(a) for a in argv) > COMMAND_KEPT:
+            self.argv, self.command_bytes = _kept_argv(argv)
+            self.command_truncated = True
         self.cwd = req.cwd
         self.env = req.env
         self.timeout = timeout
@@ -642,8 +683,10 @@ class Execution:
         start = self.started
         cap = self.mgr.settings.max_capture_bytes
         tails: dict[int, bytearray] | dict[int, memoryview | bytes] | None = None
+        texts: dict[int, tuple[str, bool]] = {}
         if output:
             tails = self.capture if self.capture is not None else self._tails_from_log()
+            texts = {stream: _text(tail, cap) for stream, tail in tails.items()}
         # (field order on the wire is the model's, not this call's)
         return models.Execution(
             id=self.id,
@@ -660,8 +703,8 @@ class Execution:
             cwd=self.cwd,
             timeout_seconds=self.timeout,
             background=self.background,
-            stdout=_text(tails[STREAM_OUT], cap) if tails else None,
-            stderr=_text(tails[STREAM_ERR], cap) if tails else None,
+            stdout=texts[STREAM_OUT][0] if texts else None,
+            stderr=texts[STREAM_ERR][0] if texts else None,
             combined_output=self.combined,
             pid=self.pid,
             exit_code=self.exit_code,
@@ -672,8 +715,12 @@ class Execution:
             oom_killed=self.oom_killed,
             error=self.error,
             tails_dropped=self.tails_dropped and output,
-            stdout_truncated=self.truncated[STREAM_OUT] or self.totals[STREAM_OUT] > cap,
-            stderr_truncated=self.truncated[STREAM_ERR] or self.totals[STREAM_ERR] > cap,
+            stdout_truncated=self.truncated[STREAM_OUT]
+            or self.totals[STREAM_OUT] > cap
+            or (STREAM_OUT in texts and texts[STREAM_OUT][1]),
+            stderr_truncated=self.truncated[STREAM_ERR]
+            or self.totals[STREAM_ERR] > cap
+            or (STREAM_ERR in texts and texts[STREAM_ERR][1]),
             stdout_bytes=self.totals[STREAM_OUT],
             stderr_bytes=self.totals[STREAM_ERR],
             output_cursor=self._seal(),

@@ -178,7 +178,7 @@ class Execution(_Out, kw_only=True):
             str,
             Meta(
                 description="The command as sent, or its first 4 KiB when it was longer "
-                "(commandTruncated): records are kept for up to "
+                "(commandTruncated; argv likewise): records are kept for up to "
                 "SANDBOX_AGENT_MAX_RECORDS executions"
             ),
         ]
@@ -186,7 +186,8 @@ class Execution(_Out, kw_only=True):
     ) = None
     command_truncated: bool = False
     command_bytes: (
-        Annotated[int, Meta(description="Size of the whole command in UTF-8 bytes")] | None
+        Annotated[int, Meta(description="Size of the whole command (or argv) in UTF-8 bytes")]
+        | None
     ) = None
     argv: list[str]
     cwd: str
