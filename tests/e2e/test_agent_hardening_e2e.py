@@ -1,17 +1,20 @@
 """Code inside a real sandbox pod attacks its own agent: a pipelining flood over
-the pod's loopback, and a directory swapped for a symlink to the agent's own
-files while the agent searches. The agent stays up, inside its memory limit,
-and nothing outside the workspace is ever returned."""
+the pod's loopback, a directory swapped for a symlink to the agent's own files
+while the agent searches, and connections held before auth. The agent stays
+up (never restarted by its probes), inside its memory limit, the operator's
+Executions get through, and nothing outside the workspace is ever returned."""
 
 from __future__ import annotations
 
 import json
+import time
 from urllib.parse import urlsplit
 
 import pytest
 
 from tests.e2e.agent import Agent
 from tests.e2e.conftest import E2E
+from tests.executions import Executions
 from tests.kube import KubeJSON, core_path
 from tests.sandboxes import Sandboxes
 
@@ -36,6 +39,37 @@ for _ in range(4):
         pass
     total += sent // len(req)
 print(json.dumps({"accepted": total}))
+"""
+
+# Connections without the token that announce a body and trickle it, as many
+# as the agent's cap and more, held for `seconds`.
+HOLD = """
+import socket, sys, time
+port, seconds = int(sys.argv[1]), float(sys.argv[2])
+held = []
+for _ in range(140):
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"PUT /v1/files/content?path=x HTTP/1.1\\r\\nHost: x\\r\\n"
+                  b"Content-Length: 100000000\\r\\n\\r\\n" + b"y" * 100)
+        held.append(s)
+    except OSError:
+        pass
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    for i, s in enumerate(held):
+        try:
+            s.send(b"y")
+        except OSError:  # closed by the agent: open another
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                s.sendall(b"PUT /v1/files/content?path=x HTTP/1.1\\r\\nHost: x\\r\\n"
+                          b"Content-Length: 100000000\\r\\n\\r\\n")
+                held[i] = s
+            except OSError:
+                pass
+    time.sleep(0.2)
+print(len(held))
 """
 
 SWAP = """
@@ -115,6 +149,19 @@ def test_the_agent_survives_its_own_sandbox(e2e: E2E) -> None:
             leaks.append("read")
     agent._http.post(f"/v1/executions/{swapper['id']}/cancel")
     assert leaks == []
+
+    # 3. Connections held before auth cannot lock out the kubelet's probes or
+    # the operator: an Execution completes meanwhile, and the kubelet never
+    # restarts the agent (its probes kept being answered).
+    agent.write("hold.py", HOLD)
+    holder = agent.start(f"exec python3 hold.py {port} 45")
+    executions = Executions(e2e.kube, ns)
+    time.sleep(3)  # the connections are held
+    executions.run("during-hold", "target", "echo operator got through")
+    done = executions.wait_done("during-hold", timeout=60)
+    assert done["phase"] == "Succeeded", done
+    time.sleep(20)  # a few liveness and readiness periods under the hold
+    agent._http.post(f"/v1/executions/{holder['id']}/cancel")
 
     # The agent never restarted (no OOM kill), and is within its limit.
     container = _agent_container(e2e.kube, ns, "target")
