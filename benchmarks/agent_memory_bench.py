@@ -37,17 +37,20 @@ import gzip
 import http.client
 import io
 import json
+import lzma
 import os
 import platform
 import secrets
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tarfile
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,9 +66,9 @@ TARGET_RSS_MIB = 128
 class Cgroup:
     """A memory cgroup of our own (v2 if the memory controller is there, else v1)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, name: str = "") -> None:
         self.v2 = self._v2_parent()
-        name = f"sandbox-agent-bench-{os.getpid()}"
+        name = name or f"sandbox-agent-bench-{os.getpid()}"
         if self.v2 is not None:
             self.path = self.v2 / name
             self.path.mkdir()
@@ -113,6 +116,9 @@ class Cgroup:
     @property
     def procs(self) -> str:
         return str(self.path / "cgroup.procs")
+
+    def add(self, pid: int) -> None:
+        Path(self.procs).write_text(str(pid))
 
     def peak(self) -> int:
         name = "memory.peak" if self.v2 is not None else "memory.max_usage_in_bytes"
@@ -176,7 +182,8 @@ class Agent:
         self.runner = subprocess.Popen(
             [sys.executable, str(self.dir / "run" / "runner.py")],
             cwd=self.workspace,
-            env={"PATH": env["PATH"], "LANG": "C.UTF-8"},
+            # No coalescing of small writes: the image sets this, not the agent.
+            env={"PATH": env["PATH"], "LANG": "C.UTF-8", "SANDBOX_RUNNER_LINGER_MS": "0"},
         )
         self._wait(lambda: self.get("/readyz")[0] == 200)
 
@@ -391,6 +398,148 @@ def read_attacks(a: Agent) -> str:
     return f"line range of 1 GiB w/o newline: {s1}, {s2}; streamed read: {got // MiB} MiB"
 
 
+# -- round 2: what finished records keep, what slow readers hold, whole files --
+
+
+def xz_asking_for_4gib(tar: bytes) -> bytes:
+    """An .xz of `tar` whose block header asks for a 4 GiB LZMA2 dictionary."""
+    xz = bytearray(lzma.compress(tar, format=lzma.FORMAT_XZ, preset=0))
+    start, size = 12, (xz[12] + 1) * 4  # the block header, after the stream header
+    header = xz[start : start + size]
+    header[4] = 40  # the dictionary size code: 4 GiB - 1
+    header[-4:] = struct.pack("<I", zlib.crc32(bytes(header[:-4])))
+    xz[start : start + size] = header
+    return bytes(xz)
+
+
+def preauth_hold(a: Agent) -> str:
+    held = []
+    for _ in range(140):
+        s = socket.create_connection(("127.0.0.1", a.port), timeout=10)
+        s.sendall(
+            b"PUT /v1/files/content?path=x HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: 100000000\r\n\r\n" + b"y" * 100
+        )
+        held.append(s)
+    answered = tried = 0
+    end = time.monotonic() + 5
+    while time.monotonic() < end:
+        for s in held:
+            with contextlib.suppress(OSError):
+                s.send(b"y")
+        tried += 1
+        answered += a.get("/healthz")[0] == 200
+        time.sleep(0.1)
+    for s in held:
+        s.close()
+    return f"140 connections held before auth: /healthz answered {answered}/{tried}"
+
+
+def xz_dictionary(a: Agent) -> str:
+    body = xz_asking_for_4gib(b"\0" * 10240)
+    statuses: list[int] = []
+    _threads(
+        lambda i: statuses.append(a.request("PUT", f"/v1/files/archive?path=x{i}", body)[0]), 8
+    )
+    return f"8 x {len(body)} B .tar.xz asking for a 4 GiB dictionary: {sorted(set(statuses))}"
+
+
+def whole_files(a: Agent) -> str:
+    ws = a.workspace
+    (ws / "short.txt").write_bytes(b"a\n" * ((4 << 20) - 8))
+    with (ws / "astral.txt").open("wb") as f:
+        f.truncate(30 * MiB)
+        f.seek(30 * MiB)
+        f.write("\N{GRINNING FACE} X\n".encode())
+    (ws / "lines48.txt").write_bytes(b"a\n" * (24 << 20))
+    (ws / "newlines.txt").write_bytes(b"\n" * (64 << 20))
+    diff = "--- a/lines48.txt\n+++ b/lines48.txt\n@@ -1 +1 @@\n-a\n+b\n"
+    calls = [
+        ("POST", "/v1/files/search", {"pattern": "zz", "path": "short.txt"}),
+        ("POST", "/v1/files/search", {"pattern": "zz", "path": "short.txt"}),
+        ("POST", "/v1/files/replace", {"path": "astral.txt", "find": "X", "replace": "Y"}),
+        ("POST", "/v1/files/patch", {"patch": diff}),
+        *[("GET", f"/v1/files/content?path=newlines.txt&startLine={(64 << 20) + 9}", None)] * 6,
+    ]
+    statuses: list[int] = []
+
+    def one(i: int) -> None:
+        method, path, body = calls[i]
+        payload = None if body is None else json.dumps(body).encode()
+        statuses.append(a.request(method, path, payload)[0])
+
+    _threads(one, len(calls))
+    return f"search, replace, patch and line ranges of hostile files: {sorted(statuses)}"
+
+
+def tiny_records(a: Agent) -> str:
+    script = (
+        "import os, time\nend = time.time() + 10\nwhile time.time() < end:\n"
+        "    os.write(1, b'o'); os.write(2, b'e')\n"
+    )
+    body = json.dumps({"command": f'python3 -c "{script}"', "timeoutSeconds": 60}).encode()
+    status, data = a.request("POST", "/v1/executions", body)
+    ex = json.loads(data)
+    page_status, page = a.request("GET", f"/v1/executions/{ex['id']}/output")
+    chunks = len(json.loads(page)["chunks"]) if page_status == 200 else -1
+    return (
+        f"10 s of alternating 1-byte writes: {status}, {ex.get('stdoutBytes')} B,"
+        f" a page of {chunks} chunks"
+    )
+
+
+def long_scripts(a: Agent) -> str:
+    body = json.dumps({"command": "true\n# " + "x" * (4 * MiB - 100) + "\n"}).encode()
+    statuses = [a.request("POST", "/v1/executions", body)[0] for _ in range(30)]
+    listed, _ = a.request("GET", "/v1/executions")
+    return f"30 x 4 MiB scripts: {sorted(set(statuses))}; list: {listed}"
+
+
+def unread_answers(a: Agent) -> str:
+    (a.workspace / "big.bin").write_bytes(os.urandom(64 * MiB))
+    (a.workspace / "tree").mkdir(exist_ok=True)
+    for i in range(8):
+        (a.workspace / "tree" / f"f{i}").write_bytes(os.urandom(8 * MiB))
+    readers = []
+    for i in range(32):
+        s = socket.create_connection(("127.0.0.1", a.port), timeout=10)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        path = "/v1/files/content?path=big.bin" if i % 2 else "/v1/files/archive?path=tree"
+        s.sendall(
+            f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {a.token}\r\n\r\n".encode()
+        )
+        readers.append(s)
+    body = json.dumps({"command": "head -c 1500000 /dev/zero | tr '\\0' '\\1'"}).encode()
+    statuses: list[int] = []
+    _threads(lambda i: statuses.append(a.request("POST", "/v1/executions", body)[0]), 16)
+    time.sleep(2)
+    for s in readers:
+        s.close()
+    return (
+        f"32 downloads nobody reads + 16 x 1.5 MiB of control characters: {sorted(set(statuses))}"
+    )
+
+
+def concurrent_outputs(a: Agent) -> str:
+    body = json.dumps({"command": "head -c 1500000 /dev/zero | tr '\\0' x"}).encode()
+    whole = empty = refused = 0
+
+    def one(i: int) -> None:
+        nonlocal whole, empty, refused
+        status, data = a.request("POST", "/v1/executions", body)
+        if status != 200:
+            refused += 1
+            return
+        ex = json.loads(data)
+        if len(ex["stdout"]) == 1500000:
+            whole += 1
+        elif not ex["stdout"] and not ex.get("tailsDropped"):
+            empty += 1
+
+    _threads(one, 48)
+    return f"48 x 1.5 MiB at once: {whole} whole, {empty} silently empty, {refused} refused"
+
+
 def _threads(fn: Callable[[int], None], n: int) -> None:
     ts = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
     for t in ts:
@@ -406,6 +555,13 @@ ATTACKS: list[tuple[str, Callable[[Agent], str]]] = [
     ("output floods", output_floods),
     ("tar attacks", tar_attacks),
     ("read attacks", read_attacks),
+    ("pre-auth hold", preauth_hold),
+    ("xz dictionary", xz_dictionary),
+    ("whole files", whole_files),
+    ("tiny records", tiny_records),
+    ("long scripts", long_scripts),
+    ("unread answers", unread_answers),
+    ("concurrent outputs", concurrent_outputs),
 ]
 
 

@@ -17,15 +17,13 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
-import lzma
 import os
 import random
 import socket
-import struct
+import sys
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,57 +32,16 @@ import httpx
 import pytest
 from conftest import Sandbox
 
+# The benchmark's cgroup (benchmarks/agent_memory_bench.py): made under this
+# process's own, v2 or v1.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from benchmarks.agent_memory_bench import Cgroup, xz_asking_for_4gib
+
 MiB = 1 << 20
 LIMIT = 256 * MiB
 PEAK_RSS = 160 * MiB
 
 pytestmark = pytest.mark.timeout(600)
-
-
-class MemoryCgroup:
-    """A memory cgroup of its own with a hard limit (v2 if mounted, else v1)."""
-
-    def __init__(self, limit: int) -> None:
-        name = f"sandbox-agent-hostile-{uuid.uuid4().hex[:8]}"
-        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
-        if v2.exists() and "memory" in v2.read_text().split():
-            self.v2 = True
-            self.path = Path("/sys/fs/cgroup") / name
-        else:
-            self.v2 = False
-            self.path = Path("/sys/fs/cgroup/memory") / name
-        try:
-            self.path.mkdir()
-            if self.v2:
-                (self.path / "memory.max").write_text(str(limit))
-                (self.path / "memory.swap.max").write_text("0")
-            else:
-                (self.path / "memory.limit_in_bytes").write_text(str(limit))
-                with contextlib.suppress(OSError):  # no swap accounting: nothing to cap
-                    (self.path / "memory.memsw.limit_in_bytes").write_text(str(limit))
-        except OSError as exc:
-            raise AssertionError(
-                f"cannot make a memory cgroup at {self.path} ({exc}): this tier runs as root"
-            ) from None
-
-    def add(self, pid: int) -> None:
-        (self.path / "cgroup.procs").write_text(str(pid))
-
-    def oom_kills(self) -> int:
-        text = (self.path / ("memory.events" if self.v2 else "memory.oom_control")).read_text()
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-        return 0
-
-    def remove(self) -> None:
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)  # processes still leaving
 
 
 class Prober(threading.Thread):
@@ -127,7 +84,7 @@ def _hwm(pid: int) -> int:
 @dataclass
 class Caged:
     sb: Sandbox
-    cgroup: MemoryCgroup
+    cgroup: Cgroup
     prober: Prober
     pid: int
     peaks: dict[str, int] = field(default_factory=dict)
@@ -139,7 +96,12 @@ def caged(fresh: Callable[..., Sandbox], request: pytest.FixtureRequest) -> Iter
     # The runner and the commands live in the sandbox's container, not the agent's.
     sb.start_runner(extra_env={"SANDBOX_RUNNER_LINGER_MS": "0"})
     assert sb.agent is not None
-    cgroup = MemoryCgroup(LIMIT)
+    try:
+        cgroup = Cgroup(LIMIT, f"sandbox-agent-hostile-{uuid.uuid4().hex[:8]}")
+    except (OSError, StopIteration, RuntimeError) as exc:
+        raise AssertionError(
+            f"cannot make a memory cgroup ({exc}): this tier runs as root"
+        ) from None
     cgroup.add(sb.agent.pid)
     prober = Prober(sb.base_url)
     prober.start()
@@ -209,19 +171,9 @@ def test_connections_held_before_auth(caged: Caged) -> None:
             s.close()
 
 
-def _xz_asking_for_4gib(tar: bytes) -> bytes:
-    xz = bytearray(lzma.compress(tar, format=lzma.FORMAT_XZ, preset=0))
-    start, size = 12, (xz[12] + 1) * 4
-    header = xz[start : start + size]
-    header[4] = 40  # LZMA2 dictionary: 4 GiB
-    header[-4:] = struct.pack("<I", zlib.crc32(bytes(header[:-4])))
-    xz[start : start + size] = header
-    return bytes(xz)
-
-
 def test_compressed_archive_dictionary(caged: Caged) -> None:
     sb = caged.sb
-    body = _xz_asking_for_4gib(b"\0" * 10240)
+    body = xz_asking_for_4gib(b"\0" * 10240)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         answers = list(
             pool.map(
@@ -346,7 +298,7 @@ def test_a_random_mix(caged: Caged) -> None:
     sb = caged.sb
     rng = random.Random(int(os.environ.get("HOSTILE_SEED", "33")))
     (sb.workspace / "short.txt").write_bytes(b"a\n" * (1 << 20))
-    xz = _xz_asking_for_4gib(b"\0" * 10240)
+    xz = xz_asking_for_4gib(b"\0" * 10240)
     ops: list[Callable[[], object]] = [
         lambda: sb.sh(f"head -c {rng.randrange(1, 2_000_000)} /dev/urandom | base64"),
         lambda: sb.sh("for i in $(seq 2000); do printf o; printf e >&2; done"),
