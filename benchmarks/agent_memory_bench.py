@@ -444,8 +444,10 @@ def xz_dictionary(a: Agent) -> str:
     return f"8 x {len(body)} B .tar.xz asking for a 4 GiB dictionary: {sorted(set(statuses))}"
 
 
-def whole_files(a: Agent) -> str:
-    ws = a.workspace
+def plant_hostile_files(ws: Path) -> None:
+    """Files that cost whole-file operations most: 8 MiB of 2-byte lines
+    (short.txt), 30 MiB with one astral character (astral.txt, "X" near its
+    end), 48 MiB of 2-byte lines (lines48.txt), 64 MiB of newlines."""
     (ws / "short.txt").write_bytes(b"a\n" * ((4 << 20) - 8))
     with (ws / "astral.txt").open("wb") as f:
         f.truncate(30 * MiB)
@@ -453,6 +455,10 @@ def whole_files(a: Agent) -> str:
         f.write("\N{GRINNING FACE} X\n".encode())
     (ws / "lines48.txt").write_bytes(b"a\n" * (24 << 20))
     (ws / "newlines.txt").write_bytes(b"\n" * (64 << 20))
+
+
+def whole_files(a: Agent) -> str:
+    plant_hostile_files(a.workspace)
     diff = "--- a/lines48.txt\n+++ b/lines48.txt\n@@ -1 +1 @@\n-a\n+b\n"
     calls = [
         ("POST", "/v1/files/search", {"pattern": "zz", "path": "short.txt"}),

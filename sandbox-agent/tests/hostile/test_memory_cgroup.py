@@ -35,7 +35,7 @@ from conftest import Sandbox
 # The benchmark's cgroup (benchmarks/agent_memory_bench.py): made under this
 # process's own, v2 or v1.
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from benchmarks.agent_memory_bench import Cgroup, xz_asking_for_4gib
+from benchmarks.agent_memory_bench import Cgroup, plant_hostile_files, xz_asking_for_4gib
 
 MiB = 1 << 20
 LIMIT = 256 * MiB
@@ -188,14 +188,7 @@ def test_compressed_archive_dictionary(caged: Caged) -> None:
 
 def test_whole_file_operations_on_hostile_files(caged: Caged) -> None:
     sb = caged.sb
-    ws = sb.workspace
-    (ws / "short.txt").write_bytes(b"a\n" * ((4 << 20) - 8))  # 8 MiB of 2-byte lines
-    with (ws / "astral.txt").open("wb") as f:
-        f.truncate(30 * MiB)
-        f.seek(30 * MiB)
-        f.write("\N{GRINNING FACE} X\n".encode())
-    (ws / "lines48.txt").write_bytes(b"a\n" * (24 << 20))
-    (ws / "newlines.txt").write_bytes(b"\n" * (64 << 20))
+    plant_hostile_files(sb.workspace)
     calls: list[Callable[[], httpx.Response]] = [
         lambda: sb.client.post("/v1/files/search", json={"pattern": "zz", "path": "short.txt"}),
         lambda: sb.client.post("/v1/files/search", json={"pattern": "zz", "path": "short.txt"}),
