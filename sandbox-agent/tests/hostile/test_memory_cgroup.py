@@ -6,7 +6,9 @@ size (v1 or v2, whichever this machine has; made as root, and the tier fails
 rather than skips when it cannot be made). Each test is one class of what
 code in a sandbox, or a careless caller, can do; every test then checks the
 same things: no OOM kill in the cgroup, the agent process still the same,
-peak RSS at most 160 MiB, and `/healthz` answered within a second all along.
+peak RSS at most 160 MiB, and `/healthz` answered within a second all along
+(never three probes in a row unanswered, which would have the kubelet
+restart the agent).
 
 Run as a pytest session of its own (`make test` runs it in the processes
 lane): `pytest --rootdir=. sandbox-agent/tests/hostile`.
@@ -45,7 +47,10 @@ pytestmark = pytest.mark.timeout(600)
 
 
 class Prober(threading.Thread):
-    """GET /healthz on a new connection every 0.25 s, as the kubelet does."""
+    """GET /healthz on a new connection every 0.25 s with the kubelet's default
+    timeout (1 s). The kubelet restarts a container after 3 failures in a row
+    (10 s apart); here 3 in a row within a second fail the test, and any one
+    failure is reported (a loaded CI machine can delay one probe by itself)."""
 
     def __init__(self, base_url: str) -> None:
         super().__init__(daemon=True)
@@ -54,6 +59,8 @@ class Prober(threading.Thread):
         self.failures: list[str] = []
         self.worst = 0.0
         self.count = 0
+        self.in_a_row = 0
+        self.most_in_a_row = 0
 
     def run(self) -> None:
         while True:
@@ -63,13 +70,20 @@ class Prober(threading.Thread):
 
     def probe(self) -> None:
         t = time.monotonic()
+        failure = None
         try:
             with httpx.Client(timeout=1.0) as c:
                 status = c.get(f"{self.base_url}/healthz").status_code
             if status != 200:
-                self.failures.append(f"status {status}")
+                failure = f"status {status}"
         except httpx.HTTPError as exc:
-            self.failures.append(f"{type(exc).__name__} after {time.monotonic() - t:.2f}s")
+            failure = f"{type(exc).__name__} after {time.monotonic() - t:.2f}s"
+        if failure is None:
+            self.in_a_row = 0
+        else:
+            self.failures.append(failure)
+            self.in_a_row += 1
+            self.most_in_a_row = max(self.most_in_a_row, self.in_a_row)
         self.worst = max(self.worst, time.monotonic() - t)
         self.count += 1
 
@@ -115,12 +129,13 @@ def caged(fresh: Callable[..., Sandbox], request: pytest.FixtureRequest) -> Iter
         peak = _hwm(caged.pid) if alive else -1
         print(
             f"\n{request.node.name}: peak RSS {peak / MiB:.0f} MiB, "
-            f"slowest /healthz {prober.worst:.2f}s of {prober.count}"
+            f"slowest /healthz {prober.worst:.2f}s of {prober.count}, "
+            f"{len(prober.failures)} not answered within 1 s"
         )
         assert alive, f"the agent exited ({sb.agent.returncode}): {sb.agent_log()[-2000:]}"
         assert cgroup.oom_kills() == 0, "the agent was OOM-killed in its cgroup"
         assert peak <= PEAK_RSS, f"peak RSS {peak / MiB:.0f} MiB"
-        assert prober.failures == [], prober.failures
+        assert prober.most_in_a_row < 3, prober.failures
     finally:
         prober.stop.set()
         sb.stop()
