@@ -122,3 +122,17 @@ def test_records_keep_a_prefix_of_long_commands(fresh: Callable[..., Sandbox]) -
     assert again["commandBytes"] == size
     small = sb.sh("echo hi")
     assert small["command"] == "echo hi" and small["commandTruncated"] is False
+
+
+def test_the_journal_counts_against_the_log_budget(fresh: Callable[..., Sandbox]) -> None:
+    """Output logs and the journal share the log directory's budget: logs of
+    finished commands are pruned to leave the journal its room."""
+    budget = 400_000
+    sb = fresh(max_log_dir_bytes=budget, log_memory_bytes=1000)  # every log spills to disk
+    script = "head -c 20000 /dev/zero | tr '\\0' o\n# " + "x" * 5000 + "\n"
+    for _ in range(60):
+        assert sb.sh(script)["exitCode"] == 0
+    journal = (sb.logs / "executions.journal").stat().st_size
+    logs = sum(p.stat().st_size for p in sb.logs.glob("*.log"))
+    assert journal > 100_000  # 60 records of 4 KiB commands
+    assert journal + logs <= budget, (journal, logs)

@@ -1079,7 +1079,8 @@ class ExecutionManager:
 
     def reserve_log(self, ex: Execution, need: int) -> bool:
         """Account for log bytes, pruning the oldest finished logs to make room."""
-        cap = self.settings.max_log_dir_bytes
+        # The journal shares the log directory and its budget.
+        cap = self.settings.max_log_dir_bytes - self.journal.size
         if self.log_bytes + need > cap:
             for other in list(self.records.values()):
                 if self.log_bytes + need <= cap:

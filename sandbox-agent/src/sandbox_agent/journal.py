@@ -32,6 +32,7 @@ class Journal:
         self.path = os.path.join(directory, NAME)
         self.max_lines = 4 * max_records + 100
         self.lines = 0
+        self.size = 0  # bytes in the file: they count against the log budget
         self.fd = -1
 
     def load(self) -> list[dict[str, Any]]:
@@ -41,6 +42,7 @@ class Journal:
             with open(self.path, "rb") as f:
                 for raw in f:
                     self.lines += 1
+                    self.size += len(raw)
                     try:
                         entry = json.loads(raw)
                     except ValueError:
@@ -70,6 +72,7 @@ class Journal:
         try:
             os.write(self.fd, line)
             self.lines += 1
+            self.size += len(line)
         except OSError as exc:  # a full disk must not break executions
             log.warning("journal write failed: %s", exc)
 
@@ -78,10 +81,13 @@ class Journal:
 
     def rewrite(self, entries: list[tuple[str, dict[str, Any]]]) -> None:
         tmp = self.path + ".tmp"
+        size = 0
         try:
             with open(tmp, "wb") as f:
                 for op, data in entries:
-                    f.write(_encode({"op": op, **data}) + b"\n")
+                    line = _encode({"op": op, **data}) + b"\n"
+                    f.write(line)
+                    size += len(line)
             os.replace(tmp, self.path)
         except OSError as exc:
             log.warning("journal compaction failed: %s", exc)
@@ -92,6 +98,7 @@ class Journal:
             os.close(self.fd)
         self.open()
         self.lines = len(entries)
+        self.size = size
 
     def close(self) -> None:
         if self.fd >= 0:
