@@ -49,8 +49,10 @@ class OperatorContext:
     tokens: dict[Key, str] = field(default_factory=dict)
     # Volume binding mode by StorageClass name: classes are immutable in that field.
     binding_modes: dict[str, str] = field(default_factory=dict)
-    # The spec env (as JSON) each sandbox pod's agent was given (by pod UID).
-    environments: dict[str, str] = field(default_factory=dict)
+    # The spec env (as JSON) the agent of a Sandbox's current pod was given, by
+    # (namespace, Sandbox UID), with that pod's UID: a new pod is given it again,
+    # and forget() drops it with the Sandbox (keyed by pod UID, it grew for ever).
+    environments: dict[Key, tuple[str, str]] = field(default_factory=dict)
     # Pods this process created, by (namespace, Sandbox name), until the pod index
     # shows them: a pass that runs in between (the claim's ADDED event, a retried
     # creation handler) would otherwise find no pod and create it and its
@@ -126,6 +128,7 @@ class OperatorContext:
             self.tokens.pop((namespace, uid), None)
             self.limit_counters.pop((namespace, uid), None)
             self.pool_decisions.pop((namespace, uid), None)
+            self.environments.pop((namespace, uid), None)
             self.backoffs.streaks.pop(uid, None)
 
     async def agent_token(self, sandbox: JSON) -> str | None:

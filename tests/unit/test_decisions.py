@@ -524,3 +524,15 @@ def test_an_eviction_recorded_only_in_an_event_is_still_named() -> None:
     evicted = run(pods.with_eviction(context(kube), pod))
     assert evicted is not None
     assert decide(evicted).why == f"evicted by the kubelet: {message}"
+
+
+def test_what_the_operator_remembers_of_a_sandbox_goes_with_it() -> None:
+    """Per-Sandbox memory is keyed by the Sandbox and dropped by forget(): the
+    environment given to its pod's agent was kept by pod UID, for ever."""
+    ctx = context(MemoryKube())
+    ctx.environments[("ns", "sandbox-uid")] = ("pod-1", "[]")
+    ctx.environments[("ns", "other-uid")] = ("pod-2", "[]")
+    ctx.pool_decisions[("ns", "sandbox-uid")] = {}
+    ctx.forget("ns", "box", "sandbox-uid")
+    assert ctx.environments == {("ns", "other-uid"): ("pod-2", "[]")}
+    assert ctx.pool_decisions == {}

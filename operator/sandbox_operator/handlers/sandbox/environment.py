@@ -35,13 +35,13 @@ async def sync_environment(
     the pod's env means no overlay, and one given earlier is taken back."""
     if pod is None or not endpoint:
         return
-    uid = pod["metadata"]["uid"]
+    key = (body["metadata"]["namespace"], body["metadata"]["uid"])
     wanted = [var.to_wire() for var in spec.env]
     base = _pod_env(pod)
     # Secrets are read once per change of the spec's env, like the kubelet reads
     # them once per container start.
-    applied = json.dumps(wanted, sort_keys=True)
-    if ctx.environments.get(uid) == applied:
+    applied = (pod["metadata"]["uid"], json.dumps(wanted, sort_keys=True))
+    if ctx.environments.get(key) == applied:
         return
     env: dict[str, str] = {}
     unset: list[str] = []
@@ -71,7 +71,7 @@ async def sync_environment(
         if exc.status in (401, 403):
             ctx.drop_token(body)
         return  # the next pass tries again
-    ctx.environments[uid] = applied
+    ctx.environments[key] = applied
 
 
 async def sync_files(
