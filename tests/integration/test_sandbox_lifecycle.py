@@ -152,10 +152,14 @@ def test_pause_and_resume_keep_the_workspace_claim(
     claim_uid = kube.read(_claim(ns, "charlie"))["metadata"]["uid"]
     sandboxes.patch("charlie", {"spec": {"paused": True}})
     wait_for(lambda: not _exists(kube, _pod(ns, "charlie")), 20, "pod gone")
-    body = sandboxes.wait_phase("charlie", "Paused")
-    paused = sandboxes.condition("charlie", "Paused")
-    assert paused is not None
-    assert paused["status"] == "True"
+    # Phase Paused comes with Pausing while the operator still sees the pod;
+    # the condition turns True once it has seen the pod go.
+    body = sandboxes.wait_object(
+        "charlie",
+        "phase Paused, condition Paused=True",
+        lambda s: s.get("phase") == "Paused"
+        and any(c["type"] == "Paused" and c["status"] == "True" for c in s.get("conditions", [])),
+    )
     assert body["status"].get("podIP") is None
     assert kube.read(_claim(ns, "charlie"))["metadata"]["uid"] == claim_uid
     # Users see it in `kubectl describe`: an Event on the Sandbox.
