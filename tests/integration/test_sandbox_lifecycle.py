@@ -157,8 +157,12 @@ def test_pause_and_resume_keep_the_workspace_claim(
     body = sandboxes.wait_object(
         "charlie",
         "phase Paused, condition Paused=True",
-        lambda s: s.get("phase") == "Paused"
-        and any(c["type"] == "Paused" and c["status"] == "True" for c in s.get("conditions", [])),
+        lambda s: (
+            s.get("phase") == "Paused"
+            and any(
+                c["type"] == "Paused" and c["status"] == "True" for c in s.get("conditions", [])
+            )
+        ),
     )
     assert body["status"].get("podIP") is None
     assert kube.read(_claim(ns, "charlie"))["metadata"]["uid"] == claim_uid
