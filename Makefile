@@ -11,14 +11,15 @@ CLUSTER ?= dev
 # node lanes mostly wait on pods and probes; one e2e lane alone left a core idle).
 PROCESS_TIERS ?= tests/unit tests/integration sandbox-sdk/tests
 NODE_TIERS ?= tests/devcluster tests/e2e
-# The agent's own tests need no cluster: they run last in the second node lane,
-# a pytest session of their own (warm, the processes lane was the longest). Not
-# first: cold, their CPU slowed the node's builds, which every node test waits on.
-# --rootdir=.: its test ids and its row in .ci/run's table read sandbox-agent/tests.
-AGENT_TIERS ?= sandbox-agent/tests --ignore=sandbox-agent/tests/hostile
-# The agent under hostile workloads in a real 256 MiB memory cgroup (root): a
-# pytest session of its own at the end of the processes lane, the shortest.
-HOSTILE_TIERS ?= sandbox-agent/tests/hostile
+# The agent's own tests need no cluster: pytest sessions of their own at the
+# end of two lanes (not first: cold, their CPU slowed the node's builds, which
+# every node test waits on). AGENT_SECOND (the hostile tier in a real 256 MiB
+# memory cgroup, root, and the longest files) ends the processes lane, the rest
+# the second node lane: each lane then ends within a minute or two of the others.
+# --rootdir=.: their test ids and rows in .ci/run's table read sandbox-agent/tests.
+AGENT_SECOND ?= sandbox-agent/tests/hostile sandbox-agent/tests/test_http_limits.py \
+	sandbox-agent/tests/test_contract.py
+AGENT_TIERS ?= sandbox-agent/tests $(addprefix --ignore=,$(AGENT_SECOND))
 # The e2e files of the second node lane; every other e2e file runs in the first.
 E2E_SECOND ?= tests/e2e/test_isolation_e2e.py tests/e2e/test_sandbox_e2e.py \
 	tests/e2e/test_snapshot_e2e.py tests/e2e/test_running_sandbox_e2e.py \
@@ -70,7 +71,7 @@ test: install ## Lint and every test tier, in three lanes side by side (node / e
 		"processes=make --no-print-directory binaries || exit \$$?; \
 			$(PY) -m devcluster.phases run lint -- make --no-print-directory lint; \
 			lint=\$$?; $(PY) -m pytest -p devcluster.pytest_plugin $(PROCESS_TIERS) || exit \$$?; \
-			$(PY) -m pytest -p devcluster.pytest_plugin --rootdir=. $(HOSTILE_TIERS) && exit \$$lint"
+			$(PY) -m pytest -p devcluster.pytest_plugin --rootdir=. $(AGENT_SECOND) && exit \$$lint"
 
 .PHONY: test-unit
 test-unit: install ## Fast tests: models, builders, conditions, CRD freshness
