@@ -67,6 +67,9 @@ def _escaped_size(view: memoryview) -> int:
     return len(raw) + 5 * (len(raw) - len(raw.translate(None, _LONG_ESCAPES)))
 
 
+_encode_json = msgspec.json.Encoder().encode
+
+
 def _text(data: bytearray | memoryview | bytes, cap: int) -> tuple[str, bool]:
     """Lossy UTF-8 text of the last ``cap`` bytes, decoded without a copy, and
     whether it was cut. A tail of control characters is cut further so that
@@ -75,6 +78,11 @@ def _text(data: bytearray | memoryview | bytes, cap: int) -> tuple[str, bool]:
     cut = len(view) > cap
     if cut:
         view = view[-cap:]
+    text = str(view, "utf-8", "replace")
+    # Most tails cannot grow past the cap, or do not: one encoding says (C
+    # speed; counting the escapes in Python's bytes.translate costs twice that).
+    if len(view) * 6 <= cap or len(_encode_json(text)) <= cap + 2:
+        return text, cut
     if _escaped_size(view) > cap:
         lo, hi = 0, len(view)  # the shortest cut whose escaped rest fits
         while lo < hi:
