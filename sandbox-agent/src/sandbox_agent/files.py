@@ -696,10 +696,11 @@ def find(ws: Workspace, req: models.FindRequest, s: Settings) -> models.FindResu
 
 def edit_limit(s: Settings) -> int:
     """The largest file replace and patch work on (and produce): held twice in
-    memory while edited, so an eighth of the agent's memory limit at most."""
+    memory while edited, beside a search and another edit, so a sixteenth of
+    the agent's memory limit at most (16 MiB for 256 MiB)."""
     limit = s.search_max_file_bytes * 8
     if s.memory_limit_bytes:
-        limit = min(limit, max(s.memory_limit_bytes // 8, 1 << 20))
+        limit = min(limit, max(s.memory_limit_bytes // 16, 1 << 20))
     return limit
 
 
