@@ -19,7 +19,7 @@ from .state import AgentState, state_of
 from .web import OCTET, TAR, body_as, ok, one_of, spool_upload
 
 LINE_RANGE_BYTES = 16 << 20
-READ_BLOCK = 256 << 10  # streamed reads go in blocks of this size
+READ_BLOCK = 512 << 10  # streamed reads go in blocks of this size
 
 
 def file_op(op: str) -> None:
