@@ -358,6 +358,14 @@ def _started(gateway: GatewayProcess, token: str, ns: str, command: str) -> str:
 def _request(
     gateway: GatewayProcess, method: str, path: str, token: str | None, body: object = None
 ) -> tuple[int, Any]:
+    status, _, parsed = _exchange(gateway, method, path, token, body)
+    return status, parsed
+
+
+def _exchange(
+    gateway: GatewayProcess, method: str, path: str, token: str | None, body: object = None
+) -> tuple[int, dict[str, str], Any]:
+    """One request on a new connection: status, headers, the body (JSON if it is)."""
     connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=60)
     headers = {"Content-Type": "application/json"}
     if token:
@@ -371,7 +379,7 @@ def _request(
         parsed: Any = json.loads(data)
     except ValueError:
         parsed = data
-    return answer.status, parsed
+    return answer.status, dict(answer.getheaders()), parsed
 
 
 def test_what_a_credential_mints_never_outlives_it(
@@ -545,10 +553,14 @@ def test_a_stream_never_ends_silently(
         first = json.loads(answer.readline())
         assert first["type"] in ("started", "output")
         replica.terminate()
-        wait_for(lambda: _get(replica, "/readyz")[0] == 503, 3, "readyz 503 while draining")
-        assert json.loads(_get(replica, "/readyz")[2])["status"] == "draining"
+        wait_for(
+            lambda: _request(replica, "GET", "/readyz", None)[0] == 503,
+            3,
+            "readyz 503 while draining",
+        )
+        assert _request(replica, "GET", "/readyz", None)[1]["status"] == "draining"
         # New connections are still served while the Service catches up.
-        status, headers, _ = _get(replica, f"{box}/info", admin)
+        status, headers, _ = _exchange(replica, "GET", f"{box}/info", admin)
         assert status == 200
         assert headers.get("Connection", "").lower() == "close", headers
         events = [json.loads(line) for line in answer.read().splitlines() if line.strip()]
@@ -566,20 +578,6 @@ def test_a_stream_never_ends_silently(
     events = [json.loads(line) for line in answer.read().splitlines() if line.strip()]
     assert events[-1]["type"] == "interrupted", events
     assert events[-1]["error"]["code"] in ("upstream_lost", "upstream_ended")
-
-
-def _get(
-    gateway: GatewayProcess, path: str, token: str | None = None
-) -> tuple[int, dict[str, str], bytes]:
-    """One GET on a fresh connection: status, headers, body."""
-    connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=10)
-    try:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        connection.request("GET", path, headers=headers)
-        answer = connection.getresponse()
-        return answer.status, dict(answer.getheaders()), answer.read()
-    finally:
-        connection.close()
 
 
 def _raw(gateway: GatewayProcess, data: bytes, timeout: float = 10) -> bytes:

@@ -46,12 +46,16 @@ _STREAM_NAME: dict[int, StreamName] = {STREAM_OUT: "stdout", STREAM_ERR: "stderr
 _OUTPUT_METRIC = {s: metrics.EXEC_OUTPUT_BYTES.labels(n) for s, n in _STREAM_NAME.items()}
 
 
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _write_file(path: str, data: bytearray) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        _write_all(fd, data)
     finally:
         os.close(fd)
 
@@ -99,12 +103,6 @@ def _text(data: bytearray | memoryview | bytes, cap: int) -> tuple[str, bool]:
                 hi = mid
         view, cut = view[lo:], True
     return str(view, "utf-8", "replace"), cut
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def signal_name(sig: int) -> str | None:
@@ -434,9 +432,7 @@ class Execution:
         # (pwrite ignores the offset on an append-only descriptor).
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            view = memoryview(mem)
-            while view:
-                view = view[os.write(fd, view) :]
+            _write_all(fd, mem)
         except OSError:
             os.close(fd)
             raise
