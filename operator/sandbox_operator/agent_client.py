@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from sandbox_operator.clock import parse_time
+from sandbox_operator.kube import ShuttingDown
 
 
 class AgentError(Exception):
@@ -115,6 +116,8 @@ class AgentClient:
         params: dict[str, str] | None = None,
         read_timeout: float | None = None,
     ) -> Any:
+        if self._http.is_closed:
+            raise ShuttingDown("agent")
         try:
             response = await self._http.request(
                 method,

@@ -81,6 +81,15 @@ class KubeError(Exception):
         self.message = message
 
 
+class ShuttingDown(ConnectionError):
+    """The operator is stopping and its clients are closed: nothing more is sent. A
+    ConnectionError, so a handler still running then is retried (by the next
+    process) like one that lost the API server, not logged as a bug."""
+
+    def __init__(self, client: str) -> None:
+        super().__init__(f"the operator is shutting down; the {client} client is closed")
+
+
 class Refused(KubeError):
     """The API server refused to create an object (a 4xx other than 409 and 429)."""
 
@@ -143,8 +152,11 @@ class Kube:
         self._base_url = base_url.rstrip("/")
         self._verify = verify
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
 
     def _http(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise ShuttingDown("Kubernetes API")
         # Created lazily: an aiohttp session belongs to the running event loop.
         if self._session is None:
             # At most `connections` requests in flight; the rest wait their turn for a
@@ -306,5 +318,6 @@ class Kube:
         return True
 
     async def close(self) -> None:
+        self._closed = True
         if self._session is not None:
             await self._session.close()

@@ -369,6 +369,91 @@ def test_delete_removes_children_through_garbage_collection(
     wait_for(lambda: not any(_children(kube, ns, "delta").values()), 60, "children collected")
 
 
+def _hold(kube: KubeJSON, path: str, finalizer: str, held: bool) -> None:
+    """Add or remove a finalizer of the test's, keeping the others (JSON patch)."""
+    present = kube.read(path)["metadata"].get("finalizers") or []
+    if held:
+        op: JSON = {"op": "add", "path": "/metadata/finalizers/-", "value": finalizer}
+        if not present:
+            op = {"op": "add", "path": "/metadata/finalizers", "value": [finalizer]}
+        kube.patch(path, [op], content_type="application/json-patch+json")
+    elif finalizer in present:
+        at = f"/metadata/finalizers/{present.index(finalizer)}"
+        ops = [{"op": "test", "path": at, "value": finalizer}, {"op": "remove", "path": at}]
+        kube.patch(path, ops, content_type="application/json-patch+json")
+
+
+def _controller_uid(kube: KubeJSON, path: str) -> str | None:
+    obj = kube.get(path)
+    owners = (obj or {}).get("metadata", {}).get("ownerReferences") or [{}]
+    uid: str | None = owners[0].get("uid")
+    return uid
+
+
+def test_a_namesake_waits_for_the_last_ones_children_and_gets_its_own(
+    sandboxes: Sandboxes, kube: KubeJSON
+) -> None:
+    """A Sandbox deleted and created again under its name at once (a chat backend's
+    sandbox per turn) while the garbage collector still removes the first one's
+    children: the second one says it waits, takes none of them (a pod bound to a
+    claim about to vanish stays unschedulable for good), then gets its own."""
+    ns = sandboxes.namespace
+    name = "again"
+    first = sandboxes.create(name)["metadata"]["uid"]
+    wait_for(lambda: all(_children(kube, ns, name).values()), 20, "children")
+    # Holds the claim in deletion, as pvc-protection does while the old pod stops.
+    hold = "tests.sandbox.dev/hold"
+    _hold(kube, _claim(ns, name), hold, held=True)
+    sandboxes.delete(name)
+    sandboxes.wait_gone(name, 30, "the first Sandbox gone")
+    second = sandboxes.create(name)["metadata"]["uid"]
+    body = sandboxes.wait_object(
+        name,
+        "PredecessorDeleting",
+        lambda s: any(c.get("reason") == "PredecessorDeleting" for c in s.get("conditions", [])),
+    )
+    ready = next(c for c in body["status"]["conditions"] if c["type"] == "Ready")
+    assert f"PersistentVolumeClaim {name}-workspace" in ready["message"], ready
+    assert "earlier Sandbox" in ready["message"], ready
+    assert _controller_uid(kube, _claim(ns, name)) == first
+    assert not _exists(kube, _pod(ns, name)), "no pod on the earlier one's claim"
+    _hold(kube, _claim(ns, name), hold, held=False)
+    paths = [
+        _pod(ns, name),
+        _claim(ns, name),
+        core_path("secrets", ns, f"{name}-agent-token"),
+        api_path("networking.k8s.io/v1", "networkpolicies", ns, name),
+    ]
+    wait_for(
+        lambda: all(_controller_uid(kube, p) == second for p in paths),
+        60,
+        "children of the second Sandbox's own",
+    )
+    sandboxes.wait_phase(name, "Pending")
+
+
+def test_a_foreign_token_secret_is_never_taken(sandboxes: Sandboxes, kube: KubeJSON) -> None:
+    """A Secret with the agent token's name that the Sandbox does not control (one
+    planted to know the token) is refused, not used; the sandbox starts once it goes."""
+    ns = sandboxes.namespace
+    name = "planted"
+    secret = core_path("secrets", ns, f"{name}-agent-token")
+    planted = {"metadata": {"name": f"{name}-agent-token"}, "stringData": {"token": "known"}}
+    kube.create(core_path("secrets", ns), planted)
+    uid = sandboxes.create(name)["metadata"]["uid"]
+    body = sandboxes.wait_object(
+        name,
+        "CreateFailed",
+        lambda s: any(c.get("reason") == "CreateFailed" for c in s.get("conditions", [])),
+    )
+    ready = next(c for c in body["status"]["conditions"] if c["type"] == "Ready")
+    assert "does not control" in ready["message"], ready
+    assert not _exists(kube, _pod(ns, name)), "no pod with a planted token"
+    kube.delete(secret)
+    wait_for(lambda: _controller_uid(kube, _pod(ns, name)) == uid, 60, "the sandbox's pod")
+    assert secret_token(kube, ns, name) != "known"
+
+
 def test_deletion_waits_for_the_operator(
     sandboxes: Sandboxes, kube: KubeJSON, running_operator: OperatorProcess
 ) -> None:

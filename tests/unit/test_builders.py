@@ -194,6 +194,26 @@ def test_children_are_owned_and_labelled() -> None:
         assert owner["kind"] == "Sandbox"
 
 
+def test_a_child_is_ours_or_an_earlier_namesakes_or_nobodys() -> None:
+    """Only the controller reference's UID makes a child ours; one a Sandbox of the
+    same name with another UID controls is an earlier namesake's leftover."""
+    claim = build.build_claim(REF, SandboxSpec(), SETTINGS)
+    assert claim is not None
+    assert build.controlled_by(claim, REF)
+    assert not build.left_by_namesake(claim, REF)
+    later = build.SandboxRef(name="demo", namespace="team-a", uid="5678")
+    assert not build.controlled_by(claim, later)
+    assert build.left_by_namesake(claim, later)
+    other = build.SandboxRef(name="other", namespace="team-a", uid="5678")
+    assert not build.left_by_namesake(claim, other)
+    not_controller = json.loads(json.dumps(claim))
+    not_controller["metadata"]["ownerReferences"][0]["controller"] = False
+    assert not build.left_by_namesake(not_controller, later)
+    foreign = {"metadata": {"name": "demo-workspace"}}
+    assert not build.controlled_by(foreign, REF)
+    assert not build.left_by_namesake(foreign, REF)
+
+
 def test_service_only_for_exposed_ports() -> None:
     assert build.build_service(REF, SandboxSpec()) is None
     spec = SandboxSpec.model_validate(

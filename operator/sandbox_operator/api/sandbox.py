@@ -135,6 +135,9 @@ class SandboxReason(StrEnum):
     POOL_EMPTY = "PoolEmpty"
     # The claimed member that served this Sandbox was deleted (its pod and workspace with it).
     POOL_MEMBER_LOST = "PoolMemberLost"
+    # A child's name is still held by the object of an earlier Sandbox of the same
+    # name, which the garbage collector is removing: this one starts when it is gone.
+    PREDECESSOR_DELETING = "PredecessorDeleting"
     # spec.files could not be written into the workspace (the agent's answer says why).
     FILES_NOT_WRITTEN = "FilesNotWritten"
     # Under 1% of the workspace is free: writes fail with ENOSPC.

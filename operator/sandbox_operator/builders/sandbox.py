@@ -103,6 +103,20 @@ def controlled_by(obj: JSON, ref: SandboxRef) -> bool:
     )
 
 
+def left_by_namesake(obj: JSON, ref: SandboxRef) -> bool:
+    """Controlled by an earlier Sandbox of this name (another UID). A name is held by
+    one Sandbox at a time, so that one is gone and the garbage collector is removing
+    the object: taken for this Sandbox's own, it would vanish under it (a pod bound
+    to a claim that is deleted a moment later stays unschedulable for good)."""
+    return any(
+        owner.get("controller")
+        and owner.get("kind") == "Sandbox"
+        and owner.get("name") == ref.name
+        and owner.get("uid") != ref.uid
+        for owner in obj["metadata"].get("ownerReferences") or []
+    )
+
+
 def _meta(ref: SandboxRef, name: str) -> JSON:
     return {
         "name": name,

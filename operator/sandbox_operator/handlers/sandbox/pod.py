@@ -20,8 +20,8 @@ from sandbox_operator.builders import sandbox_status
 from sandbox_operator.builders.conditions import FALSE, find
 from sandbox_operator.clock import parse_time
 from sandbox_operator.context import OperatorContext
-from sandbox_operator.handlers.sandbox.workspace import ClaimState
-from sandbox_operator.kube import KubeError, Refused, newest_warning
+from sandbox_operator.handlers.sandbox.workspace import ClaimState, ours_or_refuse
+from sandbox_operator.kube import newest_warning
 from sandbox_operator.resources import (
     POD_SPEC_ANNOTATION,
     PODS,
@@ -131,8 +131,8 @@ async def ensure_pod(
     ref = build.children_ref(body)
     path = PODS.path(ref.namespace)
     action = decision.action
-    if pod is not None and not pod["metadata"].get("deletionTimestamp"):
-        _ours_or_refuse(pod, ref)
+    if pod is not None and _must_be_ours(pod, ref):
+        ours_or_refuse("Pod", pod, ref)
     if action is PodAction.KEEP:
         return pod
     if action is PodAction.CREATE:
@@ -140,8 +140,8 @@ async def ensure_pod(
         created = await ctx.kube.create(path, desired)
         if created is None:  # a namesake exists that our view has not caught up with
             namesake = await ctx.kube.get(f"{path}/{desired['metadata']['name']}")
-            if namesake is not None and not namesake["metadata"].get("deletionTimestamp"):
-                _ours_or_refuse(namesake, ref)
+            if namesake is not None and _must_be_ours(namesake, ref):
+                ours_or_refuse("Pod", namesake, ref)
             return namesake
         ctx.created_pods[(ref.namespace, ref.name)] = build.pod_essentials(created)
         return created
@@ -164,19 +164,10 @@ async def ensure_pod(
     return pod
 
 
-def _ours_or_refuse(pod: JSON, ref: build.SandboxRef) -> None:
-    """Never run commands in, adopt or delete a pod this Sandbox does not control:
-    someone's pod that only has the name (or copied labels) would receive the
-    sandbox's commands, files and agent token. Reported like a refused create
-    (CreateFailed) and retried, so removing the namesake lets the sandbox start."""
-    if build.controlled_by(pod, ref):
-        return
-    name = pod["metadata"]["name"]
-    why = (
-        f"a pod named {name} exists that this Sandbox does not control"
-        " (no controller reference to its UID); delete or rename that pod"
-    )
-    raise Refused(KubeError(409, "AlreadyExists", why), "Pod", name)
+def _must_be_ours(pod: JSON, ref: build.SandboxRef) -> bool:
+    """A pod on its way out is waited for as it is, unless an earlier namesake left
+    it: then the wait is reported as that (not as this Sandbox's pod ending)."""
+    return not pod["metadata"].get("deletionTimestamp") or build.left_by_namesake(pod, ref)
 
 
 async def with_eviction(ctx: OperatorContext, pod: JSON | None) -> JSON | None:

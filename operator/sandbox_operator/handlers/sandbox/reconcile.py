@@ -54,6 +54,7 @@ from sandbox_operator.handlers.sandbox.status import (
 from sandbox_operator.handlers.sandbox.template import pin_template
 from sandbox_operator.handlers.sandbox.workspace import (
     ClaimState,
+    PredecessorDeleting,
     claim_state,
     ensure_children,
     plan_workspace,
@@ -73,6 +74,8 @@ ChildIndex = Mapping[Key, Any]
 
 # How long teardown waits for a graceful pod exit before forcing it.
 POD_DELETE_PATIENCE = timedelta(seconds=60)
+# The garbage collector removes an earlier namesake's children within seconds.
+PREDECESSOR_RETRY_SECONDS = 2.0
 
 
 class Children(Enum):
@@ -189,6 +192,10 @@ async def reconcile(
             if not exc.permanent:
                 ctx.backoffs.refused(body)
             raise
+        except PredecessorDeleting as exc:
+            held = (SandboxReason.PREDECESSOR_DELETING.value, str(exc))
+            await report_blocked(ctx, body, spec, held=held)
+            raise kopf.TemporaryError(str(exc), delay=PREDECESSOR_RETRY_SECONDS) from exc
         ctx.backoffs.clear(body)
         status: JSON = body.get("status") or {}
         use = status.get("pool") or {}
@@ -243,10 +250,10 @@ async def _reconcile(
         ctx.event(body, "warn", reason="RestoreRefused", message=workspace.condition.message)
     claims = ClaimState()
     if not spec.workspace.ephemeral and not workspace.hold:
-        if claim is None:
-            # Not in the index yet: the one this pass just created, or (created by an
-            # earlier pass) ask, rather than make a pod the scheduler would find
-            # waiting on an unbound claim.
+        if claim is None or not build.controlled_by(claim, ref):
+            # Not in the index yet (or only an earlier namesake's is): the one this
+            # pass just created, or (created by an earlier pass) ask, rather than
+            # make a pod the scheduler would find waiting on an unbound claim.
             claim = created_claim or await ctx.kube.get(
                 CLAIMS.path(ref.namespace, build.names(ref.name)["claim"])
             )

@@ -21,7 +21,7 @@ from sandbox_operator.builders import snapshot as snapshot_build
 from sandbox_operator.builders.conditions import FALSE, TRUE, Cond
 from sandbox_operator.clock import parse_time
 from sandbox_operator.context import OperatorContext
-from sandbox_operator.kube import newest_warning
+from sandbox_operator.kube import KubeError, Refused, newest_warning
 from sandbox_operator.resources import (
     CLAIMS,
     NETWORK_POLICIES,
@@ -40,8 +40,57 @@ CLAIM_PROBLEM_PATIENCE = timedelta(seconds=10)
 WAIT_FOR_FIRST_CONSUMER = "WaitForFirstConsumer"
 
 
-async def _create_or_converge(ctx: OperatorContext, path: str, obj: JSON, converge: bool) -> None:
+class PredecessorDeleting(Exception):
+    """A child's name is held by the object of an earlier Sandbox of the same name,
+    which the garbage collector is removing (see build.left_by_namesake)."""
+
+    def __init__(self, kind: str, name: str, sandbox: str) -> None:
+        super().__init__(
+            f"{kind} {name} of an earlier Sandbox named {sandbox} is still being deleted;"
+            " this Sandbox starts when it is gone"
+        )
+
+
+def ours_or_refuse(kind: str, obj: JSON, ref: build.SandboxRef) -> None:
+    """Never use, adopt or delete a child this Sandbox does not control: someone's
+    object that only has the name (or copied labels) would receive the sandbox's
+    commands, files and agent token. Reported like a refused create (CreateFailed)
+    and retried, so removing the namesake lets the sandbox start. The leftover
+    of an earlier Sandbox of this name is waited for instead."""
+    if build.controlled_by(obj, ref):
+        return
+    name = obj["metadata"]["name"]
+    if build.left_by_namesake(obj, ref):
+        raise PredecessorDeleting(kind, name, ref.name)
+    why = (
+        f"a {kind} named {name} exists that this Sandbox does not control"
+        " (no controller reference to its UID); delete or rename it"
+    )
+    raise Refused(KubeError(409, "AlreadyExists", why), kind, name)
+
+
+async def create_child(
+    ctx: OperatorContext, ref: build.SandboxRef, path: str, obj: JSON
+) -> JSON | None:
+    """Create one child; None when this Sandbox's own exists already (idempotent).
+    An object of that name that is not its own is refused or waited for (see
+    ours_or_refuse), never taken."""
     created = await ctx.kube.create(path, obj)
+    if created is not None:
+        return created
+    name = obj["metadata"]["name"]
+    existing = await ctx.kube.get(f"{path}/{name}")
+    if existing is None:
+        # Deleted between the two calls: the earlier namesake's, just collected.
+        raise PredecessorDeleting(obj["kind"], name, ref.name)
+    ours_or_refuse(obj["kind"], existing, ref)
+    return None
+
+
+async def _create_or_converge(
+    ctx: OperatorContext, ref: build.SandboxRef, path: str, obj: JSON, converge: bool
+) -> None:
+    created = await create_child(ctx, ref, path, obj)
     if created is None and converge:
         # Exists: bring its spec in line (merge patch replaces lists wholesale,
         # which is what we want for a fully-specified desired object).
@@ -257,26 +306,27 @@ async def ensure_children(
     child = build.names(ref.name)
     workspace = workspace or WorkspacePlan()
     # The token is random, so only ever created, never replaced (409 = keep the old one).
-    await kube.create(
-        SECRETS.path(ref.namespace), build.build_secret(ref, secrets.token_urlsafe(32))
+    await create_child(
+        ctx, ref, SECRETS.path(ref.namespace), build.build_secret(ref, secrets.token_urlsafe(32))
     )
     claim = None if workspace.hold else build.build_claim(ref, spec, settings)
     created = None
     if claim is not None:
         if workspace.source is not None:
             claim = snapshot_build.restore_into(claim, workspace.source)
-        created = await kube.create(CLAIMS.path(ref.namespace), claim)
+        created = await create_child(ctx, ref, CLAIMS.path(ref.namespace), claim)
         if created is not None and workspace.source is not None:
             metrics.RESTORES.labels("restore").inc()
     await _create_or_converge(
         ctx,
+        ref,
         NETWORK_POLICIES.path(ref.namespace),
         build.build_network_policy(ref, spec, settings),
         converge,
     )
     service = build.build_service(ref, spec)
     if service is not None:
-        await _create_or_converge(ctx, SERVICES.path(ref.namespace), service, converge)
+        await _create_or_converge(ctx, ref, SERVICES.path(ref.namespace), service, converge)
     elif converge:
         await kube.delete(SERVICES.path(ref.namespace, child["service"]))
     return created
