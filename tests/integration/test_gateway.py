@@ -3,6 +3,7 @@ against real RBAC, the chart's own roles) and real agents on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import socket
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 from devcluster.controlplane import ControlPlane
@@ -654,3 +656,62 @@ def test_urls_handed_out_are_on_the_gateways_external_url(
         assert httpx.get(own.url + path).content == b"numbers"
     finally:
         own.stop()
+
+
+def test_a_terminal_through_the_gateway(
+    gateway: GatewayProcess, kube: KubeJSON, ns: str, live_sandbox: LiveSandbox
+) -> None:
+    """A shell on a pty, created and attached (a WebSocket) through the gateway
+    with `create sandboxes/exec`; detached and attached again from a cursor. A
+    viewer cannot attach, nor can a caller without credentials."""
+    live_sandbox("tty")
+    alice = caller(kube, ns, "tty-user", "user")
+    viewer = caller(kube, ns, "tty-viewer", "viewer")
+    shell = {"argv": ["bash", "--norc", "--noprofile", "-i"], "env": {"PS1": "gw> "}}
+    with client(gateway, ns, "tty", alice) as http:
+        made = http.post("/terminals", json={**shell, "cols": 90, "rows": 20})
+        assert made.status_code == 201, made.text
+        term = made.json()["id"]
+        plain = http.get(f"/terminals/{term}/attach")
+        assert plain.status_code == 426, plain.text
+        assert code(plain) == "websocket_required", plain.text
+    with client(gateway, ns, "tty", viewer) as http:
+        refused = http.post("/terminals", json=shell)
+        assert refused.status_code == 403, refused.text
+    attach_url = f"{gateway.url}/v1/namespaces/{ns}/sandboxes/tty/terminals/{term}/attach"
+
+    async def session(token: str | None, keys: bytes, until: bytes, cursor: int = 0) -> bytes:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.ws_connect(attach_url, headers=headers, params={"cursor": str(cursor)}) as ws,
+        ):
+            first = json.loads((await ws.receive(timeout=10)).data)
+            assert first["type"] == "attached", first
+            await ws.send_bytes(keys)
+            seen = b""
+            while until not in seen:
+                message = await ws.receive(timeout=10)
+                assert message.type == aiohttp.WSMsgType.BINARY, message
+                seen += message.data
+            return seen
+
+    async def status(token: str | None, name: str = term) -> int:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        url = attach_url.replace(term, name)
+        async with aiohttp.ClientSession() as http:
+            try:
+                async with http.ws_connect(url, headers=headers):
+                    return 101
+            except aiohttp.WSServerHandshakeError as exc:
+                return exc.status
+
+    seen = asyncio.run(session(alice, b"stty size\r", b"20 90"))
+    assert b"20 90" in seen, seen
+    replay = asyncio.run(session(alice, b"", b"20 90", cursor=0))
+    assert b"stty size" in replay, replay
+    assert asyncio.run(status(viewer)) == 403
+    assert asyncio.run(status(None)) == 401
+    assert asyncio.run(status(alice, "term-nope")) == 404
+    with client(gateway, ns, "tty", alice) as http:
+        assert http.delete(f"/terminals/{term}").status_code == 204

@@ -40,8 +40,8 @@ from sandbox_sdk import (
     Sandbox,
     SandboxClient,
 )
-from sandbox_sdk._async.client import AsyncFiles, AsyncJob
-from sandbox_sdk._sync.client import Files, Job
+from sandbox_sdk._async.client import AsyncFiles, AsyncJob, AsyncTerminal, AsyncTerminals
+from sandbox_sdk._sync.client import Files, Job, Terminal, Terminals
 from tests.integration.harness import AgentProcess, GatewayProcess, wait_for
 from tests.integration.test_gateway import caller
 from tests.kube import KubeJSON, api_path, core_path
@@ -589,6 +589,8 @@ def test_the_async_client_has_the_same_surface(
         (Sandbox, AsyncSandbox),
         (Files, AsyncFiles),
         (Job, AsyncJob),
+        (Terminals, AsyncTerminals),
+        (Terminal, AsyncTerminal),
     ]
     for sync_cls, async_cls in pairs:
         sync_api = {n for n in dir(sync_cls) if not n.startswith("_")}
@@ -618,9 +620,41 @@ def test_the_async_client_has_the_same_surface(
             await box.files.write("a.txt", "async\n")
             result = await box.execute("cat a.txt")
             events = [e.data async for e in box.stream("echo 1; echo 2") if e.kind == "stdout"]
-            return [result.stdout, "".join(events)]
+            term = await box.terminals.create("printf 'async-%s\\n' tty; sleep 0.2")
+            shown = b"".join([chunk async for chunk in term])
+            return [result.stdout, "".join(events), shown.decode()]
 
-    assert asyncio.run(use()) == ["async\n", "1\n2\n"]
+    assert asyncio.run(use()) == ["async\n", "1\n2\n", "async-tty\r\n"]
+
+
+def test_a_terminal_from_the_sdk(client: SandboxClient, live_sandbox: LiveSandbox) -> None:
+    """A shell on a pty: typed into, read until a prompt, resized, interrupted,
+    found again by id from another handle, killed."""
+    live_sandbox("tty")
+    sandbox = client.connect("tty")
+    term = sandbox.terminals.create(
+        argv=["bash", "--norc", "--noprofile", "-i"], env={"PS1": "sdk> "}, cols=70, rows=15
+    )
+    term.read_until("sdk> ")
+    term.send("stty size\r")
+    assert b"15 70" in term.read_until("sdk> ")
+    term.resize(100, 30)
+    term.send("stty size\r")
+    assert b"30 100" in term.read_until("sdk> ")
+    term.send("sleep 100\r")
+    term.read_until("sleep 100\r\n")
+    term.signal("INT")
+    term.read_until("sdk> ")
+    again = sandbox.terminals.get(term.id)
+    assert b"30 100" in again.read(wait=0), "a new handle reads from the oldest output kept"
+    assert [t.id for t in sandbox.terminals.list()] == [term.id]
+    term.send("exit 7\r")
+    ended = term.wait(timeout=30)
+    assert (ended.status, ended.exit_code) == ("exited", 7), ended
+    term.kill()
+    assert sandbox.terminals.list() == []
+    with pytest.raises(NotFound):
+        again.info()
 
 
 def test_pause_returns_once_the_pod_is_gone(

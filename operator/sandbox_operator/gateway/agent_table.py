@@ -31,5 +31,14 @@ OPERATIONS: tuple[AgentOperation, ...] = (
     AgentOperation("GET", "/v1/files/stat", "files:read", ()),
     AgentOperation("POST", "/v1/files/write", "files:write", ()),
     AgentOperation("GET", "/v1/info", "view", ()),
+    AgentOperation("GET", "/v1/terminals", "exec", ()),
+    AgentOperation("POST", "/v1/terminals", "exec", ()),
+    AgentOperation("DELETE", "/v1/terminals/{id}", "exec", (("id", PATTERN_ID),)),
+    AgentOperation("GET", "/v1/terminals/{id}", "exec", (("id", PATTERN_ID),)),
+    AgentOperation("GET", "/v1/terminals/{id}/attach", "exec", (("id", PATTERN_ID),), websocket=True),
+    AgentOperation("POST", "/v1/terminals/{id}/input", "exec", (("id", PATTERN_ID),)),
+    AgentOperation("GET", "/v1/terminals/{id}/output", "exec", (("id", PATTERN_ID),)),
+    AgentOperation("POST", "/v1/terminals/{id}/resize", "exec", (("id", PATTERN_ID),)),
+    AgentOperation("POST", "/v1/terminals/{id}/signal", "exec", (("id", PATTERN_ID),)),
 )
 # fmt: on

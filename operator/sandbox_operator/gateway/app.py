@@ -357,9 +357,13 @@ class Gateway:
         route, token = await self._serving(route)
         headers = forwarded_headers(request.headers)
         headers["Authorization"] = f"Bearer {token}"
-        return await self.upstreams.forward(
-            request, f"{route.endpoint}/v1/{tail}", headers=headers, events=found.streams
-        )
+        url = f"{route.endpoint}/v1/{tail}"
+        if found.websocket:
+            if request.headers.get("Upgrade", "").lower() != "websocket":
+                raise Refusal(426, "websocket_required", f"{tail} is a WebSocket")
+            query = f"?{request.query_string}" if request.query_string else ""
+            return await self.upstreams.websocket(request, url + query, headers)
+        return await self.upstreams.forward(request, url, headers=headers, events=found.streams)
 
     # -- scoped tokens and signed URLs -------------------------------------------------
 

@@ -49,6 +49,9 @@ class AgentOperation:
     # Answers with an execution's event stream (ndjson or SSE): passed on event
     # by event, and never ended silently (proxy.py).
     streams: bool = False
+    # A GET that upgrades to a WebSocket (a terminal's attachment): joined
+    # message for message (proxy.py).
+    websocket: bool = False
 
     @property
     def operation(self) -> Operation:
@@ -100,7 +103,8 @@ def entries(document: dict[str, Any]) -> list[AgentOperation]:
             )
             ok = spec.get("responses", {}).get("200", {}).get("content", {})
             streams = EVENTS in ok
-            out.append(AgentOperation(method.upper(), path, access, params, streams))
+            websocket = "101" in spec.get("responses", {})
+            out.append(AgentOperation(method.upper(), path, access, params, streams, websocket))
     return out
 
 
@@ -116,6 +120,7 @@ def render(document: dict[str, Any]) -> str:
         + "".join(f"({q(name)}, PATTERN_{name.upper()}), " for name, _ in op.params).rstrip(" ")
         + ")"
         + (", True" if op.streams else "")  # streams
+        + (", websocket=True" if op.websocket else "")
         + "),\n"
         for op in table
     )

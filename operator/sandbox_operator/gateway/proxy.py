@@ -248,7 +248,7 @@ class Upstreams:
 
     async def websocket(
         self, request: web.Request, url: str, headers: CIMultiDict[str]
-    ) -> web.WebSocketResponse:
+    ) -> web.StreamResponse:
         """Join the caller's WebSocket to one opened to `url`, message for message."""
         protocols = [
             p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p
@@ -259,6 +259,17 @@ class Upstreams:
             upstream = await self.session.ws_connect(
                 url, headers=headers, protocols=protocols, autoping=False
             )
+        except aiohttp.WSServerHandshakeError as exc:
+            if not 400 <= exc.status < 500:
+                metrics.UPSTREAM_ERRORS.inc()
+                raise UpstreamError(f"{url} refused the WebSocket: {exc.status}") from exc
+            # The upstream said no (a terminal that does not exist, say): its
+            # status, not a gateway error; aiohttp does not keep its body.
+            error = {
+                "code": "websocket_refused",
+                "message": f"the sandbox answered {exc.status} to the WebSocket handshake",
+            }
+            return web.json_response({"error": error}, status=exc.status)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             metrics.UPSTREAM_ERRORS.inc()
             raise UpstreamError(f"{url} could not be reached: {exc}") from exc

@@ -10,19 +10,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import cast
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.types import ASGIApp
+from starlette.websockets import WebSocket, WebSocketState
 
 from . import errors, metrics, openapi
 from .auth import AuthMiddleware
 from .config import Settings
 from .routes import OPS
-from .routing import Op, parse_args, public_paths
+from .routing import Attach, Handler, Op, parse_args, public_paths
 from .state import AgentState, state_of
 from .web import JSON, encode
 
@@ -48,8 +50,11 @@ def status_of(exc: errors.AgentError) -> int:
     return 500
 
 
-def endpoint(op: Op) -> Route:
+def endpoint(op: Op) -> list[BaseRoute]:
     """The Starlette route of one operation: parameters first, then the handler."""
+    if op.websocket:
+        return websocket_endpoint(op)
+    handler = cast(Handler, op.handler)
 
     async def call(request: Request) -> Response:
         args = parse_args(op.params, request)
@@ -57,9 +62,36 @@ def endpoint(op: Op) -> Route:
             # A write waits while the workspace is quiesced (bounded by the
             # quiesce's own timer) instead of landing in the snapshot being cut.
             await state_of(request).quiesce.wait_resumed()
-        return await op.handler(request, args)
+        return await handler(request, args)
 
-    return Route(op.path, call, methods=[op.method], name=op.handler.__name__)
+    return [Route(op.path, call, methods=[op.method], name=op.handler.__name__)]
+
+
+def websocket_endpoint(op: Op) -> list[BaseRoute]:
+    """A WebSocket operation: an error before the handshake is answered as HTTP
+    (status and error body, as every other operation), one after it closes the
+    WebSocket with its message; a plain GET is told to upgrade (426)."""
+    attach = cast(Attach, op.handler)
+
+    async def session(ws: WebSocket) -> None:
+        try:
+            await attach(ws, parse_args(op.params, ws))
+        except errors.AgentError as exc:
+            if ws.application_state is WebSocketState.CONNECTING:
+                answer = Response(encode(exc.body()), status_of(exc), media_type=JSON)
+                try:
+                    await ws.send_denial_response(answer)
+                except RuntimeError:  # a server without the denial extension
+                    await ws.close(code=1008, reason=exc.message[:120])
+            elif ws.application_state is WebSocketState.CONNECTED:
+                await ws.close(code=1011, reason=exc.message[:120])
+
+    async def plain(request: Request) -> Response:
+        error = {"code": "websocket_required", "message": f"{op.path} is a WebSocket"}
+        return Response(encode({"error": error}), 426, {"Upgrade": "websocket"}, media_type=JSON)
+
+    name = op.handler.__name__
+    return [WebSocketRoute(op.path, session, name=name), Route(op.path, plain, methods=["GET"])]
 
 
 async def _agent_error(request: Request, exc: Exception) -> Response:
@@ -96,15 +128,17 @@ def build_app(settings: Settings, token: bytes, ops: tuple[Op, ...] = OPS) -> AS
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.executions.restore()
         state.runner.start()
+        state.terminals.start()
         watch = asyncio.get_running_loop().create_task(state.executions.watch_runner())
         yield
         watch.cancel()
+        await state.terminals.stop()
         state.executions.fail_all_running()
         await state.runner.stop()
         state.executions.journal.close()
 
     app = Starlette(
-        routes=[endpoint(op) for op in ops],
+        routes=[route for op in ops for route in endpoint(op)],
         exception_handlers={
             errors.AgentError: _agent_error,
             HTTPException: _http_error,

@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import models
 from .httpserver import AUTHENTICATED
+from .websocket import DENIAL
 
 _encode = msgspec.json.Encoder().encode
 
@@ -72,7 +73,7 @@ class AuthMiddleware:
         return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             header = None
             for k, v in scope["headers"]:
                 if k == b"authorization":
@@ -88,11 +89,12 @@ class AuthMiddleware:
                     if trust is not None:
                         trust()
                 elif not public:
-                    await self._refuse(send, "missing or invalid bearer token" if header else None)
+                    message = "missing or invalid bearer token" if header else None
+                    await self._refuse(scope, send, message)
                     return
         await self.app(scope, receive, send)
 
-    async def _refuse(self, send: Send, message: str | None) -> None:
+    async def _refuse(self, scope: Scope, send: Send, message: str | None) -> None:
         body = _encode(
             models.ErrorBody(
                 error=models.ErrorDetail(
@@ -100,9 +102,17 @@ class AuthMiddleware:
                 )
             )
         )
+        # A WebSocket is refused with the same HTTP answer (the ASGI denial
+        # extension), or closed before its handshake where a server has none.
+        prefix = "http"
+        if scope["type"] == "websocket":
+            if DENIAL not in scope.get("extensions", {}):
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            prefix = "websocket.http"
         await send(
             {
-                "type": "http.response.start",
+                "type": f"{prefix}.response.start",
                 "status": 401,
                 "headers": [
                     (b"content-type", b"application/json"),
@@ -111,4 +121,4 @@ class AuthMiddleware:
                 ],
             }
         )
-        await send({"type": "http.response.body", "body": body})
+        await send({"type": f"{prefix}.response.body", "body": body})

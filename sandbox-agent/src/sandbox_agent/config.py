@@ -51,6 +51,11 @@ class Settings:
     # memory); more wait up to 10 s, then 429 files_busy
     max_file_scans: int = 2
     max_connections: int = 128  # open HTTP connections; the longest idle is closed first
+    # terminals (a pty program each): at once, output kept per terminal for
+    # re-attaching, and how long one lives with nobody attached (0: for ever)
+    max_terminals: int = 16
+    terminal_buffer_bytes: int = 1 * MiB
+    terminal_idle_timeout: float = 3600.0
     metrics_auth: bool = True
     malloc_keep_bytes: int = 128 * MiB  # freed heap kept for reuse (0: glibc defaults)
     # The container's memory limit (the operator passes limits.memory); 0:
@@ -96,6 +101,9 @@ _ENV = {
     "list_max_entries": "SANDBOX_AGENT_LIST_MAX_ENTRIES",
     "max_file_scans": "SANDBOX_AGENT_MAX_FILE_SCANS",
     "max_connections": "SANDBOX_AGENT_MAX_CONNECTIONS",
+    "max_terminals": "SANDBOX_AGENT_MAX_TERMINALS",
+    "terminal_buffer_bytes": "SANDBOX_AGENT_TERMINAL_BUFFER_BYTES",
+    "terminal_idle_timeout": "SANDBOX_AGENT_TERMINAL_IDLE_TIMEOUT",
     "metrics_auth": "SANDBOX_AGENT_METRICS_AUTH",
     "malloc_keep_bytes": "SANDBOX_AGENT_MALLOC_KEEP_BYTES",
     "memory_limit_bytes": "SANDBOX_AGENT_MEMORY_LIMIT_BYTES",
@@ -198,6 +206,8 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("need 0 < SANDBOX_AGENT_DEFAULT_TIMEOUT <= SANDBOX_AGENT_MAX_TIMEOUT")
     if settings.max_connections < 2:
         raise ConfigError("SANDBOX_AGENT_MAX_CONNECTIONS must be >= 2")
+    if settings.terminal_buffer_bytes < 4096:
+        raise ConfigError("SANDBOX_AGENT_TERMINAL_BUFFER_BYTES must be >= 4096")
     if settings.max_concurrent_executions < 1:
         raise ConfigError("SANDBOX_AGENT_MAX_CONCURRENT_EXECUTIONS must be >= 1")
     return settings

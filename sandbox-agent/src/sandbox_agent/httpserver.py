@@ -41,6 +41,8 @@ from urllib.parse import unquote
 
 import httptools
 
+from . import websocket
+
 log = logging.getLogger("sandbox_agent.http")
 
 ASGIApp = Callable[..., Any]
@@ -258,6 +260,7 @@ class HttpProtocol(asyncio.Protocol):
         # in the sandbox). The gateway, the operator and the kubelet are not.
         self.from_pod = False
         self.extensions = {AUTHENTICATED: self.authenticated}
+        self.ws: websocket.WebSocketSession | None = None  # once upgraded
 
     # -- transport callbacks -------------------------------------------------
 
@@ -298,12 +301,17 @@ class HttpProtocol(asyncio.Protocol):
             if cycle is not None:
                 cycle.disconnected = True
                 cycle.wake()
+        if self.ws is not None:
+            self.ws.disconnected()
         w = self.drain_waiter
         if w is not None and not w.done():
             w.set_result(None)
 
     def data_received(self, data: bytes) -> None:
         self.last_active = self.loop.time()
+        if self.ws is not None:
+            self.ws.feed(data)
+            return
         if self.backlog is not None:
             # A read that raced our pause: keep it behind the backlog. Reading
             # is paused, so this happens at most once per block.
@@ -325,8 +333,11 @@ class HttpProtocol(asyncio.Protocol):
             step = BODY_FEED_STEP if receiving else FEED_STEP
             try:
                 self.parser.feed_data(view[pos : pos + step])
-            except httptools.HttpParserUpgrade:
-                self._reject(400, b"upgrades are not supported")
+            except httptools.HttpParserUpgrade as exc:
+                if self.ws is None:
+                    self._reject(400, b"upgrades other than to a WebSocket are not supported")
+                elif (rest := view[pos + int(exc.args[0] if exc.args else step) :]).nbytes:
+                    self.ws.feed(bytes(rest))  # sent before our answer: kept for later
                 return
             except httptools.HttpParserError as exc:
                 cause = exc.__context__
@@ -353,8 +364,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def unblock(self) -> None:
         """Parse what was held back and read again, as far as the limits allow."""
-        if self.closed:
-            return
+        if self.closed or self.ws is not None:
+            return  # a WebSocket session reads as its app takes messages
         if self.backlog is not None and not self._blocked():
             data, self.backlog = self.backlog, None
             self._feed(memoryview(data))
@@ -403,6 +414,10 @@ class HttpProtocol(asyncio.Protocol):
         self._disarm()
         parsed = httptools.parse_url(self.url)
         raw_path = parsed.path
+        method = self.parser.get_method().decode("ascii")
+        if self.parser.should_upgrade() and websocket.is_upgrade(method, self.headers):
+            self._upgrade(parsed, raw_path)
+            return
         scope: Message = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -439,6 +454,51 @@ class HttpProtocol(asyncio.Protocol):
         cycle.body.append(body)
         cycle.body_len += len(body)
         cycle.wake()
+
+    def _upgrade(self, parsed: Any, raw_path: bytes) -> None:
+        """Hand the connection to a WebSocket session: no more HTTP on it."""
+        key = dict(self.headers)[b"sec-websocket-key"]
+        self.ws = session = websocket.WebSocketSession(self, key)
+        scope: Message = {
+            "type": "websocket",
+            "asgi": {"version": "3.0", "spec_version": "2.4"},
+            "http_version": self.parser.get_http_version(),
+            "server": self.local,
+            "client": self.client,
+            "scheme": "ws",
+            "root_path": "",
+            "path": unquote(raw_path.decode("latin-1")),
+            "raw_path": raw_path,
+            "query_string": parsed.query or b"",
+            "headers": self.headers,
+            "subprotocols": websocket.subprotocols(self.headers),
+            "state": dict(self.server.state),
+            "extensions": {**self.extensions, websocket.DENIAL: {}},
+        }
+        self.loop.create_task(self._run_ws(scope, session))
+
+    async def _run_ws(self, scope: Message, session: websocket.WebSocketSession) -> None:
+        try:
+            await self.app(scope, session.receive, session.send)
+        except Exception:
+            log.exception("unhandled error on WebSocket %s", scope.get("path"))
+            if not session.accepted and not session.finished:
+                body = b'{"error":{"code":"internal_error","message":"internal error"}}'
+                await session.send({"type": "websocket.http.response.start", "status": 500})
+                await session.send({"type": "websocket.http.response.body", "body": body})
+        if not session.finished:
+            # The app returned without closing: close for it (1000 after the
+            # handshake, 403 before it, as ASGI servers do).
+            await session.send({"type": "websocket.close", "code": 1000})
+
+    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """A whole response on a connection that ends with it (a refused WebSocket)."""
+        head = bytearray(_status_line(status))
+        for name, value in headers:
+            if name.lower() not in (b"content-length", b"connection"):
+                head += name + b": " + value + b"\r\n"
+        head += b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+        self.write(bytes(head) + body)
 
     def on_message_complete(self) -> None:
         cycle = self.parsing
@@ -527,6 +587,8 @@ class HttpProtocol(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
+        if self.ws is not None:
+            return self.ws.finished
         return self.running is None and self.parsing is None and not self.queue
 
     @property

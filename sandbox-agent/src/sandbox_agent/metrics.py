@@ -53,3 +53,9 @@ RUNTIME_RESTARTS = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+TERMINALS = Gauge("sandbox_agent_terminals", "Terminals running now", registry=REGISTRY)
+TERMINAL_OUTPUT_BYTES = Counter(
+    "sandbox_agent_terminal_output_bytes",
+    "Bytes terminals wrote (kept in each terminal's ring for viewers)",
+    registry=REGISTRY,
+)

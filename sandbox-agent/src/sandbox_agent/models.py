@@ -559,3 +559,107 @@ class ArchiveResult(_Out, kw_only=True):
     path: str
     entries: Annotated[int, Meta(description="Archive members extracted")]
     bytes: Annotated[int, Meta(description="File content bytes written")]
+
+
+# -- terminals ----------------------------------------------------------------
+
+TerminalStatus = Literal["starting", "running", "exited", "failed", "lost"]
+Window = Annotated[int, Meta(ge=1, le=1000)]
+
+
+class TerminalRequest(_Base, kw_only=True):
+    command: (
+        Annotated[
+            str,
+            Meta(
+                min_length=1,
+                max_length=64 << 10,
+                description="Shell command line to run on the terminal (SANDBOX_AGENT_SHELL -c)."
+                " Neither this nor argv: the sandbox user's login shell.",
+            ),
+        ]
+        | None
+    ) = None
+    argv: (
+        Annotated[
+            list[Annotated[str, Meta(max_length=64 << 10)]],
+            Meta(min_length=1, max_length=1024, description="Program and arguments, no shell"),
+        ]
+        | None
+    ) = None
+    env: Annotated[
+        dict[EnvName, EnvValue],
+        Meta(description="Added to the environment (TERM defaults to xterm-256color)"),
+    ] = msgspec.field(default_factory=dict)
+    cwd: Path = "."
+    cols: Window = 80
+    rows: Window = 24
+    idle_timeout_seconds: (
+        Annotated[
+            float,
+            Meta(
+                ge=0,
+                le=7 * 86400,
+                description="End the terminal after this long with nobody attached (0: never;"
+                " default SANDBOX_AGENT_TERMINAL_IDLE_TIMEOUT, 3600)",
+            ),
+        ]
+        | None
+    ) = None
+
+
+class Terminal(_Out, kw_only=True):
+    id: str
+    status: Annotated[
+        TerminalStatus,
+        Meta(
+            description="running; exited (exitCode or signal); failed (its program did not "
+            "start: message); lost (the runner went away with it: message)"
+        ),
+    ]
+    command: str | None = None
+    argv: list[str] | None = None
+    cwd: str
+    cols: int
+    rows: int
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    message: str | None = None
+    created_at: str
+    ended_at: str | None = None
+    attached: Annotated[int, Meta(description="Viewers attached now")]
+    output_cursor: Annotated[int, Meta(description="Offset after the last byte of output")]
+    output_start: Annotated[
+        int, Meta(description="Offset of the oldest byte still kept (the ring holds the rest)")
+    ]
+    idle_timeout_seconds: float
+
+
+class TerminalList(_Out, kw_only=True):
+    terminals: list[Terminal]
+
+
+class TerminalResize(_Base, kw_only=True):
+    cols: Window
+    rows: Window
+
+
+class TerminalInput(_Base, kw_only=True):
+    data: (
+        Annotated[str, Meta(description="UTF-8 text, as typed (\\r: Enter, \\u0003: Ctrl-C)")]
+        | None
+    ) = None
+    data_base64: str | None = None
+
+
+class TerminalOutput(_Out, kw_only=True):
+    cursor: Annotated[int, Meta(description="Offset of the first byte of data")]
+    next_cursor: Annotated[int, Meta(description="Where the next read starts")]
+    dropped: Annotated[
+        int, Meta(description="Bytes between the asked cursor and `cursor` no longer kept")
+    ]
+    data_base64: str
+    status: TerminalStatus
+    exit_code: int | None = None
+    signal: int | None = None

@@ -65,6 +65,8 @@ def _response(status: int, typ: Any, ref_of: dict[Any, dict[str, Any]]) -> dict[
         return {"description": "No content"}
     if typ == "error":
         return {"description": "Error", **_error(ref_of)}
+    if typ == "websocket":
+        return {"description": "Switching Protocols: a WebSocket (see the description)"}
     if typ == "events":
         return {
             "description": "One StreamEvent per line (ndjson) or per SSE event",

@@ -9,7 +9,16 @@ module and an entry here; nothing else lists routes.
 
 from __future__ import annotations
 
-from . import api_environment, api_exec, api_files, api_health, api_info, api_workspace, models
+from . import (
+    api_environment,
+    api_exec,
+    api_files,
+    api_health,
+    api_info,
+    api_terminals,
+    api_workspace,
+    models,
+)
 from .routing import GatewayAccess, Op, Param
 
 # -- parameters (the bounds declared here are the ones enforced) --------------
@@ -21,6 +30,9 @@ ID = Param(
     required=True,
     location="path",
     pattern="^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+)
+TERMINAL_ID = Param(
+    "id", "string", "Terminal id", required=True, location="path", pattern=ID.pattern
 )
 PATH = Param("path", "string", "Path relative to the workspace", required=True)
 DIR = Param("path", "string", "Directory relative to the workspace", default=".")
@@ -129,6 +141,27 @@ OPS: tuple[Op, ...] = (
     Op("POST", "/v1/executions/{id}/cancel", api_exec.exec_cancel, models.Execution,
        errors=(404,), body=models.CancelRequest, body_required=False, params=(ID,),
        gateway=EXEC_ACCESS),
+    # terminals
+    Op("POST", "/v1/terminals", api_terminals.terminal_create, models.Terminal, status=201,
+       errors=(*EXEC, 400), body=models.TerminalRequest, writes=True, gateway=EXEC_ACCESS),
+    Op("GET", "/v1/terminals", api_terminals.terminal_list, models.TerminalList,
+       gateway=EXEC_ACCESS),
+    Op("GET", "/v1/terminals/{id}", api_terminals.terminal_get, models.Terminal,
+       errors=(404,), params=(TERMINAL_ID,), gateway=EXEC_ACCESS),
+    Op("DELETE", "/v1/terminals/{id}", api_terminals.terminal_delete, None, status=204,
+       errors=(404,), params=(TERMINAL_ID,), gateway=EXEC_ACCESS),
+    Op("GET", "/v1/terminals/{id}/attach", api_terminals.terminal_attach, "websocket",
+       status=101, errors=(404, 426), params=(TERMINAL_ID, CURSOR), gateway=EXEC_ACCESS),
+    Op("POST", "/v1/terminals/{id}/input", api_terminals.terminal_input, None, status=204,
+       errors=(*RUNNING, 429, 503), body=models.TerminalInput, params=(TERMINAL_ID,),
+       gateway=EXEC_ACCESS),
+    Op("GET", "/v1/terminals/{id}/output", api_terminals.terminal_output, models.TerminalOutput,
+       errors=(404,), params=(TERMINAL_ID, CURSOR, MAX_BYTES, WAIT_OUTPUT),
+       gateway=EXEC_ACCESS),
+    Op("POST", "/v1/terminals/{id}/resize", api_terminals.terminal_resize, models.Terminal,
+       errors=RUNNING, body=models.TerminalResize, params=(TERMINAL_ID,), gateway=EXEC_ACCESS),
+    Op("POST", "/v1/terminals/{id}/signal", api_terminals.terminal_signal, models.Terminal,
+       errors=RUNNING, body=models.SignalRequest, params=(TERMINAL_ID,), gateway=EXEC_ACCESS),
     # files
     Op("GET", "/v1/files/content", api_files.file_read, "binary",
        errors=(*READ, 413), params=(PATH, *BYTE_RANGE, *LINE_RANGE), gateway=READS),

@@ -17,8 +17,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
+from starlette.websockets import WebSocket
 
 from .errors import Invalid
 
@@ -71,6 +72,8 @@ class Args:
 
 
 Handler = Callable[[Request, Args], Awaitable[Response]]
+# A WebSocket operation's handler (result "websocket"): it accepts and talks.
+Attach = Callable[[WebSocket, Args], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -83,9 +86,9 @@ class Op:
 
     method: str
     path: str
-    handler: Handler
+    handler: Handler | Attach
     # Success body: a msgspec type, a raw kind ("binary", "tar", "events",
-    # "prometheus", "object"), or None for no content.
+    # "prometheus", "object", "websocket": a GET that upgrades), or None for no content.
     result: Any
     status: int = 200
     errors: tuple[int, ...] = ()  # documented error statuses (ErrorBody)
@@ -99,6 +102,10 @@ class Op:
     # Changes the workspace: waits while it is quiesced (reads, signals and
     # stdin go through so a snapshot never waits for them).
     writes: bool = False
+
+    @property
+    def websocket(self) -> bool:
+        return bool(self.result == "websocket")
 
     def responses(self) -> dict[int, Any]:
         """Status -> body type, as documented (errors: the ErrorBody kind "error")."""
@@ -175,7 +182,7 @@ def _check_bounds(p: Param, value: float) -> None:
         raise Invalid("invalid_request", f"{p.name} must be at most {hi:g}")
 
 
-def parse_args(params: tuple[Param, ...], request: Request) -> Args:
+def parse_args(params: tuple[Param, ...], request: HTTPConnection) -> Args:
     """Parse, default and bound the declared parameters; 400 on anything else."""
     values: dict[str, Any] = {}
     for p in params:

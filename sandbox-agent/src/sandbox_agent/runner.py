@@ -28,6 +28,13 @@ Optional fields, ignored by older peers: ``"mark"`` in T_SPAWN (else the
 runner makes one up), ``"sweepSeconds"`` in T_SIGNAL (the sweep's bound),
 ``"survivors"`` in T_EXIT (present and > 0 only when a kill was not complete).
 
+A terminal is a T_SPAWN with ``"pty": {"cols", "rows"}``: the command gets a
+new pseudo-terminal as stdin, stdout, stderr and controlling terminal (it is
+the leader of its own session), its output comes as T_STDOUT, T_STDIN goes to
+the terminal, T_RESIZE changes the window size (the kernel tells the
+foreground job, SIGWINCH) and T_SIGNAL with ``"foreground": true`` signals
+the terminal's foreground process group (what Ctrl-C would reach).
+
 Every command carries a mark in its environment, ``SANDBOX_EXECUTION=<id>``
 (the agent's execution id), which its descendants inherit. A kill (SIGKILL,
 or SIGTERM followed by the command's end) does not stop at the process group:
@@ -52,6 +59,7 @@ import socket
 import struct
 import sys
 import tempfile
+import termios
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -59,7 +67,8 @@ from typing import Any
 __version__ = "0.1.0"
 # 2: T_SCRIPT frames, scriptFd/combined/unset in T_SPAWN, instance in the hello.
 # 3: T_STATS / T_STATS_ACK (the container's cgroup counters).
-PROTOCOL = 3
+# 4: "pty" in T_SPAWN, T_RESIZE, "foreground" in T_SIGNAL.
+PROTOCOL = 4
 
 HEADER = struct.Struct(">IBI")
 # Largest payload either side may send. The agent enforces it on what it
@@ -90,6 +99,7 @@ T_SIGNAL = 5
 T_PING = 6
 T_SCRIPT = 7  # a piece of the script of the next T_SPAWN on this channel
 T_STATS = 8  # the container's cgroup counters, please (payload: a token to echo)
+T_RESIZE = 9  # a terminal's window size: {"cols", "rows"}
 # runner -> agent
 T_HELLO_ACK = 65
 T_STARTED = 66
@@ -109,6 +119,10 @@ DRAIN_GRACE = float(os.environ.get("SANDBOX_RUNNER_DRAIN_SECONDS", "0.5"))
 # agent: the children then block on write, which is the backpressure we want.
 WBUF_HIGH = 8 << 20
 WBUF_LOW = 1 << 20
+# A terminal's window size bounds (what TIOCSWINSZ takes is 16 bits each).
+MAX_WINDOW = 1000
+# What a terminal's programs assume when the request names no TERM.
+DEFAULT_TERM = "xterm-256color"
 # The mark of a command's processes: set by us in its environment (ours wins
 # over the request's), inherited by whatever it starts.
 MARK_NAME = "SANDBOX_EXECUTION"
@@ -227,6 +241,7 @@ class Child:
         "mark",
         "out_fd",
         "pid",
+        "pty_fd",
         "rusage",
         "start_time",
         "status",
@@ -253,6 +268,7 @@ class Child:
         self.out_fd = -1
         self.err_fd = -1
         self.in_fd = -1
+        self.pty_fd = -1  # a terminal's master side (ours; closed with the child)
         self.stdin_buf = bytearray()
         self.stdin_close = False
         self.status: int | None = None
@@ -829,10 +845,18 @@ class Runner:
                 bound = float(bound)
                 if not 0.0 <= bound <= 600.0:  # (NaN too)
                     raise ValueError("sweepSeconds must be 0..600")
-            if child is not None:
+            if child is not None and req.get("foreground") is True:
+                self._signal_foreground(child, sig)
+            elif child is not None:
                 if bound is not None:
                     child.sweep_seconds = bound
                 self._kill_child(child, sig)
+        elif ftype == T_RESIZE:
+            child = conn.children.get(channel)
+            if child is not None and child.pty_fd >= 0:
+                cols, rows = _window(json.loads(payload))
+                with contextlib.suppress(OSError):  # the terminal is going away
+                    _set_window(child.pty_fd, cols, rows)
         else:
             raise ValueError(f"unknown frame type {ftype}")
 
@@ -861,25 +885,30 @@ class Runner:
         script_fd = req.get("scriptFd")
         if script_fd is not None and (type(script_fd) is not int or not 3 <= script_fd <= 9):
             raise ValueError("scriptFd must be 3..9")
+        window = _window(req["pty"]) if req.get("pty") is not None else None
+        if window is not None:
+            env.setdefault("TERM", DEFAULT_TERM)
 
         fds: list[int] = []  # ours to close once the child has its copies
+        pty_fd = -1
         try:
-            out_r, out_w = os.pipe()
-            fds += [out_r, out_w]
-            err_r, err_w = (-1, out_w) if combined else os.pipe()
-            if not combined:
-                fds += [err_r, err_w]
-            if STDOUT_PIPE_SIZE > 65536:
-                with contextlib.suppress(OSError):  # else keep the default size
-                    fcntl.fcntl(out_r, F_SETPIPE_SZ, STDOUT_PIPE_SIZE)
-            in_r = in_w = -1
-            if want_stdin:
-                in_r, in_w = os.pipe()
-                fds += [in_r, in_w]
-                actions: list[tuple[Any, ...]] = [(os.POSIX_SPAWN_DUP2, in_r, 0)]
+            if window is not None:
+                pty_fd, tty = os.openpty()
+                fds += [pty_fd, tty]
+                _set_window(pty_fd, *window)
+                # Opened by the child after setsid (posix_spawn's order), without
+                # O_NOCTTY: the terminal becomes its controlling terminal.
+                actions: list[tuple[Any, ...]] = [
+                    (os.POSIX_SPAWN_OPEN, 0, os.ttyname(tty), os.O_RDWR, 0),
+                    (os.POSIX_SPAWN_DUP2, 0, 1),
+                    (os.POSIX_SPAWN_DUP2, 0, 2),
+                ]
+                # The master is read for output and written for input; the
+                # input side is a second descriptor so that each closes alone.
+                out_r, err_r, in_w = pty_fd, -1, os.dup(pty_fd)
+                fds.append(in_w)
             else:
-                actions = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)]
-            actions += [(os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
+                out_r, err_r, in_w, actions = self._pipes(fds, want_stdin, combined)
             if script_fd is not None:
                 sfd = _script_file(bytes(script or b""))
                 fds.append(sfd)
@@ -914,6 +943,7 @@ class Runner:
             if fd not in (out_r, err_r, in_w):
                 os.close(fd)  # the child's ends (and the script: the child holds it now)
         child = Child(conn, channel, pid, mark)
+        child.pty_fd = pty_fd
         if self.windows is not None:
             self.windows.opened(mark, _start_ticks(str(pid)) or _now_ticks())
         child.out_fd = out_r
@@ -929,6 +959,39 @@ class Runner:
         conn.children[channel] = child
         self.by_pid[pid] = child
         self._send_json(conn, T_STARTED, channel, {"pid": pid, "startedAt": child.start_time})
+
+    @staticmethod
+    def _pipes(
+        fds: list[int], want_stdin: bool, combined: bool
+    ) -> tuple[int, int, int, list[tuple[Any, ...]]]:
+        """A command's pipes: our ends (stdout, stderr, stdin; -1 when there is
+        none) and the file actions that give the child its ends. Every
+        descriptor made goes into `fds` (the caller closes the child's ends)."""
+        out_r, out_w = os.pipe()
+        fds += [out_r, out_w]
+        err_r, err_w = (-1, out_w) if combined else os.pipe()
+        if not combined:
+            fds += [err_r, err_w]
+        if STDOUT_PIPE_SIZE > 65536:
+            with contextlib.suppress(OSError):  # else keep the default size
+                fcntl.fcntl(out_r, F_SETPIPE_SZ, STDOUT_PIPE_SIZE)
+        in_r = in_w = -1
+        if want_stdin:
+            in_r, in_w = os.pipe()
+            fds += [in_r, in_w]
+            actions: list[tuple[Any, ...]] = [(os.POSIX_SPAWN_DUP2, in_r, 0)]
+        else:
+            actions = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)]
+        actions += [(os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
+        return out_r, err_r, in_w, actions
+
+    def _signal_foreground(self, child: Child, sig: int) -> None:
+        """What a key (Ctrl-C, Ctrl-Z, Ctrl-\\) would do: signal the terminal's
+        foreground process group, not the shell that owns the terminal."""
+        if child.pty_fd < 0 or child.status is not None:
+            return
+        with contextlib.suppress(OSError):
+            os.killpg(os.tcgetpgrp(child.pty_fd), sig)
 
     def _write_stdin(self, child: Child) -> None:
         fd = child.in_fd
@@ -987,7 +1050,8 @@ class Runner:
             data = b""
         if data:
             self._send(child.conn, ftype, child.channel, data)
-            if LINGER and len(data) < READ_CHUNK and child.status is None:
+            # Not for a terminal: its output is an echo someone is waiting for.
+            if LINGER and len(data) < READ_CHUNK and child.status is None and child.pty_fd < 0:
                 # Let a busy writer fill the (large) pipe for a moment before we
                 # wake for it again: a burst becomes a few big frames instead of
                 # dozens of small ones, at the cost of <= LINGER of latency.
@@ -997,6 +1061,7 @@ class Runner:
         self._close_fd(fd)
         if ftype == T_STDOUT:
             child.out_fd = -1
+            child.pty_fd = -1  # the same descriptor, for a terminal
         else:
             child.err_fd = -1
         self._maybe_finish(child)
@@ -1046,7 +1111,7 @@ class Runner:
     def _close_child_fds(self, child: Child) -> None:
         for fd in (child.out_fd, child.err_fd, child.in_fd):
             self._close_fd(fd)
-        child.out_fd = child.err_fd = child.in_fd = -1
+        child.out_fd = child.err_fd = child.in_fd = child.pty_fd = -1
 
     def _reap(self) -> None:
         while True:
@@ -1123,6 +1188,19 @@ class Runner:
         else:
             msg["exitCode"] = os.WEXITSTATUS(status)
         self._send_json(conn, T_EXIT, child.channel, msg)
+
+
+def _window(req: Any) -> tuple[int, int]:
+    """(cols, rows) of a terminal's window, checked."""
+    cols, rows = req.get("cols"), req.get("rows")
+    for v in (cols, rows):
+        if type(v) is not int or not 1 <= v <= MAX_WINDOW:
+            raise ValueError(f"a terminal's cols and rows must be 1..{MAX_WINDOW}")
+    return cols, rows
+
+
+def _set_window(fd: int, cols: int, rows: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
 def _script_file(script: bytes) -> int:

@@ -53,6 +53,8 @@ class Spawn:
     # SANDBOX_EXECUTION in the command's environment (the execution id): how
     # the runner finds the command's processes that left its process group.
     mark: str | None = None
+    # (cols, rows): run on a new pseudo-terminal of this size (a terminal).
+    pty: tuple[int, int] | None = None
 
 
 class Channel(Protocol):
@@ -395,6 +397,8 @@ class RunnerClient:
             spec["scriptFd"] = SCRIPT_FD
         if req.mark is not None:
             spec["mark"] = req.mark
+        if req.pty is not None:
+            spec["pty"] = {"cols": req.pty[0], "rows": req.pty[1]}
         payload = _encode(spec)
         if len(payload) > wire.MAX_PAYLOAD:
             raise ValueError("arguments and environment exceed 1 MiB")
@@ -437,15 +441,25 @@ class RunnerClient:
         if self.wire is not None:
             self.wire.send(wire.T_STDIN_CLOSE, chan)
 
-    def signal(self, chan: int, sig: int, sweep: float | None = None) -> None:
+    def signal(
+        self, chan: int, sig: int, sweep: float | None = None, *, foreground: bool = False
+    ) -> None:
         """Signal a command's process group. For SIGKILL and SIGTERM the runner
         also ends the processes that left the group (``sweep``: for at most
-        this many seconds, then it reports the survivors)."""
+        this many seconds, then it reports the survivors). ``foreground``: a
+        terminal's foreground job instead, as a key would."""
         if self.wire is not None:
             msg: dict[str, Any] = {"signal": sig}
             if sweep is not None:
                 msg["sweepSeconds"] = sweep
+            if foreground:
+                msg["foreground"] = True
             self.wire.send(wire.T_SIGNAL, chan, _encode(msg))
+
+    def resize(self, chan: int, cols: int, rows: int) -> None:
+        """A terminal's window size (the runner tells its foreground job)."""
+        if self.wire is not None:
+            self.wire.send(wire.T_RESIZE, chan, _encode({"cols": cols, "rows": rows}))
 
     async def _ask(self, ftype: int, wait: float) -> tuple[bool, Any]:
         """Send `ftype` with a fresh token: (True, the runner's answer to it), or

@@ -15,6 +15,7 @@ from .paths import Workspace
 from .quiesce import Quiesce
 from .runner_client import RunnerClient
 from .runtime import RuntimeRestart
+from .terminals import TerminalManager
 
 
 class AgentState:
@@ -30,6 +31,7 @@ class AgentState:
             settings, self.runner, self.touch, self.restart, self.environment
         )
         self.quiesce = Quiesce(self.executions)
+        self.terminals = TerminalManager(settings, self.runner, self.environment, self.touch)
         self.openapi = b"{}"  # the served document, rendered by build_app from the table
         # Readiness probes holding their answer (waitSeconds) right now: the
         # only way an unauthenticated client can keep a connection busy, so

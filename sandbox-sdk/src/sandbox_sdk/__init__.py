@@ -41,8 +41,10 @@ if TYPE_CHECKING:
         AsyncJob,
         AsyncSandbox,
         AsyncSandboxClient,
+        AsyncTerminal,
+        AsyncTerminals,
     )
-    from sandbox_sdk._sync.client import Files, Job, Sandbox, SandboxClient
+    from sandbox_sdk._sync.client import Files, Job, Sandbox, SandboxClient, Terminal, Terminals
     from sandbox_sdk.types import CommandResult, Event, OutputEvent, Runtime, Template
 
 # Where each public name lives. They are imported on first use (PEP 562), not
@@ -51,9 +53,19 @@ if TYPE_CHECKING:
 # of start-up that `kubectl sandbox completion` or a usage error never needs).
 _HOMES = {
     **dict.fromkeys(
-        ("AsyncFiles", "AsyncJob", "AsyncSandbox", "AsyncSandboxClient"), "_async.client"
+        (
+            "AsyncFiles",
+            "AsyncJob",
+            "AsyncSandbox",
+            "AsyncSandboxClient",
+            "AsyncTerminal",
+            "AsyncTerminals",
+        ),
+        "_async.client",
     ),
-    **dict.fromkeys(("Files", "Job", "Sandbox", "SandboxClient"), "_sync.client"),
+    **dict.fromkeys(
+        ("Files", "Job", "Sandbox", "SandboxClient", "Terminal", "Terminals"), "_sync.client"
+    ),
     **dict.fromkeys(("CommandResult", "Event", "OutputEvent", "Runtime", "Template"), "types"),
 }
 
@@ -64,6 +76,8 @@ __all__ = [
     "AsyncJob",
     "AsyncSandbox",
     "AsyncSandboxClient",
+    "AsyncTerminal",
+    "AsyncTerminals",
     "CommandFailed",
     "CommandLost",
     "CommandResult",
@@ -86,6 +100,8 @@ __all__ = [
     "SandboxError",
     "ServerError",
     "Template",
+    "Terminal",
+    "Terminals",
     "Timeout",
     "Unauthorized",
     "WorkspaceFull",

@@ -30,6 +30,7 @@ RULES: list[tuple[str, str]] = [
     (r"\basynccontextmanager\b", "contextmanager"),
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),
+    (r"\b__aiter__\b", "__iter__"),
     (r"\baclose\b", "close"),
     (r"\baread\b", "read"),
     (r"\baiter_lines\b", "iter_lines"),

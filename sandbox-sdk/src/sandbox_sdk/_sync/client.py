@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import builtins
 import collections
+import contextlib
 import io
 import json
 import math
@@ -578,6 +579,7 @@ class Sandbox:
         self.ready_timeout = ready_timeout
         self._body = body
         self.files = Files(self)
+        self.terminals = Terminals(self)
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.namespace}/{self.name}>"
@@ -1346,6 +1348,149 @@ class Job:
                 "POST", f"executions/{self.id}/signal", json_body={"signal": signal}
             )
         return CommandResult.of(agent.Execution.model_validate(answer.json()))
+
+
+class Terminals:
+    """Programs on a pseudo-terminal in the sandbox (a shell by default): they
+    outlive the connection that made them, and their output is kept (1 MiB
+    each) for whoever reads it next."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self.sandbox = sandbox
+
+    def create(
+        self,
+        command: str | None = None,
+        *,
+        argv: Sequence[str] | None = None,
+        cwd: str = ".",
+        env: Mapping[str, str] | None = None,
+        cols: int = 80,
+        rows: int = 24,
+        idle_timeout: float | None = None,
+    ) -> Terminal:
+        """Start `command` (a shell command line), or `argv`, or else the sandbox
+        user's login shell, on a `cols` x `rows` terminal. It ends when it exits,
+        on `kill()`, or after `idle_timeout` seconds with nobody attached."""
+        body: JSON = {"cwd": cwd, "cols": cols, "rows": rows, "env": dict(env or {})}
+        if command is not None:
+            body["command"] = command
+        if argv is not None:
+            body["argv"] = list(argv)
+        if idle_timeout is not None:
+            body["idleTimeoutSeconds"] = idle_timeout
+        answer = self.sandbox._request("POST", "terminals", json_body=body, idempotent=False)
+        made = agent.Terminal.model_validate(answer.json())
+        return Terminal(self.sandbox, made.id)
+
+    def list(self) -> builtins.list[agent.Terminal]:
+        """Terminals running now and those that ended lately."""
+        answer = self.sandbox._request("GET", "terminals")
+        return agent.TerminalList.model_validate(answer.json()).terminals
+
+    def get(self, terminal_id: str) -> Terminal:
+        """A handle on an existing terminal (reading from the oldest output kept)."""
+        return Terminal(self.sandbox, terminal_id)
+
+
+class Terminal:
+    """One terminal: type into it, read what it shows, resize, signal, kill.
+
+    `read()` returns output from `cursor` on and moves `cursor` past it, so a
+    handle reads each byte once; `cursor = 0` reads again from the oldest kept.
+    """
+
+    def __init__(self, sandbox: Sandbox, terminal_id: str) -> None:
+        self.sandbox = sandbox
+        self.id = terminal_id
+        self.cursor = 0
+        self.status = "running"
+        self.exit_code: int | None = None
+
+    def __repr__(self) -> str:
+        return f"<Terminal {self.id} in {self.sandbox.name}>"
+
+    @property
+    def _tail(self) -> str:
+        return f"terminals/{self.id}"
+
+    def info(self) -> agent.Terminal:
+        answer = self.sandbox._request("GET", self._tail)
+        return agent.Terminal.model_validate(answer.json())
+
+    def send(self, data: str | bytes) -> None:
+        """Keys as typed: "ls\\r" runs ls in a shell, "\\x03" is Ctrl-C."""
+        raw = data.encode() if isinstance(data, str) else data
+        body = {"dataBase64": base64.b64encode(raw).decode()}
+        self.sandbox._request("POST", f"{self._tail}/input", json_body=body, idempotent=False)
+
+    def resize(self, cols: int, rows: int) -> None:
+        self.sandbox._request(
+            "POST", f"{self._tail}/resize", json_body={"cols": cols, "rows": rows}
+        )
+
+    def signal(self, signal: str = "INT") -> None:
+        """To the terminal's foreground job, as a key would (INT: Ctrl-C)."""
+        self.sandbox._request(
+            "POST", f"{self._tail}/signal", json_body={"signal": signal}, idempotent=False
+        )
+
+    def read(self, *, wait: float = 10.0, max_bytes: int | None = None) -> bytes:
+        """Output after `cursor`, waiting up to `wait` seconds (at most 60) for
+        some; b"" when there is none yet, or none any more (see `status`)."""
+        params = {"cursor": str(self.cursor), "waitSeconds": str(min(wait, 60.0))}
+        if max_bytes:
+            params["maxBytes"] = str(max_bytes)
+        answer = self.sandbox._request(
+            "GET", f"{self._tail}/output", params=params, timeout=wait + 60
+        )
+        page = agent.TerminalOutput.model_validate(answer.json())
+        self.cursor = page.next_cursor
+        self.status, self.exit_code = page.status, page.exit_code
+        return base64.b64decode(page.data_base64)
+
+    def read_until(self, pattern: str | bytes, *, timeout: float = 30.0) -> bytes:
+        """Read until the output read so far (by this call) contains `pattern`;
+        Timeout when it has not after `timeout` seconds or the terminal ended."""
+        want = pattern.encode() if isinstance(pattern, str) else pattern
+        seen = b""
+        deadline = time.monotonic() + timeout
+        while want not in seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            chunk = self.read(wait=min(left, 10.0))
+            seen += chunk
+            if not chunk and self.status != "running":
+                break
+        if want not in seen:
+            raise Timeout(f"terminal {self.id}: {want!r} not seen; last output {seen[-200:]!r}")
+        return seen
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Output as it comes, until the terminal ends."""
+        while True:
+            chunk = self.read(wait=30.0)
+            if chunk:
+                yield chunk
+            elif self.status != "running":
+                return
+
+    def wait(self, timeout: float | None = None) -> agent.Terminal:
+        """Until the terminal's program ends (its output is read meanwhile)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.status == "running":
+            left = 30.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise Timeout(f"terminal {self.id} still running after {timeout}s")
+            self.read(wait=min(left, 30.0))
+        return self.info()
+
+    def kill(self) -> None:
+        """End its program (and what that started) and forget the terminal."""
+        with contextlib.suppress(NotFound):  # gone already
+            self.sandbox._request("DELETE", self._tail)
+        self.status = "exited"
 
 
 def _extract(tar: tarfile.TarFile, target: Path) -> None:

@@ -420,6 +420,72 @@ class SyncResult(WireModel):
     synced: bool = Field()
 
 
+class Terminal(WireModel):
+    "Terminal"
+
+    argv: list[str] | None = Field(default=None)
+    attached: int = Field(description="Viewers attached now")
+    cols: int = Field()
+    command: str | None = Field(default=None)
+    created_at: str = Field(validation_alias="createdAt", serialization_alias="createdAt")
+    cwd: str = Field()
+    ended_at: str | None = Field(default=None, validation_alias="endedAt", serialization_alias="endedAt")
+    exit_code: int | None = Field(default=None, validation_alias="exitCode", serialization_alias="exitCode")
+    id: str = Field()
+    idle_timeout_seconds: float = Field(validation_alias="idleTimeoutSeconds", serialization_alias="idleTimeoutSeconds")
+    message: str | None = Field(default=None)
+    output_cursor: int = Field(validation_alias="outputCursor", serialization_alias="outputCursor", description="Offset after the last byte of output")
+    output_start: int = Field(validation_alias="outputStart", serialization_alias="outputStart", description="Offset of the oldest byte still kept (the ring holds the rest)")
+    pid: int | None = Field(default=None)
+    rows: int = Field()
+    signal: int | None = Field(default=None)
+    status: str = Field(description="running; exited (exitCode or signal); failed (its program did not start: message); lost (the runner went away with it: message) One of: exited, failed, lost, running, starting.")
+
+
+class TerminalInput(WireModel):
+    "TerminalInput"
+
+    data: str | None = Field(default=None)
+    data_base64: str | None = Field(default=None, validation_alias="dataBase64", serialization_alias="dataBase64")
+
+
+class TerminalList(WireModel):
+    "TerminalList"
+
+    terminals: list[Terminal] = Field()
+
+
+class TerminalOutput(WireModel):
+    "TerminalOutput"
+
+    cursor: int = Field(description="Offset of the first byte of data")
+    data_base64: str = Field(validation_alias="dataBase64", serialization_alias="dataBase64")
+    dropped: int = Field(description="Bytes between the asked cursor and `cursor` no longer kept")
+    exit_code: int | None = Field(default=None, validation_alias="exitCode", serialization_alias="exitCode")
+    next_cursor: int = Field(validation_alias="nextCursor", serialization_alias="nextCursor", description="Where the next read starts")
+    signal: int | None = Field(default=None)
+    status: str = Field(description="One of: exited, failed, lost, running, starting.")
+
+
+class TerminalRequest(WireModel):
+    "TerminalRequest"
+
+    argv: list[str] | None = Field(default=None)
+    cols: int = Field(default=80)
+    command: str | None = Field(default=None)
+    cwd: str = Field(default='.', description="Path relative to the workspace root ('.' is the root). Absolute paths, '..' components and symlinks that leave the workspace are refused.")
+    env: dict[str, str] = Field(default_factory=dict, description="Added to the environment (TERM defaults to xterm-256color)")
+    idle_timeout_seconds: float | None = Field(default=None, validation_alias="idleTimeoutSeconds", serialization_alias="idleTimeoutSeconds")
+    rows: int = Field(default=24)
+
+
+class TerminalResize(WireModel):
+    "TerminalResize"
+
+    cols: int = Field()
+    rows: int = Field()
+
+
 class WriteRequest(WireModel):
     "WriteRequest"
 
@@ -429,4 +495,4 @@ class WriteRequest(WireModel):
     parents: bool = Field(default=True)
     path: str = Field(description="Path relative to the workspace root ('.' is the root). Absolute paths, '..' components and symlinks that leave the workspace are refused.")
 
-__all__ = ["ArchiveResult", "CancelRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SandboxLimits", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "WorkspaceUsage", "WriteRequest"]
+__all__ = ["ArchiveResult", "CancelRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SandboxLimits", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "Terminal", "TerminalInput", "TerminalList", "TerminalOutput", "TerminalRequest", "TerminalResize", "WorkspaceUsage", "WriteRequest"]
