@@ -4,11 +4,18 @@ time, against a real API server, the operator, the gateway and real agents."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import pty
+import select
+import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -304,3 +311,117 @@ def test_exec_hands_to_the_client_what_one_request_cannot_do(
     # An exit code and stderr pass through the one-request path unchanged.
     failing = _cli(env, "exec", "box", "--", "sh", "-c", "echo oops >&2; exit 7")
     assert (failing.returncode, failing.stderr) == (7, "oops\n")
+
+
+class _Pty:
+    """`kubectl-sandbox ARGS` on a pseudo-terminal of its own (its controlling
+    terminal), as a person's window runs it."""
+
+    def __init__(self, env: dict[str, str], *args: str, cols: int, rows: int) -> None:
+        self.master, slave = pty.openpty()
+        self.slave = slave
+        self.resize(cols, rows)
+        self.process = subprocess.Popen(
+            [sys.executable, str(BIN / "kubectl-sandbox"), *args],
+            env=env,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            start_new_session=True,
+            # The pty becomes the controlling terminal: window changes reach it.
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        )
+        self.seen = b""
+
+    def resize(self, cols: int, rows: int) -> None:
+        fcntl.ioctl(self.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    def expect(self, text: str, seconds: float = 30) -> None:
+        """Until `text` appears in what was shown since the last expect."""
+        start = len(self.seen)
+        deadline = time.monotonic() + seconds
+        while text.encode() not in self.seen[start:]:
+            left = deadline - time.monotonic()
+            assert left > 0, f"{text!r} not shown; last: {self.seen[-600:]!r}"
+            ready, _, _ = select.select([self.master], [], [], min(left, 0.5))
+            if ready:
+                with contextlib.suppress(OSError):  # EIO: the process is gone
+                    self.seen += os.read(self.master, 65536)
+
+    def type(self, keys: str) -> None:
+        os.write(self.master, keys.encode())
+
+    def raw(self) -> bool:
+        """The local terminal is in raw mode (no line editing, no echo)."""
+        lflag = termios.tcgetattr(self.slave)[3]
+        return not lflag & (termios.ICANON | termios.ECHO)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        os.close(self.master)
+        os.close(self.slave)
+
+
+def test_shell_joins_this_terminal_to_one_in_the_sandbox(
+    client: SandboxClient, live_sandbox: LiveSandbox
+) -> None:
+    """`kubectl sandbox shell`: raw mode while it runs, the window size and its
+    changes, Ctrl-C to the remote foreground job, the remote exit code as its
+    own, and the local terminal put back afterwards, also when it is killed."""
+    client.create("python", name="tty", wait=False)
+    _start(live_sandbox, "tty")
+    env = {**os.environ, **_explicit_env(client)}
+    bash = ("--", "env", "PS1=cli> ", "bash", "--norc", "--noprofile", "-i")
+    session = _Pty(env, "shell", "tty", *bash, cols=77, rows=19)
+    try:
+        session.expect("cli> ")
+        assert session.raw()
+        session.type("stty size\r")
+        session.expect("19 77")
+        session.resize(100, 30)
+        # SIGWINCH, then a resize through the gateway: ask until it shows.
+        deadline = time.monotonic() + 20
+        while b"30 100" not in session.seen:
+            assert time.monotonic() < deadline, session.seen[-600:]
+            session.type("stty size\r")
+            with contextlib.suppress(AssertionError):
+                session.expect("cli> ", seconds=2)
+        session.type("sleep 100\r")
+        time.sleep(0.5)
+        session.type("\x03")  # to the sleep in the sandbox, not to us
+        session.expect("cli> ")
+        assert session.process.poll() is None
+        session.type("exit 5\r")
+        assert session.process.wait(30) == 5
+        assert not session.raw(), "the local terminal is back in its own mode"
+    finally:
+        session.close()
+    assert client.connect("tty").terminals.list() == [], "an ended terminal is removed"
+
+    # Killed while joined: the local terminal is put back; the remote one goes on.
+    session = _Pty(env, "shell", "tty", *bash, cols=80, rows=24)
+    try:
+        session.expect("cli> ")
+        assert session.raw()
+        session.process.send_signal(signal.SIGTERM)
+        assert session.process.wait(30) == 128 + signal.SIGTERM
+        assert not session.raw()
+    finally:
+        session.close()
+    [left] = client.connect("tty").terminals.list()
+    assert left.status == "running"
+    # Attached again by id, it shows what happens from now on.
+    session = _Pty(env, "shell", "tty", "--attach", left.id, cols=80, rows=24)
+    try:
+        wait_for(session.raw, 30, "the shell joined (the local terminal raw)")
+        session.type("echo back-$((6*7))\r")
+        session.expect("back-42")
+        session.type("exit\r")
+        assert session.process.wait(30) == 0
+    finally:
+        session.close()
+    # Without a terminal: a command's output and exit code.
+    done = _cli(env, "shell", "tty", "--", "sh", "-c", "echo piped; exit 3")
+    assert (done.returncode, done.stdout.replace("\r", "")) == (3, "piped\n"), done.stderr

@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 
 JSON = dict[str, Any]
 COMMANDS = [
-    *("create", "get", "list", "delete", "exec", "run", "cp", "ls", "cat", "grep", "logs"),
+    *("create", "get", "list", "delete", "exec", "run", "shell", "terminals", "cp", "ls"),
+    *("cat", "grep", "logs"),
     *("snapshot", "snapshots", "restore", "fork", "pause", "resume", "port", "completion"),
 ]
 PROGRESS_FROM = 1 << 20  # bytes: smaller transfers show no progress bar
@@ -64,6 +65,7 @@ TRUNCATED_EXIT = 3  # `logs`: the output log was cut at the agent's cap
 USAGE = {
     "exec": "kubectl sandbox exec NAME [flags] -- COMMAND [ARGS...]",
     "run": "kubectl sandbox run [flags] -- COMMAND [ARGS...]",
+    "shell": "kubectl sandbox shell NAME [--attach TERMINAL_ID] [-- COMMAND [ARGS...]]",
 }
 
 
@@ -333,6 +335,26 @@ def cmd_exec(client: SandboxClient, args: argparse.Namespace) -> int:
         # did start is not started again.
         events = sandbox._events("POST", "executions/stream", body, args.timeout + 60)
     return _stream_to_terminal(events)
+
+
+def cmd_shell(client: SandboxClient, args: argparse.Namespace) -> int:
+    from sandbox_sdk._shell import Stopped, shell  # termios and threads: for this verb alone
+
+    sandbox = client.connect(args.name)
+    try:
+        return shell(sandbox, args.command, attach=args.attach)
+    except Stopped as stopped:
+        return 128 + stopped.signum
+
+
+def cmd_terminals(client: SandboxClient, args: argparse.Namespace) -> int:
+    rows = [["ID", "STATUS", "COMMAND", "ATTACHED", "AGE"]]
+    for term in client.connect(args.name).terminals.list():
+        command = term.command or " ".join(term.argv or []) or "(login shell)"
+        status = term.status if term.exit_code is None else f"{term.status} ({term.exit_code})"
+        rows.append([term.id, status, command[:40], str(term.attached), _age(term.created_at)])
+    print(_table(rows))
+    return 0
 
 
 def _say_waiting(reason: str, message: str) -> None:
@@ -714,6 +736,16 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=180.0, help="seconds (at most 1800)")
         p.add_argument("command", nargs="*", help="after --, as with kubectl exec")
         p.set_defaults(run=cmd_exec if verb == "exec" else cmd_run)
+
+    p = add("shell", "a terminal in a sandbox: its login shell, or a command, joined to this one")
+    p.add_argument("name")
+    p.add_argument("--attach", metavar="TERMINAL_ID", help="join a terminal that runs already")
+    p.add_argument("command", nargs="*", help="after --: a command line, or a program and args")
+    p.set_defaults(run=cmd_shell)
+
+    p = add("terminals", "the terminals of a sandbox (running and lately ended)")
+    p.add_argument("name")
+    p.set_defaults(run=cmd_terminals)
 
     p = add("cp", "copy files or directories to or from a sandbox (NAME:PATH)")
     p.add_argument("source")
