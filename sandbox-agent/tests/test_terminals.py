@@ -285,3 +285,24 @@ def test_a_cursor_past_the_end_is_refused(sandbox: Sandbox, cursor: int) -> None
     else:
         assert r.status_code == 200, r.text
     sandbox.client.delete(f"/v1/terminals/{term['id']}")
+
+
+def test_quiesce_stops_a_terminals_jobs_too(sandbox: Sandbox, wsdir: str) -> None:
+    """A snapshot's quiesce reaches what runs on a terminal, also a job the shell
+    put in a process group of its own, and lets it go on afterwards."""
+    term = _shell(sandbox)
+    path = sandbox.workspace / wsdir / "job.log"
+    job = f"(while true; do echo x >> {wsdir}/job.log; sleep 0.02; done) &\r"
+    r = sandbox.client.post(f"/v1/terminals/{term['id']}/input", json={"data": job})
+    assert r.status_code == 204, r.text
+    wait_until(lambda: path.exists() and path.stat().st_size > 10)
+    r = sandbox.client.post("/v1/workspace/quiesce", json={"seconds": 30})
+    assert r.status_code == 200, r.text
+    assert term["id"] in r.json()["quiesced"], r.json()
+    time.sleep(0.2)
+    before = path.stat().st_size
+    time.sleep(0.6)
+    assert path.stat().st_size == before, "the job wrote while quiesced"
+    assert sandbox.client.post("/v1/workspace/resume").status_code == 200
+    wait_until(lambda: path.stat().st_size > before)
+    sandbox.client.delete(f"/v1/terminals/{term['id']}")

@@ -680,6 +680,10 @@ class Execution:
     # -- views -------------------------------------------------------------
 
     @property
+    def running(self) -> bool:
+        return self.finished is None
+
+    @property
     def oom_killed(self) -> bool:
         return (
             self.signal == _signal.SIGKILL

@@ -410,7 +410,8 @@ class QuiesceRequest(_Base, kw_only=True):
 
 class QuiesceResult(_Out, kw_only=True):
     quiesced: Annotated[
-        list[str], Meta(description="Ids of the running executions now stopped (SIGSTOP)")
+        list[str],
+        Meta(description="Ids of the running executions and terminals now stopped (SIGSTOP)"),
     ]
     resume_at: Annotated[str | None, Meta(description="RFC 3339 UTC; None when resumed")]
     synced: bool

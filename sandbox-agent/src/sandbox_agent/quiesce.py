@@ -1,9 +1,11 @@
-"""Quiesce: stop running executions' writes while a volume snapshot is cut.
+"""Quiesce: stop what runs in the sandbox from writing while a volume snapshot is cut.
 
-Every running execution's process group gets SIGSTOP until ``resume`` or a
-bound of the caller's choosing, whichever comes first: a caller (the
-operator) that never comes back must not leave commands frozen. While
-quiesced, requests that would write the workspace wait (see ``Op.writes``).
+Every running execution and terminal gets SIGSTOP, on every process that
+carries its mark (its process group, a shell's jobs, what left the group),
+until ``resume`` or a bound of the caller's choosing, whichever comes first:
+a caller (the operator) that never comes back must not leave commands
+frozen. While quiesced, requests that would write the workspace wait (see
+``Op.writes``).
 """
 
 from __future__ import annotations
@@ -11,37 +13,54 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from typing import Protocol
 
 from .errors import Unavailable
-from .executions import Execution, ExecutionManager
+from .executions import ExecutionManager
+from .terminals import TerminalManager
+
+
+class Running(Protocol):
+    """An execution or a terminal: its runner channel, and whether it still runs."""
+
+    id: str
+    channel: int
+
+    @property
+    def running(self) -> bool: ...
 
 
 class Quiesce:
-    def __init__(self, executions: ExecutionManager) -> None:
+    def __init__(self, executions: ExecutionManager, terminals: TerminalManager) -> None:
         self.executions = executions
-        self.stopped: list[Execution] = []
+        self.terminals = terminals
+        self.stopped: list[Running] = []
         self.resume_at: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._resumed = asyncio.Event()
         self._resumed.set()
 
-    def stop(self, seconds: float) -> list[Execution]:
-        """SIGSTOP every running execution until `resume` or `seconds` from now.
+    def _running(self) -> list[Running]:
+        terminals = [t for t in self.terminals.terminals.values() if t.running]
+        return [*self.executions.running(), *terminals]
+
+    def stop(self, seconds: float) -> list[Running]:
+        """SIGSTOP everything running until `resume` or `seconds` from now.
 
         Refuses when the runner cannot relay signals: a snapshot taken then
         would not be the consistent one asked for.
         """
         runner = self.executions.runner
-        running = self.executions.running()
+        running = self._running()
         if running and not runner.connected:
             raise Unavailable(
                 "runner_unavailable",
                 "cannot pause running executions: the runner is not connected",
             )
-        for ex in running:
-            if ex not in self.stopped:
-                runner.signal(ex.channel, signal.SIGSTOP)
-                self.stopped.append(ex)
+        for what in running:
+            if what not in self.stopped:
+                runner.signal(what.channel, signal.SIGSTOP, everywhere=True)
+                self.stopped.append(what)
         if self._timer is not None:
             self._timer.cancel()
         self._resumed.clear()
@@ -57,9 +76,9 @@ class Quiesce:
         self.resume_at = None
         self._resumed.set()
         resumed = 0
-        for ex in self.stopped:
-            if ex.finished is None:
-                self.executions.runner.signal(ex.channel, signal.SIGCONT)
+        for what in self.stopped:
+            if what.running:
+                self.executions.runner.signal(what.channel, signal.SIGCONT, everywhere=True)
                 resumed += 1
         self.stopped = []
         return resumed

@@ -34,6 +34,9 @@ the leader of its own session), its output comes as T_STDOUT, T_STDIN goes to
 the terminal, T_RESIZE changes the window size (the kernel tells the
 foreground job, SIGWINCH) and T_SIGNAL with ``"foreground": true`` signals
 the terminal's foreground process group (what Ctrl-C would reach).
+``"everywhere": true`` in T_SIGNAL reaches every process that carries the
+command's mark, also those outside its process group (a shell's jobs, daemons):
+how a quiesce stops (SIGSTOP) and continues (SIGCONT) all of a command.
 
 Every command carries a mark in its environment, ``SANDBOX_EXECUTION=<id>``
 (the agent's execution id), which its descendants inherit. A kill (SIGKILL,
@@ -67,7 +70,7 @@ from typing import Any
 __version__ = "0.1.0"
 # 2: T_SCRIPT frames, scriptFd/combined/unset in T_SPAWN, instance in the hello.
 # 3: T_STATS / T_STATS_ACK (the container's cgroup counters).
-# 4: "pty" in T_SPAWN, T_RESIZE, "foreground" in T_SIGNAL.
+# 4: "pty" in T_SPAWN, T_RESIZE, "foreground" and "everywhere" in T_SIGNAL.
 PROTOCOL = 4
 
 HEADER = struct.Struct(">IBI")
@@ -847,6 +850,10 @@ class Runner:
                     raise ValueError("sweepSeconds must be 0..600")
             if child is not None and req.get("foreground") is True:
                 self._signal_foreground(child, sig)
+            elif child is not None and req.get("everywhere") is True:
+                with contextlib.suppress(OSError):
+                    os.killpg(child.pid, sig)
+                _signal_marked((child.mark,), sig, skip_group=child.pid, windows=self.windows)
             elif child is not None:
                 if bound is not None:
                     child.sweep_seconds = bound

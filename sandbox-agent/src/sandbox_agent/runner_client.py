@@ -442,18 +442,27 @@ class RunnerClient:
             self.wire.send(wire.T_STDIN_CLOSE, chan)
 
     def signal(
-        self, chan: int, sig: int, sweep: float | None = None, *, foreground: bool = False
+        self,
+        chan: int,
+        sig: int,
+        sweep: float | None = None,
+        *,
+        foreground: bool = False,
+        everywhere: bool = False,
     ) -> None:
         """Signal a command's process group. For SIGKILL and SIGTERM the runner
         also ends the processes that left the group (``sweep``: for at most
         this many seconds, then it reports the survivors). ``foreground``: a
-        terminal's foreground job instead, as a key would."""
+        terminal's foreground job instead, as a key would; ``everywhere``: every
+        process that carries the command's mark (the group and those that left it)."""
         if self.wire is not None:
             msg: dict[str, Any] = {"signal": sig}
             if sweep is not None:
                 msg["sweepSeconds"] = sweep
             if foreground:
                 msg["foreground"] = True
+            if everywhere:
+                msg["everywhere"] = True
             self.wire.send(wire.T_SIGNAL, chan, _encode(msg))
 
     def resize(self, chan: int, cols: int, rows: int) -> None:

@@ -30,8 +30,8 @@ class AgentState:
         self.executions = ExecutionManager(
             settings, self.runner, self.touch, self.restart, self.environment
         )
-        self.quiesce = Quiesce(self.executions)
         self.terminals = TerminalManager(settings, self.runner, self.environment, self.touch)
+        self.quiesce = Quiesce(self.executions, self.terminals)
         self.openapi = b"{}"  # the served document, rendered by build_app from the table
         # Readiness probes holding their answer (waitSeconds) right now: the
         # only way an unauthenticated client can keep a connection busy, so

@@ -293,7 +293,7 @@ class QuiesceResult(WireModel):
     "QuiesceResult"
 
     duration_seconds: float = Field(validation_alias="durationSeconds", serialization_alias="durationSeconds")
-    quiesced: list[str] = Field(description="Ids of the running executions now stopped (SIGSTOP)")
+    quiesced: list[str] = Field(description="Ids of the running executions and terminals now stopped (SIGSTOP)")
     resume_at: str = Field(validation_alias="resumeAt", serialization_alias="resumeAt", description="RFC 3339 UTC; None when resumed")
     synced: bool = Field()
 
