@@ -86,6 +86,15 @@ def test_per_turn_chat(user_env: dict[str, str]) -> None:
     assert max(warming) < 50, out  # milliseconds of the turn: it does not wait
 
 
+def test_a_terminal_in_a_real_pod(user_env: dict[str, str]) -> None:
+    """A login shell on a pty in the runtime container (runc), through the
+    gateway and the API server's proxy."""
+    out = _run_example("terminal.py", user_env)
+    assert "a login shell on /dev/pts/" in out, out
+    assert "the REPL kept total between sends" in out
+    assert "the shell exited with 3; done" in out
+
+
 def test_one_shot(user_env: dict[str, str]) -> None:
     out = _run_example("one_shot.py", user_env)
     assert "5050 100" in out
@@ -137,6 +146,10 @@ def test_kubectl_sandbox(user_env: dict[str, str], e2e: E2E, tmp_path: Path) -> 
     assert (piped.returncode, piped.stdout.strip()) == (0, "5")
     timed = _cli(env, "exec", "demo", "--timeout", "1", "--", "sleep 30")
     assert timed.returncode == 124
+    # shell: a command on a terminal, its exit code ours.
+    shell = _cli(env, "shell", "demo", "--", "sh", "-c", "tty; exit 4")
+    assert shell.returncode == 4, shell.stderr
+    assert shell.stdout.startswith("/dev/pts/"), shell.stdout
 
     # cp both ways, a directory and a large file with a progress bar.
     local = tmp_path / "project"

@@ -1,0 +1,66 @@
+"""A terminal in a sandbox, driven turn by turn as an AI agent (or a person) would:
+the login shell on a pty, a REPL that keeps its state between sends, Ctrl-C,
+a resize, and a second handle that finds the terminal again by id and reads
+what it missed.
+
+    python examples/sdk/terminal.py
+"""
+
+from __future__ import annotations
+
+import re
+
+from sandbox_sdk import SandboxClient
+
+PROMPT = "demo$ "
+
+
+def main() -> None:
+    with SandboxClient() as client, client.create("python") as sandbox:
+        term = sandbox.terminals.create(cols=100, rows=30)  # the user's login shell
+        term.send(f"PS1='{PROMPT}'\r")
+        term.read_until(PROMPT)
+        term.send("tty; stty size\r")
+        shown = term.read_until(PROMPT).decode(errors="replace")
+        tty = re.search(r"/dev/pts/\d+", shown)
+        assert tty is not None, shown
+        assert "30 100" in shown, shown
+        print(f"a login shell on {tty.group(0)}, 100x30")
+
+        # A REPL keeps its state between sends.
+        term.send("python3 -q\r")
+        term.read_until(">>> ")
+        term.send("total = 41\r")
+        term.read_until(">>> ")
+        term.send("print(total + 1)\r")
+        assert b"42" in term.read_until(">>> ")
+        term.send("exit()\r")
+        term.read_until(PROMPT)
+        print("the REPL kept total between sends")
+
+        # Ctrl-C stops the foreground job; the shell lives on.
+        term.send("sleep 600\r")
+        term.read_until("sleep 600\r\n")
+        term.send("\x03")
+        term.read_until(PROMPT)
+        term.resize(120, 40)
+        term.send("stty size\r")
+        assert b"40 120" in term.read_until(PROMPT)
+        print("Ctrl-C stopped sleep; resized to 120x40")
+
+        # Another handle (another process, a reconnect) finds it by id and reads
+        # what this one did, from the oldest output kept.
+        term.send("echo written-while-away\r")
+        term.read_until(PROMPT)
+        again = sandbox.terminals.get(term.id)
+        assert b"written-while-away" in again.read_until("written-while-away")
+        print(f"terminal {term.id} found again; it replayed what was missed")
+
+        term.send("exit 3\r")
+        ended = term.wait(timeout=60)
+        assert (ended.status, ended.exit_code) == ("exited", 3), ended
+        print("the shell exited with 3; done")
+
+
+if __name__ == "__main__":
+    main()
