@@ -29,8 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -39,36 +37,15 @@ from benchmarks.common import (  # noqa: E402
     latency_row,
     operator_cluster,
     sandbox_ready,
+    token_kubeconfig,
     wait_until,
     write_results,
 )
-from tests.kube import KubeJSON, api_path, core_path  # noqa: E402
+from tests.kube import KubeJSON, api_path  # noqa: E402
 
 NS = "bench-cli"
 BOX = "box"
 PLUGIN = Path(sys.executable).parent / "kubectl-sandbox"
-
-
-def _token_kubeconfig(kube: KubeJSON, admin: Path, target: Path) -> None:
-    """`admin` with its user swapped for a cluster-admin ServiceAccount's token."""
-    rbac = "rbac.authorization.k8s.io/v1"
-    kube.create(core_path("serviceaccounts", NS), {"metadata": {"name": "bench"}})
-    kube.create(
-        api_path(rbac, "clusterrolebindings"),
-        {
-            "metadata": {"name": "bench-cli"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                        "name": "cluster-admin"},
-            "subjects": [{"kind": "ServiceAccount", "name": "bench", "namespace": NS}],
-        },
-    )  # fmt: skip
-    issued = kube.create(
-        core_path("serviceaccounts", NS, "bench", "token"), {"spec": {"expirationSeconds": 7200}}
-    )
-    config: dict[str, Any] = yaml.safe_load(admin.read_text())
-    for user in config["users"]:
-        user["user"] = {"token": issued["status"]["token"]}
-    target.write_text(yaml.safe_dump(config))
 
 
 def _timed(argv: list[str], env: dict[str, str]) -> float:
@@ -112,7 +89,7 @@ def main() -> None:
         kube = KubeJSON(cluster.kubeconfig)
         create_namespace(kube, NS)
         kubeconfig = cluster.kubeconfig.parent / "bench-cli.kubeconfig"
-        _token_kubeconfig(kube, cluster.kubeconfig, kubeconfig)
+        token_kubeconfig(kube, NS, "bench-cli", cluster.kubeconfig, kubeconfig)
         kube.create(
             api_path("sandbox.dev/v1alpha1", "sandboxes", NS),
             {

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -327,3 +328,30 @@ class Watcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def token_kubeconfig(
+    kube: KubeJSON, namespace: str, binding: str, admin: Path, target: Path
+) -> None:
+    """`admin` with its user swapped for a cluster-admin ServiceAccount's token:
+    the cluster's own kubeconfig holds a client certificate, which the gateway
+    does not take (the SDK would fetch a token per call)."""
+    rbac = "rbac.authorization.k8s.io/v1"
+    kube.create(core_path("serviceaccounts", namespace), {"metadata": {"name": "bench"}})
+    kube.create(
+        api_path(rbac, "clusterrolebindings"),
+        {
+            "metadata": {"name": binding},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": "cluster-admin"},
+            "subjects": [{"kind": "ServiceAccount", "name": "bench", "namespace": namespace}],
+        },
+    )  # fmt: skip
+    issued = kube.create(
+        core_path("serviceaccounts", namespace, "bench", "token"),
+        {"spec": {"expirationSeconds": 7200}},
+    )
+    config: dict[str, Any] = yaml.safe_load(admin.read_text())
+    for user in config["users"]:
+        user["user"] = {"token": issued["status"]["token"]}
+    target.write_text(yaml.safe_dump(config))
