@@ -130,9 +130,9 @@ def main() -> None:
             term = client.connect(BOX).terminals.create(argv=["cat"])
             echoes = Echoes(term)
             echoes.start()
-            for key in KEYS[:5]:  # warm both: connections, the kubelet's stream
-                _terminal_key(term, echoes, bytes([key]))
-                _exec_key(master, bytes([key]))
+            for warm in KEYS[:5]:  # warm both: connections, the kubelet's stream
+                _terminal_key(term, echoes, bytes([warm]))
+                _exec_key(master, bytes([warm]))
             ours: list[float] = []
             theirs: list[float] = []
             for i in range(args.keys):
