@@ -659,11 +659,13 @@ def test_urls_handed_out_are_on_the_gateways_external_url(
 
 
 def test_a_terminal_through_the_gateway(
-    gateway: GatewayProcess, kube: KubeJSON, ns: str, live_sandbox: LiveSandbox
+    gateway: GatewayProcess, kube: KubeJSON, ns: str, live_sandbox: LiveSandbox, tmp_path: Path
 ) -> None:
     """A shell on a pty, created and attached (a WebSocket) through the gateway
-    with `create sandboxes/exec`; detached and attached again from a cursor. A
-    viewer cannot attach, nor can a caller without credentials."""
+    with `create sandboxes/exec`; detached and attached again from a cursor; a
+    gateway replica killed under an attachment, the terminal attached again
+    through the other one. A viewer cannot attach, nor can a caller without
+    credentials."""
     live_sandbox("tty")
     alice = caller(kube, ns, "tty-user", "user")
     viewer = caller(kube, ns, "tty-viewer", "viewer")
@@ -680,11 +682,13 @@ def test_a_terminal_through_the_gateway(
         assert refused.status_code == 403, refused.text
     attach_url = f"{gateway.url}/v1/namespaces/{ns}/sandboxes/tty/terminals/{term}/attach"
 
-    async def session(token: str | None, keys: bytes, until: bytes, cursor: int = 0) -> bytes:
+    async def session(
+        token: str | None, keys: bytes, until: bytes, cursor: int = 0, url: str = attach_url
+    ) -> bytes:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         async with (
             aiohttp.ClientSession() as http,
-            http.ws_connect(attach_url, headers=headers, params={"cursor": str(cursor)}) as ws,
+            http.ws_connect(url, headers=headers, params={"cursor": str(cursor)}) as ws,
         ):
             first = json.loads((await ws.receive(timeout=10)).data)
             assert first["type"] == "attached", first
@@ -713,5 +717,28 @@ def test_a_terminal_through_the_gateway(
     assert asyncio.run(status(viewer)) == 403
     assert asyncio.run(status(None)) == 401
     assert asyncio.run(status(alice, "term-nope")) == 404
+
+    # A second replica: attached through it, it dies (SIGKILL, no drain); the
+    # terminal goes on, and the first replica attaches to it again.
+    other = GatewayProcess(gateway.kubeconfig, tmp_path / "other")
+    other.start()
+
+    async def cut_off() -> None:
+        headers = {"Authorization": f"Bearer {alice}"}
+        url = attach_url.replace(gateway.url, other.url)
+        async with aiohttp.ClientSession() as http, http.ws_connect(url, headers=headers) as ws:
+            await ws.receive(timeout=10)  # attached
+            await ws.send_bytes(b"sleep 1; echo after-$((20+22))\r")
+            assert other.proc is not None
+            other.proc.kill()
+            message = await ws.receive(timeout=30)
+            while message.type == aiohttp.WSMsgType.BINARY:  # what was in flight
+                message = await ws.receive(timeout=30)
+            assert message.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR), message
+
+    asyncio.run(cut_off())
+    other.stop()
+    again = asyncio.run(session(alice, b"", b"after-42", cursor=0))
+    assert b"after-42" in again, again
     with client(gateway, ns, "tty", alice) as http:
         assert http.delete(f"/terminals/{term}").status_code == 204
