@@ -212,11 +212,13 @@ def test_errors_are_clear_and_a_websocket_needs_the_token(sandbox: Sandbox) -> N
     plain = sandbox.client.get(f"/v1/terminals/{term['id']}/attach")
     assert sandbox.error(plain, 426) == "websocket_required"
 
-    async def handshake(headers: dict[str, str], name: str) -> int:
+    async def handshake(headers: dict[str, str], name: str, cursor: int = 0) -> int:
         async with aiohttp.ClientSession() as session:
             try:
                 async with session.ws_connect(
-                    f"{sandbox.base_url}/v1/terminals/{name}/attach", headers=headers
+                    f"{sandbox.base_url}/v1/terminals/{name}/attach",
+                    headers=headers,
+                    params={"cursor": str(cursor)},
                 ):
                     return 101
             except aiohttp.WSServerHandshakeError as exc:
@@ -227,6 +229,7 @@ def test_errors_are_clear_and_a_websocket_needs_the_token(sandbox: Sandbox) -> N
     assert asyncio.run(handshake(wrong, term["id"])) == 401
     ok = {"Authorization": f"Bearer {sandbox.token}"}
     assert asyncio.run(handshake(ok, "term-nope")) == 404
+    assert asyncio.run(handshake(ok, term["id"], cursor=10**9)) == 400
     assert asyncio.run(handshake(ok, term["id"])) == 101
 
     async def bad_control(t: Attached) -> None:

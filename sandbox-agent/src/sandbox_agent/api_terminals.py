@@ -24,7 +24,7 @@ from .api_exec import _is_dir, _parse_signal
 from .errors import AgentError, Invalid
 from .routing import Args
 from .state import AgentState, state_of
-from .terminals import Terminal
+from .terminals import Slice, Terminal
 from .web import body_as, ok, one_of
 
 # Output sent in one WebSocket message at most (a burst becomes several).
@@ -153,10 +153,11 @@ async def terminal_attach(ws: WebSocket, args: Args) -> None:
     """
     st: AgentState = ws.app.state.agent
     term = st.terminals.get(args.need("id", str))
+    first = term.read(args.need("cursor", int), 0)  # a bad cursor is refused before the handshake
     await ws.accept()
     term.attach()
     st.touch()
-    sender = asyncio.create_task(_send_output(ws, st, term, args.need("cursor", int)))
+    sender = asyncio.create_task(_send_output(ws, st, term, first))
     try:
         receiver = asyncio.create_task(_receive_input(ws, st, term))
         done, _ = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
@@ -182,9 +183,8 @@ def _terminal(term: Terminal) -> Any:
     return msgspec.to_builtins(term.view())
 
 
-async def _send_output(ws: WebSocket, st: AgentState, term: Terminal, cursor: int) -> None:
-    """Output from `cursor` on, then live, until the terminal ends."""
-    first = term.read(cursor, 0)
+async def _send_output(ws: WebSocket, st: AgentState, term: Terminal, first: Slice) -> None:
+    """Output from `first` on, then live, until the terminal ends."""
     await ws.send_text(
         _event("attached", cursor=first.cursor, dropped=first.dropped, terminal=_terminal(term))
     )
