@@ -59,13 +59,18 @@ class Echoes(threading.Thread):
         self.term = term
         self.seen = bytearray()
         self.changed = threading.Condition()
+        self.stopping = False
 
     def run(self) -> None:
-        while self.term.status == "running":
-            data = self.term.read(wait=20.0)
-            with self.changed:
-                self.seen += data
-                self.changed.notify_all()
+        try:
+            while self.term.status == "running":
+                data = self.term.read(wait=20.0)
+                with self.changed:
+                    self.seen += data
+                    self.changed.notify_all()
+        except Exception:
+            if not self.stopping:  # the client closes under the read at the end
+                raise
 
     def wait_for(self, count: int) -> None:
         with self.changed:
@@ -139,6 +144,7 @@ def main() -> None:
                 key = bytes([KEYS[i % len(KEYS)]])
                 ours.append(_terminal_key(term, echoes, key))
                 theirs.append(_exec_key(master, key))
+            echoes.stopping = True
             term.kill()
         kubectl.kill()
         kubectl.wait(10)
