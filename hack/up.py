@@ -248,6 +248,10 @@ def next_steps(sandbox: str, gateway: str) -> list[Hint]:
             f"kubectl sandbox exec {sandbox} -- python3 -c 'print(6 * 7)'",
         ),
         (
+            "a terminal in a sandbox (with no command: its login shell, interactive)",
+            f"kubectl sandbox shell {sandbox} -- python3 -c 'print(6 * 7)'",
+        ),
+        (
             "a sandbox under gVisor sees its kernel",
             "kubectl sandbox exec untrusted-demo -- sh -c 'uname -r; dmesg | head -1'",
         ),

@@ -72,7 +72,7 @@ def test_up_reports_each_step_and_ends_with_commands_that_work(e2e: E2E, repo: P
             assert ran.returncode == 0, f"{command}:\n{ran.stdout}\n{ran.stderr}"
             if "untrusted-demo" in command:  # the gVisor example
                 assert "Starting gVisor" in ran.stdout, ran.stdout
-            elif command.startswith("kubectl sandbox exec "):
+            elif command.startswith(("kubectl sandbox exec ", "kubectl sandbox shell ")):
                 assert ran.stdout.strip() == "42", ran.stdout
     finally:
         # The examples ran in `default`: the node holds only a few sandboxes at a time.
