@@ -53,9 +53,7 @@ RUNTIME_RESTARTS = Counter(
     ["reason"],
     registry=REGISTRY,
 )
-WATCHES = Gauge(
-    "sandbox_agent_watches", "Directory watch streams open now", registry=REGISTRY
-)
+WATCHES = Gauge("sandbox_agent_watches", "Directory watch streams open now", registry=REGISTRY)
 WATCH_EVENTS = Counter(
     "sandbox_agent_watch_events",
     "Directory watch events sent, by type (overflow: a stream dropped changes)",

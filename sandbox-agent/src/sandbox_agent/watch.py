@@ -64,9 +64,7 @@ MAX_DEPTH = 128  # as the other tree walks of the files API
 MOVE_WAIT = 0.01
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
-Kind = Literal[
-    "create", "write", "remove", "rename", "chmod", "overflow", "finished", "keepalive"
-]
+Kind = Literal["create", "write", "remove", "rename", "chmod", "overflow", "finished", "keepalive"]
 Reason = Literal["queue", "kernel", "watch_limit", "removed", "moved", "unmounted", "timeout"]
 
 
@@ -119,7 +117,7 @@ class Watcher:
         self.closed = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.wake: asyncio.Event | None = None
-        self._finalizer: weakref.finalize[..., None] | None = None
+        self._finalizer: weakref.finalize[[int], Watcher] | None = None
 
     # -- set-up (in a thread) -----------------------------------------------------
 
@@ -249,9 +247,9 @@ class Watcher:
         self.dirs.clear()
         self.queue.clear()
 
-    async def next(self, timeout: float) -> Change | None:
-        """The next change (``finished`` last), or None when ``timeout`` passed
-        without one."""
+    async def next(self, wait: float) -> Change | None:
+        """The next change (``finished`` last), or None when ``wait`` seconds
+        passed without one."""
         assert self.wake is not None
         while True:
             if self.queue:
@@ -265,7 +263,7 @@ class Watcher:
                 return Change("finished", "", True, time.time(), reason=self.ended)
             self.wake.clear()
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout)
+                await asyncio.wait_for(self.wake.wait(), wait)
             except TimeoutError:
                 return None
 
@@ -440,14 +438,12 @@ class Watcher:
             self.wake.set()
 
 
-async def events(
-    w: Watcher, keepalive: float, timeout: float
-) -> AsyncIterator[models.WatchEvent]:
+async def events(w: Watcher, keepalive: float, seconds: float) -> AsyncIterator[models.WatchEvent]:
     """The stream of a started watcher: ``started``, changes, ``keepalive`` while
-    idle, and ``finished`` when the directory went away or ``timeout`` (0:
-    none) passed. Closes the watcher however it ends (a client that leaves
+    idle, and ``finished`` when the directory went away or ``seconds`` (0:
+    no limit) passed. Closes the watcher however it ends (a client that leaves
     cancels it)."""
-    deadline = time.monotonic() + timeout if timeout else None
+    deadline = time.monotonic() + seconds if seconds else None
     metrics.WATCHES.inc()
     try:
         yield models.WatchEvent(
