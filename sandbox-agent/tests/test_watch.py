@@ -13,12 +13,11 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from conftest import Sandbox, wait_until
 
 Event = dict[str, Any]
@@ -247,7 +246,9 @@ def test_recursive_watches_subdirectories_and_follows_new_ones(
         (d / "new/a/b").mkdir(parents=True)
         (d / "new/a/b/f.txt").write_text("x")
         seen: set[tuple[str, str]] = set()
-        wait_until(lambda: seen.update(w.changes(1)) or ("create", f"{wsdir}/new/a/b/f.txt") in seen)
+        wait_until(
+            lambda: seen.update(w.changes(1)) or ("create", f"{wsdir}/new/a/b/f.txt") in seen
+        )
         assert {("create", f"{wsdir}/new"), ("create", f"{wsdir}/new/a")} <= seen
         # Depending on when each watch came, f.txt's write (and a second create
         # from the scan) may follow: nothing else does.
