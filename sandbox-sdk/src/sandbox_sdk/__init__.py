@@ -41,8 +41,9 @@ if TYPE_CHECKING:
         AsyncJob,
         AsyncSandbox,
         AsyncSandboxClient,
+        AsyncWatch,
     )
-    from sandbox_sdk._sync.client import Files, Job, Sandbox, SandboxClient
+    from sandbox_sdk._sync.client import Files, Job, Sandbox, SandboxClient, Watch
     from sandbox_sdk.types import CommandResult, Event, OutputEvent, Runtime, Template
 
 # Where each public name lives. They are imported on first use (PEP 562), not
@@ -51,9 +52,10 @@ if TYPE_CHECKING:
 # of start-up that `kubectl sandbox completion` or a usage error never needs).
 _HOMES = {
     **dict.fromkeys(
-        ("AsyncFiles", "AsyncJob", "AsyncSandbox", "AsyncSandboxClient"), "_async.client"
+        ("AsyncFiles", "AsyncJob", "AsyncSandbox", "AsyncSandboxClient", "AsyncWatch"),
+        "_async.client",
     ),
-    **dict.fromkeys(("Files", "Job", "Sandbox", "SandboxClient"), "_sync.client"),
+    **dict.fromkeys(("Files", "Job", "Sandbox", "SandboxClient", "Watch"), "_sync.client"),
     **dict.fromkeys(("CommandResult", "Event", "OutputEvent", "Runtime", "Template"), "types"),
 }
 
@@ -64,6 +66,7 @@ __all__ = [
     "AsyncJob",
     "AsyncSandbox",
     "AsyncSandboxClient",
+    "AsyncWatch",
     "CommandFailed",
     "CommandLost",
     "CommandResult",
@@ -88,6 +91,7 @@ __all__ = [
     "Template",
     "Timeout",
     "Unauthorized",
+    "Watch",
     "WorkspaceFull",
 ]
 
