@@ -309,6 +309,5 @@ async def file_watch(request: Request, args: Args) -> Response:
     # Opening a watch is a file call like any other; what it streams afterwards
     # is not activity (see the docstring).
     st.touch()
-    w.start()
     file_op("watch")
     return event_stream(watch.events(w, s.watch_keepalive, timeout), request, {})

@@ -115,6 +115,7 @@ class Watcher:
         self.ended: Reason | None = None
         self.opened = False  # past open(): a limit hit now is an overflow, not a refusal
         self.closed = False
+        self.rescan_pending = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.wake: asyncio.Event | None = None
         self._finalizer: weakref.finalize[[int], Watcher] | None = None
@@ -291,6 +292,11 @@ class Watcher:
         mask = ev.mask
         if mask & inotify.IN_Q_OVERFLOW:
             self._lose("kernel")
+            if self.recursive and self.loop is not None and not self.rescan_pending:
+                # Directories made while the kernel dropped events have no watch
+                # yet: walk the tree again (a watched one costs a system call).
+                self.rescan_pending = True
+                self.loop.call_soon(self._rescan)
             return
         base = self.dirs.get(ev.wd)
         if base is None:
@@ -343,6 +349,19 @@ class Watcher:
         if mask & inotify.IN_DELETE:
             self.changed.discard(rel)
             self._push(Change("remove", rel, is_dir, now))
+
+    def _rescan(self) -> None:
+        self.rescan_pending = False
+        if self.closed or self.ended is not None:
+            return
+        try:
+            dir_fd, _ = self.ws.open_dir(self.shown)
+        except Exception:  # gone meanwhile: its own events end the stream
+            return
+        try:
+            self._walk(dir_fd, "", report=False, budget=None)
+        finally:
+            os.close(dir_fd)
 
     def _changed(self, rel: str) -> None:
         if len(self.changed) >= self.limits.queue:
@@ -439,13 +458,17 @@ class Watcher:
 
 
 async def events(w: Watcher, keepalive: float, seconds: float) -> AsyncIterator[models.WatchEvent]:
-    """The stream of a started watcher: ``started``, changes, ``keepalive`` while
+    """The stream of an opened watcher: ``started``, changes, ``keepalive`` while
     idle, and ``finished`` when the directory went away or ``seconds`` (0:
     no limit) passed. Closes the watcher however it ends (a client that leaves
     cancels it)."""
     deadline = time.monotonic() + seconds if seconds else None
     metrics.WATCHES.inc()
     try:
+        # Attached to the loop only now: until the stream runs, nothing but the
+        # stream refers to the watcher, so one whose client left before its
+        # first event is dropped, and closed, with it.
+        w.start()
         yield models.WatchEvent(
             type="started",
             time=models.rfc3339(time.time()),
