@@ -166,7 +166,7 @@ class Watcher:
             wd = inotify.add_watch(self.fd, dir_fd, MASK)
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
-                if self.opened:
+                if self.opened or rel:
                     return -1  # gone meanwhile, or not readable: nothing to watch
                 raise
             if not self.opened:
@@ -187,33 +187,18 @@ class Watcher:
         current, current_rel, depth = dir_fd, rel, 0
         try:
             while True:
-                try:
-                    entries = list(os.scandir(current))
-                except OSError:
-                    entries = []
-                for entry in entries:
-                    if budget is not None:
-                        if budget[0] <= 0:
-                            self._lose("queue")
-                            return
-                        budget[0] -= 1
-                    try:
-                        is_dir = entry.is_dir(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    child = posixpath.join(current_rel, entry.name) if current_rel else entry.name
-                    if report:
-                        self._push(Change("create", child, is_dir, time.time()))
-                    if not is_dir or depth >= MAX_DEPTH:
-                        continue
-                    try:
-                        sub = os.open(entry.name, _OPEN_DIR, dir_fd=current)
-                    except OSError:
-                        continue  # gone, swapped for a symlink or a file, unreadable
-                    if self._add(sub, child) < 0:
-                        os.close(sub)
-                        continue
-                    stack.append((sub, child, depth + 1))
+                # Entries one at a time (a directory may hold millions); what is
+                # kept is a descriptor per watched subdirectory, as many as watches.
+                with contextlib.suppress(OSError), os.scandir(current) as entries:
+                    for entry in entries:
+                        if budget is not None:
+                            if budget[0] <= 0:
+                                self._lose("queue")
+                                return
+                            budget[0] -= 1
+                        sub = self._entry(current, current_rel, entry, report, depth)
+                        if sub is not None:
+                            stack.append(sub)
                 if current != dir_fd:
                     os.close(current)
                 if not stack:
@@ -225,6 +210,29 @@ class Watcher:
                 os.close(current)
             for fd, _, _ in stack:
                 os.close(fd)
+
+    def _entry(
+        self, parent: int, parent_rel: str, entry: os.DirEntry[str], report: bool, depth: int
+    ) -> tuple[int, str, int] | None:
+        """Report one entry of a walk; a subdirectory is opened and watched, and
+        returned (descriptor, path, depth) for the walk to go into."""
+        try:
+            is_dir = entry.is_dir(follow_symlinks=False)
+        except OSError:
+            return None
+        child = posixpath.join(parent_rel, entry.name) if parent_rel else entry.name
+        if report:
+            self._push(Change("create", child, is_dir, time.time()))
+        if not is_dir or depth >= MAX_DEPTH:
+            return None
+        try:
+            sub = os.open(entry.name, _OPEN_DIR, dir_fd=parent)
+        except OSError:
+            return None  # gone, swapped for a symlink or a file, unreadable
+        if self._add(sub, child) < 0:
+            os.close(sub)
+            return None
+        return sub, child, depth + 1
 
     # -- running (on the loop) ------------------------------------------------------
 
