@@ -679,6 +679,7 @@ def test_a_watch_streams_through_the_gateway(
     stays open, and a caller who leaves ends the agent's watch."""
     agent = live_sandbox("box")
     assert agent.agent is not None
+    pid = agent.agent.pid
     (agent.workspace / "src").mkdir()
     viewer = caller(kube, ns, "vera", "viewer")
     stranger = caller(kube, ns, "bob", None)
@@ -686,7 +687,7 @@ def test_a_watch_streams_through_the_gateway(
         refused = http.get("/files/watch", params={"path": "src"})
         assert refused.status_code == 403, refused.text
         assert "get sandboxes/files.sandbox.dev" in refused.json()["error"]["message"]
-    before = _inotify_fds(agent.agent.pid)
+    before = _inotify_fds(pid)
     with (
         client(gateway, ns, "box", viewer) as http,
         http.stream("GET", "/files/watch", params={"path": "src", "recursive": "true"}) as stream,
@@ -696,14 +697,14 @@ def test_a_watch_streams_through_the_gateway(
         lines = (json.loads(line) for line in stream.iter_lines() if line)
         started = next(lines)
         assert (started["type"], started["path"]) == ("started", "src")
-        assert _inotify_fds(agent.agent.pid) == before + 1
+        assert _inotify_fds(pid) == before + 1
         changed = time.monotonic()
         (agent.workspace / "src" / "a.txt").write_text("x")
         event = next(lines)
         latency_ms = (time.monotonic() - changed) * 1000
         assert (event["type"], event["path"], event["fileType"]) == ("create", "src/a.txt", "file")
         print(f"\nwatch event through the gateway {latency_ms:.1f} ms after the change")
-    wait_for(lambda: _inotify_fds(agent.agent.pid) == before, 10, "the agent's watch to end")
+    wait_for(lambda: _inotify_fds(pid) == before, 10, "the agent's watch to end")
     # The SDK's handle on the same stream.
     with (
         SandboxClient(
