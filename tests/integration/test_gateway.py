@@ -3,6 +3,7 @@ against real RBAC, the chart's own roles) and real agents on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import socket
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from devcluster.controlplane import ControlPlane
-from sandbox_sdk import SandboxClient
+from sandbox_sdk import AsyncSandboxClient, SandboxClient
 from tests.integration.conftest import OPERATOR_ENV, RELEASE
 from tests.integration.harness import (
     AgentProcess,
@@ -724,3 +725,20 @@ def test_a_watch_streams_through_the_gateway(
         with sdk.connect("box").files.watch("src", timeout=0.5) as bounded:
             assert list(bounded) == []
             assert bounded.end_reason == "timeout"
+
+    async def watch_async() -> list[tuple[str, str | None, str | None]]:
+        async with AsyncSandboxClient(
+            ns,
+            api_server=control_plane.server,
+            token=viewer,
+            ca_file=str(control_plane.ca_cert),
+            gateway_url=gateway.url,
+        ) as sdk:
+            sandbox = await sdk.connect("box")
+            async with sandbox.files.watch("src", timeout=1) as changes:
+                (agent.workspace / "src" / "made").mkdir()
+                seen = [(event.type, event.path, event.file_type) async for event in changes]
+                assert changes.end_reason == "timeout"
+                return seen
+
+    assert asyncio.run(watch_async()) == [("create", "src/made", "directory")]
