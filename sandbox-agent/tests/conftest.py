@@ -95,6 +95,8 @@ class Sandbox:
             "SANDBOX_AGENT_RUNTIME_DIR": str(self.runtime),
             "SANDBOX_AGENT_LOG_DIR": str(self.logs),
             "SANDBOX_AGENT_LOG_LEVEL": "warning",
+            # The agent runs the code the tests import (a checkout's, not an install's).
+            **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}),
             **(env or {}),
         }
         self.agent: subprocess.Popen[bytes] | None = None

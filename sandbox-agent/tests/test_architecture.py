@@ -21,6 +21,7 @@ DOMAIN = (
     "errors",
     "executions",
     "files",
+    "inotify",
     "journal",
     "models",
     "patch",
@@ -29,6 +30,7 @@ DOMAIN = (
     "runner",
     "runner_client",
     "runtime",
+    "watch",
 )
 
 

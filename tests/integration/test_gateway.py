@@ -18,7 +18,7 @@ import aiohttp
 import httpx
 
 from devcluster.controlplane import ControlPlane
-from sandbox_sdk import SandboxClient
+from sandbox_sdk import AsyncSandboxClient, SandboxClient
 from tests.integration.conftest import OPERATOR_ENV, RELEASE
 from tests.integration.harness import (
     AgentProcess,
@@ -742,3 +742,90 @@ def test_a_terminal_through_the_gateway(
     assert b"after-42" in again, again
     with client(gateway, ns, "tty", alice) as http:
         assert http.delete(f"/terminals/{term}").status_code == 204
+
+
+def _inotify_fds(pid: int) -> int:
+    fds = Path(f"/proc/{pid}/fd")
+    count = 0
+    for fd in fds.iterdir():
+        try:
+            count += fd.readlink() == Path("anon_inode:inotify")
+        except OSError:
+            continue
+    return count
+
+
+def test_a_watch_streams_through_the_gateway(
+    gateway: GatewayProcess,
+    kube: KubeJSON,
+    ns: str,
+    live_sandbox: LiveSandbox,
+    control_plane: ControlPlane,
+) -> None:
+    """A directory watch is a files:read operation: a viewer may watch, a caller
+    without it gets 403. Its events pass the gateway one by one while the stream
+    stays open, and a caller who leaves ends the agent's watch."""
+    agent = live_sandbox("box")
+    assert agent.agent is not None
+    pid = agent.agent.pid
+    (agent.workspace / "src").mkdir()
+    viewer = caller(kube, ns, "vera", "viewer")
+    stranger = caller(kube, ns, "bob", None)
+    with client(gateway, ns, "box", stranger) as http:
+        refused = http.get("/files/watch", params={"path": "src"})
+        assert refused.status_code == 403, refused.text
+        assert "get sandboxes/files.sandbox.dev" in refused.json()["error"]["message"]
+    before = _inotify_fds(pid)
+    with (
+        client(gateway, ns, "box", viewer) as http,
+        http.stream("GET", "/files/watch", params={"path": "src", "recursive": "true"}) as stream,
+    ):
+        assert stream.status_code == 200, stream.read()
+        assert stream.headers["content-type"].startswith("application/x-ndjson")
+        lines = (json.loads(line) for line in stream.iter_lines() if line)
+        started = next(lines)
+        assert (started["type"], started["path"]) == ("started", "src")
+        assert _inotify_fds(pid) == before + 1
+        changed = time.monotonic()
+        (agent.workspace / "src" / "a.txt").write_text("x")
+        event = next(lines)
+        latency_ms = (time.monotonic() - changed) * 1000
+        assert (event["type"], event["path"], event["fileType"]) == ("create", "src/a.txt", "file")
+        print(f"\nwatch event through the gateway {latency_ms:.1f} ms after the change")
+    wait_for(lambda: _inotify_fds(pid) == before, 10, "the agent's watch to end")
+    # The SDK's handle on the same stream.
+    with (
+        SandboxClient(
+            ns,
+            api_server=control_plane.server,
+            token=viewer,
+            ca_file=str(control_plane.ca_cert),
+            gateway_url=gateway.url,
+        ) as sdk,
+        sdk.connect("box").files.watch("src") as changes,
+    ):
+        assert changes.started is not None
+        assert changes.started.path == "src"
+        (agent.workspace / "src" / "a.txt").unlink()
+        removed = next(changes)
+        assert (removed.type, removed.path, removed.file_type) == ("remove", "src/a.txt", "file")
+        with sdk.connect("box").files.watch("src", timeout=0.5) as bounded:
+            assert list(bounded) == []
+            assert bounded.end_reason == "timeout"
+
+    async def watch_async() -> list[tuple[str, str | None, str | None]]:
+        async with AsyncSandboxClient(
+            ns,
+            api_server=control_plane.server,
+            token=viewer,
+            ca_file=str(control_plane.ca_cert),
+            gateway_url=gateway.url,
+        ) as sdk:
+            sandbox = await sdk.connect("box")
+            async with sandbox.files.watch("src", timeout=1) as changes:
+                (agent.workspace / "src" / "made").mkdir()
+                seen = [(event.type, event.path, event.file_type) async for event in changes]
+                assert changes.end_reason == "timeout"
+                return seen
+
+    assert asyncio.run(watch_async()) == [("create", "src/made", "directory")]

@@ -29,6 +29,7 @@ OPERATIONS: tuple[AgentOperation, ...] = (
     AgentOperation("POST", "/v1/files/replace", "files:write", ()),
     AgentOperation("POST", "/v1/files/search", "files:read", ()),
     AgentOperation("GET", "/v1/files/stat", "files:read", ()),
+    AgentOperation("GET", "/v1/files/watch", "files:read", (), True),
     AgentOperation("POST", "/v1/files/write", "files:write", ()),
     AgentOperation("GET", "/v1/info", "view", ()),
     AgentOperation("GET", "/v1/terminals", "exec", ()),

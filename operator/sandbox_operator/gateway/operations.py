@@ -46,8 +46,8 @@ class AgentOperation:
     path: str
     access: str
     params: tuple[tuple[str, str], ...] = ()
-    # Answers with an execution's event stream (ndjson or SSE): passed on event
-    # by event, and never ended silently (proxy.py).
+    # Answers with an event stream (ndjson or SSE: an execution's, a watch's):
+    # passed on event by event, and never ended silently (proxy.py).
     streams: bool = False
     # A GET that upgrades to a WebSocket (a terminal's attachment): joined
     # message for message (proxy.py).

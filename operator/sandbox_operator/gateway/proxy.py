@@ -5,11 +5,12 @@ hour passes through in chunks. The caller's credentials never travel on; the
 agent gets its own token. When the caller goes away, the upstream connection
 is closed too, so the agent sees the disconnect.
 
-An execution's event stream (ndjson or SSE) passes through event by event and
-never ends silently: when the agent's stream breaks off, ends before its
-`finished` event, or the gateway shuts down, the caller gets a last
-`interrupted` event (reattach from the last cursor) instead of a cut that
-looks like an end.
+An event stream (ndjson or SSE: an execution's output, a directory watch)
+passes through event by event, never held back, and never ends silently: when
+the agent's stream breaks off, ends before its `finished` event, or the
+gateway shuts down, the caller gets a last `interrupted` event (reattach from
+the last cursor; a watch is opened again) instead of a cut that looks like an
+end. A watch that ends because its caller left ends without one.
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ class Upstreams:
             return response
         metrics.STREAMS_INTERRUPTED.labels(reason).inc()
         messages = {
-            "upstream_ended": "the sandbox's stream ended before the command's end",
+            "upstream_ended": "the sandbox's stream ended before its last event",
             "upstream_lost": "the connection to the sandbox broke off",
             "gateway_shutdown": "the gateway replica is shutting down",
         }
@@ -235,7 +236,8 @@ class Upstreams:
             "type": "interrupted",
             "error": {
                 "code": reason,
-                "message": f"{messages[reason]}: reattach from the last cursor",
+                "message": f"{messages[reason]}: reattach from the last cursor"
+                " (a watch: watch again)",
             },
         }
         data = json.dumps(event).encode()

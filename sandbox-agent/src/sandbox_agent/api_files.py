@@ -11,12 +11,12 @@ from typing import IO, Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from . import archive, files, metrics, models, patch
+from . import archive, files, metrics, models, patch, watch
 from .errors import Busy, Invalid, TooLarge
 from .paths import Workspace
 from .routing import Args, Handler
 from .state import AgentState, state_of
-from .web import OCTET, TAR, body_as, ok, one_of, spool_upload
+from .web import OCTET, TAR, body_as, event_stream, ok, one_of, spool_upload
 
 LINE_RANGE_BYTES = 16 << 20
 READ_BLOCK = 512 << 10  # streamed reads go in blocks of this size
@@ -270,3 +270,44 @@ async def archive_upload(request: Request, args: Args) -> Response:
         result = await asyncio.to_thread(archive.extract, st.workspace, rel, spool, st.settings)
     file_op("archive_upload")
     return ok(result)
+
+
+async def file_watch(request: Request, args: Args) -> Response:
+    """Watch a directory: its changes as a stream of events (ndjson, or SSE)
+
+    The first event, `started`, comes once every watch is in place: a change
+    made after it is seen. Then `create`, `write`, `remove`, `rename` and
+    `chmod`, each with its path (relative to the workspace, under the path as
+    named here), `fileType` and `time`; `keepalive` after
+    SANDBOX_AGENT_WATCH_KEEPALIVE seconds (15) of quiet. `recursive` watches the
+    subdirectories too, and those made or moved in later (what a new directory
+    already holds is reported as `create`, possibly twice). Symlinks are
+    reported, never followed. Writes and chmods of one file collapse while one
+    for it is still unsent. When more changes wait than
+    SANDBOX_AGENT_WATCH_QUEUE, the rest are dropped and one `overflow` event
+    says so (and how many): rescan what you track. The stream ends with
+    `finished` when the directory is removed or moved, or after
+    `timeoutSeconds`; leaving ends it too. Opening one counts as activity, the
+    stream itself does not: a watch alone does not keep a sandbox from its
+    idle timeout. 429: `too_many_watches` (SANDBOX_AGENT_MAX_WATCHES streams
+    open), `too_many_watched_directories` (a recursive tree over
+    SANDBOX_AGENT_WATCH_MAX_DIRECTORIES), `inotify_limit` (the kernel's).
+    """
+    st = state_of(request)
+    s = st.settings
+    rel, recursive = args.need("path", str), args.need("recursive", bool)
+    timeout = args.need("timeoutSeconds", float)
+    if sum(1 for w in st.watchers if not w.closed) >= s.max_watches:
+        raise Busy(
+            "too_many_watches",
+            f"{s.max_watches} watches are open (SANDBOX_AGENT_MAX_WATCHES): close one first",
+        )
+    limits = watch.Limits(queue=s.watch_queue, directories=s.watch_max_directories)
+    w = watch.Watcher(st.workspace, rel, recursive, limits)
+    st.watchers.add(w)  # holds its slot while the watches are added
+    await asyncio.to_thread(w.open)  # closes itself on failure
+    # Opening a watch is a file call like any other; what it streams afterwards
+    # is not activity (see the docstring).
+    st.touch()
+    file_op("watch")
+    return event_stream(watch.events(w, s.watch_keepalive, timeout), request, {})

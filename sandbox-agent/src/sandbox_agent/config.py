@@ -56,6 +56,11 @@ class Settings:
     max_terminals: int = 16
     terminal_buffer_bytes: int = 1 * MiB
     terminal_idle_timeout: float = 3600.0
+    # directory watches (GET /v1/files/watch)
+    max_watches: int = 8  # streams open at once; more: 429 too_many_watches
+    watch_queue: int = 4096  # changes held per stream for its client; then one overflow event
+    watch_max_directories: int = 4096  # inotify watches (directories) per stream
+    watch_keepalive: float = 15.0  # seconds of quiet before a keepalive line
     metrics_auth: bool = True
     malloc_keep_bytes: int = 128 * MiB  # freed heap kept for reuse (0: glibc defaults)
     # The container's memory limit (the operator passes limits.memory); 0:
@@ -104,6 +109,10 @@ _ENV = {
     "max_terminals": "SANDBOX_AGENT_MAX_TERMINALS",
     "terminal_buffer_bytes": "SANDBOX_AGENT_TERMINAL_BUFFER_BYTES",
     "terminal_idle_timeout": "SANDBOX_AGENT_TERMINAL_IDLE_TIMEOUT",
+    "max_watches": "SANDBOX_AGENT_MAX_WATCHES",
+    "watch_queue": "SANDBOX_AGENT_WATCH_QUEUE",
+    "watch_max_directories": "SANDBOX_AGENT_WATCH_MAX_DIRECTORIES",
+    "watch_keepalive": "SANDBOX_AGENT_WATCH_KEEPALIVE",
     "metrics_auth": "SANDBOX_AGENT_METRICS_AUTH",
     "malloc_keep_bytes": "SANDBOX_AGENT_MALLOC_KEEP_BYTES",
     "memory_limit_bytes": "SANDBOX_AGENT_MEMORY_LIMIT_BYTES",
@@ -210,4 +219,10 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError("SANDBOX_AGENT_TERMINAL_BUFFER_BYTES must be >= 4096")
     if settings.max_concurrent_executions < 1:
         raise ConfigError("SANDBOX_AGENT_MAX_CONCURRENT_EXECUTIONS must be >= 1")
+    if settings.watch_queue < 2 or settings.watch_max_directories < 1:
+        raise ConfigError(
+            "SANDBOX_AGENT_WATCH_QUEUE must be >= 2 and SANDBOX_AGENT_WATCH_MAX_DIRECTORIES >= 1"
+        )
+    if settings.watch_keepalive <= 0:
+        raise ConfigError("SANDBOX_AGENT_WATCH_KEEPALIVE must be > 0")
     return settings

@@ -59,3 +59,10 @@ TERMINAL_OUTPUT_BYTES = Counter(
     "Bytes terminals wrote (kept in each terminal's ring for viewers)",
     registry=REGISTRY,
 )
+WATCHES = Gauge("sandbox_agent_watches", "Directory watch streams open now", registry=REGISTRY)
+WATCH_EVENTS = Counter(
+    "sandbox_agent_watch_events",
+    "Directory watch events sent, by type (overflow: a stream dropped changes)",
+    ["type"],
+    registry=REGISTRY,
+)

@@ -272,6 +272,74 @@ class StreamEvent(_Out, kw_only=True, omit_defaults=True):
     cursor: int | None = None
 
 
+WatchType = Literal[
+    "started",
+    "create",
+    "write",
+    "remove",
+    "rename",
+    "chmod",
+    "overflow",
+    "keepalive",
+    "finished",
+    "interrupted",
+]
+
+
+class WatchEvent(_Out, kw_only=True, omit_defaults=True):
+    """One event of a directory watch (GET /v1/files/watch). The stream opens
+    with `started` (from then on every change is seen), then changes: `create`,
+    `write` (content changed), `remove`, `rename`, `chmod` (mode, owner or
+    times); `overflow` when changes were dropped (rescan what you track);
+    `keepalive` while nothing happens. It ends with `finished` (the watched
+    directory was removed or moved away, or timeoutSeconds passed), when the
+    client leaves, or with `interrupted` (written by the gateway when the
+    agent's stream broke off or the gateway shuts down: watch again)."""
+
+    type: WatchType
+    time: Annotated[
+        str | None, Meta(description="When the agent read the change (RFC 3339, UTC)")
+    ] = None
+    path: Annotated[
+        str | None,
+        Meta(
+            description="Relative to the workspace, under the watched path as it was named. "
+            "rename: the new name (or the old one, moved out of the watch)"
+        ),
+    ] = None
+    old_path: Annotated[
+        str | None, Meta(description="rename within the watch: the name before")
+    ] = None
+    move: Annotated[
+        Literal["within", "in", "out"] | None,
+        Meta(
+            description="rename: both names in the watch (within), moved in from outside it "
+            "(in: path is the new name) or out of it (out: path is the old name)"
+        ),
+    ] = None
+    file_type: Annotated[
+        Literal["file", "directory"] | None,
+        Meta(description="directory, or file for anything else (symlinks included)"),
+    ] = None
+    recursive: Annotated[bool | None, Meta(description="started: subdirectories watched")] = None
+    watches: Annotated[
+        int | None, Meta(description="started: directories watched (inotify watches)")
+    ] = None
+    dropped: Annotated[
+        int | None,
+        Meta(description="overflow: changes the agent dropped (the kernel's own are not counted)"),
+    ] = None
+    reason: Annotated[
+        Literal["queue", "kernel", "watch_limit", "removed", "moved", "unmounted", "timeout"]
+        | None,
+        Meta(
+            description="overflow: the agent's queue was full (queue), the kernel's was "
+            "(kernel), a new directory was not watched (watch_limit); finished: why it ended"
+        ),
+    ] = None
+    error: ErrorDetail | None = None
+
+
 class StdinRequest(_Base, kw_only=True):
     data: Annotated[str, Meta(description="UTF-8 text to write")] = ""
     data_base64: str | None = None

@@ -26,6 +26,8 @@ _RAW: dict[str, dict[str, Any]] = {
     "prometheus": {"text/plain": {"type": "string"}},
     "object": {"application/json": {"type": "object"}},
 }
+# Event streams: kind -> the model of one event.
+_STREAMS: dict[str, type[Any]] = {"events": models.StreamEvent, "watch": models.WatchEvent}
 _RAW_RESPONSES: dict[str, tuple[str, dict[str, Any]]] = {
     "tar": (
         "tar (gzip=false) or tar.gz (gzip=true)",
@@ -67,11 +69,12 @@ def _response(status: int, typ: Any, ref_of: dict[Any, dict[str, Any]]) -> dict[
         return {"description": "Error", **_error(ref_of)}
     if typ == "websocket":
         return {"description": "Switching Protocols: a WebSocket (see the description)"}
-    if typ == "events":
+    if typ in _STREAMS:
+        model = _STREAMS[typ]
         return {
-            "description": "One StreamEvent per line (ndjson) or per SSE event",
+            "description": f"One {model.__name__} per line (ndjson) or per SSE event",
             "content": {
-                "application/x-ndjson": {"schema": ref_of[models.StreamEvent]},
+                "application/x-ndjson": {"schema": ref_of[model]},
                 "text/event-stream": {"schema": {"type": "string"}},
             },
         }
@@ -124,7 +127,7 @@ def _operation(op: Op, ref_of: dict[Any, dict[str, Any]]) -> dict[str, Any]:
 
 def document(ops: tuple[Op, ...]) -> dict[str, Any]:
     """The OpenAPI document of ``ops`` (pure: same table, same document)."""
-    types: list[Any] = [models.ErrorBody, models.StreamEvent]
+    types: list[Any] = [models.ErrorBody, *_STREAMS.values()]
     for op in ops:
         if isinstance(op.body, type):
             types.append(op.body)

@@ -84,6 +84,17 @@ PARENTS = Param("parents", "boolean", "Create missing parent directories", defau
 DEPTH = Param("depth", "integer", "Levels to descend", default=1, minimum=1, maximum=64)
 HIDDEN = Param("hidden", "boolean", "Include dot files", default=True)
 GZIP = Param("gzip", "boolean", "gzip the tar", default=False)
+RECURSIVE = Param(
+    "recursive", "boolean", "Watch subdirectories too, and those made later", default=False
+)
+WATCH_TIMEOUT = Param(
+    "timeoutSeconds",
+    "number",
+    "End the stream (finished) after this long; 0: never",
+    default=0.0,
+    minimum=0,
+    maximum=86400,
+)
 
 # -- what the gateway demands before it forwards (None: never forwarded) -------
 VIEW: GatewayAccess = "view"
@@ -191,5 +202,7 @@ OPS: tuple[Op, ...] = (
        errors=READ, params=(DIR, GZIP), gateway=READS),
     Op("PUT", "/v1/files/archive", api_files.archive_upload, models.ArchiveResult,
        errors=WRITE, body="tar", params=(DIR,), writes=True, gateway=WRITES),
+    Op("GET", "/v1/files/watch", api_files.file_watch, "watch",
+       errors=(*READ, 429), params=(DIR, RECURSIVE, WATCH_TIMEOUT), gateway=READS),
 )
 # fmt: on

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 
 from starlette.requests import Request
 
@@ -16,6 +17,7 @@ from .quiesce import Quiesce
 from .runner_client import RunnerClient
 from .runtime import RuntimeRestart
 from .terminals import TerminalManager
+from .watch import Watcher
 
 
 class AgentState:
@@ -41,6 +43,10 @@ class AgentState:
         # bounded, so that they neither pile up in memory nor take every thread
         # of the pool that stat, read and write run in.
         self.file_scans = asyncio.Semaphore(settings.max_file_scans)
+        # Open directory watches (their streams): bounded by settings.max_watches.
+        # Weak, so a watcher whose stream never started (the client left before
+        # the answer) frees its slot when it is dropped.
+        self.watchers: weakref.WeakSet[Watcher] = weakref.WeakSet()
         self.runner.on_change.append(self._runner_changed)
 
     def touch(self) -> None:

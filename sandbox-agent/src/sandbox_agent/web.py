@@ -112,7 +112,9 @@ def one_of(text: str | None, b64: str | None, names: tuple[str, str]) -> bytes |
 
 
 def event_stream(
-    events: AsyncIterator[models.StreamEvent], request: Request, headers: dict[str, str]
+    events: AsyncIterator[models.StreamEvent | models.WatchEvent],
+    request: Request,
+    headers: dict[str, str],
 ) -> StreamingResponse:
     """ndjson, or SSE when the client asks for text/event-stream."""
     sse = SSE in request.headers.get("accept", "")

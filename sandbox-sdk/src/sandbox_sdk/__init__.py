@@ -43,8 +43,17 @@ if TYPE_CHECKING:
         AsyncSandboxClient,
         AsyncTerminal,
         AsyncTerminals,
+        AsyncWatch,
     )
-    from sandbox_sdk._sync.client import Files, Job, Sandbox, SandboxClient, Terminal, Terminals
+    from sandbox_sdk._sync.client import (
+        Files,
+        Job,
+        Sandbox,
+        SandboxClient,
+        Terminal,
+        Terminals,
+        Watch,
+    )
     from sandbox_sdk.types import CommandResult, Event, OutputEvent, Runtime, Template
 
 # Where each public name lives. They are imported on first use (PEP 562), not
@@ -60,11 +69,13 @@ _HOMES = {
             "AsyncSandboxClient",
             "AsyncTerminal",
             "AsyncTerminals",
+            "AsyncWatch",
         ),
         "_async.client",
     ),
     **dict.fromkeys(
-        ("Files", "Job", "Sandbox", "SandboxClient", "Terminal", "Terminals"), "_sync.client"
+        ("Files", "Job", "Sandbox", "SandboxClient", "Terminal", "Terminals", "Watch"),
+        "_sync.client",
     ),
     **dict.fromkeys(("CommandResult", "Event", "OutputEvent", "Runtime", "Template"), "types"),
 }
@@ -78,6 +89,7 @@ __all__ = [
     "AsyncSandboxClient",
     "AsyncTerminal",
     "AsyncTerminals",
+    "AsyncWatch",
     "CommandFailed",
     "CommandLost",
     "CommandResult",
@@ -104,6 +116,7 @@ __all__ = [
     "Terminals",
     "Timeout",
     "Unauthorized",
+    "Watch",
     "WorkspaceFull",
 ]
 

@@ -22,7 +22,7 @@ from sandbox_sdk._async import gateway
 from sandbox_sdk._sync import client
 
 TARGET = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
-CLASSES = [client.SandboxClient, client.Sandbox, client.Files, client.Job]
+CLASSES = [client.SandboxClient, client.Sandbox, client.Files, client.Job, client.Watch]
 RESULTS = [types.CommandResult, types.OutputEvent, types.Runtime, types.Event]
 ERRORS = [
     errors.SandboxError,
@@ -58,9 +58,10 @@ def render() -> str:
         "# sandbox-sdk reference",
         "",
         "Generated from the docstrings by `python -m sandbox_sdk._docs`; do not edit.",
-        "`AsyncSandboxClient`, `AsyncSandbox`, `AsyncFiles` and `AsyncJob` have the same",
-        "methods as the classes below, as coroutines (`aclose()` for `close()`;",
-        "`stream()` and `execution_output()` are async iterators).",
+        "`AsyncSandboxClient`, `AsyncSandbox`, `AsyncFiles`, `AsyncJob` and `AsyncWatch`",
+        "have the same methods as the classes below, as coroutines (`aclose()` for",
+        "`close()`; `stream()` and `execution_output()` are async iterators, and so is",
+        "`AsyncWatch`, with `async with` for `with`; `files.watch()` itself is not awaited).",
         "",
         "## Package",
         "",

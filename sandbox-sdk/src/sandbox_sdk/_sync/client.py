@@ -16,6 +16,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -73,6 +74,9 @@ SDK_LABEL = "sandbox.dev/created-by"
 # operator replaces a failed pod on the same workspace).
 FATAL_REASONS = {"InvalidSpec", "RuntimeMissingPython", "ImagePullFailed"}
 CHUNK = 1 << 16
+# A watch's stream carries a keepalive line every 15 s while nothing changes:
+# this long without a line, the connection is taken for dead.
+WATCH_READ_TIMEOUT = 120.0
 
 
 def _now() -> str:
@@ -1687,6 +1691,23 @@ class Files:
         answer = self.sandbox._request("POST", "files/replace", json_body=body)
         return int(answer.json()["replacements"])
 
+    def watch(
+        self, path: str = ".", *, recursive: bool = False, timeout: float | None = None
+    ) -> Watch:
+        """Watch a directory's changes, as they happen:
+
+            with sandbox.files.watch("src", recursive=True) as changes:
+                for event in changes:
+                    print(event.type, event.path)  # create, write, remove, rename, chmod
+
+        Inside the `with` the watch is in place: every later change is seen.
+        `recursive`: subdirectories too, and those made later. `timeout`:
+        seconds after which the stream ends (None: when closed). An `overflow`
+        event says changes were dropped (more came than the agent holds for a
+        slow reader): rescan what you track. Watching is not activity: it does
+        not keep the sandbox from its idle timeout."""
+        return Watch(self.sandbox, path, recursive, timeout)
+
     def download_url(self, path: str, *, ttl: int = 600) -> str:
         """A URL that downloads `path` (a directory: as tar) without credentials
         until it expires (a signed URL of the gateway): on the gateway's external
@@ -1812,3 +1833,110 @@ class Files:
             response.read()
             answer: JSON = response.json()
             return answer
+
+
+class Watch:
+    """A directory watch (`files.watch()`): a context manager, and an iterator
+    of `WatchEvent`s (`type` create, write, remove, rename, chmod or overflow;
+    `path` relative to the workspace; `file_type` file or directory; `time`;
+    `old_path` and `move` for a rename). The iteration ends when the watched
+    directory is removed or moved, when the timeout passes (`end_reason` says
+    which), or at `close()`. A stream cut off (the sandbox paused, an agent or
+    gateway restart) raises ServerError: changes since may be missed."""
+
+    def __init__(self, sandbox: Sandbox, path: str, recursive: bool, timeout: float | None) -> None:
+        self.sandbox = sandbox
+        self.path = path
+        self.recursive = recursive
+        self.timeout = timeout
+        self.started: agent.WatchEvent | None = None
+        self.end_reason: str | None = None
+        self.closed = False
+        self._stream: AbstractContextManager[httpx.Response] | None = None
+        self._lines: Iterator[str] | None = None
+
+    def __repr__(self) -> str:
+        return f"<Watch {self.sandbox.name}:{self.path} recursive={self.recursive}>"
+
+    def __enter__(self) -> Watch:
+        self.open()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __iter__(self) -> Watch:
+        return self
+
+    def open(self) -> None:
+        """Start watching (done by `with` and by the first iteration); returns
+        once the watch is in place."""
+        if self._lines is not None or self.closed:
+            return
+        params = {"path": self.path, "recursive": str(self.recursive).lower()}
+        if self.timeout is not None:
+            params["timeoutSeconds"] = str(self.timeout)
+        for attempt in range(3):
+            stream = self.sandbox.client.gateway.stream(
+                self.sandbox.namespace,
+                self.sandbox.name,
+                "GET",
+                "files/watch",
+                params=params,
+                read_timeout=WATCH_READ_TIMEOUT,
+            )
+            try:
+                response = stream.__enter__()
+            except (NotReady, NotFound) as exc:
+                if attempt == 2 or not self.sandbox._worth_waiting(exc):
+                    raise
+                continue
+            self._stream, self._lines = stream, response.iter_lines()
+            break
+        first = self._event()
+        if first is None or first.type != "started":
+            self.close()
+            raise ServerError(f"the watch did not start: {first}")
+        self.started = first
+
+    def _event(self) -> agent.WatchEvent | None:
+        """The next event of the stream, keepalives skipped; None at its end."""
+        while self._lines is not None:
+            try:
+                line = self._lines.__next__()
+            except StopIteration:
+                return None
+            except httpx.TransportError as exc:
+                self.close()
+                raise ServerError(f"the watch of {self.path} broke off: {exc}") from exc
+            if line:
+                event = agent.WatchEvent.model_validate_json(line)
+                if event.type != "keepalive":
+                    return event
+        return None
+
+    def __next__(self) -> agent.WatchEvent:
+        self.open()
+        event = self._event()
+        if event is None or event.type == "finished":
+            self.end_reason = event.reason if event is not None else self.end_reason
+            self.close()
+            raise StopIteration
+        if event.type == "interrupted":
+            self.close()
+            why = event.error.message if event.error is not None else "no reason given"
+            raise ServerError(f"the watch of {self.path} was interrupted: {why}")
+        return event
+
+    def close(self) -> None:
+        """Stop watching (the agent removes its watches at once)."""
+        self.closed = True
+        stream, self._stream, self._lines = self._stream, None, None
+        if stream is not None:
+            with contextlib.suppress(httpx.HTTPError, OSError):
+                stream.__exit__(None, None, None)

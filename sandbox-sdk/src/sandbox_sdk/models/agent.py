@@ -486,6 +486,22 @@ class TerminalResize(WireModel):
     rows: int = Field()
 
 
+class WatchEvent(WireModel):
+    "One event of a directory watch (GET /v1/files/watch). The stream opens with `started` (from then on every change is seen), then changes: `create`, `write` (content changed), `remove`, `rename`, `chmod` (mode, owner or times); `overflow` when changes were dropped (rescan what you track); `keepalive` while nothing happens. It ends with `finished` (the watched directory was removed or moved away, or timeoutSeconds passed), when the client leaves, or with `interrupted` (written by the gateway when the agent's stream broke off or the gateway shuts down: watch again)."
+
+    dropped: int | None = Field(default=None, description="overflow: changes the agent dropped (the kernel's own are not counted)")
+    error: ErrorDetail | None = Field(default=None)
+    file_type: str | None = Field(default=None, validation_alias="fileType", serialization_alias="fileType", description="directory, or file for anything else (symlinks included)")
+    move: str | None = Field(default=None, description="rename: both names in the watch (within), moved in from outside it (in: path is the new name) or out of it (out: path is the old name)")
+    old_path: str | None = Field(default=None, validation_alias="oldPath", serialization_alias="oldPath", description="rename within the watch: the name before")
+    path: str | None = Field(default=None, description="Relative to the workspace, under the watched path as it was named. rename: the new name (or the old one, moved out of the watch)")
+    reason: str | None = Field(default=None, description="overflow: the agent's queue was full (queue), the kernel's was (kernel), a new directory was not watched (watch_limit); finished: why it ended")
+    recursive: bool | None = Field(default=None, description="started: subdirectories watched")
+    time: str | None = Field(default=None, description="When the agent read the change (RFC 3339, UTC)")
+    type: str = Field(description="One of: chmod, create, finished, interrupted, keepalive, overflow, remove, rename, started, write.")
+    watches: int | None = Field(default=None, description="started: directories watched (inotify watches)")
+
+
 class WriteRequest(WireModel):
     "WriteRequest"
 
@@ -495,4 +511,4 @@ class WriteRequest(WireModel):
     parents: bool = Field(default=True)
     path: str = Field(description="Path relative to the workspace root ('.' is the root). Absolute paths, '..' components and symlinks that leave the workspace are refused.")
 
-__all__ = ["ArchiveResult", "CancelRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SandboxLimits", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "Terminal", "TerminalInput", "TerminalList", "TerminalOutput", "TerminalRequest", "TerminalResize", "WorkspaceUsage", "WriteRequest"]
+__all__ = ["ArchiveResult", "CancelRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SandboxLimits", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "Terminal", "TerminalInput", "TerminalList", "TerminalOutput", "TerminalRequest", "TerminalResize", "WatchEvent", "WorkspaceUsage", "WriteRequest"]
