@@ -20,12 +20,14 @@ def main() -> None:
         term = sandbox.terminals.create(cols=100, rows=30)  # the user's login shell
         term.send(f"PS1='{PROMPT}'\r")
         term.read_until(PROMPT)
-        term.send("tty; stty size\r")
+        term.send("tty; stty size; echo shell=$0\r")
         shown = term.read_until(PROMPT).decode(errors="replace")
         tty = re.search(r"/dev/pts/\d+", shown)
+        shell = re.search(r"shell=(\S+)", shown)
         assert tty is not None, shown
+        assert shell is not None, shown
         assert "30 100" in shown, shown
-        print(f"a login shell on {tty.group(0)}, 100x30")
+        print(f"a login shell ({shell.group(1)}) on {tty.group(0)}, 100x30")
 
         # A REPL keeps its state between sends.
         term.send("python3 -q\r")

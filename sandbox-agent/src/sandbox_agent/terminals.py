@@ -36,10 +36,13 @@ from .runner_client import RunnerClient, Spawn
 TerminalStatus = Literal["starting", "running", "exited", "failed", "lost"]
 
 # The user's login shell, as the sandbox's own /etc/passwd names it (the agent
-# runs in another container and cannot read it), else bash, else sh.
+# runs in another container and cannot read it), else sh; bash in place of a
+# plain sh where the image has it (sh has no line editing, history or
+# completion, and images give users /bin/sh more often than they mean it).
 LOGIN_SHELL = (
     'shell=$(getent passwd "$(id -u)" 2>/dev/null | cut -d: -f7); '
-    '[ -x "$shell" ] || shell=$(command -v bash || echo /bin/sh); '
+    '[ -x "$shell" ] || shell=/bin/sh; '
+    'case "$shell" in */sh) shell=$(command -v bash || echo "$shell");; esac; '
     'exec "$shell" -l'
 )
 # How long creating a terminal waits for the runner to say it started.
