@@ -36,12 +36,11 @@ from benchmarks.common import (  # noqa: E402
     create_namespace,
     latency_row,
     operator_cluster,
-    sandbox_ready,
+    ready_sandbox,
     token_kubeconfig,
-    wait_until,
     write_results,
 )
-from tests.kube import KubeJSON, api_path  # noqa: E402
+from tests.kube import KubeJSON  # noqa: E402
 
 NS = "bench-cli"
 BOX = "box"
@@ -90,18 +89,7 @@ def main() -> None:
         create_namespace(kube, NS)
         kubeconfig = cluster.kubeconfig.parent / "bench-cli.kubeconfig"
         token_kubeconfig(kube, NS, "bench-cli", cluster.kubeconfig, kubeconfig)
-        kube.create(
-            api_path("sandbox.dev/v1alpha1", "sandboxes", NS),
-            {
-                "apiVersion": "sandbox.dev/v1alpha1",
-                "kind": "Sandbox",
-                "metadata": {"name": BOX},
-                "spec": {"runtime": "python"},
-            },
-        )
-        wait_until(lambda: sandbox_ready(kube, NS, BOX))
-        sandbox = kube.get(api_path("sandbox.dev/v1alpha1", "sandboxes", NS, BOX)) or {}
-        pod = (sandbox.get("status") or {}).get("podName") or BOX
+        pod = ready_sandbox(kube, NS, BOX)
         env = {
             **os.environ,
             "KUBECONFIG": str(kubeconfig),

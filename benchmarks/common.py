@@ -211,6 +211,22 @@ def sandbox_ready(kube: KubeJSON, namespace: str, name: str) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
 
+def ready_sandbox(kube: KubeJSON, namespace: str, name: str) -> str:
+    """Create a python Sandbox and wait until it is Ready; its pod's name."""
+    kube.create(
+        api_path("sandbox.dev/v1alpha1", "sandboxes", namespace),
+        {
+            "apiVersion": "sandbox.dev/v1alpha1",
+            "kind": "Sandbox",
+            "metadata": {"name": name},
+            "spec": {"runtime": "python"},
+        },
+    )
+    wait_until(lambda: sandbox_ready(kube, namespace, name))
+    body = kube.get(api_path("sandbox.dev/v1alpha1", "sandboxes", namespace, name)) or {}
+    return str((body.get("status") or {}).get("podName") or name)
+
+
 def agent_client(
     kube: KubeJSON, namespace: str, name: str, timeout: float | None = 120
 ) -> httpx.Client:

@@ -38,13 +38,12 @@ from benchmarks.common import (  # noqa: E402
     latency_row,
     operator_cluster,
     percentile,
-    sandbox_ready,
+    ready_sandbox,
     token_kubeconfig,
-    wait_until,
     write_results,
 )
 from sandbox_sdk import SandboxClient  # noqa: E402
-from tests.kube import KubeJSON, api_path  # noqa: E402
+from tests.kube import KubeJSON  # noqa: E402
 
 NS = "bench-terminal"
 BOX = "box"
@@ -108,18 +107,7 @@ def main() -> None:
         create_namespace(kube, NS)
         kubeconfig = cluster.kubeconfig.parent / "bench-terminal.kubeconfig"
         token_kubeconfig(kube, NS, "bench-terminal", cluster.kubeconfig, kubeconfig)
-        kube.create(
-            api_path("sandbox.dev/v1alpha1", "sandboxes", NS),
-            {
-                "apiVersion": "sandbox.dev/v1alpha1",
-                "kind": "Sandbox",
-                "metadata": {"name": BOX},
-                "spec": {"runtime": "python"},
-            },
-        )
-        wait_until(lambda: sandbox_ready(kube, NS, BOX))
-        sandbox_body = kube.get(api_path("sandbox.dev/v1alpha1", "sandboxes", NS, BOX)) or {}
-        pod = (sandbox_body.get("status") or {}).get("podName") or BOX
+        pod = ready_sandbox(kube, NS, BOX)
         env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
         master, slave = pty.openpty()
         kubectl = subprocess.Popen(
