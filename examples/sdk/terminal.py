@@ -1,7 +1,8 @@
 """A terminal in a sandbox, driven turn by turn as an AI agent (or a person) would:
 the login shell on a pty, a REPL that keeps its state between sends, Ctrl-C,
-a resize, and a second handle that finds the terminal again by id and reads
-what it missed.
+a resize, a second handle that finds the terminal again by id and reads
+what it missed, and a watch of the workspace that sees what the terminal
+changes.
 
     python examples/sdk/terminal.py
 """
@@ -20,7 +21,7 @@ def main() -> None:
         term = sandbox.terminals.create(cols=100, rows=30)  # the user's login shell
         term.send(f"PS1='{PROMPT}'\r")
         term.read_until(PROMPT)
-        term.send("tty; stty size; echo shell=$0\r")
+        term.send("tty; stty size; printf 'she%s=%s\\n' ll \"$0\"\r")  # not in the echo
         shown = term.read_until(PROMPT).decode(errors="replace")
         tty = re.search(r"/dev/pts/\d+", shown)
         shell = re.search(r"shell=(\S+)", shown)
@@ -57,6 +58,18 @@ def main() -> None:
         again = sandbox.terminals.get(term.id)
         assert b"written-while-away" in again.read_until("written-while-away")
         print(f"terminal {term.id} found again; it replayed what was missed")
+
+        # What the terminal changes, a watch sees as it happens (an IDE's view).
+        with sandbox.files.watch(".", recursive=True, timeout=60) as changes:
+            term.send("mkdir -p notes && echo draft > notes/todo.txt\r")
+            seen = []
+            for event in changes:
+                seen.append((event.type, event.path))
+                # Made in a directory that is itself new: the watch may find it
+                # by scanning that directory (create) or see it happen (create, write).
+                if event.path == "notes/todo.txt":
+                    break
+        print("the watch saw", ", ".join(f"{kind} {path}" for kind, path in seen))
 
         term.send("exit 3\r")
         ended = term.wait(timeout=60)

@@ -89,11 +89,15 @@ def test_per_turn_chat(user_env: dict[str, str]) -> None:
 
 def test_a_terminal_in_a_real_pod(user_env: dict[str, str]) -> None:
     """A login shell on a pty in the runtime container (runc), through the
-    gateway and the API server's proxy."""
+    gateway and the API server's proxy; a watch of the workspace (the agent's
+    inotify on the volume it shares with the runtime container) sees what the
+    terminal changes."""
     out = _run_example("terminal.py", user_env)
     # The image gives the sandbox user /bin/sh; an interactive terminal gets bash.
     assert re.search(r"a login shell \(\S*bash\) on /dev/pts/", out), out
     assert "the REPL kept total between sends" in out
+    assert "create notes" in out, out  # the watch, inotify on the pod's workspace volume
+    assert "notes/todo.txt" in out, out
     assert "the shell exited with 3; done" in out
 
 
