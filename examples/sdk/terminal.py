@@ -11,20 +11,26 @@ from __future__ import annotations
 
 import re
 
-from sandbox_sdk import SandboxClient
+from sandbox_sdk import SandboxClient, Terminal
 
-PROMPT = "demo$ "
+# Printed after a command line's output: "--42--" is in the output only (the
+# terminal echoes the line as typed, "--$((6*7))--"), so reading up to it
+# returns that command's output, whatever prompts or redraws come between.
+DONE = "; echo --$((6*7))--\r"
+
+
+def run(term: Terminal, line: str) -> str:
+    """Type a command line into the shell; what it printed."""
+    term.send(line + DONE)
+    return term.read_until("--42--").decode(errors="replace")
 
 
 def main() -> None:
     with SandboxClient() as client, client.create("python") as sandbox:
         term = sandbox.terminals.create(cols=100, rows=30)  # the user's login shell
-        term.send(f"PS1='{PROMPT}'\r")
-        term.read_until(PROMPT)
-        term.send("tty; stty size; printf 'she%s=%s\\n' ll \"$0\"\r")  # not in the echo
-        shown = term.read_until(PROMPT).decode(errors="replace")
+        shown = run(term, "tty; stty size; echo shell=$0")
         tty = re.search(r"/dev/pts/\d+", shown)
-        shell = re.search(r"shell=(\S+)", shown)
+        shell = re.search(r"shell=(/\S+)", shown)  # the output's, not the echo's "$0"
         assert tty is not None, shown
         assert shell is not None, shown
         assert "30 100" in shown, shown
@@ -38,23 +44,21 @@ def main() -> None:
         term.send("print(total + 1)\r")
         assert b"42" in term.read_until(">>> ")
         term.send("exit()\r")
-        term.read_until(PROMPT)
         print("the REPL kept total between sends")
 
         # Ctrl-C stops the foreground job; the shell lives on.
-        term.send("sleep 600\r")
-        term.read_until("sleep 600\r\n")
+        # (The job says when it runs: "sle%sing" in the echo, "sleeping" once it is
+        # the terminal's foreground job, the one Ctrl-C reaches.)
+        term.send("sh -c 'printf \"sle%sing\\n\" ep; exec sleep 600'\r")
+        term.read_until("sleeping")
         term.send("\x03")
-        term.read_until(PROMPT)
         term.resize(120, 40)
-        term.send("stty size\r")
-        assert b"40 120" in term.read_until(PROMPT)
+        assert "40 120" in run(term, "stty size")
         print("Ctrl-C stopped sleep; resized to 120x40")
 
         # Another handle (another process, a reconnect) finds it by id and reads
         # what this one did, from the oldest output kept.
-        term.send("echo written-while-away\r")
-        term.read_until(PROMPT)
+        run(term, "echo written-while-away")
         again = sandbox.terminals.get(term.id)
         assert b"written-while-away" in again.read_until("written-while-away")
         print(f"terminal {term.id} found again; it replayed what was missed")

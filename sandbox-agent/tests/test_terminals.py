@@ -113,8 +113,9 @@ def test_a_shell_on_a_pty_sizes_interrupts_and_keeps_state(sandbox: Sandbox) -> 
         await t.type("stty size\r")
         await t.expect(r"40 120")
         # Ctrl-C reaches the foreground job, not the shell.
-        await t.type("sleep 100\r")
-        await asyncio.sleep(0.3)
+        # "sleeping" once sh is the foreground job (the echo shows "sle%sing").
+        await t.type("sh -c 'printf \"sle%sing\\n\" ep; exec sleep 100'\r")
+        await t.expect("sleeping")
         await t.type("\x03")
         await t.expect(re.escape(PROMPT))
         await t.type("echo alive-$((40+2))\r")

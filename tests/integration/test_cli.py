@@ -388,8 +388,9 @@ def test_shell_joins_this_terminal_to_one_in_the_sandbox(
             session.type("stty size\r")
             with contextlib.suppress(AssertionError):
                 session.expect("cli> ", seconds=2)
-        session.type("sleep 100\r")
-        time.sleep(0.5)
+        # "sleeping" once sh is the foreground job there (the echo shows "sle%sing").
+        session.type("sh -c 'printf \"sle%sing\\n\" ep; exec sleep 100'\r")
+        session.expect("sleeping")
         session.type("\x03")  # to the sleep in the sandbox, not to us
         session.expect("cli> ")
         assert session.process.poll() is None

@@ -637,12 +637,13 @@ def test_a_terminal_from_the_sdk(client: SandboxClient, live_sandbox: LiveSandbo
     )
     term.read_until("sdk> ")
     term.send("stty size\r")
-    assert b"15 70" in term.read_until("sdk> ")
+    assert b"15 70" in term.read_until("15 70")
     term.resize(100, 30)
     term.send("stty size\r")
-    assert b"30 100" in term.read_until("sdk> ")
-    term.send("sleep 100\r")
-    term.read_until("sleep 100\r\n")
+    term.read_until("30 100")  # not the prompt: readline redraws it on a resize
+    # "sleeping" once sh is the foreground job (the echo shows "sle%sing").
+    term.send("sh -c 'printf \"sle%sing\\n\" ep; exec sleep 100'\r")
+    term.read_until("sleeping")
     term.signal("INT")
     term.read_until("sdk> ")
     again = sandbox.terminals.get(term.id)
