@@ -378,7 +378,11 @@ def ready_condition(
 def pod_alive(pods: Index, namespace: str, member: str) -> bool:
     """The member's pod, as last seen, is there and ready: a member whose pod just
     died is skipped even while its own status still says Ready."""
-    pod = next(iter(pods.get((namespace, member), [])), None)
+    return pod_ready(next(iter(pods.get((namespace, member), [])), None))
+
+
+def pod_ready(pod: JSON | None) -> bool:
+    """A pod that exists, is not being deleted, and is Ready."""
     if pod is None or pod["metadata"].get("deletionTimestamp"):
         return False
     ready = pod_condition(pod, "Ready") or {}

@@ -34,7 +34,7 @@ from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers.sandbox.status import report_blocked
 from sandbox_operator.kube import KubeError
-from sandbox_operator.resources import SANDBOX_POOLS, SANDBOX_TEMPLATES, SANDBOXES
+from sandbox_operator.resources import PODS, SANDBOX_POOLS, SANDBOX_TEMPLATES, SANDBOXES
 
 JSON = dict[str, Any]
 Key = tuple[str, str]
@@ -248,6 +248,12 @@ async def _race(
             return None, mismatch
         key = (namespace, choice.name)
         ctx.reserved[key] = (time.monotonic(), me)
+        # The pod as it is now: the index can lag behind a pod that just died (a
+        # busy API server's watch), and a claim must not hand out a dead member.
+        if not pools.pod_ready(await ctx.kube.get(PODS.path(namespace, choice.name))):
+            lost.append(choice.name)
+            release(ctx.reserved, key, me)
+            continue
         claimed = await _claim(ctx, body, member)
         if claimed is not None:
             metrics.POOL_CLAIMS.labels("claimed").inc()
