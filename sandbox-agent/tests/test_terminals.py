@@ -283,7 +283,7 @@ def test_limits_idle_timeout_and_a_flood_nobody_reads(fresh: Callable[..., Sandb
 def test_a_cursor_past_the_end_is_refused(sandbox: Sandbox, cursor: int) -> None:
     term = _shell(sandbox)
     url = f"/v1/terminals/{term['id']}/output"
-    r = sandbox.client.get(url, params={"cursor": cursor})
+    r = sandbox.client.get(url, params={"cursor": cursor, "waitSeconds": 30})
     if cursor:
         assert sandbox.error(r, 400) == "invalid_cursor"
     else:

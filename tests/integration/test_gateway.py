@@ -729,6 +729,9 @@ def test_a_terminal_through_the_gateway(
         async with aiohttp.ClientSession() as http, http.ws_connect(url, headers=headers) as ws:
             await ws.receive(timeout=10)  # attached
             await ws.send_bytes(b"sleep 1; echo after-$((20+22))\r")
+            echoed = b""
+            while b"after-$" not in echoed:  # the shell has the line: it runs without us
+                echoed += (await ws.receive(timeout=10)).data
             assert other.proc is not None
             other.proc.kill()
             message = await ws.receive(timeout=30)

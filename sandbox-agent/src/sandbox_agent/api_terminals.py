@@ -95,6 +95,7 @@ async def terminal_output(request: Request, args: Args) -> Response:
     term = st.terminals.get(args.need("id", str))
     cursor = args.need("cursor", int)
     wait = args.need("waitSeconds", float)
+    term.read(cursor, 0)  # a cursor past the end is refused now, not after the wait
     if wait > 0:
         await term.wait_beyond(cursor, wait)
     part = term.read(cursor, args.need("maxBytes", int))
