@@ -310,3 +310,21 @@ def test_quiesce_stops_a_terminals_jobs_too(sandbox: Sandbox, wsdir: str) -> Non
     assert sandbox.client.post("/v1/workspace/resume").status_code == 200
     wait_until(lambda: path.stat().st_size > before)
     sandbox.client.delete(f"/v1/terminals/{term['id']}")
+
+
+def test_viewers_that_leave_mid_flood_leave_no_error(fresh: Callable[..., Sandbox]) -> None:
+    """A viewer that goes away while output is being sent to it detaches quietly:
+    no error in the agent's log, and the terminal goes on."""
+    sb = fresh()
+    flood = _create(sb, command="yes 0123456789abcdef")
+
+    async def leave(t: Attached) -> None:
+        await t.pump(lambda: len(t.output) > 100_000)
+        await t.ws.close()
+
+    for _ in range(5):
+        attach(sb, flood["id"], leave)
+    time.sleep(0.5)
+    assert "Traceback" not in sb.agent_log(), sb.agent_log()
+    assert sb.client.get(f"/v1/terminals/{flood['id']}").json()["status"] == "running"
+    sb.client.delete(f"/v1/terminals/{flood['id']}")

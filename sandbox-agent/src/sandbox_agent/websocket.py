@@ -178,8 +178,12 @@ class WebSocketSession:
         if kind == "websocket.accept":
             self._accept(message)
         elif kind == "websocket.send":
-            if not self.accepted or self.finished:
-                raise RuntimeError("websocket.send on a WebSocket that is not open")
+            if not self.accepted:
+                raise RuntimeError("websocket.send before the handshake")
+            if self.finished:
+                # The client went away: an OSError, which Starlette turns into
+                # WebSocketDisconnect (what the app expects), as ASGI servers do.
+                raise ConnectionResetError("the WebSocket is closed")
             data, text = message.get("bytes"), message.get("text")
             event = BytesMessage(data=data) if data is not None else TextMessage(data=text or "")
             self.transport.write(self.ws.send(event))
