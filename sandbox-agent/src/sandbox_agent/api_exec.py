@@ -40,14 +40,21 @@ def _prepare(
     for k, v in req.env.items():
         if not k or "=" in k or "\0" in k or "\0" in v:
             raise Invalid("invalid_request", f"invalid environment variable name {k[:100]!r}")
-    cwd = st.workspace.clean(req.cwd)
     replay = req.idempotency_key is not None and req.idempotency_key in st.executions.by_key
     # A replay must find its execution even if the command removed its cwd.
-    # The root needs no check (the hot path: most commands run there).
-    if cwd != "." and not replay and not _is_dir(st.workspace, cwd):
-        raise Invalid("invalid_cwd", f"cwd {req.cwd!r} is not a directory in the workspace")
+    cwd = checked_cwd(st.workspace, req.cwd, exists=not replay)
     stdin = one_of(req.stdin, req.stdin_base64, ("stdin", "stdinBase64"))
     return argv, cwd, stdin
+
+
+def checked_cwd(ws: Workspace, rel: str, *, exists: bool = True) -> str:
+    """A command's working directory, normalised; with `exists`, one that is a
+    directory of the workspace (400 invalid_cwd). The root needs no check (the
+    hot path: most commands run there)."""
+    cwd = ws.clean(rel)
+    if exists and cwd != "." and not _is_dir(ws, cwd):
+        raise Invalid("invalid_cwd", f"cwd {rel!r} is not a directory in the workspace")
+    return cwd
 
 
 def _is_dir(ws: Workspace, rel: str) -> bool:
@@ -192,7 +199,7 @@ async def exec_stdin(request: Request, args: Args) -> Response:
     return ok(models.StdinResult(bytes=len(data), stdin_open=ex.stdin_open))
 
 
-def _parse_signal(value: str | int) -> int:
+def parse_signal(value: str | int) -> int:
     if isinstance(value, int):
         sig = value
     else:
@@ -216,7 +223,7 @@ async def exec_signal(request: Request, args: Args) -> Response:
     st = state_of(request)
     ex = st.executions.get(args.need("id", str))
     req = await body_as(request, models.SignalRequest)
-    sig = _parse_signal(req.signal)
+    sig = parse_signal(req.signal)
     st.touch()
     ex.send_signal(sig)
     return ok(ex.view(output=False))

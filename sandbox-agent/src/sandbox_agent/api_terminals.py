@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import models
-from .api_exec import _is_dir, _parse_signal
+from .api_exec import checked_cwd, parse_signal
 from .errors import AgentError, Invalid
 from .routing import Args
 from .state import AgentState, state_of
@@ -31,13 +31,6 @@ from .web import body_as, ok, one_of
 MESSAGE_BYTES = 64 << 10
 # A control message (text) from the client, at most.
 MAX_CONTROL = 64 << 10
-
-
-def _cwd(st: AgentState, rel: str) -> str:
-    cwd = st.workspace.clean(rel)
-    if cwd != "." and not _is_dir(st.workspace, cwd):
-        raise Invalid("invalid_cwd", f"cwd {rel!r} is not a directory in the workspace")
-    return cwd
 
 
 async def terminal_create(request: Request, args: Args) -> Response:
@@ -55,7 +48,7 @@ async def terminal_create(request: Request, args: Args) -> Response:
         raise Invalid("invalid_request", "arguments must be non-empty and contain no NUL")
     if req.command is not None and "\0" in req.command:
         raise Invalid("invalid_request", "command contains NUL")
-    term = await st.terminals.create(req, _cwd(st, req.cwd))
+    term = await st.terminals.create(req, checked_cwd(st.workspace, req.cwd))
     return ok(term.view(), 201)
 
 
@@ -130,7 +123,7 @@ async def terminal_signal(request: Request, args: Args) -> Response:
     term = st.terminals.get(args.need("id", str))
     req = await body_as(request, models.SignalRequest)
     st.touch()
-    term.send_signal(_parse_signal(req.signal))
+    term.send_signal(parse_signal(req.signal))
     return ok(term.view())
 
 
@@ -245,7 +238,7 @@ def _control(term: Terminal, text: str) -> None:
             return
         raise Invalid("invalid_request", "resize takes cols and rows, 1..1000")
     elif kind == "signal" and isinstance(msg.get("signal"), str | int):
-        term.send_signal(_parse_signal(msg["signal"]))
+        term.send_signal(parse_signal(msg["signal"]))
     else:
         raise Invalid(
             "invalid_request", "type must be input (data), resize (cols, rows) or signal (signal)"
