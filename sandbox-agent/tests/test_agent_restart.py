@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Callable
+from typing import Any
 
+import httpx
 import pytest
 from conftest import Sandbox, wait_until
 
@@ -48,6 +51,25 @@ def test_keys_survive_agent_restart(fresh: Callable[..., Sandbox], how: int) -> 
     )
     assert (sb.workspace / "ran.txt").read_text() == "once\nstarted\n"  # nothing ran twice
 
+    # A streamed POST retried with its key (a client that lost the connection
+    # before the first header) hears how the command ended, not an error.
+    events = _events(
+        sb.client.post(
+            "/v1/executions/stream",
+            json={
+                "command": "echo started >> ran.txt; sleep 30; echo never >> ran.txt",
+                "background": True,
+                "idempotencyKey": "k-running",
+            },
+        )
+    )
+    assert [e["type"] for e in events] == ["started", "truncated", "finished"]
+    assert events[-1]["execution"]["status"] == "lost"
+    # A reader's cursor from before the restart is past the restored log: gone.
+    r = sb.client.get(f"/v1/executions/{running['id']}/stream", params={"cursor": 4096})
+    assert sb.error(r, 410) == "log_pruned"
+    assert (sb.workspace / "ran.txt").read_text() == "once\nstarted\n"
+
     r = sb.client.post("/v1/executions", json={"command": "echo other", "idempotencyKey": "k-done"})
     assert sb.error(r, 409) == "idempotency_key_reused"
     listed = {e["id"] for e in sb.client.get("/v1/executions").json()["executions"]}
@@ -82,6 +104,11 @@ def test_corrupt_journal_is_survived(fresh: Callable[..., Sandbox]) -> None:
     wait_until(lambda: sb.anon.get("/readyz").status_code == 200)
     assert sb.sh("true", idempotencyKey="before")["status"] == "completed"
     assert sb.sh("echo after")["stdout"] == "after\n"
+
+
+def _events(response: httpx.Response) -> list[dict[str, Any]]:
+    assert response.status_code == 200, response.text
+    return [json.loads(line) for line in response.text.splitlines() if line]
 
 
 def _zombie(pid: int) -> bool:

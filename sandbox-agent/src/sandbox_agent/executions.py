@@ -455,10 +455,14 @@ class Execution:
         """Records from ``cursor``, consecutive ones of a stream merged: at least
         one if any, then up to max_bytes of data and max_chunks chunks. The log
         is read in blocks, so tiny records cost no system call each."""
-        if cursor < 0 or cursor > self.log_size:
+        if cursor < 0:
             raise Invalid("invalid_cursor", "cursor is outside the output log")
+        # Before the range check: a reader's cursor from before an agent restart
+        # lies past the restored (empty) log, and the answer is that it is gone.
         if self.log_pruned:
             raise Gone("log_pruned", "the output log was pruned to stay under the cap")
+        if cursor > self.log_size:
+            raise Invalid("invalid_cursor", "cursor is outside the output log")
         if cursor == self.log_size:
             return []
         out: list[Chunk] = []
@@ -1125,6 +1129,12 @@ async def stream_events(
         s: codecs.getincrementaldecoder("utf-8")("replace") for s in (STREAM_OUT, STREAM_ERR)
     }
     while True:
+        if ex.log_pruned and ex.finished is not None:
+            # Its output is gone (an agent restart, the log cap); how it ended
+            # is not. A replayed POST of a lost command gets here at cursor 0.
+            yield models.StreamEvent(type="truncated", cursor=cursor)
+            yield models.StreamEvent(type="finished", execution=ex.view(output=False), cursor=cursor)
+            return
         chunks = ex.read_log(cursor, 1 << 20)
         for c in chunks:
             v = ex.chunk_view(c, b64, decoders[c.stream])

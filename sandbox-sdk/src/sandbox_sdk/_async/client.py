@@ -1179,9 +1179,13 @@ class AsyncSandbox:
                 yield _with_output(OutputEvent("exit", result=result), seen)
                 return
             except ServerError:
-                if execution_id is None or attempt == 3:
+                if attempt == 3 or (execution_id is None and not _idempotent(body)):
                     raise
-                await sleep(0.5)
+                # Before the first header the execution's id is unknown, but the
+                # request's idempotency key names it: the same POST again finds
+                # the command (a restarted agent answers with its record) and
+                # never starts it twice.
+                await sleep(0.5 * 2**attempt)
         raise ServerError("the output stream broke off repeatedly")
 
     async def start(
@@ -1220,6 +1224,10 @@ class AsyncSandbox:
     def job(self, job_id: str) -> AsyncJob:
         """A handle on a job by id (from `start()` or `jobs()`)."""
         return AsyncJob(self, job_id)
+
+
+def _idempotent(body: JSON | None) -> bool:
+    return body is not None and "idempotencyKey" in body
 
 
 TAIL_CHARACTERS = 4 << 20  # the agent's own capture bound, per stream
