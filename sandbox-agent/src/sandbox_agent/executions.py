@@ -1133,7 +1133,9 @@ async def stream_events(
             # Its output is gone (an agent restart, the log cap); how it ended
             # is not. A replayed POST of a lost command gets here at cursor 0.
             yield models.StreamEvent(type="truncated", cursor=cursor)
-            yield models.StreamEvent(type="finished", execution=ex.view(output=False), cursor=cursor)
+            yield models.StreamEvent(
+                type="finished", execution=ex.view(output=False), cursor=cursor
+            )
             return
         chunks = ex.read_log(cursor, 1 << 20)
         for c in chunks:
