@@ -6,6 +6,13 @@ PATTERN_ID = "[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 
 # fmt: off
 OPERATIONS: tuple[AgentOperation, ...] = (
+    AgentOperation("POST", "/v1/code/run", "exec", (), True),
+    AgentOperation("GET", "/v1/contexts", "exec", ()),
+    AgentOperation("POST", "/v1/contexts", "exec", ()),
+    AgentOperation("DELETE", "/v1/contexts/{id}", "exec", (("id", PATTERN_ID),)),
+    AgentOperation("GET", "/v1/contexts/{id}", "exec", (("id", PATTERN_ID),)),
+    AgentOperation("POST", "/v1/contexts/{id}/interrupt", "exec", (("id", PATTERN_ID),)),
+    AgentOperation("POST", "/v1/contexts/{id}/restart", "exec", (("id", PATTERN_ID),)),
     AgentOperation("GET", "/v1/executions", "exec", ()),
     AgentOperation("POST", "/v1/executions", "exec", ()),
     AgentOperation("POST", "/v1/executions/stream", "exec", (), True),

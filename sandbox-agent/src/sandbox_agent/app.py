@@ -133,6 +133,7 @@ def build_app(settings: Settings, token: bytes, ops: tuple[Op, ...] = OPS) -> AS
         yield
         watch.cancel()
         await state.terminals.stop()
+        await state.contexts.stop()
         state.executions.fail_all_running()
         await state.runner.stop()
         state.executions.journal.close()

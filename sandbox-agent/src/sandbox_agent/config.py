@@ -56,6 +56,10 @@ class Settings:
     max_terminals: int = 16
     terminal_buffer_bytes: int = 1 * MiB
     terminal_idle_timeout: float = 3600.0
+    # code contexts (a Jupyter kernel each, in the sandbox): at once, and how
+    # long a kernel may take to come up
+    max_contexts: int = 8
+    context_start_timeout: float = 120.0
     # directory watches (GET /v1/files/watch)
     max_watches: int = 8  # streams open at once; more: 429 too_many_watches
     watch_queue: int = 4096  # changes held per stream for its client; then one overflow event
@@ -109,6 +113,8 @@ _ENV = {
     "max_terminals": "SANDBOX_AGENT_MAX_TERMINALS",
     "terminal_buffer_bytes": "SANDBOX_AGENT_TERMINAL_BUFFER_BYTES",
     "terminal_idle_timeout": "SANDBOX_AGENT_TERMINAL_IDLE_TIMEOUT",
+    "max_contexts": "SANDBOX_AGENT_MAX_CONTEXTS",
+    "context_start_timeout": "SANDBOX_AGENT_CONTEXT_START_TIMEOUT",
     "max_watches": "SANDBOX_AGENT_MAX_WATCHES",
     "watch_queue": "SANDBOX_AGENT_WATCH_QUEUE",
     "watch_max_directories": "SANDBOX_AGENT_WATCH_MAX_DIRECTORIES",

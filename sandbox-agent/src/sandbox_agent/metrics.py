@@ -59,6 +59,8 @@ TERMINAL_OUTPUT_BYTES = Counter(
     "Bytes terminals wrote (kept in each terminal's ring for viewers)",
     registry=REGISTRY,
 )
+CONTEXTS = Gauge("sandbox_agent_contexts", "Code contexts whose kernel runs now", registry=REGISTRY)
+CONTEXT_RUNS = Counter("sandbox_agent_context_runs", "Code runs started", registry=REGISTRY)
 WATCHES = Gauge("sandbox_agent_watches", "Directory watch streams open now", registry=REGISTRY)
 WATCH_EVENTS = Counter(
     "sandbox_agent_watch_events",

@@ -732,3 +732,103 @@ class TerminalOutput(_Out, kw_only=True):
     status: TerminalStatus
     exit_code: int | None = None
     signal: int | None = None
+
+
+# -- code contexts (stateful code: a Jupyter kernel per context) ----------------
+
+Language = Literal["python"]
+ContextStatus = Literal["starting", "idle", "busy", "restarting", "dead"]
+
+
+class ContextRequest(_Base, kw_only=True):
+    language: Annotated[Language, Meta(description="The kernel's language")] = "python"
+    cwd: Path = "."
+    env: Annotated[
+        dict[EnvName, EnvValue], Meta(description="Added to the kernel's environment")
+    ] = msgspec.field(default_factory=dict)
+
+
+class Context(_Out, kw_only=True):
+    id: str
+    language: Language
+    cwd: str
+    status: Annotated[
+        ContextStatus,
+        Meta(
+            description="starting (its kernel is coming up); idle; busy (running code); "
+            "restarting; dead (its kernel ended: the next run starts a new one, without "
+            "the old state; message says why)"
+        ),
+    ]
+    created_at: str
+    last_used_at: str | None = None
+    executions: Annotated[int, Meta(description="Code runs in this context")]
+    restarts: Annotated[int, Meta(description="Times its kernel was started again")]
+    pid: int | None = None
+    language_version: str | None = None
+    message: str | None = None
+
+
+class ContextList(_Out, kw_only=True):
+    contexts: list[Context]
+
+
+class CodeRequest(_Base, kw_only=True):
+    code: Annotated[str, Meta(max_length=4 << 20, description="The code to run (a cell)")]
+    context_id: (
+        Annotated[
+            str,
+            Meta(
+                pattern="^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                description="The context to run in; none: the language's default context, "
+                "started on first use",
+            ),
+        ]
+        | None
+    ) = None
+    language: Annotated[Language, Meta(description="Without contextId: whose default context")] = (
+        "python"
+    )
+    timeout_seconds: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=86400,
+            description="Past it the kernel is interrupted (KeyboardInterrupt), and "
+            "restarted if that does not end the run; finished says timed_out",
+        ),
+    ] = 300.0
+
+
+CodeEventType = Literal["started", "stdout", "stderr", "result", "error", "finished"]
+CodeStatus = Literal["ok", "error", "timed_out", "interrupted", "aborted"]
+
+
+class CodeEvent(_Out, kw_only=True, omit_defaults=True):
+    """One event of a code run, in the order the kernel produced them: started,
+    then stdout/stderr text, results (display data, and the value of the last
+    expression: isMain) and at most one error, then finished."""
+
+    type: CodeEventType
+    context_id: str | None = None
+    text: str | None = None
+    data: Annotated[
+        dict[str, Any] | None,
+        Meta(description="MIME type -> value: text/plain, text/html, image/png (base64), ..."),
+    ] = None
+    metadata: dict[str, Any] | None = None
+    is_main: bool | None = None
+    execution_count: int | None = None
+    name: str | None = None
+    value: str | None = None
+    traceback: list[str] | None = None
+    status: CodeStatus | None = None
+    duration_ms: int | None = None
+    dropped_bytes: Annotated[
+        int | None,
+        Meta(description="Output text left out because the client read slower than the code wrote"),
+    ] = None
+    restarted: Annotated[
+        bool | None, Meta(description="The kernel was started again (its state is gone)")
+    ] = None
+    message: str | None = None

@@ -27,7 +27,11 @@ _RAW: dict[str, dict[str, Any]] = {
     "object": {"application/json": {"type": "object"}},
 }
 # Event streams: kind -> the model of one event.
-_STREAMS: dict[str, type[Any]] = {"events": models.StreamEvent, "watch": models.WatchEvent}
+_STREAMS: dict[str, type[Any]] = {
+    "events": models.StreamEvent,
+    "watch": models.WatchEvent,
+    "code": models.CodeEvent,
+}
 _RAW_RESPONSES: dict[str, tuple[str, dict[str, Any]]] = {
     "tar": (
         "tar (gzip=false) or tar.gz (gzip=true)",

@@ -1,6 +1,6 @@
 """Quiesce: stop what runs in the sandbox from writing while a volume snapshot is cut.
 
-Every running execution and terminal gets SIGSTOP, on every process that
+Every running execution, terminal and code context gets SIGSTOP, on every process that
 carries its mark (its process group, a shell's jobs, what left the group),
 until ``resume`` or a bound of the caller's choosing, whichever comes first:
 a caller (the operator) that never comes back must not leave commands
@@ -15,6 +15,7 @@ import signal
 import time
 from typing import Protocol
 
+from .contexts import ContextManager
 from .errors import Unavailable
 from .executions import ExecutionManager
 from .terminals import TerminalManager
@@ -31,9 +32,12 @@ class Running(Protocol):
 
 
 class Quiesce:
-    def __init__(self, executions: ExecutionManager, terminals: TerminalManager) -> None:
+    def __init__(
+        self, executions: ExecutionManager, terminals: TerminalManager, contexts: ContextManager
+    ) -> None:
         self.executions = executions
         self.terminals = terminals
+        self.contexts = contexts
         self.stopped: list[Running] = []
         self.resume_at: float | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -42,7 +46,7 @@ class Quiesce:
 
     def _running(self) -> list[Running]:
         terminals = [t for t in self.terminals.terminals.values() if t.running]
-        return [*self.executions.running(), *terminals]
+        return [*self.executions.running(), *terminals, *self.contexts.kernels()]
 
     def stop(self, seconds: float) -> list[Running]:
         """SIGSTOP everything running until `resume` or `seconds` from now.

@@ -10,6 +10,7 @@ module and an entry here; nothing else lists routes.
 from __future__ import annotations
 
 from . import (
+    api_contexts,
     api_environment,
     api_exec,
     api_files,
@@ -33,6 +34,9 @@ ID = Param(
 )
 TERMINAL_ID = Param(
     "id", "string", "Terminal id", required=True, location="path", pattern=ID.pattern
+)
+CONTEXT_ID = Param(
+    "id", "string", "Code context id", required=True, location="path", pattern=ID.pattern
 )
 PATH = Param("path", "string", "Path relative to the workspace", required=True)
 DIR = Param("path", "string", "Directory relative to the workspace", default=".")
@@ -173,6 +177,21 @@ OPS: tuple[Op, ...] = (
        errors=RUNNING, body=models.TerminalResize, params=(TERMINAL_ID,), gateway=EXEC_ACCESS),
     Op("POST", "/v1/terminals/{id}/signal", api_terminals.terminal_signal, models.Terminal,
        errors=RUNNING, body=models.SignalRequest, params=(TERMINAL_ID,), gateway=EXEC_ACCESS),
+    # code contexts (a kernel each: stateful code)
+    Op("POST", "/v1/code/run", api_contexts.code_run, "code",
+       errors=(400, 404, 429, 503), body=models.CodeRequest, writes=True, gateway=EXEC_ACCESS),
+    Op("POST", "/v1/contexts", api_contexts.context_create, models.Context, status=201,
+       errors=(400, 429, 503), body=models.ContextRequest, writes=True, gateway=EXEC_ACCESS),
+    Op("GET", "/v1/contexts", api_contexts.context_list, models.ContextList,
+       gateway=EXEC_ACCESS),
+    Op("GET", "/v1/contexts/{id}", api_contexts.context_get, models.Context,
+       errors=(404,), params=(CONTEXT_ID,), gateway=EXEC_ACCESS),
+    Op("DELETE", "/v1/contexts/{id}", api_contexts.context_delete, None, status=204,
+       errors=(404,), params=(CONTEXT_ID,), gateway=EXEC_ACCESS),
+    Op("POST", "/v1/contexts/{id}/restart", api_contexts.context_restart, models.Context,
+       errors=(404, 503), params=(CONTEXT_ID,), gateway=EXEC_ACCESS),
+    Op("POST", "/v1/contexts/{id}/interrupt", api_contexts.context_interrupt, models.Context,
+       errors=(404, 503), params=(CONTEXT_ID,), gateway=EXEC_ACCESS),
     # files
     Op("GET", "/v1/files/content", api_files.file_read, "binary",
        errors=(*READ, 413), params=(PATH, *BYTE_RANGE, *LINE_RANGE), gateway=READS),

@@ -87,7 +87,7 @@ class Op:
     method: str
     path: str
     handler: Handler | Attach
-    # Success body: a msgspec type, a raw kind ("binary", "tar", "events",
+    # Success body: a msgspec type, a raw kind ("binary", "tar", "events", "watch", "code",
     # "prometheus", "object", "websocket": a GET that upgrades), or None for no content.
     result: Any
     status: int = 200

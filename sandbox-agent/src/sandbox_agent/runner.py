@@ -24,7 +24,8 @@ the agent sends it in T_SCRIPT frames before the T_SPAWN that asks for it
 (``"scriptFd": 3``), and the command gets it as an in-memory file on that
 descriptor (``sh -c '. /dev/fd/3' sh``).
 
-Optional fields, ignored by older peers: ``"mark"`` in T_SPAWN (else the
+Optional fields, ignored by older peers: ``"executable"`` in T_HELLO_ACK
+(this interpreter's path), ``"mark"`` in T_SPAWN (else the
 runner makes one up), ``"sweepSeconds"`` in T_SIGNAL (the sweep's bound),
 ``"survivors"`` in T_EXIT (present and > 0 only when a kill was not complete).
 
@@ -808,6 +809,8 @@ class Runner:
                     "uid": os.getuid(),
                     "gid": os.getgid(),
                     "python": ".".join(str(v) for v in sys.version_info[:3]),
+                    # The interpreter the agent's Python helpers (code contexts) run on.
+                    "executable": sys.executable,
                     "instance": self.instance,
                 },
             )

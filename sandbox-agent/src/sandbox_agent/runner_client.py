@@ -278,6 +278,7 @@ class _Wire(asyncio.Protocol):
                 "pid": _int(obj, "pid", 1, 1 << 31),
                 "uid": _int(obj, "uid", 0, 1 << 32),
                 "python": _str(obj, "python", 32),
+                "executable": _str(obj, "executable", 4096),
                 "instance": _str(obj, "instance", 64),
             }
             self.hello.set_result(info)

@@ -33,12 +33,23 @@ def read_token(path: str) -> bytes:
     return token
 
 
+# What the sandbox container runs from the shared directory: the runner (its
+# entrypoint) and the code-context bridge (started through the runner).
+PLACED = ("runner.py", "kernel.py")
+
+
 def place_runner(runtime_dir: str) -> str:
-    """Copy our runner.py into the shared directory atomically, mode 0644."""
-    src = Path(__file__).with_name("runner.py").read_bytes()
+    """Copy our runner.py (and the files it starts) into the shared directory,
+    each atomically, mode 0644; returns the runner's path."""
     os.makedirs(runtime_dir, exist_ok=True)
-    dest = os.path.join(runtime_dir, "runner.py")
-    fd, tmp = tempfile.mkstemp(prefix=".runner.", suffix=".py", dir=runtime_dir)
+    for name in PLACED:
+        _place(Path(__file__).with_name(name).read_bytes(), runtime_dir, name)
+    return os.path.join(runtime_dir, PLACED[0])
+
+
+def _place(src: bytes, runtime_dir: str, name: str) -> None:
+    dest = os.path.join(runtime_dir, name)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=runtime_dir)
     try:
         os.write(fd, src)
         os.fchmod(fd, 0o644)
@@ -50,7 +61,6 @@ def place_runner(runtime_dir: str) -> str:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return dest
 
 
 def _is_open(fd: int) -> bool:

@@ -10,6 +10,7 @@ from starlette.requests import Request
 
 from . import metrics
 from .config import Settings
+from .contexts import ContextManager
 from .environment import Environment
 from .executions import ExecutionManager
 from .paths import Workspace
@@ -33,7 +34,8 @@ class AgentState:
             settings, self.runner, self.touch, self.restart, self.environment
         )
         self.terminals = TerminalManager(settings, self.runner, self.environment, self.touch)
-        self.quiesce = Quiesce(self.executions, self.terminals)
+        self.contexts = ContextManager(settings, self.runner, self.environment, self.touch)
+        self.quiesce = Quiesce(self.executions, self.terminals, self.contexts)
         self.openapi = b"{}"  # the served document, rendered by build_app from the table
         # Readiness probes holding their answer (waitSeconds) right now: the
         # only way an unauthenticated client can keep a connection busy, so

@@ -112,7 +112,7 @@ def one_of(text: str | None, b64: str | None, names: tuple[str, str]) -> bytes |
 
 
 def event_stream(
-    events: AsyncIterator[models.StreamEvent | models.WatchEvent],
+    events: AsyncIterator[models.StreamEvent | models.WatchEvent | models.CodeEvent],
     request: Request,
     headers: dict[str, str],
 ) -> StreamingResponse:

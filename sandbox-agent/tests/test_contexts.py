@@ -1,0 +1,223 @@
+"""Code contexts with real Jupyter kernels, started by the real runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from conftest import Sandbox, wait_until
+
+
+def run(sb: Sandbox, code: str, **body: Any) -> list[dict[str, Any]]:
+    r = sb.client.post("/v1/code/run", json={"code": code, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/x-ndjson")
+    events = [json.loads(line) for line in r.text.splitlines() if line]
+    assert events[0]["type"] == "started" and events[-1]["type"] == "finished", events
+    return events
+
+
+def kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["type"] == kind]
+
+
+def main_result(events: list[dict[str, Any]]) -> dict[str, Any]:
+    (result,) = [e for e in events if e["type"] == "result" and e.get("isMain")]
+    return result
+
+
+def test_state_output_results_and_errors(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    first = run(sb, "x = 41\nprint('out'); import sys; print('err', file=sys.stderr)\nx + 1")
+    assert first[0]["contextId"] == "default-python"
+    assert [e["text"] for e in kinds(first, "stdout")] == ["out\n"]
+    assert [e["text"] for e in kinds(first, "stderr")] == ["err\n"]
+    result = main_result(first)
+    assert result["data"] == {"text/plain": "42"} and result["executionCount"] == 1
+    assert first[-1]["status"] == "ok" and first[-1]["executionCount"] == 1
+
+    shown = run(
+        sb,
+        "from IPython.display import HTML, display\ndisplay(HTML('<b>bold</b>'))\n{'a': [1, 2]}",
+    )
+    display = [e for e in kinds(shown, "result") if not e["isMain"]]
+    assert display[0]["data"]["text/html"] == "<b>bold</b>"
+    assert main_result(shown)["data"]["text/plain"] == "{'a': [1, 2]}"
+
+    failed = run(sb, "def f():\n    return 1 / 0\nf()")
+    (error,) = kinds(failed, "error")
+    assert error["name"] == "ZeroDivisionError" and error["value"] == "division by zero"
+    assert any("f()" in line for line in error["traceback"])
+    assert failed[-1]["status"] == "error"
+    # the context lives on, with its state
+    assert main_result(run(sb, "x"))["data"]["text/plain"] == "41"
+    listed = sb.client.get("/v1/contexts").json()["contexts"]
+    assert [(c["id"], c["status"], c["executions"]) for c in listed] == [
+        ("default-python", "idle", 4)
+    ]
+
+
+def test_timeout_interrupts_and_keeps_state(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    run(sb, "kept = 'yes'")
+    events = run(sb, "while True:\n    pass", timeoutSeconds=1)
+    assert events[-1]["status"] == "timed_out", events
+    assert kinds(events, "error")[0]["name"] == "KeyboardInterrupt"
+    assert "restarted" not in events[-1]
+    assert main_result(run(sb, "kept"))["data"]["text/plain"] == "'yes'"
+
+
+def test_code_deaf_to_interrupts_gets_a_new_kernel(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    run(sb, "kept = 1")
+    events = run(
+        sb,
+        "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n"
+        "    time.sleep(0.1)",
+        timeoutSeconds=1,
+    )
+    assert events[-1]["status"] == "timed_out" and events[-1]["restarted"] is True, events
+    assert "interrupt" in events[-1]["message"]
+    after = run(sb, "'kept' in dir()")
+    assert main_result(after)["data"]["text/plain"] == "False"  # a new kernel: state gone
+    (ctx,) = sb.client.get("/v1/contexts").json()["contexts"]
+    assert ctx["restarts"] == 1 and ctx["status"] == "idle"
+
+
+def test_contexts_are_separate_and_restart_clears(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    (sb.workspace / "sub").mkdir()
+    r = sb.client.post("/v1/contexts", json={"language": "python", "cwd": "sub"}, timeout=120)
+    assert r.status_code == 201, r.text
+    ctx = r.json()
+    assert ctx["status"] == "idle" and ctx["cwd"] == "sub" and ctx["pid"]
+    run(sb, "secret = 'a'", contextId=ctx["id"])
+    other = run(sb, "'secret' in dir()")  # the default context
+    assert main_result(other)["data"]["text/plain"] == "False"
+    cwd = run(sb, "import os; os.getcwd()", contextId=ctx["id"])
+    assert main_result(cwd)["data"]["text/plain"].endswith("/sub'")
+
+    r = sb.client.post(f"/v1/contexts/{ctx['id']}/restart", timeout=120)
+    assert r.status_code == 200 and r.json()["restarts"] == 1
+    gone = run(sb, "'secret' in dir()", contextId=ctx["id"])
+    assert main_result(gone)["data"]["text/plain"] == "False"
+
+    assert sb.client.delete(f"/v1/contexts/{ctx['id']}").status_code == 204
+    r = sb.client.post("/v1/code/run", json={"code": "1", "contextId": ctx["id"]})
+    assert sb.error(r, 404) == "context_not_found"
+
+
+def test_a_client_that_leaves_interrupts_its_run(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    run(sb, "n = 0")
+    with sb.client.stream(
+        "POST", "/v1/code/run", json={"code": "import time\nwhile True:\n    time.sleep(0.05)"}
+    ) as r:
+        assert r.status_code == 200
+        first = next(r.iter_lines())
+        assert json.loads(first)["type"] == "started"
+    # the next run gets its turn once the abandoned one was interrupted
+    began = time.monotonic()
+    assert main_result(run(sb, "n + 1"))["data"]["text/plain"] == "1"
+    assert time.monotonic() - began < 60
+
+
+def test_bad_requests(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh(env={"SANDBOX_AGENT_MAX_CONTEXTS": "2"})
+    r = sb.client.post("/v1/code/run", json={"code": "1", "language": "ruby"})
+    assert sb.error(r, 400) == "invalid_request"
+    r = sb.client.post("/v1/code/run", json={"code": "1", "contextId": "../x"})
+    assert sb.error(r, 400) == "invalid_request"
+    r = sb.client.post("/v1/code/run", json={"code": "1", "timeoutSeconds": 0})
+    assert sb.error(r, 400) == "invalid_request"
+    r = sb.client.post("/v1/contexts", json={"cwd": "../outside"})
+    assert sb.error(r, 400) == "path_traversal"
+    r = sb.client.get("/v1/contexts/ctx-none")
+    assert sb.error(r, 404) == "context_not_found"
+    for _ in range(2):
+        assert sb.client.post("/v1/contexts", json={}, timeout=120).status_code == 201
+    r = sb.client.post("/v1/contexts", json={}, timeout=120)
+    assert sb.error(r, 429) == "too_many_contexts"
+
+
+def test_an_image_without_jupyter_is_told_so(
+    fresh: Callable[..., Sandbox], world_tmp: Path
+) -> None:
+    # The runner as another user runs on the system python3, which has no
+    # jupyter_client: what an image without it gives.
+    sb = fresh(runner=False, root=world_tmp)
+    os.chmod(sb.root, 0o755)
+    sb.start_runner(user=65534)
+    r = sb.client.post("/v1/code/run", json={"code": "1"}, timeout=120)
+    assert sb.error(r, 503) == "kernel_unavailable"
+    assert "jupyter_client" in r.json()["error"]["message"]
+    assert sb.client.get("/v1/contexts").json()["contexts"] == []
+    assert sb.sh("echo still")["stdout"] == "still\n"
+
+
+def test_a_planted_bridge_cannot_hurt_the_agent(fresh: Callable[..., Sandbox]) -> None:
+    """User code may replace kernel.py; what it says is bounded and checked."""
+    sb = fresh()
+    (sb.runtime / "kernel.py").write_text(
+        "import sys, json\n"
+        "w = sys.stdout.buffer.write\n"
+        'w(b\'{"type":"ready"}\\n\')\n'
+        "sys.stdout.flush()\n"
+        "op = json.loads(sys.stdin.readline())\n"
+        "w(b'x' * (40 << 20) + b'\\n')\n"  # a line over the bound
+        'w(b\'not json\\n[1,2]\\n{"id":"other","type":"stdout","text":"no"}\\n\')\n'
+        "w(json.dumps({'id': op['id'], 'type': 'result', 'data': 5}).encode() + b'\\n')\n"
+        "w(json.dumps({'id': op['id'], 'type': 'stdout', 'text': 7}).encode() + b'\\n')\n"
+        "w(json.dumps({'id': op['id'], 'type': 'finished', 'status': 'bogus',"
+        " 'executionCount': 'x'}).encode() + b'\\n')\n"
+        "sys.stdout.flush()\n"
+        "sys.stdin.read()\n"
+    )
+    events = run(sb, "anything")
+    assert [e["type"] for e in events] == ["started", "stderr", "finished"], events
+    assert "left out" in events[1]["text"]
+    assert events[-1]["status"] == "error" and "executionCount" not in events[-1]
+    assert sb.sh("echo fine")["stdout"] == "fine\n"
+
+
+def test_runs_in_one_context_take_turns(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    run(sb, "order = []")
+    results: list[list[dict[str, Any]]] = []
+
+    def one(i: int) -> None:
+        results.append(run(sb, f"import time; time.sleep(0.2); order.append({i}); len(order)"))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    counts = sorted(main_result(r)["data"]["text/plain"] for r in results)
+    assert counts == ["1", "2", "3"]  # one after another, none lost
+
+
+def test_quiesce_stops_kernels_too(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    run(
+        sb,
+        "import threading, time, pathlib\n"
+        "def tick():\n"
+        "    while True:\n"
+        "        pathlib.Path('ticks').write_text(str(time.time())); time.sleep(0.05)\n"
+        "threading.Thread(target=tick, daemon=True).start()",
+    )
+    wait_until(lambda: (sb.workspace / "ticks").exists())
+    r = sb.client.post("/v1/workspace/quiesce", json={"seconds": 30})
+    assert r.status_code == 200, r.text
+    time.sleep(0.3)
+    frozen = (sb.workspace / "ticks").read_text()
+    time.sleep(0.5)
+    assert (sb.workspace / "ticks").read_text() == frozen
+    assert sb.client.post("/v1/workspace/resume").status_code == 200
+    wait_until(lambda: (sb.workspace / "ticks").read_text() != frozen)
