@@ -155,7 +155,7 @@ def _start(progress: Progress, cluster: LocalCluster) -> None:
 def _examples(progress: Progress, cluster: LocalCluster) -> list[str]:
     """Apply examples/ and wait for each Sandbox and Execution; the Sandboxes' names."""
     with progress.step(_step(6, "examples/")) as said:
-        # Where the examples go, as users are told to label theirs (README).
+        # Where the examples go, as users are told to label theirs (docs/security.md).
         deploy.restrict_namespace(cluster, "default")
         applied = deploy.kubectl(cluster, "apply", "-o", "name", "-f", str(REPO / "examples"))
         if applied.returncode != 0:
@@ -172,7 +172,7 @@ def _examples(progress: Progress, cluster: LocalCluster) -> list[str]:
         for item in items:
             if item["metadata"]["name"] in names and (item.get("status") or {}).get("idlePausedAt"):
                 # Paused by its idle policy since an earlier run: resumed as the
-                # README tells users to.
+                # docs/sandboxes.md tells users to.
                 deploy.kubectl(
                     cluster,
                     "annotate",

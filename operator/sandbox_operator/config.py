@@ -190,7 +190,7 @@ class Settings(BaseModel):
     # is 0.1 s): every event round of a claim or a start waits this long.
     batch_window_seconds: float = Field(default=0.01, ge=0.0, le=1.0)
 
-    # High availability (Kopf peering; README, "High availability"). A replica
+    # High availability (Kopf peering; docs/operations.md, "High availability"). A replica
     # whose keep-alive is older than this is presumed dead and a standby takes
     # over, so a killed active replica is replaced within about this long.
     peering_lifetime_seconds: int = Field(default=10, ge=3, le=600)

@@ -121,6 +121,6 @@ def test_only_kubernetes_refusals_mention_rbac() -> None:
 
 
 def test_a_call_waits_for_its_sandbox_as_long_as_documented() -> None:
-    # README: "a call's wait for the session's sandbox ... 60 s" (the SDK's is 180 s).
+    # docs/mcp.md: "a call's wait for the session's sandbox ... 60 s" (the SDK's is 180 s).
     assert settings.parse([]).ready_timeout == 60.0
     assert settings.parse(["--ready-timeout", "5"]).ready_timeout == 5.0

@@ -132,7 +132,7 @@ def _model(model: type[Settings] | type[GatewaySettings], description: str) -> J
 
 def build() -> JSON:
     gateway = _obj(
-        "sandbox-gateway: authenticated access to sandboxes (README, Access).",
+        "sandbox-gateway: authenticated access to sandboxes (docs/gateway-and-access.md).",
         {
             "enabled": {"type": "boolean"},
             "replicas": {"type": "integer", "minimum": 1},
@@ -159,7 +159,7 @@ def build() -> JSON:
         },
     )
     mcp = _obj(
-        "sandbox-mcp over streamable HTTP: the sandbox tools for MCP clients (README, MCP).",
+        "sandbox-mcp over streamable HTTP: the sandbox tools for MCP clients (docs/mcp.md).",
         {
             "enabled": {"type": "boolean"},
             "service": _service("The MCP server's Service."),
@@ -228,7 +228,7 @@ def build() -> JSON:
                 "type": "integer",
                 "minimum": 1,
                 "description": "Operator replicas; one is active, the others stand by"
-                " (Kopf peering; README, High availability).",
+                " (Kopf peering; docs/operations.md, High availability).",
             },
             "peering": _obj(
                 "The peering object the replicas elect the active one in.",

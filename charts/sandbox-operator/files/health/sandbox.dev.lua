@@ -1,5 +1,5 @@
 -- Argo CD health of the sandbox.dev kinds Sandbox, Execution and Snapshot
--- (argocd-cm: resource.customizations.health.sandbox.dev_<Kind>, see README).
+-- (argocd-cm: resource.customizations.health.sandbox.dev_<Kind>, see docs/operations.md).
 -- Reads what the operator writes for every kind: status.observedGeneration,
 -- the Ready condition, and the kstatus conditions Stalled and Reconciling.
 -- Argo CD runs it without Lua's string library: base and table functions only.
