@@ -281,8 +281,10 @@ class AgentProcess:
             "HOME": str(self.workspace),
         }
         with (self.root / "runner.log").open("wb") as log:
+            # The venv's python3 plays the image's: it has the Jupyter kernel
+            # that the catalog's python runtime carries (code contexts).
             self.runner = subprocess.Popen(
-                ["python3", str(runner)],
+                [str(VENV_BIN / "python3"), str(runner)],
                 env=runner_env,
                 cwd=self.workspace,
                 stdout=log,

@@ -752,3 +752,47 @@ def test_shell_errors_read_as_a_shell_s_and_a_pruned_log_is_gone(
         first.output(0)
     assert (gone.value.status, gone.value.code) == (410, "log_pruned")
     assert first.wait().exit_code == 0  # the record stays
+
+
+def test_code_runs_keep_state_through_the_gateway(
+    client: SandboxClient, live_sandbox: LiveSandbox
+) -> None:
+    """run_code on a real kernel: state across runs, rich results, errors that
+    leave the context usable, a timeout, separate contexts."""
+    live_sandbox("kernel")
+    sandbox = client.connect("kernel")
+    printed: list[str] = []
+    first = sandbox.run_code("x = 20\nprint('hello')\nx * 2 + 2", on_stdout=printed.append)
+    assert (first.status, first.text, first.logs.stdout) == ("ok", "42", ["hello\n"])
+    assert printed == ["hello\n"] and first.context_id == "default-python"
+
+    shown = sandbox.run_code(
+        "from IPython.display import HTML, display\ndisplay(HTML('<i>t</i>'))\n{'k': x}"
+    )
+    assert [r.formats() for r in shown.results] == [["text", "html"], ["text"]]
+    assert shown.results[0].html == "<i>t</i>" and not shown.results[0].is_main
+    assert shown.text == "{'k': 20}"
+
+    failed = sandbox.run_code("undefined_name")
+    assert failed.status == "error" and failed.error is not None
+    assert (failed.error.name, failed.error.value) == (
+        "NameError",
+        "name 'undefined_name' is not defined",
+    )
+    assert sandbox.run_code("x").text == "20"
+
+    stopped = sandbox.run_code("while True:\n    pass", timeout=1)
+    assert stopped.status == "timed_out" and stopped.error is not None
+    assert stopped.error.name == "KeyboardInterrupt" and not stopped.restarted
+    assert sandbox.run_code("x + 1").text == "21"
+
+    other = sandbox.contexts.create()
+    assert sandbox.run_code("'x' in dir()", context=other).text == "False"
+    assert {c.id for c in sandbox.contexts.list()} == {"default-python", other.id}
+    assert sandbox.contexts.restart(other).restarts == 1
+    sandbox.contexts.delete(other)
+    with pytest.raises(NotFound) as gone:
+        sandbox.run_code("1", context=other)
+    assert gone.value.code == "context_not_found"
+    with pytest.raises(Invalid):
+        sandbox.run_code("1", language="cobol")

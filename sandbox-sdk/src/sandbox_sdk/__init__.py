@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         AsyncTerminals,
         AsyncWatch,
     )
+    from sandbox_sdk._async.code import AsyncContexts
     from sandbox_sdk._sync.client import (
         Files,
         Job,
@@ -54,7 +55,18 @@ if TYPE_CHECKING:
         Terminals,
         Watch,
     )
-    from sandbox_sdk.types import CommandResult, Event, OutputEvent, Runtime, Template
+    from sandbox_sdk._sync.code import Contexts
+    from sandbox_sdk.types import (
+        CodeError,
+        CommandResult,
+        Event,
+        Execution,
+        Logs,
+        OutputEvent,
+        Result,
+        Runtime,
+        Template,
+    )
 
 # Where each public name lives. They are imported on first use (PEP 562), not
 # here: `kubectl sandbox` imports this package for its CLI module, and the
@@ -77,12 +89,28 @@ _HOMES = {
         ("Files", "Job", "Sandbox", "SandboxClient", "Terminal", "Terminals", "Watch"),
         "_sync.client",
     ),
-    **dict.fromkeys(("CommandResult", "Event", "OutputEvent", "Runtime", "Template"), "types"),
+    **dict.fromkeys(
+        (
+            "CodeError",
+            "CommandResult",
+            "Event",
+            "Execution",
+            "Logs",
+            "OutputEvent",
+            "Result",
+            "Runtime",
+            "Template",
+        ),
+        "types",
+    ),
+    **dict.fromkeys(("AsyncContexts",), "_async.code"),
+    **dict.fromkeys(("Contexts",), "_sync.code"),
 }
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AsyncContexts",
     "AsyncFiles",
     "AsyncJob",
     "AsyncSandbox",
@@ -90,22 +118,27 @@ __all__ = [
     "AsyncTerminal",
     "AsyncTerminals",
     "AsyncWatch",
+    "CodeError",
     "CommandFailed",
     "CommandLost",
     "CommandResult",
     "CommandTimeout",
     "ConfigError",
     "Conflict",
+    "Contexts",
     "Event",
+    "Execution",
     "Files",
     "Forbidden",
     "Gone",
     "Invalid",
     "Job",
+    "Logs",
     "NotFound",
     "NotReady",
     "OutputEvent",
     "Paused",
+    "Result",
     "Runtime",
     "Sandbox",
     "SandboxClient",

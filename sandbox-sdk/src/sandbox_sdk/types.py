@@ -149,3 +149,133 @@ def write_sink(sink: Sink | None, text: str) -> None:
     else:
         sink.write(text)
         sink.flush()
+
+
+# -- code contexts (run_code) -------------------------------------------------------
+
+_MIME = {
+    "text": "text/plain",
+    "html": "text/html",
+    "markdown": "text/markdown",
+    "svg": "image/svg+xml",
+    "png": "image/png",
+    "jpeg": "image/jpeg",
+    "pdf": "application/pdf",
+    "latex": "text/latex",
+    "json": "application/json",
+    "javascript": "application/javascript",
+}
+
+
+@dataclass(frozen=True)
+class Result:
+    """One rich result of a code run: the value of the last expression
+    (`is_main`) or something the code displayed (a figure, a table). `data`
+    holds every representation the object offered, by MIME type; the
+    properties name the common ones (`png` and `jpeg` are base64 text, as
+    Jupyter sends them; `json` is the decoded value)."""
+
+    data: Mapping[str, Any]
+    is_main: bool = False
+    execution_count: int | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def _get(self, key: str) -> Any:
+        return self.data.get(_MIME[key])
+
+    @property
+    def text(self) -> str | None:
+        return self._get("text")  # type: ignore[no-any-return]
+
+    @property
+    def html(self) -> str | None:
+        return self._get("html")  # type: ignore[no-any-return]
+
+    @property
+    def markdown(self) -> str | None:
+        return self._get("markdown")  # type: ignore[no-any-return]
+
+    @property
+    def svg(self) -> str | None:
+        return self._get("svg")  # type: ignore[no-any-return]
+
+    @property
+    def png(self) -> str | None:
+        return self._get("png")  # type: ignore[no-any-return]
+
+    @property
+    def jpeg(self) -> str | None:
+        return self._get("jpeg")  # type: ignore[no-any-return]
+
+    @property
+    def pdf(self) -> str | None:
+        return self._get("pdf")  # type: ignore[no-any-return]
+
+    @property
+    def latex(self) -> str | None:
+        return self._get("latex")  # type: ignore[no-any-return]
+
+    @property
+    def json(self) -> Any:
+        return self._get("json")
+
+    @property
+    def javascript(self) -> str | None:
+        return self._get("javascript")  # type: ignore[no-any-return]
+
+    def formats(self) -> list[str]:
+        """The names of the representations present (text, html, png, ...)."""
+        return [name for name, mime in _MIME.items() if mime in self.data]
+
+
+@dataclass(frozen=True)
+class CodeError:
+    """The exception a code run ended with: its class name, its message and
+    the traceback the kernel formatted (lines, with terminal colours)."""
+
+    name: str
+    value: str
+    traceback: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Logs:
+    """What a code run printed, as the chunks came."""
+
+    stdout: list[str] = field(default_factory=list)
+    stderr: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Execution:
+    """The outcome of `run_code`: its results, what it printed, and its error.
+
+    `status` is ok, error, timed_out (interrupted at its timeout; the
+    context's state stays, unless `restarted`), interrupted, or aborted (its
+    kernel ended or was restarted under it). `restarted`: the context's
+    kernel was started again during or right before this run, so variables
+    from before are gone.
+    """
+
+    results: list[Result]
+    logs: Logs
+    error: CodeError | None
+    status: str
+    context_id: str
+    execution_count: int | None = None
+    duration_ms: int | None = None
+    restarted: bool = False
+    dropped_bytes: int = 0
+    message: str | None = None
+
+    @property
+    def text(self) -> str | None:
+        """The text of the last expression's value, if the code ended with one."""
+        for result in self.results:
+            if result.is_main:
+                return result.text
+        return None
+
+
+ResultCallback = Callable[[Result], object]
+ErrorCallback = Callable[[CodeError], object]

@@ -27,6 +27,7 @@ import yaml
 
 from sandbox_sdk import _lazy
 from sandbox_sdk import config as cluster_config
+from sandbox_sdk._async.code import DEFAULT_CODE_TIMEOUT, AsyncContexts, ContextRef, run_code
 from sandbox_sdk._async.gateway import AsyncGateway
 from sandbox_sdk._async.kube import API_VERSION, AsyncKube, core_path, resource_path
 from sandbox_sdk._async_io import sleep
@@ -47,9 +48,12 @@ from sandbox_sdk.errors import (
 )
 from sandbox_sdk.types import (
     CommandResult,
+    ErrorCallback,
     Event,
+    Execution,
     OutputEvent,
     Progress,
+    ResultCallback,
     Runtime,
     Sink,
     Template,
@@ -591,6 +595,7 @@ class AsyncSandbox:
         self._body = body
         self.files = AsyncFiles(self)
         self.terminals = AsyncTerminals(self)
+        self.contexts = AsyncContexts(self)
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.namespace}/{self.name}>"
@@ -1098,6 +1103,41 @@ class AsyncSandbox:
         if result is None:
             raise ServerError("the output stream ended before the command did")
         return result
+
+    async def run_code(
+        self,
+        code: str,
+        *,
+        language: str = "python",
+        context: ContextRef | None = None,
+        on_stdout: Sink | None = None,
+        on_stderr: Sink | None = None,
+        on_result: ResultCallback | None = None,
+        on_error: ErrorCallback | None = None,
+        timeout: float = DEFAULT_CODE_TIMEOUT,
+    ) -> Execution:
+        """Run `code` in a kernel whose state stays for the next run (a Jupyter
+        cell): variables, imports and definitions of earlier runs in the same
+        `context` (default: the language's default context) are there.
+
+        Returns the results (the last expression's value, figures and tables
+        the code displayed, each with all its MIME representations), what it
+        printed, and the error it raised if any (an error is not raised here:
+        the context stays usable). Past `timeout` seconds the run is
+        interrupted (`status == "timed_out"`). The callbacks get each piece as
+        it comes.
+        """
+        return await run_code(
+            self,
+            code,
+            language=language,
+            context=context,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            on_result=on_result,
+            on_error=on_error,
+            timeout=timeout,
+        )
 
     async def stream(
         self,

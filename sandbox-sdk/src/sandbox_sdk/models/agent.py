@@ -28,6 +28,65 @@ class CancelRequest(WireModel):
     grace_seconds: float = Field(default=0.0, validation_alias="graceSeconds", serialization_alias="graceSeconds", description="SIGTERM, then SIGKILL after this long (0: SIGKILL)")
 
 
+class CodeEvent(WireModel):
+    "One event of a code run, in the order the kernel produced them: started, then stdout/stderr text, results (display data, and the value of the last expression: isMain) and at most one error, then finished."
+
+    context_id: str | None = Field(default=None, validation_alias="contextId", serialization_alias="contextId")
+    data: dict[str, Any] | None = Field(default=None, description="MIME type -> value: text/plain, text/html, image/png (base64), ...")
+    dropped_bytes: int | None = Field(default=None, validation_alias="droppedBytes", serialization_alias="droppedBytes", description="Output text left out because the client read slower than the code wrote")
+    duration_ms: int | None = Field(default=None, validation_alias="durationMs", serialization_alias="durationMs")
+    execution_count: int | None = Field(default=None, validation_alias="executionCount", serialization_alias="executionCount")
+    is_main: bool | None = Field(default=None, validation_alias="isMain", serialization_alias="isMain")
+    message: str | None = Field(default=None)
+    metadata: dict[str, Any] | None = Field(default=None)
+    name: str | None = Field(default=None)
+    restarted: bool | None = Field(default=None, description="The kernel was started again (its state is gone)")
+    status: str | None = Field(default=None)
+    text: str | None = Field(default=None)
+    traceback: list[str] | None = Field(default=None)
+    type: str = Field(description="One of: error, finished, result, started, stderr, stdout.")
+    value: str | None = Field(default=None)
+
+
+class CodeRequest(WireModel):
+    "CodeRequest"
+
+    code: str = Field(description="The code to run (a cell)")
+    context_id: str | None = Field(default=None, validation_alias="contextId", serialization_alias="contextId")
+    language: str = Field(default='python', description="Without contextId: whose default context One of: python.")
+    timeout_seconds: float = Field(default=300.0, validation_alias="timeoutSeconds", serialization_alias="timeoutSeconds", description="Past it the kernel is interrupted (KeyboardInterrupt), and restarted if that does not end the run; finished says timed_out")
+
+
+class Context(WireModel):
+    "Context"
+
+    created_at: str = Field(validation_alias="createdAt", serialization_alias="createdAt")
+    cwd: str = Field()
+    executions: int = Field(description="Code runs in this context")
+    id: str = Field()
+    language: str = Field(description="One of: python.")
+    language_version: str | None = Field(default=None, validation_alias="languageVersion", serialization_alias="languageVersion")
+    last_used_at: str | None = Field(default=None, validation_alias="lastUsedAt", serialization_alias="lastUsedAt")
+    message: str | None = Field(default=None)
+    pid: int | None = Field(default=None)
+    restarts: int = Field(description="Times its kernel was started again")
+    status: str = Field(description="starting (its kernel is coming up); idle; busy (running code); restarting; dead (its kernel ended: the next run starts a new one, without the old state; message says why) One of: busy, dead, idle, restarting, starting.")
+
+
+class ContextList(WireModel):
+    "ContextList"
+
+    contexts: list[Context] = Field()
+
+
+class ContextRequest(WireModel):
+    "ContextRequest"
+
+    cwd: str = Field(default='.', description="Path relative to the workspace root ('.' is the root). Absolute paths, '..' components and symlinks that leave the workspace are refused.")
+    env: dict[str, str] = Field(default_factory=dict, description="Added to the kernel's environment")
+    language: str = Field(default='python', description="The kernel's language One of: python.")
+
+
 class EnvironmentRequest(WireModel):
     "EnvironmentRequest"
 
@@ -511,4 +570,4 @@ class WriteRequest(WireModel):
     parents: bool = Field(default=True)
     path: str = Field(description="Path relative to the workspace root ('.' is the root). Absolute paths, '..' components and symlinks that leave the workspace are refused.")
 
-__all__ = ["ArchiveResult", "CancelRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SandboxLimits", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "Terminal", "TerminalInput", "TerminalList", "TerminalOutput", "TerminalRequest", "TerminalResize", "WatchEvent", "WorkspaceUsage", "WriteRequest"]
+__all__ = ["ArchiveResult", "CancelRequest", "CodeEvent", "CodeRequest", "Context", "ContextList", "ContextRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SandboxLimits", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "Terminal", "TerminalInput", "TerminalList", "TerminalOutput", "TerminalRequest", "TerminalResize", "WatchEvent", "WorkspaceUsage", "WriteRequest"]
