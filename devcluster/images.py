@@ -201,7 +201,22 @@ IMAGES: dict[str, ImageSpec] = {
             entrypoint=("/usr/local/bin/sandbox-agent",),
             user="65532:65532",
         ),
-        _runtime("python", ("python3", "git", "curl", "ca-certificates"), "python3"),
+        # With a Jupyter kernel for code contexts (run_code), and the two
+        # libraries code-interpreter users reach for first (figures, tables).
+        _runtime(
+            "python",
+            (
+                "python3",
+                "git",
+                "curl",
+                "ca-certificates",
+                "python3-ipykernel",
+                "python3-jupyter-client",
+                "python3-matplotlib",
+                "python3-pandas",
+            ),
+            "python3",
+        ),
         _runtime("node", ("nodejs", "npm", "python3", "ca-certificates"), "node"),
         # For the negative test: a runtime the sandbox runner cannot run in.
         _runtime("nopython", (), "/bin/sh", variant="minbase"),

@@ -764,17 +764,20 @@ def test_code_runs_keep_state_through_the_gateway(
     printed: list[str] = []
     first = sandbox.run_code("x = 20\nprint('hello')\nx * 2 + 2", on_stdout=printed.append)
     assert (first.status, first.text, first.logs.stdout) == ("ok", "42", ["hello\n"])
-    assert printed == ["hello\n"] and first.context_id == "default-python"
+    assert printed == ["hello\n"]
+    assert first.context_id == "default-python"
 
     shown = sandbox.run_code(
         "from IPython.display import HTML, display\ndisplay(HTML('<i>t</i>'))\n{'k': x}"
     )
     assert [r.formats() for r in shown.results] == [["text", "html"], ["text"]]
-    assert shown.results[0].html == "<i>t</i>" and not shown.results[0].is_main
+    assert shown.results[0].html == "<i>t</i>"
+    assert not shown.results[0].is_main
     assert shown.text == "{'k': 20}"
 
     failed = sandbox.run_code("undefined_name")
-    assert failed.status == "error" and failed.error is not None
+    assert failed.status == "error"
+    assert failed.error is not None
     assert (failed.error.name, failed.error.value) == (
         "NameError",
         "name 'undefined_name' is not defined",
@@ -782,8 +785,10 @@ def test_code_runs_keep_state_through_the_gateway(
     assert sandbox.run_code("x").text == "20"
 
     stopped = sandbox.run_code("while True:\n    pass", timeout=1)
-    assert stopped.status == "timed_out" and stopped.error is not None
-    assert stopped.error.name == "KeyboardInterrupt" and not stopped.restarted
+    assert stopped.status == "timed_out"
+    assert stopped.error is not None
+    assert stopped.error.name == "KeyboardInterrupt"
+    assert not stopped.restarted
     assert sandbox.run_code("x + 1").text == "21"
 
     other = sandbox.contexts.create()
