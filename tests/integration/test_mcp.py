@@ -21,7 +21,7 @@ import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
-from mcp_types import CallToolResult, TextContent
+from mcp_types import CallToolResult, ImageContent, TextContent
 from sandbox_mcp.sessions import SESSION_LABEL
 
 from devcluster.controlplane import ControlPlane
@@ -40,6 +40,12 @@ from tests.integration.test_sdk import alice as alice
 from tests.kube import ApiError, KubeJSON, core_path
 
 SANDBOXES = "/apis/sandbox.dev/v1alpha1/namespaces/{ns}/sandboxes"
+
+# A 1x1 PNG, as a kernel would send a figure (base64).
+PIXEL = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJ"
+    "AAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+)
 
 
 class NodePlayer:
@@ -245,7 +251,7 @@ def test_every_tool_over_stdio(
                 "sandbox_find_files", "sandbox_apply_patch", "sandbox_find_replace",
                 "sandbox_download_url", "sandbox_create", "sandbox_snapshot",
                 "sandbox_restore", "sandbox_destroy", "sandbox_list_commands",
-                "sandbox_command_output",
+                "sandbox_command_output", "sandbox_run_code",
             }  # fmt: skip
             assert listed["sandbox_run_command"].input_schema["required"] == ["command"]
 
@@ -310,6 +316,31 @@ def test_every_tool_over_stdio(
                 find="a",
                 replace="b",
             )
+            # Code: state across calls, images as image content, errors, the timeout.
+            assert await ok(client, "sandbox_run_code", code="n = 6") == "(no output)"
+            assert await ok(client, "sandbox_run_code", code="print('hi'); n * 7") == (
+                "stdout:\nhi\n\n\nOut[2]:\n42"
+            )
+            shown = await client.call_tool(
+                "sandbox_run_code",
+                {
+                    "code": f"from IPython.display import Image\nImage(data=__import__('base64')"
+                    f".b64decode('{PIXEL}'))"
+                },
+            )
+            assert not shown.is_error, text(shown)
+            assert [c.type for c in shown.content] == ["text", "image"]
+            image = shown.content[1]
+            assert isinstance(image, ImageContent)
+            assert (image.mime_type, image.data) == ("image/png", PIXEL)
+            raised = await fails(client, "sandbox_run_code", "code_failed", code="n / 0")
+            assert "ZeroDivisionError: division by zero" in raised
+            assert "\x1b[" not in raised  # the traceback without terminal colours
+            timed = await fails(
+                client, "sandbox_run_code", "timeout", code="while True: pass", timeout_seconds=1
+            )
+            assert "KeyboardInterrupt" in timed
+            assert await ok(client, "sandbox_run_code", code="n") == "Out[6]:\n6"
             # Commands: output, exit codes, the timeout.
             out = await ok(client, "sandbox_run_command", command="python3 app/main.py")
             assert out == "exit code: 0\nstdout:\nedited\n"

@@ -74,6 +74,20 @@ def test_the_tool_schemas_state_the_agents_limits() -> None:
     assert _mcp("sandbox_run_command", "timeout_seconds")["maximum"] <= AgentSettings().max_timeout
 
 
+def test_the_code_tool_states_the_agents_limits() -> None:
+    assert (
+        _mcp("sandbox_run_code", "code")["maxLength"] == _agent("CodeRequest", "code")["maxLength"]
+    )
+    assert (
+        _mcp("sandbox_run_code", "context_id")["pattern"]
+        == (_agent("CodeRequest", "contextId")["pattern"])
+    )
+    assert (
+        _mcp("sandbox_run_code", "timeout_seconds")["maximum"]
+        == (_agent("CodeRequest", "timeoutSeconds")["maximum"])
+    )
+
+
 def test_the_tool_schemas_state_the_gateways_and_the_snapshots_limits() -> None:
     assert _mcp("sandbox_download_url", "ttl_seconds")["maximum"] == (
         GatewaySettings().max_token_seconds

@@ -120,6 +120,12 @@ async def _on_sandbox(
         await sandbox.client.get_snapshot(str(args["snapshot"]), namespace=sandbox.namespace)
         await sandbox.restore(str(args["snapshot"]))
         return _result(f"the workspace is restored from {args['snapshot']}")
+    if name == "sandbox_run_code":
+        reply = await tools.run_code(sandbox, args)
+        images = [types.ImageContent(data=data, mime_type=mime) for mime, data in reply.images]
+        return types.CallToolResult(
+            content=[types.TextContent(text=reply.text), *images], is_error=reply.failed
+        )
     return _result(await tools.call(name, sandbox, args, progress))
 
 

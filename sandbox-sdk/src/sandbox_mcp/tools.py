@@ -15,6 +15,7 @@ from jsonschema import Draft202012Validator, ValidationError  # type: ignore[imp
 
 from sandbox_sdk import AsyncSandbox
 from sandbox_sdk._async.client import DEFAULT_TIMEOUT, AsyncFiles, AsyncJob
+from sandbox_sdk._async.code import DEFAULT_CODE_TIMEOUT
 from sandbox_sdk._wire import MAX_TIMEOUT
 from sandbox_sdk.errors import (
     CommandLost,
@@ -156,6 +157,11 @@ MAX_STRIP = 32  # PatchRequest.strip
 MAX_URL_SECONDS = 86400  # the gateway's max_token_seconds (its default)
 OCTAL_MODE = "^0?[0-7]{3,4}$"  # the agent's OctalMode
 SNAPSHOT_TAG = "^[A-Za-z0-9][-._A-Za-z0-9]*$"  # Snapshot spec.tag (at most 128)
+MAX_CODE = 4 << 20  # CodeRequest.code
+MAX_CODE_TIMEOUT = 86400  # CodeRequest.timeoutSeconds
+CONTEXT_ID = "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # CodeRequest.contextId
+# Images a code run returns to the model, at most (each is base64 in the reply).
+MAX_IMAGES = 8
 
 PATH = {
     "type": "string",
@@ -250,6 +256,36 @@ TOOLS = [
                 "description": "Extra environment variables",
             },
             stdin={"type": "string", "description": "Text on the command's standard input"},
+        ),
+    ),
+    Tool(
+        "sandbox_run_code",
+        "Run Python code in a Jupyter kernel whose state stays between calls: variables,"
+        " imports, functions and loaded data from earlier calls are still there (like cells"
+        " of a notebook). Returns what it printed, the value of the last expression, figures"
+        " (matplotlib) as images and tables as text, or the exception with its traceback;"
+        " the kernel stays usable after an error. Past timeout_seconds the code is interrupted"
+        " (KeyboardInterrupt) and its state kept. Use sandbox_run_command for shell work.",
+        _schema(
+            ["code"],
+            code={
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_CODE,
+                "description": "Python source, run as one notebook cell",
+            },
+            context_id={
+                "type": "string",
+                "pattern": CONTEXT_ID,
+                "description": "A separate kernel to run in (made with the SDK); default: the"
+                " session's shared kernel",
+            },
+            timeout_seconds={
+                "type": "number",
+                "exclusiveMinimum": 0,
+                "maximum": MAX_CODE_TIMEOUT,
+                "default": DEFAULT_CODE_TIMEOUT,
+            },
         ),
     ),
     Tool(
@@ -670,6 +706,68 @@ async def _relay_output(job: AsyncJob, progress: Progress) -> None:
                 return
     except Gone:
         return  # its log is gone (pruned, or an agent restart): the record still tells
+
+
+@dataclass(frozen=True)
+class CodeReply:
+    """A code run for the model: its text, and the images it displayed."""
+
+    text: str
+    images: list[tuple[str, str]]  # (MIME type, base64)
+    failed: bool
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+async def run_code(sandbox: AsyncSandbox, args: Mapping[str, Any]) -> CodeReply:
+    # No progress notifications: a cell's output comes with its result (a
+    # long-running job belongs in sandbox_run_command, which streams).
+    execution = await sandbox.run_code(
+        str(args["code"]),
+        context=args.get("context_id"),
+        timeout=float(args.get("timeout_seconds") or DEFAULT_CODE_TIMEOUT),
+    )
+    parts: list[str] = []
+    if execution.restarted:
+        parts.append(
+            "[the kernel was started again: variables from earlier calls are gone"
+            + (f" ({execution.message})" if execution.message else "")
+            + "]"
+        )
+    if execution.logs.stdout:
+        parts.append("stdout:\n" + _clip("".join(execution.logs.stdout), READ_LIMIT))
+    if execution.logs.stderr:
+        parts.append("stderr:\n" + _clip("".join(execution.logs.stderr), READ_LIMIT))
+    images: list[tuple[str, str]] = []
+    for result in execution.results:
+        image = next(
+            ((m, result.data[m]) for m in ("image/png", "image/jpeg") if m in result.data), None
+        )
+        if image is not None and isinstance(image[1], str) and len(images) < MAX_IMAGES:
+            images.append((image[0], image[1].replace("\n", "")))
+            parts.append(f"[image {len(images)}: {image[0]}]")
+        elif result.text is not None:
+            label = f"Out[{result.execution_count}]" if result.is_main else "display"
+            parts.append(f"{label}:\n" + _clip(result.text, READ_LIMIT))
+    if execution.error is not None:
+        trace = _ANSI.sub("", "\n".join(execution.error.traceback))
+        parts.append(
+            f"error: {execution.error.name}: {execution.error.value}\n" + _clip(trace, READ_LIMIT)
+        )
+    if execution.dropped_bytes:
+        parts.append(f"[{execution.dropped_bytes} characters of output were left out]")
+    text = "\n\n".join(parts) or "(no output)"
+    if execution.status == "ok":
+        return CodeReply(text, images, failed=False)
+    # A failure starts as every tool's does: "kind: what happened".
+    seconds = float(args.get("timeout_seconds") or DEFAULT_CODE_TIMEOUT)
+    why = {
+        "timed_out": f"timeout: the code was interrupted at its timeout ({seconds:g}s)",
+        "error": "code_failed: the code raised an exception (the kernel's state is kept)",
+        "interrupted": "interrupted: the code was interrupted",
+    }.get(execution.status, f"code_failed: the run ended {execution.status}")
+    return CodeReply(f"{why}.\n{text}", images, failed=True)
 
 
 async def call(
