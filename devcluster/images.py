@@ -120,6 +120,9 @@ class ImageSpec:
     """An image of one static Go binary of ours (a key of `_BINARIES`) at
     /<binary>, no Debian."""
     labels: dict[str, str] = field(default_factory=dict)
+    install_recommends: bool = True
+    """False: only what the packages depend on (the scientific Python stack
+    recommends compilers and BLAS headers: a gigabyte)."""
 
     @property
     def reference(self) -> str:
@@ -147,13 +150,21 @@ _AGENT = PipProject(
 )
 
 
-def _runtime(name: str, packages: tuple[str, ...], cmd: str, *, variant: str = "apt") -> ImageSpec:
+def _runtime(
+    name: str,
+    packages: tuple[str, ...],
+    cmd: str,
+    *,
+    variant: str = "apt",
+    install_recommends: bool = True,
+) -> ImageSpec:
     """A sandbox runtime image: what the `sandbox` container of a pod runs,
     as the sandbox user (operator/sandbox_operator/config.py) in its home."""
     return ImageSpec(
         f"sandbox-runtime-{name}:dev",
         packages=packages,
         variant=variant,
+        install_recommends=install_recommends,
         cmd=(cmd,),
         user="1000:1000",
         workdir="/home/sandbox",
@@ -214,8 +225,13 @@ IMAGES: dict[str, ImageSpec] = {
                 "python3-jupyter-client",
                 "python3-matplotlib",
                 "python3-pandas",
+                # what git recommends, named: recommends are off for this image
+                "less",
+                "openssh-client",
+                "patch",
             ),
             "python3",
+            install_recommends=False,
         ),
         _runtime("node", ("nodejs", "npm", "python3", "ca-certificates"), "node"),
         # For the negative test: a runtime the sandbox runner cannot run in.
@@ -289,6 +305,8 @@ def cache_key(spec: ImageSpec) -> str:
 
     add("recipe", str(RECIPE).encode())
     spec_fields = asdict(spec)
+    if spec.install_recommends:
+        del spec_fields["install_recommends"]  # the default keeps older images' keys
     add("spec", json.dumps(spec_fields, sort_keys=True, default=str).encode())
     add("suite", f"{versions.DEBIAN_SUITE} {versions.DEBIAN_PYTHON}".encode())
     if spec.pause:
@@ -559,6 +577,7 @@ def _debian_rootfs(spec: ImageSpec, work: Path, rootfs_tar: Path) -> None:
         f"--variant={spec.variant}",
         "--format=tar",
         '--aptopt=Acquire::Languages "none"',
+        *([] if spec.install_recommends else ['--aptopt=APT::Install-Recommends "false"']),
         *[f"--dpkgopt={option}" for option in _DPKG_EXCLUDES],
         *([f"--include={','.join(spec.packages)}"] if spec.packages else []),
         *[f"--customize-hook={hook}" for hook in hooks],

@@ -101,6 +101,18 @@ def test_a_terminal_in_a_real_pod(user_env: dict[str, str]) -> None:
     assert "the shell exited with 3; done" in out
 
 
+def test_code_interpreter_in_a_real_pod(user_env: dict[str, str]) -> None:
+    """Jupyter kernels in the runtime image (Debian's ipykernel): state across
+    runs, a pandas table as HTML, a matplotlib figure as PNG, an exception, a
+    timeout that keeps the state, separate contexts, a restart."""
+    out = _run_example("code_interpreter.py", user_env)
+    assert "turn 2: the table as text, html" in out, out
+    assert "bytes of PNG" in out
+    assert "turn 4: KeyError: 'missing'" in out
+    assert "the table is kept" in out
+    assert "a restart clears one; done" in out
+
+
 def test_one_shot(user_env: dict[str, str]) -> None:
     out = _run_example("one_shot.py", user_env)
     assert "5050 100" in out
