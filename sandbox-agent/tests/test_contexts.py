@@ -129,7 +129,7 @@ def test_a_client_that_leaves_interrupts_its_run(fresh: Callable[..., Sandbox]) 
 
 def test_bad_requests(fresh: Callable[..., Sandbox]) -> None:
     sb = fresh(env={"SANDBOX_AGENT_MAX_CONTEXTS": "2"})
-    r = sb.client.post("/v1/code/run", json={"code": "1", "language": "ruby"})
+    r = sb.client.post("/v1/code/run", json={"code": "1", "language": "cobol"})
     assert sb.error(r, 400) == "invalid_request"
     r = sb.client.post("/v1/code/run", json={"code": "1", "contextId": "../x"})
     assert sb.error(r, 400) == "invalid_request"
@@ -221,3 +221,36 @@ def test_quiesce_stops_kernels_too(fresh: Callable[..., Sandbox]) -> None:
     assert (sb.workspace / "ticks").read_text() == frozen
     assert sb.client.post("/v1/workspace/resume").status_code == 200
     wait_until(lambda: (sb.workspace / "ticks").read_text() != frozen)
+
+
+def test_javascript_keeps_state_in_order(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    first = run(sb, "let total = 40; console.log('one'); total + 2", language="javascript")
+    assert first[0]["contextId"] == "default-javascript"
+    assert [e["type"] for e in first] == ["started", "stdout", "result", "finished"]
+    assert main_result(first)["data"] == {"text/plain": "42"}
+    awaited = run(
+        sb,
+        "total += 1; await new Promise((r) => setTimeout(r, 10)); console.error('two')",
+        language="javascript",
+    )
+    assert [e["text"] for e in kinds(awaited, "stderr")] == ["two\n"]
+    sub = run(
+        sb,
+        "require('child_process').execSync('echo from-a-child', {stdio: 'inherit'}); total",
+        language="javascript",
+    )
+    assert [e["text"] for e in kinds(sub, "stdout")] == ["from-a-child\n"]
+    assert main_result(sub)["data"]["text/plain"] == "41"
+    failed = run(sb, "null.field", language="javascript")
+    (error,) = kinds(failed, "error")
+    assert error["name"] == "TypeError"
+    assert error["traceback"][0].startswith("TypeError")
+    assert not any("kernel.js" in line for line in error["traceback"])
+    looped = run(sb, "while (true) {}", language="javascript", timeoutSeconds=1)
+    assert looped[-1]["status"] == "timed_out", looped
+    assert "restarted" not in looped[-1]
+    assert main_result(run(sb, "total", language="javascript"))["data"]["text/plain"] == "41"
+    # the two languages' default contexts are two kernels
+    listed = {c["id"]: c["language"] for c in sb.client.get("/v1/contexts").json()["contexts"]}
+    assert listed == {"default-javascript": "javascript"}

@@ -113,6 +113,23 @@ def test_code_interpreter_in_a_real_pod(user_env: dict[str, str]) -> None:
     assert "a restart clears one; done" in out
 
 
+def test_javascript_context_in_the_node_runtime(user_env: dict[str, str]) -> None:
+    """The node runtime's own `node` runs a JavaScript context: state across runs."""
+    env = {**os.environ, **user_env}
+    script = (
+        "from sandbox_sdk import SandboxClient\n"
+        "with SandboxClient() as c, c.create('node') as sb:\n"
+        "    sb.run_code('let n = 6; console.log(process.version)', language='javascript')\n"
+        "    r = sb.run_code('n * 7', language='javascript')\n"
+        "    print(r.status, r.text, r.context_id)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok 42 default-javascript", done.stdout
+
+
 def test_one_shot(user_env: dict[str, str]) -> None:
     out = _run_example("one_shot.py", user_env)
     assert "5050 100" in out

@@ -41,7 +41,8 @@ from .environment import Environment
 from .errors import Busy, NotFound, Unavailable
 from .runner_client import RunnerClient, Spawn
 
-BRIDGE = "kernel.py"
+# The bridge of each language, placed next to the runner (server.PLACED).
+BRIDGES: dict[models.Language, str] = {"python": "kernel.py", "javascript": "kernel.js"}
 # A line from the bridge, at most (a result with a large image in it).
 MAX_LINE = 32 << 20
 # Output text held for a client that reads slower than the code writes.
@@ -343,11 +344,12 @@ class Context:
         self.message = None
         self.starting = True
         mgr = self.mgr
-        info = mgr.runner.info or {}
-        python = str(info.get("executable") or "") or "python3"
         env = {**mgr.environment.env, **self.env}
         spawn = Spawn(
-            [python, f"{mgr.settings.runtime_dir}/{BRIDGE}"],
+            [
+                *mgr.interpreter(self.language),
+                f"{mgr.settings.runtime_dir}/{BRIDGES[self.language]}",
+            ],
             env,
             mgr.environment.unset,
             self.cwd,
@@ -396,6 +398,14 @@ class ContextManager:
         self.on_activity = on_activity
         self.contexts: dict[str, Context] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def interpreter(self, language: models.Language) -> list[str]:
+        """What runs a language's bridge: the runner's own python3 (the image's,
+        the one with its packages), and the image's `node`."""
+        if language == "javascript":
+            return ["node"]
+        info = self.runner.info or {}
+        return [str(info.get("executable") or "") or "python3"]
 
     @property
     def live(self) -> int:

@@ -736,12 +736,18 @@ class TerminalOutput(_Out, kw_only=True):
 
 # -- code contexts (stateful code: a Jupyter kernel per context) ----------------
 
-Language = Literal["python"]
+Language = Literal["python", "javascript"]
 ContextStatus = Literal["starting", "idle", "busy", "restarting", "dead"]
 
 
 class ContextRequest(_Base, kw_only=True):
-    language: Annotated[Language, Meta(description="The kernel's language")] = "python"
+    language: Annotated[
+        Language,
+        Meta(
+            description="python: an IPython kernel (the image needs ipykernel and "
+            "jupyter_client); javascript: a Node.js process (the image needs node)"
+        ),
+    ] = "python"
     cwd: Path = "."
     env: Annotated[
         dict[EnvName, EnvValue], Meta(description="Added to the kernel's environment")

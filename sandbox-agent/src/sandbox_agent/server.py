@@ -34,8 +34,8 @@ def read_token(path: str) -> bytes:
 
 
 # What the sandbox container runs from the shared directory: the runner (its
-# entrypoint) and the code-context bridge (started through the runner).
-PLACED = ("runner.py", "kernel.py")
+# entrypoint) and the code-context bridges (started through the runner).
+PLACED = ("runner.py", "kernel.py", "kernel.js")
 
 
 def place_runner(runtime_dir: str) -> str:

@@ -1106,6 +1106,8 @@ class Sandbox:
         """Run `code` in a kernel whose state stays for the next run (a Jupyter
         cell): variables, imports and definitions of earlier runs in the same
         `context` (default: the language's default context) are there.
+        `language`: python (an IPython kernel), or javascript (Node.js, in an
+        image that has `node`).
 
         Returns the results (the last expression's value, figures and tables
         the code displayed, each with all its MIME representations), what it

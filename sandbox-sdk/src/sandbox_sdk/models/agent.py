@@ -53,7 +53,7 @@ class CodeRequest(WireModel):
 
     code: str = Field(description="The code to run (a cell)")
     context_id: str | None = Field(default=None, validation_alias="contextId", serialization_alias="contextId")
-    language: str = Field(default='python', description="Without contextId: whose default context One of: python.")
+    language: str = Field(default='python', description="Without contextId: whose default context One of: javascript, python.")
     timeout_seconds: float = Field(default=300.0, validation_alias="timeoutSeconds", serialization_alias="timeoutSeconds", description="Past it the kernel is interrupted (KeyboardInterrupt), and restarted if that does not end the run; finished says timed_out")
 
 
@@ -64,7 +64,7 @@ class Context(WireModel):
     cwd: str = Field()
     executions: int = Field(description="Code runs in this context")
     id: str = Field()
-    language: str = Field(description="One of: python.")
+    language: str = Field(description="One of: javascript, python.")
     language_version: str | None = Field(default=None, validation_alias="languageVersion", serialization_alias="languageVersion")
     last_used_at: str | None = Field(default=None, validation_alias="lastUsedAt", serialization_alias="lastUsedAt")
     message: str | None = Field(default=None)
@@ -84,7 +84,7 @@ class ContextRequest(WireModel):
 
     cwd: str = Field(default='.', description="Path relative to the workspace root ('.' is the root). Absolute paths, '..' components and symlinks that leave the workspace are refused.")
     env: dict[str, str] = Field(default_factory=dict, description="Added to the kernel's environment")
-    language: str = Field(default='python', description="The kernel's language One of: python.")
+    language: str = Field(default='python', description="python: an IPython kernel (the image needs ipykernel and jupyter_client); javascript: a Node.js process (the image needs node) One of: javascript, python.")
 
 
 class EnvironmentRequest(WireModel):
