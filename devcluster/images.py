@@ -225,6 +225,9 @@ IMAGES: dict[str, ImageSpec] = {
                 "python3-jupyter-client",
                 "python3-matplotlib",
                 "python3-pandas",
+                # fonttools (matplotlib's) depends on "scipy | munkres": scipy
+                # brings pythran, g++ and the boost headers (600 MiB)
+                "python3-munkres",
                 # what git recommends, named: recommends are off for this image
                 "less",
                 "openssh-client",

@@ -254,3 +254,25 @@ def test_javascript_keeps_state_in_order(fresh: Callable[..., Sandbox]) -> None:
     # the two languages' default contexts are two kernels
     listed = {c["id"]: c["language"] for c in sb.client.get("/v1/contexts").json()["contexts"]}
     assert listed == {"default-javascript": "javascript"}
+
+
+def test_a_reader_slower_than_a_flood_costs_bounded_memory(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    run(sb, "import sys")
+    total = 48 << 20
+    with sb.client.stream(
+        "POST",
+        "/v1/code/run",
+        json={"code": f"for _ in range({total >> 20}): sys.stdout.write('x' * (1 << 20))"},
+        timeout=120,
+    ) as r:
+        lines = r.iter_lines()
+        assert json.loads(next(lines))["type"] == "started"
+        time.sleep(5)  # the code floods while nobody reads
+        events = [json.loads(line) for line in lines if line]
+    received = sum(len(e["text"]) for e in kinds(events, "stdout"))
+    finished = events[-1]
+    assert finished["status"] == "ok", finished
+    assert finished.get("droppedBytes", 0) > 0, (finished, received)
+    assert received + finished["droppedBytes"] == total
+    assert received >= 16 << 20  # what was held for the reader came through

@@ -10,9 +10,9 @@ not the agent.
 
 What the bridge says is untrusted (user code can replace it): lines are
 bounded, parsed strictly, and only the fields of the current run's events
-pass. Memory per run is bounded too: text a client has not read yet beyond
-``PENDING_CAP`` is dropped and counted (finished.droppedBytes), results and
-errors never.
+pass. Memory per run is bounded too: output and results a client has not read
+yet beyond ``PENDING_CAP`` are dropped and counted (finished.droppedBytes);
+the error and the run's end never are.
 
 One run at a time per context (a kernel runs one cell at a time); further
 runs wait their turn, up to ``MAX_WAITING``. A run past its timeout gets an
@@ -75,8 +75,8 @@ class _Run:
     def put(self, event: models.CodeEvent) -> None:
         if self.done:
             return
-        if event.type in ("stdout", "stderr"):
-            size = len(event.text or "")
+        size = _size(event)
+        if size:
             if self.pending + size > PENDING_CAP:
                 self.dropped += size
                 return
@@ -97,9 +97,19 @@ class _Run:
         if not self.events:
             return None
         event = self.events.popleft()
-        if event.type in ("stdout", "stderr"):
-            self.pending -= len(event.text or "")
+        self.pending -= _size(event)
         return event
+
+
+def _size(event: models.CodeEvent) -> int:
+    """What an event holds for a slow client, roughly in bytes: text and
+    results count (a loop can display a million of them), the one error and
+    the bookends do not."""
+    if event.type in ("stdout", "stderr"):
+        return len(event.text or "")
+    if event.type == "result":
+        return 64 + sum(len(k) + len(str(v)) for k, v in (event.data or {}).items())
+    return 0
 
 
 class _Kernel:

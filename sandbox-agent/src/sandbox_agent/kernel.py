@@ -48,8 +48,10 @@ from typing import Any
 START_TIMEOUT = 120.0
 # How often a wait for the kernel's messages looks whether the kernel still lives.
 POLL = 0.5
-# Stream text is sent on when this much is pending or the kernel pauses.
+# Stream text is sent on when this much is pending or the kernel pauses, in
+# lines of at most CHUNK characters (the agent bounds a line).
 COALESCE = 64 << 10
+CHUNK = 1 << 20
 
 _out_lock = threading.Lock()
 
@@ -143,7 +145,9 @@ class Bridge:
         def flush(name: str | None = None) -> None:
             for stream in (name,) if name else ("stdout", "stderr"):
                 if pending[stream]:
-                    emit({"id": rid, "type": stream, "text": "".join(pending[stream])})
+                    text = "".join(pending[stream])
+                    for at in range(0, len(text), CHUNK):  # the kernel's may be huge
+                        emit({"id": rid, "type": stream, "text": text[at : at + CHUNK]})
                     pending[stream], sizes[stream] = [], 0
 
         count = None

@@ -780,7 +780,7 @@ class ContextList(_Out, kw_only=True):
 
 
 class CodeRequest(_Base, kw_only=True):
-    code: Annotated[str, Meta(max_length=4 << 20, description="The code to run (a cell)")]
+    code: Annotated[str, Meta(max_length=1 << 20, description="The code to run (a cell)")]
     context_id: (
         Annotated[
             str,
@@ -832,7 +832,10 @@ class CodeEvent(_Out, kw_only=True, omit_defaults=True):
     duration_ms: int | None = None
     dropped_bytes: Annotated[
         int | None,
-        Meta(description="Output text left out because the client read slower than the code wrote"),
+        Meta(
+            description="Output and results left out (their size, roughly in bytes) because "
+            "the client read slower than the code produced them (16 MiB are held)"
+        ),
     ] = None
     restarted: Annotated[
         bool | None, Meta(description="The kernel was started again (its state is gone)")

@@ -157,7 +157,7 @@ MAX_STRIP = 32  # PatchRequest.strip
 MAX_URL_SECONDS = 86400  # the gateway's max_token_seconds (its default)
 OCTAL_MODE = "^0?[0-7]{3,4}$"  # the agent's OctalMode
 SNAPSHOT_TAG = "^[A-Za-z0-9][-._A-Za-z0-9]*$"  # Snapshot spec.tag (at most 128)
-MAX_CODE = 4 << 20  # CodeRequest.code
+MAX_CODE = 1 << 20  # CodeRequest.code
 MAX_CODE_TIMEOUT = 86400  # CodeRequest.timeoutSeconds
 CONTEXT_ID = "^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # CodeRequest.contextId
 # Images a code run returns to the model, at most (each is base64 in the reply).

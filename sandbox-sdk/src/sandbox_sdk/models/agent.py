@@ -33,7 +33,7 @@ class CodeEvent(WireModel):
 
     context_id: str | None = Field(default=None, validation_alias="contextId", serialization_alias="contextId")
     data: dict[str, Any] | None = Field(default=None, description="MIME type -> value: text/plain, text/html, image/png (base64), ...")
-    dropped_bytes: int | None = Field(default=None, validation_alias="droppedBytes", serialization_alias="droppedBytes", description="Output text left out because the client read slower than the code wrote")
+    dropped_bytes: int | None = Field(default=None, validation_alias="droppedBytes", serialization_alias="droppedBytes", description="Output and results left out (their size, roughly in bytes) because the client read slower than the code produced them (16 MiB are held)")
     duration_ms: int | None = Field(default=None, validation_alias="durationMs", serialization_alias="durationMs")
     execution_count: int | None = Field(default=None, validation_alias="executionCount", serialization_alias="executionCount")
     is_main: bool | None = Field(default=None, validation_alias="isMain", serialization_alias="isMain")
