@@ -276,3 +276,16 @@ def test_a_reader_slower_than_a_flood_costs_bounded_memory(fresh: Callable[..., 
     assert finished.get("droppedBytes", 0) > 0, (finished, received)
     assert received + finished["droppedBytes"] == total
     assert received >= 16 << 20  # what was held for the reader came through
+
+
+def test_a_kernel_that_dies_is_replaced_on_the_next_run(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    run(sb, "kept = 1")
+    died = run(sb, "import os; os._exit(3)")
+    assert died[-1]["status"] in ("error", "aborted"), died
+    (ctx,) = sb.client.get("/v1/contexts").json()["contexts"]
+    assert ctx["status"] == "dead"
+    assert ctx["message"]
+    again = run(sb, "'kept' in dir()")
+    assert again[0]["restarted"] is True
+    assert main_result(again)["data"]["text/plain"] == "False"

@@ -121,7 +121,8 @@ class _Kernel:
         self.channel = 0
         self.pid: int | None = None
         self.ready: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        self.ended = False
+        self.ended = False  # no use any more (said it died, or its process ended)
+        self.exited = False  # its process ended: nothing left to kill
         self.line = bytearray()
         self.skipping = False  # inside an over-long line: drop up to its end
         self.stderr = bytearray()  # the bridge's last words, for a failure message
@@ -167,12 +168,15 @@ class _Kernel:
         self, exit_code: int | None, signal: int | None, usage: dict[str, Any], survivors: int
     ) -> None:
         why = f"exit status {exit_code}" if exit_code is not None else f"signal {signal}"
+        self.exited = True
         self._end(f"the kernel's bridge ended ({why})")
 
     def on_spawn_failed(self, message: str) -> None:
+        self.exited = True
         self._end(f"the kernel's bridge did not start: {message}")
 
     def on_lost(self, code: str, message: str) -> None:
+        self.exited = True
         self._end(f"{code}: {message}")
 
     def on_stdin_closed(self) -> None:
@@ -206,7 +210,8 @@ class _Kernel:
                 message = _text(obj.get("message"), 2000) or "the kernel is unavailable"
                 self.ready.set_result(message)
         elif kind == "died":
-            self.ctx.message = _text(obj.get("message"), 2000)
+            # Dead from now on (the bridge exits next): the run ends with why.
+            self._end(_text(obj.get("message"), 2000) or "the kernel ended")
         else:
             run = self.ctx.current
             if run is not None and obj.get("id") == run.id:
@@ -223,7 +228,7 @@ class _Kernel:
             raise Unavailable("runner_unavailable", f"cannot reach the kernel: {exc}") from None
 
     def kill(self) -> None:
-        if not self.ended:
+        if not self.exited:
             with contextlib.suppress(ConnectionError):
                 self.ctx.mgr.runner.signal(
                     self.channel, signal.SIGKILL, sweep=self.ctx.mgr.settings.kill_grace

@@ -109,11 +109,12 @@ function bridge() {
   });
 
   child.on('exit', (code, signal) => {
+    const how = signal ? `was killed by signal ${signal} (out of memory?)` : `ended (exit status ${code})`;
+    // First: the agent ends the run with the reason.
+    emit({ type: 'died', message: `the kernel ${how}` });
     if (current) {
       emit({ id: current.id, type: 'finished', status: 'error', executionCount: null });
     }
-    const how = signal ? `was killed by signal ${signal} (out of memory?)` : `ended (exit status ${code})`;
-    emit({ type: 'died', message: `the kernel ${how}` });
     process.exit(4);
   });
 

@@ -157,8 +157,9 @@ class Bridge:
             except queue.Empty:
                 flush()
                 if not self.alive():
-                    emit({"id": rid, "type": "finished", "status": "error", "executionCount": None})
+                    # First: the agent ends the run with the reason.
                     emit({"type": "died", "message": _died(self.km)})
+                    emit({"id": rid, "type": "finished", "status": "error", "executionCount": None})
                     return False
                 continue
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
