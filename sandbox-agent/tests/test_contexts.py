@@ -121,7 +121,8 @@ def test_a_client_that_leaves_interrupts_its_run(fresh: Callable[..., Sandbox]) 
         assert r.status_code == 200
         first = next(r.iter_lines())
         assert json.loads(first)["type"] == "started"
-    # the next run gets its turn once the abandoned one was interrupted
+    # the next run gets its turn once the abandoned one was interrupted (a run
+    # in progress is activity, as a running command is)
     began = time.monotonic()
     assert main_result(run(sb, "n + 1"))["data"]["text/plain"] == "1"
     assert time.monotonic() - began < 60
@@ -289,3 +290,14 @@ def test_a_kernel_that_dies_is_replaced_on_the_next_run(fresh: Callable[..., San
     again = run(sb, "'kept' in dir()")
     assert again[0]["restarted"] is True
     assert main_result(again)["data"]["text/plain"] == "False"
+
+
+def test_a_run_in_progress_counts_as_activity(fresh: Callable[..., Sandbox]) -> None:
+    sb = fresh()
+    run(sb, "import time")
+    with sb.client.stream("POST", "/v1/code/run", json={"code": "time.sleep(3)"}) as r:
+        lines = r.iter_lines()
+        assert json.loads(next(lines))["type"] == "started"
+        assert sb.client.get("/v1/info").json()["activeExecutions"] == 1
+        assert json.loads([line for line in lines if line][-1])["status"] == "ok"
+    assert sb.client.get("/v1/info").json()["activeExecutions"] == 0

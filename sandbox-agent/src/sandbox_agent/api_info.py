@@ -29,7 +29,7 @@ async def info(request: Request, args: Args) -> Response:
             runner_uid=ri.get("uid"),
             runner_python=ri.get("python"),
             last_activity=models.rfc3339(st.last_activity),
-            active_executions=st.executions.active,
+            active_executions=st.executions.active + st.contexts.busy,
             started_at=models.rfc3339(st.started),
             uptime_seconds=round(now - st.started, 3),
             workspace=st.workspace.root,

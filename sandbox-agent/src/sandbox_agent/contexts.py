@@ -426,6 +426,11 @@ class ContextManager:
     def live(self) -> int:
         return sum(1 for c in self.contexts.values() if c.kernel is not None and c.kernel.running)
 
+    @property
+    def busy(self) -> int:
+        """Contexts running code now: activity, like a running command."""
+        return sum(1 for c in self.contexts.values() if c.current is not None)
+
     def kernels(self) -> list[_Kernel]:
         """Running bridges (with their kernels): what a quiesce stops."""
         return [

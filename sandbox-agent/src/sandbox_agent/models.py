@@ -445,7 +445,13 @@ class Info(_Out, kw_only=True):
     runner_uid: int | None = None
     runner_python: str | None = None
     last_activity: Annotated[str, Meta(description="RFC 3339 UTC; exec and file calls only")]
-    active_executions: int
+    active_executions: Annotated[
+        int,
+        Meta(
+            description="Commands running now, and code runs in progress (the operator's "
+            "idle timeout does not run while any is)"
+        ),
+    ]
     started_at: str
     uptime_seconds: float
     workspace: str

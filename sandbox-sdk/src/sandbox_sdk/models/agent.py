@@ -263,7 +263,7 @@ class WorkspaceUsage(WireModel):
 class Info(WireModel):
     "Info"
 
-    active_executions: int = Field(validation_alias="activeExecutions", serialization_alias="activeExecutions")
+    active_executions: int = Field(validation_alias="activeExecutions", serialization_alias="activeExecutions", description="Commands running now, and code runs in progress (the operator's idle timeout does not run while any is)")
     default_timeout_seconds: float = Field(validation_alias="defaultTimeoutSeconds", serialization_alias="defaultTimeoutSeconds")
     environment_hash: str = Field(validation_alias="environmentHash", serialization_alias="environmentHash", description="hash of the PUT /v1/environment overlay")
     last_activity: str = Field(validation_alias="lastActivity", serialization_alias="lastActivity", description="RFC 3339 UTC; exec and file calls only")
