@@ -32,6 +32,7 @@ from benchmarks.common import (  # noqa: E402
     wait_until,
 )
 from devcluster.cluster import LocalCluster  # noqa: E402
+from sandbox_operator import identity  # noqa: E402
 from sandbox_operator.api.sandbox import SandboxSpec  # noqa: E402
 from sandbox_operator.builders import sandbox as build  # noqa: E402
 from sandbox_operator.config import Settings  # noqa: E402
@@ -63,7 +64,7 @@ def sandbox_start(kube: KubeJSON, name: str) -> float:
 
 def bare_start(kube: KubeJSON, name: str, settings: Settings) -> float:
     """The same PVC, Secret and Pod the operator builds, created directly, unowned."""
-    ref = build.SandboxRef(name=name, namespace=NS, uid="00000000-0000-0000-0000-000000000000")
+    ref = identity.SandboxRef(name=name, namespace=NS, uid="00000000-0000-0000-0000-000000000000")
     spec = SandboxSpec()
     objects = [
         build.build_secret(ref, base64.b64encode(os.urandom(24)).decode()),

@@ -37,6 +37,7 @@ from benchmarks.common import (  # noqa: E402
     wait_until,
     write_results,
 )
+from sandbox_operator import identity  # noqa: E402
 from sandbox_operator.api.sandbox import SandboxSpec  # noqa: E402
 from sandbox_operator.builders import sandbox as build  # noqa: E402
 from sandbox_operator.config import Settings  # noqa: E402
@@ -115,9 +116,9 @@ def auto_resume(kube: KubeJSON, executions: Watcher, sandbox: str) -> float:
     return seen - started
 
 
-def bare_claim(kube: KubeJSON, settings: Settings) -> build.SandboxRef:
+def bare_claim(kube: KubeJSON, settings: Settings) -> identity.SandboxRef:
     """A Secret and a bound claim, as the operator would make them, unowned."""
-    ref = build.SandboxRef(name="bare", namespace=NS, uid="00000000-0000-0000-0000-000000000000")
+    ref = identity.SandboxRef(name="bare", namespace=NS, uid="00000000-0000-0000-0000-000000000000")
     secret = build.build_secret(ref, base64.b64encode(os.urandom(24)).decode())
     claim = build.build_claim(ref, SandboxSpec(), settings)
     assert claim is not None
@@ -138,7 +139,7 @@ def bare_claim(kube: KubeJSON, settings: Settings) -> build.SandboxRef:
     return ref
 
 
-def pod_start(kube: KubeJSON, pods: Watcher, ref: build.SandboxRef, i: int) -> float:
+def pod_start(kube: KubeJSON, pods: Watcher, ref: identity.SandboxRef, i: int) -> float:
     """The operator's pod for `ref`, on its bound claim, created directly."""
     pod = build.build_pod(ref, SandboxSpec(), Settings())
     pod["metadata"].pop("ownerReferences")

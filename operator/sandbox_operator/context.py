@@ -17,9 +17,9 @@ from typing import Any, cast
 import kopf
 
 from sandbox_operator.agent_client import AgentClient, LimitCounters
-from sandbox_operator.builders.sandbox import TOKEN_KEY, children_ref, names
 from sandbox_operator.config import Settings
 from sandbox_operator.errors import Backoffs
+from sandbox_operator.identity import TOKEN_KEY, children_ref, names
 from sandbox_operator.kube import Api
 from sandbox_operator.resources import SECRETS
 

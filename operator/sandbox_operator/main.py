@@ -20,7 +20,6 @@ from sandbox_operator import bookkeeping, config, errors, logs, peering
 from sandbox_operator import login as kopf_login
 from sandbox_operator.agent_client import AgentClient
 from sandbox_operator.builders import pool as pools
-from sandbox_operator.builders.sandbox import pod_essentials
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.events import EventRecorder
 from sandbox_operator.handlers import execution, sandbox
@@ -28,6 +27,7 @@ from sandbox_operator.handlers import pool as pool_controller
 from sandbox_operator.handlers import quota as quotas
 from sandbox_operator.handlers import snapshot as snapshots
 from sandbox_operator.handlers import template as templates
+from sandbox_operator.indexes import pod_essentials
 from sandbox_operator.kube import Kube
 from sandbox_operator.resources import (
     CLAIMS,

@@ -34,8 +34,9 @@ import pytest
 from devcluster import netstack
 from devcluster.cluster import LocalCluster
 from sandbox_operator.api.sandbox import SandboxSpec
-from sandbox_operator.builders.sandbox import SandboxRef, build_network_policy, labels
+from sandbox_operator.builders.sandbox import build_network_policy
 from sandbox_operator.config import Settings
+from sandbox_operator.identity import SandboxRef, labels
 from tests.devcluster.support import JSON, Pods, http_get, pod, restricted, wait_for
 from tests.kube import KubeJSON, api_path, core_path
 

@@ -7,12 +7,13 @@ from typing import Any
 
 import pytest
 
+from sandbox_operator import identity, indexes
 from sandbox_operator.api.sandbox import SandboxSpec
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.config import Settings
 from sandbox_operator.resources import POD_HASH_ANNOTATION
 
-REF = build.SandboxRef(name="demo", namespace="team-a", uid="1234")
+REF = identity.SandboxRef(name="demo", namespace="team-a", uid="1234")
 SETTINGS = Settings()
 
 
@@ -199,19 +200,19 @@ def test_a_child_is_ours_or_an_earlier_namesakes_or_nobodys() -> None:
     same name with another UID controls is an earlier namesake's leftover."""
     claim = build.build_claim(REF, SandboxSpec(), SETTINGS)
     assert claim is not None
-    assert build.controlled_by(claim, REF)
-    assert not build.left_by_namesake(claim, REF)
-    later = build.SandboxRef(name="demo", namespace="team-a", uid="5678")
-    assert not build.controlled_by(claim, later)
-    assert build.left_by_namesake(claim, later)
-    other = build.SandboxRef(name="other", namespace="team-a", uid="5678")
-    assert not build.left_by_namesake(claim, other)
+    assert identity.controlled_by(claim, REF)
+    assert not identity.left_by_namesake(claim, REF)
+    later = identity.SandboxRef(name="demo", namespace="team-a", uid="5678")
+    assert not identity.controlled_by(claim, later)
+    assert identity.left_by_namesake(claim, later)
+    other = identity.SandboxRef(name="other", namespace="team-a", uid="5678")
+    assert not identity.left_by_namesake(claim, other)
     not_controller = json.loads(json.dumps(claim))
     not_controller["metadata"]["ownerReferences"][0]["controller"] = False
-    assert not build.left_by_namesake(not_controller, later)
+    assert not identity.left_by_namesake(not_controller, later)
     foreign = {"metadata": {"name": "demo-workspace"}}
-    assert not build.controlled_by(foreign, REF)
-    assert not build.left_by_namesake(foreign, REF)
+    assert not identity.controlled_by(foreign, REF)
+    assert not identity.left_by_namesake(foreign, REF)
 
 
 def test_service_only_for_exposed_ports() -> None:
@@ -322,10 +323,10 @@ def _quantity_bytes(q: str) -> int:
 def test_agent_budgets_come_from_its_limits() -> None:
     """The agent learns its real memory limit and a log budget inside its log volume."""
     pod = _pod()
-    agent = next(c for c in pod["spec"]["initContainers"] if c["name"] == build.AGENT_CONTAINER)
+    agent = next(c for c in pod["spec"]["initContainers"] if c["name"] == identity.AGENT_CONTAINER)
     env = {e["name"]: e for e in agent["env"]}
     assert env["SANDBOX_AGENT_MEMORY_LIMIT_BYTES"]["valueFrom"] == {
-        "resourceFieldRef": {"containerName": build.AGENT_CONTAINER, "resource": "limits.memory"}
+        "resourceFieldRef": {"containerName": identity.AGENT_CONTAINER, "resource": "limits.memory"}
     }
     assert "memory" in agent["resources"]["limits"]
     logs = next(v for v in pod["spec"]["volumes"] if v["name"] == "agent-logs")
@@ -339,7 +340,7 @@ def test_pod_essentials_keep_what_reconciliation_reads_and_little_else() -> None
     pod["metadata"]["managedFields"] = [{"manager": "kubectl", "fieldsV1": {}}]
     pod["metadata"]["uid"] = "pod-uid"
     pod["status"] = {"phase": "Running", "podIP": "10.0.0.7", "containerStatuses": []}
-    kept = build.pod_essentials(pod)
+    kept = indexes.pod_essentials(pod)
     # Decisions and status read these.
     assert kept["status"] == pod["status"]
     assert kept["metadata"]["uid"] == "pod-uid"
@@ -348,7 +349,7 @@ def test_pod_essentials_keep_what_reconciliation_reads_and_little_else() -> None
     assert build.changed_fields(kept, SandboxSpec.model_validate(spec)) == []
     # The env sync compares the sandbox container's env.
     (container,) = kept["spec"]["containers"]
-    assert container["name"] == build.SANDBOX_CONTAINER
+    assert container["name"] == identity.SANDBOX_CONTAINER
     assert {"name": "GREETING", "value": "hi"} in container["env"]
     # The rest is left behind.
     assert "managedFields" not in kept["metadata"]

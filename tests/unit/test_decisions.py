@@ -11,6 +11,7 @@ from collections.abc import Coroutine
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
+from sandbox_operator import effective, identity
 from sandbox_operator.agent_client import AgentClient, AgentInfo
 from sandbox_operator.api.execution import ExecutionStatus
 from sandbox_operator.api.sandbox import SandboxSpec, SandboxStatus
@@ -43,7 +44,7 @@ JSON = dict[str, Any]
 # gives up after a bound): objects made by these tests are made now.
 NOW = datetime.now(UTC).replace(microsecond=0)
 SETTINGS = Settings()
-REF = build.SandboxRef(name="box", namespace="ns", uid="sandbox-uid")
+REF = identity.SandboxRef(name="box", namespace="ns", uid="sandbox-uid")
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -494,13 +495,13 @@ def test_executions_beyond_the_limit_queue_and_a_failed_sandbox_fails_them() -> 
 def test_effectively_paused() -> None:
     spec = SandboxSpec()
     idle = {"idlePausedAt": iso(NOW)}
-    assert not build.effectively_paused(sandbox_body(), spec)
-    assert build.effectively_paused(sandbox_body(status=idle), spec)
+    assert not effective.effectively_paused(sandbox_body(), spec)
+    assert effective.effectively_paused(sandbox_body(status=idle), spec)
     later = {RESUME_ANNOTATION: iso(NOW + timedelta(seconds=1))}
     earlier = {RESUME_ANNOTATION: iso(NOW - timedelta(seconds=1))}
-    assert not build.effectively_paused(sandbox_body(status=idle, annotations=later), spec)
-    assert build.effectively_paused(sandbox_body(status=idle, annotations=earlier), spec)
-    assert build.effectively_paused(sandbox_body(), SandboxSpec(paused=True))
+    assert not effective.effectively_paused(sandbox_body(status=idle, annotations=later), spec)
+    assert effective.effectively_paused(sandbox_body(status=idle, annotations=earlier), spec)
+    assert effective.effectively_paused(sandbox_body(), SandboxSpec(paused=True))
 
 
 def test_an_eviction_recorded_only_in_an_event_is_still_named() -> None:

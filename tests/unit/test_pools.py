@@ -25,7 +25,6 @@ from sandbox_operator.builders.pool import (
     refill_plan,
     stuck_member,
 )
-from sandbox_operator.builders.sandbox import children_ref
 from sandbox_operator.handlers.sandbox.pool import (
     Decisions,
     Reservations,
@@ -34,6 +33,7 @@ from sandbox_operator.handlers.sandbox.pool import (
     reserved_by_others,
     with_decision,
 )
+from sandbox_operator.identity import children_ref
 
 JSON = dict[str, Any]
 

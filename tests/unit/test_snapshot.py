@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from sandbox_operator import identity
 from sandbox_operator.api.sandbox import SandboxPhase, SandboxReason, SandboxSpec
 from sandbox_operator.api.snapshot import SnapshotPhase as P
 from sandbox_operator.api.snapshot import SnapshotReason as R
@@ -59,7 +60,7 @@ def test_snapshot_class_is_the_drivers_default_or_only_one() -> None:
 
 
 def test_restored_claim_has_a_data_source_enough_room_and_its_origin() -> None:
-    ref = sandbox_build.SandboxRef(name="box", namespace="ns", uid="u")
+    ref = identity.SandboxRef(name="box", namespace="ns", uid="u")
     spec = SandboxSpec.model_validate({"workspace": {"size": "1Gi", "fromSnapshot": "snap"}})
     claim = sandbox_build.build_claim(ref, spec, Settings())
     assert claim is not None
@@ -163,7 +164,7 @@ def test_a_sandbox_held_for_a_rollback_is_restoring_not_ready() -> None:
 def test_naming_a_snapshot_does_not_restart_the_pod_by_itself() -> None:
     """The pod stamp leaves fromSnapshot out: a rollback replaces the pod when
     its snapshot is ready, not when the field is written."""
-    ref = sandbox_build.SandboxRef(name="box", namespace="ns", uid="u")
+    ref = identity.SandboxRef(name="box", namespace="ns", uid="u")
     plain = SandboxSpec.model_validate({})
     restored = SandboxSpec.model_validate({"workspace": {"fromSnapshot": "snap"}})
     pod = sandbox_build.desired_pod(ref, plain, Settings())

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from sandbox_operator import effective
 from sandbox_operator.api.sandbox import (
     EgressPolicy,
     OnIdle,
@@ -41,7 +42,7 @@ def own(spec: JSON) -> SandboxSpec:
 
 def test_unset_fields_come_from_the_template() -> None:
     # What the API server stores for a Sandbox that names only its template.
-    spec = build.effective_spec(
+    spec = effective.effective_spec(
         TEMPLATE, own({"resources": {}, "workspace": {}, "lifecycle": {}, "network": {}})
     )
     assert spec.runtime == "node"
@@ -54,7 +55,7 @@ def test_unset_fields_come_from_the_template() -> None:
 
 
 def test_set_fields_win_even_at_their_default_values() -> None:
-    spec = build.effective_spec(
+    spec = effective.effective_spec(
         TEMPLATE,
         own(
             {
@@ -72,7 +73,7 @@ def test_set_fields_win_even_at_their_default_values() -> None:
 
 
 def test_env_and_maps_merge_by_key() -> None:
-    spec = build.effective_spec(
+    spec = effective.effective_spec(
         TEMPLATE,
         own(
             {
@@ -95,21 +96,21 @@ def test_files_merge_by_path() -> None:
             ).files
         }
     )
-    spec = build.effective_spec(
+    spec = effective.effective_spec(
         defaults, own({"files": [{"path": "b", "content": "own", "mode": 0o755}]})
     )
     assert [(f.path, f.content, f.mode) for f in spec.files] == [
         ("a", "t", None),
         ("b", "own", 0o755),
     ]
-    assert [f.path for f in build.effective_spec(defaults, own({})).files] == ["a", "b"]
+    assert [f.path for f in effective.effective_spec(defaults, own({})).files] == ["a", "b"]
 
 
 def test_choosing_an_image_drops_the_template_runtime() -> None:
-    spec = build.effective_spec(TEMPLATE, own({"image": "python:3.12-slim"}))
+    spec = effective.effective_spec(TEMPLATE, own({"image": "python:3.12-slim"}))
     assert spec.image == "python:3.12-slim"
     assert spec.runtime is None
-    assert build.effective_spec(TEMPLATE, own({"runtime": "python"})).runtime == "python"
+    assert effective.effective_spec(TEMPLATE, own({"runtime": "python"})).runtime == "python"
 
 
 def body_with(template: JSON | None, spec: JSON) -> JSON:
@@ -128,16 +129,16 @@ def test_sandbox_spec_reads_the_recorded_defaults_and_base_snapshot() -> None:
         "baseSnapshot": "t-base-1",
         "defaults": TEMPLATE.to_wire(),
     }
-    spec = build.sandbox_spec(body_with(recorded, {}))
+    spec = effective.sandbox_spec(body_with(recorded, {}))
     assert spec.runtime == "node"
     assert spec.workspace.from_snapshot == "t-base-1"
     # The Sandbox's own snapshot, or an ephemeral workspace, wins over the base.
-    mine = build.sandbox_spec(body_with(recorded, {"workspace": {"fromSnapshot": "mine"}}))
+    mine = effective.sandbox_spec(body_with(recorded, {"workspace": {"fromSnapshot": "mine"}}))
     assert mine.workspace.from_snapshot == "mine"
-    scratch = build.sandbox_spec(body_with(recorded, {"workspace": {"ephemeral": True}}))
+    scratch = effective.sandbox_spec(body_with(recorded, {"workspace": {"ephemeral": True}}))
     assert scratch.workspace.from_snapshot is None
     # Not recorded yet: the Sandbox's own spec alone.
-    assert build.sandbox_spec(body_with(None, {})).runtime is None
+    assert effective.sandbox_spec(body_with(None, {})).runtime is None
 
 
 def template(spec: JSON, status: JSON | None = None) -> JSON:
@@ -244,7 +245,7 @@ def test_scalars_lists_and_lifecycle_subfields_of_the_sandbox_win() -> None:
         tolerations=[{"key": "dedicated", "operator": "Exists"}],
         pod_annotations={"note": "t"},
     )
-    spec = build.effective_spec(
+    spec = effective.effective_spec(
         SandboxSpec.model_validate(defaults.to_wire()),
         own(
             {
@@ -266,11 +267,11 @@ def test_scalars_lists_and_lifecycle_subfields_of_the_sandbox_win() -> None:
     assert spec.network.egress is EgressPolicy.NONE
     assert [p.port for p in spec.network.exposed_ports] == [8080]
     # The pull policy went with the template's image choice.
-    assert build.effective_spec(defaults, own({"image": "x:1"})).image_pull_policy is None
+    assert effective.effective_spec(defaults, own({"image": "x:1"})).image_pull_policy is None
 
 
 def test_no_template_defaults_leave_the_operator_defaults() -> None:
-    assert build.effective_spec(SandboxSpec(), SandboxSpec()) == SandboxSpec()
+    assert effective.effective_spec(SandboxSpec(), SandboxSpec()) == SandboxSpec()
 
 
 def test_setup_hash_covers_env_resources_workspace_and_timeouts() -> None:

@@ -14,9 +14,10 @@ from sandbox_operator.api.common import quantity_value
 from sandbox_operator.api.quota import ComputeLimits, QuotaUsage, SandboxQuotaSpec
 from sandbox_operator.api.sandbox import SandboxSpec
 from sandbox_operator.builders.pool import claimed_by
-from sandbox_operator.builders.sandbox import SandboxRef, build_pod
-from sandbox_operator.builders.template import sandbox_spec
+from sandbox_operator.builders.sandbox import build_pod
 from sandbox_operator.config import Settings
+from sandbox_operator.effective import sandbox_spec
+from sandbox_operator.identity import SandboxRef
 
 JSON = dict[str, Any]
 ZERO = Decimal(0)

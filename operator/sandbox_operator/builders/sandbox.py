@@ -1,8 +1,8 @@
 """Desired children of a Sandbox, as plain dicts. Pure: no I/O, no clock.
 
 Every child is named deterministically from the sandbox, labelled so the
-operator can watch only its own pods, and owned by the Sandbox so the garbage
-collector removes it when the Sandbox goes.
+operator can watch only its own pods (names and labels: `identity`), and
+owned by the Sandbox so the garbage collector removes it when the Sandbox goes.
 """
 
 from __future__ import annotations
@@ -10,22 +10,24 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sandbox_operator.api.common import API_VERSION, parse_duration, quantity_value
 from sandbox_operator.api.execution import MAX_TIMEOUT
 from sandbox_operator.api.sandbox import EgressPolicy, SandboxSpec
-from sandbox_operator.clock import parse_time
 from sandbox_operator.config import Requests, ResourceProfile, Settings
+from sandbox_operator.identity import (
+    AGENT_CONTAINER,
+    SANDBOX_CONTAINER,
+    TOKEN_KEY,
+    SandboxRef,
+    labels,
+    names,
+)
 from sandbox_operator.resources import (
     IMAGE_ANNOTATION,
-    LABEL_MANAGED_BY,
-    LABEL_SANDBOX,
-    MANAGED_BY,
     POD_HASH_ANNOTATION,
     POD_SPEC_ANNOTATION,
-    RESUME_ANNOTATION,
 )
 
 JSON = dict[str, Any]
@@ -34,9 +36,6 @@ T = TypeVar("T")
 WORKSPACE_PATH = "/workspace"
 RUNTIME_DIR = "/sandbox/run"
 TOKEN_DIR = "/var/run/sandbox-agent/token"
-TOKEN_KEY = "token"
-AGENT_CONTAINER = "agent"
-SANDBOX_CONTAINER = "sandbox"
 
 # The agent's probes. /readyz waits up to 2 s for the runner of a container that
 # is just starting, so a normal pod start logs no failed probe.
@@ -51,70 +50,6 @@ _AGENT_LOG_LIMIT = "256Mi"
 # The agent prunes its logs to stay under this, well inside the volume's limit
 # (going over it gets the pod evicted).
 _AGENT_LOG_BUDGET = 192 << 20
-
-
-@dataclass(frozen=True)
-class SandboxRef:
-    """What a builder needs to know about the Sandbox object itself."""
-
-    name: str
-    namespace: str
-    uid: str
-
-
-def ref_of(body: JSON) -> SandboxRef:
-    meta = body["metadata"]
-    return SandboxRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-
-
-def children_ref(body: JSON) -> SandboxRef:
-    """The Sandbox whose children (pod, workspace claim, token, policy, service) serve
-    this one: a pool member it claimed (status.pool), or itself. A claim moves no
-    child: the member keeps owning them, and this Sandbox owns the member."""
-    pool = (body.get("status") or {}).get("pool") or {}
-    if pool.get("member") and pool.get("memberUid"):
-        return SandboxRef(
-            name=pool["member"], namespace=body["metadata"]["namespace"], uid=pool["memberUid"]
-        )
-    return ref_of(body)
-
-
-def names(sandbox: str) -> dict[str, str]:
-    """Deterministic child names; the CRD caps sandbox names so these stay valid."""
-    return {
-        "pod": sandbox,
-        "claim": f"{sandbox}-workspace",
-        "secret": f"{sandbox}-agent-token",
-        "service": sandbox,
-        "network_policy": sandbox,
-    }
-
-
-def labels(sandbox: str) -> dict[str, str]:
-    return {LABEL_SANDBOX: sandbox, LABEL_MANAGED_BY: MANAGED_BY}
-
-
-def controlled_by(obj: JSON, ref: SandboxRef) -> bool:
-    """The object's controller is this Sandbox (its UID, not only its name:
-    labels and names can be copied by anyone who may create pods)."""
-    return any(
-        owner.get("controller") and owner.get("uid") == ref.uid
-        for owner in obj["metadata"].get("ownerReferences") or []
-    )
-
-
-def left_by_namesake(obj: JSON, ref: SandboxRef) -> bool:
-    """Controlled by an earlier Sandbox of this name (another UID). A name is held by
-    one Sandbox at a time, so that one is gone and the garbage collector is removing
-    the object: taken for this Sandbox's own, it would vanish under it (a pod bound
-    to a claim that is deleted a moment later stays unschedulable for good)."""
-    return any(
-        owner.get("controller")
-        and owner.get("kind") == "Sandbox"
-        and owner.get("name") == ref.name
-        and owner.get("uid") != ref.uid
-        for owner in obj["metadata"].get("ownerReferences") or []
-    )
 
 
 def _meta(ref: SandboxRef, name: str) -> JSON:
@@ -133,21 +68,6 @@ def _meta(ref: SandboxRef, name: str) -> JSON:
             }
         ],
     }
-
-
-def effectively_paused(sandbox: JSON, spec: SandboxSpec) -> bool:
-    """Paused by the user (spec) or by the idle policy (status), unless resumed since
-    (the resume annotation is later than the pause)."""
-    if spec.paused:
-        return True
-    paused_at = (sandbox.get("status") or {}).get("idlePausedAt")
-    if not paused_at:
-        return False
-    resumed = (sandbox["metadata"].get("annotations") or {}).get(RESUME_ANNOTATION)
-    try:
-        return not (resumed and parse_time(resumed) > parse_time(paused_at))
-    except ValueError:
-        return True
 
 
 def image_of(spec: SandboxSpec, settings: Settings) -> str:
@@ -252,27 +172,6 @@ def _restricted(uid: int, read_only_root: bool) -> JSON:
 
 def _env(spec: SandboxSpec) -> list[JSON]:
     return [var.to_wire() for var in spec.env]
-
-
-def pod_essentials(pod: Mapping[str, Any]) -> JSON:
-    """What the operator keeps of a pod it made: metadata (without managedFields),
-    status, and the sandbox container's env (which sync_environment compares).
-    The rest of the spec (probes, mounts, security contexts) is two thirds of a
-    pod's size and never read after creation: at 10,000 Sandboxes, hundreds of
-    MiB of the pod index. Pure."""
-    meta = {key: value for key, value in pod["metadata"].items() if key != "managedFields"}
-    containers = [
-        {"name": c["name"], "env": c.get("env") or []}
-        for c in (pod.get("spec") or {}).get("containers") or []
-        if c.get("name") == SANDBOX_CONTAINER
-    ]
-    return {
-        "apiVersion": pod.get("apiVersion", "v1"),
-        "kind": pod.get("kind", "Pod"),
-        "metadata": meta,
-        "spec": {"containers": containers},
-        "status": pod.get("status") or {},
-    }
 
 
 def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:

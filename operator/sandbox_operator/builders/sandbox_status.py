@@ -15,8 +15,8 @@ from sandbox_operator.api.sandbox import (
     SandboxStatus,
 )
 from sandbox_operator.builders.conditions import FALSE, TRUE, UNKNOWN, Cond, merge, progress
-from sandbox_operator.builders.sandbox import AGENT_CONTAINER, SANDBOX_CONTAINER
 from sandbox_operator.clock import iso, parse_time
+from sandbox_operator.identity import AGENT_CONTAINER, SANDBOX_CONTAINER
 
 JSON = dict[str, Any]
 C = SandboxCondition

@@ -20,8 +20,8 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
-from sandbox_operator.builders.sandbox import TOKEN_KEY, effectively_paused
-from sandbox_operator.builders.template import sandbox_spec
+from sandbox_operator.effective import effectively_paused, sandbox_spec
+from sandbox_operator.identity import TOKEN_KEY
 from sandbox_operator.kube import Kube, KubeError
 from sandbox_operator.resources import (
     LABEL_MANAGED_BY,

@@ -48,10 +48,9 @@ from sandbox_operator.builders import execution as build
 from sandbox_operator.builders import quota
 from sandbox_operator.builders.conditions import find
 from sandbox_operator.builders.pool import claimed_by
-from sandbox_operator.builders.sandbox import effectively_paused
-from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.clock import iso, iso_precise, now_utc, parse_time
 from sandbox_operator.context import OperatorContext
+from sandbox_operator.effective import effectively_paused, sandbox_spec
 from sandbox_operator.kube import MERGE_PATCH, Refused, status_patch
 from sandbox_operator.resources import EXECUTIONS, LABEL_POOL, RESUME_ANNOTATION, SANDBOXES
 

@@ -14,7 +14,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from sandbox_operator import metrics
+from sandbox_operator import identity, metrics
 from sandbox_operator.agent_client import AgentError
 from sandbox_operator.api.common import readable
 from sandbox_operator.api.sandbox import SandboxPhase
@@ -26,7 +26,6 @@ from sandbox_operator.api.snapshot import (
     SnapshotSpec,
     SnapshotStatus,
 )
-from sandbox_operator.builders import sandbox as sandbox_build
 from sandbox_operator.builders import snapshot as build
 from sandbox_operator.builders import snapshot_status
 from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, find
@@ -175,7 +174,7 @@ async def _prepare(
             f"this cluster has no VolumeSnapshot API ({VOLUME_SNAPSHOTS.api_version}): install"
             " the CSI external-snapshotter CRDs and snapshot controller to take snapshots",
         )
-    claim_name = sandbox_build.names(sandbox_build.children_ref(sandbox).name)["claim"]
+    claim_name = identity.names(identity.children_ref(sandbox).name)["claim"]
     claim = await ctx.kube.get(CLAIMS.path(namespace, claim_name))
     if claim is None or (claim.get("status") or {}).get("phase") != "Bound":
         raise Wait(R.WORKSPACE_PENDING, f"claim {claim_name} is not bound yet")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sandbox_operator import envvars, metrics
+from sandbox_operator import envvars, identity, metrics
 from sandbox_operator.agent_client import AgentError, environment_hash
 from sandbox_operator.api.sandbox import SandboxSpec, SandboxStatus
 from sandbox_operator.builders import sandbox as build
@@ -18,7 +18,7 @@ JSON = dict[str, Any]
 def _pod_env(pod: JSON) -> list[JSON]:
     """The user's variables the pod was started with (not the operator's own)."""
     container: JSON = next(
-        (c for c in pod["spec"]["containers"] if c["name"] == build.SANDBOX_CONTAINER), {}
+        (c for c in pod["spec"]["containers"] if c["name"] == identity.SANDBOX_CONTAINER), {}
     )
     own = {"HOME", "SANDBOX_RUNNER_SOCKET"}
     return [var for var in container.get("env") or [] if var.get("name") not in own]

@@ -9,7 +9,7 @@ from typing import Any
 
 import kopf
 
-from sandbox_operator import metrics
+from sandbox_operator import identity, metrics
 from sandbox_operator.api.sandbox import (
     SandboxCondition,
     SandboxSpec,
@@ -20,7 +20,9 @@ from sandbox_operator.builders import sandbox_status
 from sandbox_operator.builders.conditions import FALSE, find
 from sandbox_operator.clock import parse_time
 from sandbox_operator.context import OperatorContext
+from sandbox_operator.effective import effectively_paused
 from sandbox_operator.handlers.sandbox.workspace import ClaimState, ours_or_refuse
+from sandbox_operator.indexes import pod_essentials
 from sandbox_operator.kube import newest_warning
 from sandbox_operator.resources import (
     POD_SPEC_ANNOTATION,
@@ -103,8 +105,8 @@ def agent_stalled(
     Ready before, so a pod that never gets ready is not replaced in a loop."""
     if status.ready_pod_uid != pod["metadata"].get("uid"):
         return None
-    agent = sandbox_status.container_status(pod, build.AGENT_CONTAINER) or {}
-    runtime = sandbox_status.container_status(pod, build.SANDBOX_CONTAINER) or {}
+    agent = sandbox_status.container_status(pod, identity.AGENT_CONTAINER) or {}
+    runtime = sandbox_status.container_status(pod, identity.SANDBOX_CONTAINER) or {}
     if agent.get("ready") or "running" not in (runtime.get("state") or {}):
         return None
     cond = find(status.conditions, SandboxCondition.AGENT_READY)
@@ -128,7 +130,7 @@ async def ensure_pod(
     logger: kopf.Logger,
 ) -> JSON | None:
     """Carry out `decision`. Returns the pod as it now stands (None if absent)."""
-    ref = build.children_ref(body)
+    ref = identity.children_ref(body)
     path = PODS.path(ref.namespace)
     action = decision.action
     if pod is not None and _must_be_ours(pod, ref):
@@ -143,7 +145,7 @@ async def ensure_pod(
             if namesake is not None and _must_be_ours(namesake, ref):
                 ours_or_refuse("Pod", namesake, ref)
             return namesake
-        ctx.created_pods[(ref.namespace, ref.name)] = build.pod_essentials(created)
+        ctx.created_pods[(ref.namespace, ref.name)] = pod_essentials(created)
         return created
     assert pod is not None
     name = pod["metadata"]["name"]
@@ -152,7 +154,7 @@ async def ensure_pod(
         return await ctx.kube.patch(f"{path}/{name}", {"metadata": {"annotations": annotations}})
     await ctx.kube.delete(f"{path}/{name}", uid=pod["metadata"]["uid"])
     if action is PodAction.DELETE:
-        if build.effectively_paused(body, spec):
+        if effectively_paused(body, spec):
             ctx.event(body, "info", reason="Paused", message="pod deleted, workspace kept")
         else:
             ctx.event(body, "info", reason="Restoring", message="pod stopped for a rollback")
@@ -164,10 +166,10 @@ async def ensure_pod(
     return pod
 
 
-def _must_be_ours(pod: JSON, ref: build.SandboxRef) -> bool:
+def _must_be_ours(pod: JSON, ref: identity.SandboxRef) -> bool:
     """A pod on its way out is waited for as it is, unless an earlier namesake left
     it: then the wait is reported as that (not as this Sandbox's pod ending)."""
-    return not pod["metadata"].get("deletionTimestamp") or build.left_by_namesake(pod, ref)
+    return not pod["metadata"].get("deletionTimestamp") or identity.left_by_namesake(pod, ref)
 
 
 async def with_eviction(ctx: OperatorContext, pod: JSON | None) -> JSON | None:

@@ -4,7 +4,7 @@ The claim is one write: the member Sandbox gets this Sandbox as its only
 owner, conditioned on the member's resourceVersion, so of two claims of one
 member exactly one succeeds and the other takes the next member. Nothing
 else moves: the member keeps its pod, workspace claim, token and policy, and
-this Sandbox is served by them (`builders.sandbox.children_ref`) from then on.
+this Sandbox is served by them (`identity.children_ref`) from then on.
 The outcome is recorded in `status.pool`; until it is, a restart finds the
 member by its owner reference and takes it up again, so a crash between the
 claim and the status write neither leaks nor doubles a member.
@@ -30,8 +30,8 @@ from sandbox_operator.api.sandbox import (
 )
 from sandbox_operator.builders import pool as pools
 from sandbox_operator.builders import sandbox as build
-from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.context import OperatorContext
+from sandbox_operator.effective import sandbox_spec
 from sandbox_operator.handlers.sandbox.status import report_blocked
 from sandbox_operator.kube import KubeError
 from sandbox_operator.resources import PODS, SANDBOX_POOLS, SANDBOX_TEMPLATES, SANDBOXES

@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 from pydantic import ValidationError
 
-from sandbox_operator import metrics
+from sandbox_operator import identity, metrics
 from sandbox_operator.api.common import parse_duration, readable
 from sandbox_operator.api.sandbox import (
     PoolOutcome,
@@ -31,10 +31,10 @@ from sandbox_operator.builders import sandbox as build
 from sandbox_operator.builders import sandbox_status
 from sandbox_operator.builders.pool import Links, claimed, claimed_by
 from sandbox_operator.builders.sandbox_status import Observed
-from sandbox_operator.builders.template import sandbox_spec
 from sandbox_operator.clock import now_utc, parse_time
 from sandbox_operator.config import Settings
 from sandbox_operator.context import OperatorContext
+from sandbox_operator.effective import effectively_paused, sandbox_spec
 from sandbox_operator.handlers.sandbox.admission import QuotaIndex, SandboxIndex, admit, waiting
 from sandbox_operator.handlers.sandbox.environment import sync_environment, sync_files
 from sandbox_operator.handlers.sandbox.lifecycle import (
@@ -143,14 +143,14 @@ async def reconcile(
     the status a full pass arrived at (None when it stopped early)."""
     meta = body["metadata"]
     async with ctx.lock(meta["namespace"], meta["name"]):
-        if not _present(sandboxes, build.ref_of(body)):
+        if not _present(sandboxes, identity.ref_of(body)):
             return None  # gone since this pass was scheduled (a timer of a deleted Sandbox)
         body = current(ctx, body)
         if claimed_by(body) is not None:
             return None  # a pool member another Sandbox claimed: that one looks after it now
         recorded = (body.get("status") or {}).get("pool")
         body = await take_member(ctx, body, sandboxes, links, pods, pools)
-        kids = build.children_ref(body)
+        kids = identity.children_ref(body)
         if kids.uid != meta["uid"] and not _present(sandboxes, kids):
             # Its children went with the member: nothing to rebuild them from.
             why = (
@@ -206,7 +206,7 @@ async def reconcile(
         return status
 
 
-def _present(sandboxes: SandboxIndex, ref: build.SandboxRef) -> bool:
+def _present(sandboxes: SandboxIndex, ref: identity.SandboxRef) -> bool:
     """The Sandbox (this very object, by UID) is in the index: it exists."""
     return any(
         b["metadata"].get("uid") == ref.uid for b in sandboxes.get((ref.namespace, ref.name), [])
@@ -232,7 +232,7 @@ async def _reconcile(
         await report_blocked(ctx, body, spec, invalid=invalid)
         raise kopf.PermanentError(invalid)
     assert spec is not None
-    ref = build.children_ref(body)
+    ref = identity.children_ref(body)
     if children is Children.CREATE:
         children = Children.POD if pod is not None else Children.ENSURE
     workspace = await plan_workspace(ctx, body, spec)
@@ -241,7 +241,7 @@ async def _reconcile(
         created_claim = await ensure_children(
             ctx, ref, spec, converge=children is Children.CONVERGE, workspace=workspace
         )
-    paused = build.effectively_paused(body, spec)
+    paused = effectively_paused(body, spec)
     if pod is None and children is Children.POD and not paused:
         # The pod is gone (evicted, deleted): its siblings may be too.
         created_claim = await ensure_children(ctx, ref, spec, converge=False, workspace=workspace)
@@ -250,12 +250,12 @@ async def _reconcile(
         ctx.event(body, "warn", reason="RestoreRefused", message=workspace.condition.message)
     claims = ClaimState()
     if not spec.workspace.ephemeral and not workspace.hold:
-        if claim is None or not build.controlled_by(claim, ref):
+        if claim is None or not identity.controlled_by(claim, ref):
             # Not in the index yet (or only an earlier namesake's is): the one this
             # pass just created, or (created by an earlier pass) ask, rather than
             # make a pod the scheduler would find waiting on an unbound claim.
             claim = created_claim or await ctx.kube.get(
-                CLAIMS.path(ref.namespace, build.names(ref.name)["claim"])
+                CLAIMS.path(ref.namespace, identity.names(ref.name)["claim"])
             )
         claims = await claim_state(ctx, ref.namespace, claim, now)
     pod = await with_eviction(ctx, pod)
@@ -330,7 +330,7 @@ async def _reconcile(
 
 def forget(ctx: OperatorContext, body: JSON) -> None:
     """Drop what this process holds for a Sandbox that is going."""
-    own, served_by = build.ref_of(body), build.children_ref(body)
+    own, served_by = identity.ref_of(body), identity.children_ref(body)
     metrics.PHASES.forget(own.namespace, own.name)
     ctx.forget(own.namespace, own.name, own.uid)
     ctx.tokens.pop((served_by.namespace, served_by.uid), None)
@@ -343,7 +343,7 @@ async def teardown(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> Non
     """Finalizer: wait for the idle policy's snapshot (bounded), stop the pod (no
     writes in flight), then let GC take the rest. Snapshots are not owned by
     the Sandbox: they stay."""
-    ref = build.children_ref(body)
+    ref = identity.children_ref(body)
     status = status_of(body)
     if status.idle_snapshot and not status.idle_paused_at:
         spec, _ = parse_spec(body, ctx.settings)
@@ -354,7 +354,7 @@ async def teardown(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> Non
         if not settled:
             raise kopf.TemporaryError(f"waiting for snapshot {status.idle_snapshot}", delay=2)
     forget(ctx, body)
-    path = PODS.path(ref.namespace, build.names(ref.name)["pod"])
+    path = PODS.path(ref.namespace, identity.names(ref.name)["pod"])
     pod = await ctx.kube.get(path)
     if pod is None:
         return

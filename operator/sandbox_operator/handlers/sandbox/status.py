@@ -6,7 +6,7 @@ from typing import Any
 
 import kopf
 
-from sandbox_operator import metrics
+from sandbox_operator import identity, metrics
 from sandbox_operator.api.common import parse_duration
 from sandbox_operator.api.sandbox import (
     SandboxCondition,
@@ -74,9 +74,9 @@ def spec_fields(body: JSON, spec: SandboxSpec | None, settings: Settings) -> JSO
     if lifetime:
         created = parse_time(body["metadata"]["creationTimestamp"])
         expires = iso(created + parse_duration(lifetime))
-    served_by = build.children_ref(body).name
-    claim = None if spec.workspace.ephemeral else build.names(served_by)["claim"]
-    ports = build.port_statuses(build.ref_of(body), spec, settings)
+    served_by = identity.children_ref(body).name
+    claim = None if spec.workspace.ephemeral else identity.names(served_by)["claim"]
+    ports = build.port_statuses(identity.ref_of(body), spec, settings)
     return {
         "image": build.image_of(spec, settings),
         "workspace_claim": claim,

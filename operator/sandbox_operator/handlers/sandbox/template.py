@@ -3,7 +3,7 @@
 What the Sandbox took (the template's sandbox fields and its base snapshot)
 is kept in `status.template`, so later edits of the template never restart
 or roll back a running sandbox, and an operator restart reads the same
-defaults again (builders.template.sandbox_spec merges them).
+defaults again (effective.sandbox_spec merges them).
 """
 
 from __future__ import annotations

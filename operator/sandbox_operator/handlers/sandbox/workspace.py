@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sandbox_operator import metrics
+from sandbox_operator import identity, metrics
 from sandbox_operator.api.sandbox import (
     RestoreRefusal,
     SandboxCondition,
@@ -42,7 +42,7 @@ WAIT_FOR_FIRST_CONSUMER = "WaitForFirstConsumer"
 
 class PredecessorDeleting(Exception):
     """A child's name is held by the object of an earlier Sandbox of the same name,
-    which the garbage collector is removing (see build.left_by_namesake)."""
+    which the garbage collector is removing (see identity.left_by_namesake)."""
 
     def __init__(self, kind: str, name: str, sandbox: str) -> None:
         super().__init__(
@@ -51,16 +51,16 @@ class PredecessorDeleting(Exception):
         )
 
 
-def ours_or_refuse(kind: str, obj: JSON, ref: build.SandboxRef) -> None:
+def ours_or_refuse(kind: str, obj: JSON, ref: identity.SandboxRef) -> None:
     """Never use, adopt or delete a child this Sandbox does not control: someone's
     object that only has the name (or copied labels) would receive the sandbox's
     commands, files and agent token. Reported like a refused create (CreateFailed)
     and retried, so removing the namesake lets the sandbox start. The leftover
     of an earlier Sandbox of this name is waited for instead."""
-    if build.controlled_by(obj, ref):
+    if identity.controlled_by(obj, ref):
         return
     name = obj["metadata"]["name"]
-    if build.left_by_namesake(obj, ref):
+    if identity.left_by_namesake(obj, ref):
         raise PredecessorDeleting(kind, name, ref.name)
     why = (
         f"a {kind} named {name} exists that this Sandbox does not control"
@@ -70,7 +70,7 @@ def ours_or_refuse(kind: str, obj: JSON, ref: build.SandboxRef) -> None:
 
 
 async def create_child(
-    ctx: OperatorContext, ref: build.SandboxRef, path: str, obj: JSON
+    ctx: OperatorContext, ref: identity.SandboxRef, path: str, obj: JSON
 ) -> JSON | None:
     """Create one child; None when this Sandbox's own exists already (idempotent).
     An object of that name that is not its own is refused or waited for (see
@@ -88,7 +88,7 @@ async def create_child(
 
 
 async def _create_or_converge(
-    ctx: OperatorContext, ref: build.SandboxRef, path: str, obj: JSON, converge: bool
+    ctx: OperatorContext, ref: identity.SandboxRef, path: str, obj: JSON, converge: bool
 ) -> None:
     created = await create_child(ctx, ref, path, obj)
     if created is None and converge:
@@ -156,7 +156,7 @@ async def plan_workspace(ctx: OperatorContext, body: JSON, spec: SandboxSpec) ->
         # Dropped earlier: a snapshot made later under that name must not roll back
         # a workspace that went on being used meanwhile.
         return _refused(wanted, request, str(refused.get("message") or ""))
-    claim_name = build.names(build.children_ref(body).name)["claim"]
+    claim_name = identity.names(identity.children_ref(body).name)["claim"]
     claim = await ctx.kube.get(CLAIMS.path(meta["namespace"], claim_name))
     going = claim is not None and bool(claim["metadata"].get("deletionTimestamp"))
     if claim is not None and not going:
@@ -295,7 +295,7 @@ async def _claim_problem(ctx: OperatorContext, namespace: str, claim: JSON) -> s
 
 async def ensure_children(
     ctx: OperatorContext,
-    ref: build.SandboxRef,
+    ref: identity.SandboxRef,
     spec: SandboxSpec,
     converge: bool,
     workspace: WorkspacePlan | None = None,
@@ -303,7 +303,7 @@ async def ensure_children(
     """Create what is missing; with `converge`, also update what drifted. Idempotent.
     Returns the workspace claim when this call created it (None when it existed)."""
     kube, settings = ctx.kube, ctx.settings
-    child = build.names(ref.name)
+    child = identity.names(ref.name)
     workspace = workspace or WorkspacePlan()
     # The token is random, so only ever created, never replaced (409 = keep the old one).
     await create_child(
