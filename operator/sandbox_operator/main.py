@@ -10,6 +10,7 @@ counts it in the metrics.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from contextlib import suppress
 from typing import Any
 
@@ -27,7 +28,7 @@ from sandbox_operator.handlers import pool as pool_controller
 from sandbox_operator.handlers import quota as quotas
 from sandbox_operator.handlers import snapshot as snapshots
 from sandbox_operator.handlers import template as templates
-from sandbox_operator.indexes import pod_essentials
+from sandbox_operator.indexes import Indexes, pod_essentials, trim
 from sandbox_operator.kube import Kube
 from sandbox_operator.resources import (
     CLAIMS,
@@ -63,7 +64,7 @@ TIMER_EXIT_POLL_SECONDS = 1.0
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     bookkeeping.configure(settings)
     peering.configure(settings, SETTINGS.peering_lifetime_seconds)
     # Watch only our own pods and claims, filtered by the API server, not in this process.
@@ -107,28 +108,35 @@ async def login(logger: kopf.Logger, **kwargs: Any) -> kopf.AiohttpSession:
 
 
 @kopf.on.cleanup()
-async def close(memo: Any, **_: Any) -> None:
+async def close(memo: kopf.Memo, **_: Any) -> None:
     ctx: OperatorContext = memo.ctx
     await memo.events.drain()
     await ctx.kube.close()
     await ctx.agents.close()
 
 
-def _ctx(memo: Any) -> OperatorContext:
+def _ctx(memo: kopf.Memo) -> OperatorContext:
     ctx: OperatorContext = memo.ctx
     return ctx
 
 
-def _indexes(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The Kopf indexes a Sandbox reconciliation reads, from a handler's kwargs."""
-    return {
-        "pods": kwargs["sandbox_pods"],
-        "claims": kwargs["sandbox_claims"],
-        "sandboxes": kwargs["sandbox_bodies"],
-        "links": kwargs["sandbox_pool_links"],
-        "quotas": kwargs["sandbox_quotas"],
-        "pools": kwargs["sandbox_pools"],
-    }
+def _scheduler(memo: kopf.Memo) -> execution.Scheduler:
+    scheduler: execution.Scheduler = memo.scheduler
+    return scheduler
+
+
+def _indexes(kwargs: Mapping[str, Any]) -> Indexes:
+    """The indexes registered below, from a handler's kwargs, where Kopf passes
+    each under its index function's name: the one place that knows those names."""
+    return Indexes(
+        sandboxes=kwargs["sandbox_bodies"],
+        links=kwargs["sandbox_pool_links"],
+        pods=kwargs["sandbox_pods"],
+        claims=kwargs["sandbox_claims"],
+        quotas=kwargs["sandbox_quotas"],
+        pools=kwargs["sandbox_pools"],
+        slots=kwargs["execution_slots"],
+    )
 
 
 # Every handler, index functions included, is a coroutine: Kopf runs a plain
@@ -137,18 +145,12 @@ def _indexes(kwargs: dict[str, Any]) -> dict[str, Any]:
 # Sandboxes, 16% of the operator's profile samples were in that step).
 
 
-def _trim(body: kopf.Body) -> dict[str, Any]:
-    """A body to keep in an index: managedFields are most of its size and never read."""
-    meta = {k: v for k, v in body["metadata"].items() if k != "managedFields"}
-    return {**dict(body), "metadata": meta}
-
-
 # -- Sandbox -------------------------------------------------------------------------
 
 
 @kopf.index(*SANDBOX)
 async def sandbox_bodies(
-    namespace: str | None, name: str, body: kopf.Body, memo: Any, **_: Any
+    namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any
 ) -> dict[Any, Any]:
     """Sandboxes by (namespace, name), so pod events and Executions find them without a GET.
 
@@ -157,7 +159,7 @@ async def sandbox_bodies(
     scheduler = getattr(memo, "scheduler", None)
     if scheduler is not None and namespace:
         scheduler.sandbox_changed(namespace, name)
-    return {(namespace, name): _trim(body)}
+    return {(namespace, name): trim(body)}
 
 
 @kopf.index(*SANDBOX)
@@ -181,14 +183,14 @@ async def sandbox_claims(
 ) -> Any:
     """Our workspace claims by (namespace, sandbox)."""
     owner = labels.get(LABEL_SANDBOX)
-    return {(namespace, owner): _trim(body)} if owner else None
+    return {(namespace, owner): trim(body)} if owner else None
 
 
 @kopf.on.create(*SANDBOX)
 @kopf.on.update(*SANDBOX)
 @kopf.on.resume(*SANDBOX)
 async def sandbox_changed(
-    body: kopf.Body, memo: Any, logger: kopf.Logger, reason: str, **kwargs: Any
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, reason: str, **kwargs: Any
 ) -> None:
     ctx = _ctx(memo)
     children = {
@@ -205,7 +207,7 @@ async def sandbox_changed(
             dict(body),
             logger,
             children=children,
-            **_indexes(kwargs),
+            indexes=_indexes(kwargs),
         )
 
 
@@ -215,7 +217,9 @@ async def sandbox_changed(
     interval=SETTINGS.reconcile_interval_seconds,
     initial_delay=SETTINGS.reconcile_interval_seconds,
 )
-async def sandbox_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs: Any) -> None:
+async def sandbox_tick(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
+) -> None:
     if body["metadata"].get("deletionTimestamp"):
         return
     ctx = _ctx(memo)
@@ -229,19 +233,19 @@ async def sandbox_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs
                 dict(body),
                 logger,
                 children=sandbox.Children.POD,
-                **_indexes(kwargs),
+                indexes=_indexes(kwargs),
             )
 
 
 @kopf.on.delete(*SANDBOX)
-async def sandbox_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+async def sandbox_deleted(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     async with errors.policy("Sandbox", "delete"):
         await sandbox.teardown(_ctx(memo), dict(body), logger)
 
 
 @kopf.on.event(*SANDBOX)
 async def sandbox_event(
-    type: str, body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs: Any
+    type: str, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
 ) -> None:
     """Gone: drop what this process holds for it (the finalizer does too, when it
     ran). New and naming a pool: claim a member now, in the round of the event
@@ -256,17 +260,18 @@ async def sandbox_event(
 
 
 async def _child_changed(
-    trigger: str, type: str, body: kopf.Body, memo: Any, logger: kopf.Logger, kwargs: Any
+    trigger: str, type: str, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, kwargs: Any
 ) -> None:
     """A pod or claim of a Sandbox changed: converge its Sandbox now."""
     meta = body["metadata"]
+    indexes = _indexes(kwargs)
     name = (meta.get("labels") or {}).get(LABEL_SANDBOX)
-    bodies = kwargs["sandbox_bodies"].get((meta["namespace"], name), []) if name else []
+    bodies = indexes.sandboxes.get((meta["namespace"], name), []) if name else []
     owner = next(iter(bodies), None)
     claimer = pools.claimed_by(owner) if owner is not None else None
     if claimer is not None:
         # A claimed pool member's child: the Sandbox that claimed it is served by it.
-        bodies = kwargs["sandbox_bodies"].get((meta["namespace"], claimer["name"]), [])
+        bodies = indexes.sandboxes.get((meta["namespace"], claimer["name"]), [])
         owner = next(iter(bodies), None)
     if owner is None or owner["metadata"].get("deletionTimestamp"):
         return
@@ -281,7 +286,7 @@ async def _child_changed(
                 owner,
                 logger,
                 children=sandbox.Children.POD,
-                **_indexes(kwargs),
+                indexes=indexes,
                 pod=dict(body) if is_pod and type != "DELETED" else None,
                 pod_known=is_pod,
             )
@@ -289,14 +294,14 @@ async def _child_changed(
 
 @kopf.on.event(*POD, labels=OWN)
 async def pod_event(
-    type: str, body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs: Any
+    type: str, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
 ) -> None:
     await _child_changed("pod-event", type, body, memo, logger, kwargs)
 
 
 @kopf.on.event(*CLAIM, labels=OWN)
 async def claim_event(
-    type: str, body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs: Any
+    type: str, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
 ) -> None:
     await _child_changed("claim-event", type, body, memo, logger, kwargs)
 
@@ -314,29 +319,24 @@ async def execution_slots(namespace: str | None, body: kopf.Body, **_: Any) -> d
 # the task at once; the deletion handler below then cancels what still runs.
 @kopf.daemon(*EXECUTION, cancellation_timeout=1.0)
 async def execution_daemon(
-    body: kopf.Body, memo: Any, logger: kopf.Logger, stopped: kopf.DaemonStopped, **kwargs: Any
+    body: kopf.Body,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    stopped: kopf.DaemonStopped,
+    **kwargs: Any,
 ) -> None:
     ctx = _ctx(memo)
-    run = execution.Run(
-        ctx,
-        memo.scheduler,
-        body,
-        kwargs["sandbox_bodies"],
-        kwargs["execution_slots"],
-        stopped,
-        logger,
-        kwargs["sandbox_quotas"],
-    )
+    run = execution.Run.of(ctx, _scheduler(memo), body, _indexes(kwargs), stopped, logger)
     async with errors.policy("Execution", "daemon", run.refused, daemon=True):
         await run.drive()
 
 
 @kopf.on.delete(*EXECUTION, retries=10, errors=kopf.ErrorsMode.IGNORED)
-async def execution_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **kwargs: Any) -> None:
+async def execution_deleted(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
+) -> None:
     async with errors.policy("Execution", "delete"):
-        await execution.deleted(
-            _ctx(memo), memo.scheduler, dict(body), kwargs["sandbox_bodies"], logger
-        )
+        await execution.deleted(_ctx(memo), _scheduler(memo), dict(body), _indexes(kwargs), logger)
 
 
 # -- SandboxQuota ---------------------------------------------------------------------
@@ -349,16 +349,13 @@ async def sandbox_quotas(namespace: str | None, body: kopf.Body, **_: Any) -> di
     return {namespace: entry} if entry is not None else None
 
 
-async def _observe_quota(body: kopf.Body, memo: Any, kwargs: Any) -> None:
-    ctx = _ctx(memo)
-    namespace = body["metadata"]["namespace"]
-    peers = ctx.sandboxes_in(kwargs["sandbox_bodies"], namespace)
-    scheduler: execution.Scheduler = memo.scheduler
-    await quotas.observe(ctx, dict(body), peers, kwargs["execution_slots"], scheduler.claimed)
+async def _observe_quota(body: kopf.Body, memo: kopf.Memo, kwargs: Mapping[str, Any]) -> None:
+    claimed = _scheduler(memo).claimed
+    await quotas.observe(_ctx(memo), dict(body), _indexes(kwargs), claimed)
 
 
 @kopf.on.event(*QUOTA)
-async def quota_event(type: str, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+async def quota_event(type: str, body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     meta = body["metadata"]
     if type == "DELETED":
         quotas.forget(meta["namespace"], meta["name"])
@@ -368,7 +365,7 @@ async def quota_event(type: str, body: kopf.Body, memo: Any, **kwargs: Any) -> N
 
 
 @kopf.timer(*QUOTA, interval=SETTINGS.reconcile_interval_seconds)
-async def quota_tick(body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+async def quota_tick(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     async with errors.policy("SandboxQuota", "timer"):
         await _observe_quota(body, memo, kwargs)
 
@@ -379,7 +376,7 @@ async def quota_tick(body: kopf.Body, memo: Any, **kwargs: Any) -> None:
 @kopf.on.create(*SNAPSHOT)
 @kopf.on.resume(*SNAPSHOT)
 async def snapshot_changed(
-    body: kopf.Body, memo: Any, logger: kopf.Logger, reason: str, retry: int, **_: Any
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, reason: str, retry: int, **_: Any
 ) -> None:
     ctx = _ctx(memo)
     refused = snapshots.refused(ctx, dict(body))
@@ -393,7 +390,7 @@ async def snapshot_changed(
     interval=SETTINGS.reconcile_interval_seconds * 2,
     initial_delay=SETTINGS.reconcile_interval_seconds * 2,
 )
-async def snapshot_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+async def snapshot_tick(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     if body["metadata"].get("deletionTimestamp"):
         return
     async with errors.policy("Snapshot", "timer"):
@@ -401,7 +398,7 @@ async def snapshot_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: An
 
 
 @kopf.on.delete(*SNAPSHOT)
-async def snapshot_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+async def snapshot_deleted(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     async with errors.policy("Snapshot", "delete"):
         await snapshots.release(_ctx(memo), dict(body), logger)
 
@@ -418,14 +415,14 @@ async def snapshot_deleted(body: kopf.Body, memo: Any, logger: kopf.Logger, **_:
 @kopf.on.update(*TEMPLATE)
 @kopf.on.resume(*TEMPLATE)
 async def template_changed(
-    body: kopf.Body, memo: Any, logger: kopf.Logger, reason: str, **_: Any
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, reason: str, **_: Any
 ) -> None:
     async with errors.policy("SandboxTemplate", str(reason)):
         await templates.reconcile(_ctx(memo), dict(body), logger)
 
 
 @kopf.on.event(*TEMPLATE)
-async def template_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
+async def template_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     if event["type"] == "DELETED":
         _ctx(memo).template_statuses.pop(event["object"]["metadata"]["uid"], None)
 
@@ -435,7 +432,7 @@ async def template_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
     interval=SETTINGS.reconcile_interval_seconds,
     initial_delay=SETTINGS.reconcile_interval_seconds,
 )
-async def template_tick(body: kopf.Body, memo: Any, logger: kopf.Logger, **_: Any) -> None:
+async def template_tick(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     with suppress(kopf.PermanentError, kopf.TemporaryError):
         async with errors.policy("SandboxTemplate", "timer"):
             await templates.reconcile(_ctx(memo), dict(body), logger)
@@ -449,24 +446,30 @@ async def sandbox_pools(
     namespace: str | None, name: str, body: kopf.Body, **_: Any
 ) -> dict[Any, Any]:
     """SandboxPools by (namespace, name): a claim reads its pool without a GET."""
-    return {(namespace, name): _trim(body)}
+    return {(namespace, name): trim(body)}
 
 
 @kopf.daemon(*POOL, cancellation_timeout=2.0)
 async def pool_loop(
-    body: kopf.Body, memo: Any, logger: kopf.Logger, stopped: kopf.DaemonStopped, **kwargs: Any
+    body: kopf.Body,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    stopped: kopf.DaemonStopped,
+    **kwargs: Any,
 ) -> None:
     # `body` is kept current by Kopf: each pass reads the pool as it stands.
-    await pool_controller.run(_ctx(memo), body, kwargs, logger, stopped)
+    await pool_controller.run(_ctx(memo), body, _indexes(kwargs), logger, stopped)
 
 
 @kopf.on.event(*POOL)
-async def pool_event(body: kopf.Body, memo: Any, **_: Any) -> None:
+async def pool_event(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A spec change (replicas from `kubectl scale`, say): a pass now, not at the next tick."""
     _ctx(memo).wake_pool(body["metadata"]["namespace"], body["metadata"]["name"])
 
 
 @kopf.on.event(*SANDBOX, labels={LABEL_POOL: kopf.PRESENT})
-async def pool_member_event(body: kopf.Body, memo: Any, labels: kopf.Labels, **_: Any) -> None:
+async def pool_member_event(
+    body: kopf.Body, memo: kopf.Memo, labels: kopf.Labels, **_: Any
+) -> None:
     """A waiting member changed (got ready, failed, went): its pool recounts."""
     _ctx(memo).wake_pool(body["metadata"]["namespace"], str(labels[LABEL_POOL]))

@@ -51,6 +51,7 @@ from sandbox_operator.builders.pool import claimed_by
 from sandbox_operator.clock import iso, iso_precise, now_utc, parse_time
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.effective import effectively_paused, sandbox_spec
+from sandbox_operator.indexes import Indexes
 from sandbox_operator.kube import MERGE_PATCH, Refused, status_patch
 from sandbox_operator.resources import EXECUTIONS, LABEL_POOL, RESUME_ANNOTATION, SANDBOXES
 
@@ -177,6 +178,21 @@ class Run:
         self.endpoint: str | None = None
         self.resolved_env: dict[str, str] | None = None
         self.attempt = 0
+
+    @classmethod
+    def of(
+        cls,
+        ctx: OperatorContext,
+        scheduler: Scheduler,
+        body: kopf.Body,
+        indexes: Indexes,
+        stopped: kopf.DaemonStopped,
+        logger: kopf.Logger,
+    ) -> Run:
+        """A Run that reads the operator's indexes."""
+        return cls(
+            ctx, scheduler, body, indexes.sandboxes, indexes.slots, stopped, logger, indexes.quotas
+        )
 
     # -- status ------------------------------------------------------------------
 
@@ -608,7 +624,7 @@ async def deleted(
     ctx: OperatorContext,
     scheduler: Scheduler,
     body: JSON,
-    sandboxes: SandboxIndex,
+    indexes: Indexes,
     logger: kopf.Logger,
 ) -> None:
     """Finalizer: kill the process group of a running command, remove a one-shot sandbox."""
@@ -616,7 +632,7 @@ async def deleted(
     status = ExecutionStatus.model_validate(body.get("status") or {})
     scheduler.forget(meta["namespace"], meta["name"])
     sandbox_name = sandbox_of(body)
-    sandbox = next(iter(sandboxes.get((meta["namespace"], sandbox_name or ""), [])), None)
+    sandbox = next(iter(indexes.sandboxes.get((meta["namespace"], sandbox_name or ""), [])), None)
     if not build.terminal(status) and status.pod_uid and sandbox is not None:
         sb_status = SandboxStatus.model_validate(sandbox.get("status") or {})
         endpoint = sb_status.agent_endpoint

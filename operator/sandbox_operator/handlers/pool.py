@@ -28,6 +28,7 @@ from sandbox_operator.builders.conditions import FALSE, Cond, merge
 from sandbox_operator.builders.template import describe, template_path
 from sandbox_operator.clock import iso, now_utc
 from sandbox_operator.context import OperatorContext
+from sandbox_operator.indexes import Indexes
 from sandbox_operator.kube import MERGE_PATCH, KubeError, status_patch
 from sandbox_operator.resources import LABEL_POOL, SANDBOX_POOLS, SANDBOXES
 
@@ -191,7 +192,7 @@ async def _report_refusal(ctx: OperatorContext, body: JSON, why: str) -> None:
 async def run(
     ctx: OperatorContext,
     body: Mapping[str, Any],
-    indexes: Mapping[str, Any],
+    indexes: Indexes,
     logger: kopf.Logger,
     stopped: Any,
 ) -> None:
@@ -205,9 +206,9 @@ async def run(
             await reconcile(
                 ctx,
                 dict(body),
-                indexes["sandbox_bodies"],
-                indexes["sandbox_pool_links"],
-                indexes["sandbox_pods"],
+                indexes.sandboxes,
+                indexes.links,
+                indexes.pods,
                 logger,
             )
         except KubeError as exc:

@@ -20,6 +20,7 @@ from sandbox_operator.api.sandbox import SandboxCondition, SandboxReason, Sandbo
 from sandbox_operator.builders import quota as arithmetic
 from sandbox_operator.builders.conditions import find
 from sandbox_operator.context import OperatorContext
+from sandbox_operator.indexes import Indexes
 from sandbox_operator.kube import MERGE_PATCH, status_patch
 from sandbox_operator.resources import SANDBOX_QUOTAS
 
@@ -70,20 +71,20 @@ def usage_status(
 async def observe(
     ctx: OperatorContext,
     body: JSON,
-    sandboxes: list[JSON],
-    slots: Mapping[Key, Any],
+    indexes: Indexes,
     claimed: Mapping[Key, set[str]],
 ) -> None:
     """Write the namespace's usage into the quota's status (when it changed)."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
+    sandboxes = ctx.sandboxes_in(indexes.sandboxes, namespace)
     try:
         spec = SandboxQuotaSpec.model_validate(body.get("spec") or {})
     except ValidationError as exc:
         ctx.event(body, "warn", reason="InvalidSpec", message=readable(exc))
         return
     status, values = usage_status(
-        spec, meta.get("generation", 0), sandboxes, slots, claimed, namespace, ctx
+        spec, meta.get("generation", 0), sandboxes, indexes.slots, claimed, namespace, ctx
     )
     metrics.QUOTAS.set(namespace, name, values)
     patch = status_patch(body.get("status") or {}, status.to_wire())

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import suppress
-from typing import Any
 
 import kopf
 
@@ -22,6 +21,7 @@ from sandbox_operator import bookkeeping, errors
 from sandbox_operator.builders.pool import claimed
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers.sandbox.reconcile import Children, reconcile, refused
+from sandbox_operator.indexes import Indexes
 from sandbox_operator.kube import KubeError
 from sandbox_operator.resources import SANDBOXES
 
@@ -31,7 +31,7 @@ async def claim_on_arrival(
     body: kopf.Body,
     patch: kopf.Patch,
     logger: kopf.Logger,
-    indexes: dict[str, Any],
+    indexes: Indexes,
 ) -> None:
     """Claim for a new Sandbox that names a pool (`builders.pool.awaits_claim`)."""
     path = SANDBOXES.path(body["metadata"]["namespace"], body["metadata"]["name"])
@@ -47,7 +47,7 @@ async def claim_on_arrival(
                     logger,
                     children=Children.POD,
                     status_into=patch,
-                    **indexes,
+                    indexes=indexes,
                 )
                 took = claimed({"status": status or {}})
     finally:

@@ -33,6 +33,7 @@ from sandbox_operator.builders import sandbox as build
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.effective import sandbox_spec
 from sandbox_operator.handlers.sandbox.status import report_blocked
+from sandbox_operator.indexes import Indexes
 from sandbox_operator.kube import KubeError
 from sandbox_operator.resources import PODS, SANDBOX_POOLS, SANDBOX_TEMPLATES, SANDBOXES
 
@@ -133,10 +134,7 @@ def with_decision(decisions: Decisions, body: JSON) -> JSON:
 async def take_member(
     ctx: OperatorContext,
     body: JSON,
-    sandboxes: Index,
-    links: pools.Links,
-    pods: Index,
-    pools_index: Index,
+    indexes: Indexes,
 ) -> JSON:
     """`body` with `status.pool` decided when it names a pool: a member claimed, a
     cold start, or (raised) a wait. Sandboxes without a pool, and ones whose
@@ -147,23 +145,24 @@ async def take_member(
     if recorded.get("outcome") == PoolOutcome.COLD_START and not _has_pod(body):
         # Until its pod exists: a cold start decided by a process that then
         # stopped is announced by this one (the Event is made once either way).
-        pool = next(iter(pools_index.get((ns, recorded.get("name", "")), [])), None)
+        pool = next(iter(indexes.pools.get((ns, recorded.get("name", "")), [])), None)
         _announce_cold(ctx, body, recorded.get("message", ""), pool)
     if recorded.get("outcome") in (PoolOutcome.CLAIMED, PoolOutcome.COLD_START):
         return body
     if (body.get("status") or {}).get("podUID") or body["metadata"].get("deletionTimestamp"):
         return body
-    found = await _pool_of(ctx, body, pools_index)
+    found = await _pool_of(ctx, body, indexes.pools)
     if found is None:
         return body
     pool, spec = found
     use = PoolUse(
         name=pool["metadata"]["name"], outcome=PoolOutcome.CLAIMED, template_ref=spec.template_ref
     )
-    mine = pools.owned_member(sandboxes, links, body)
+    mine = pools.owned_member(indexes.sandboxes, indexes.links, body)
     if mine is not None:
         return remember(ctx.pool_decisions, _bound(body, _claimed(use, mine), mine))
-    claimed, mismatch = await _race(ctx, body, pool, _ready_members(pool, sandboxes, links, pods))
+    ready = _ready_members(pool, indexes.sandboxes, indexes.links, indexes.pods)
+    claimed, mismatch = await _race(ctx, body, pool, ready)
     if claimed is not None:
         return remember(ctx.pool_decisions, _bound(body, _claimed(use, claimed), claimed))
     if mismatch is not None:

@@ -10,7 +10,6 @@ the calls that carry them out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
 from enum import Enum
@@ -29,13 +28,13 @@ from sandbox_operator.api.sandbox import (
 )
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.builders import sandbox_status
-from sandbox_operator.builders.pool import Links, claimed, claimed_by
+from sandbox_operator.builders.pool import claimed, claimed_by
 from sandbox_operator.builders.sandbox_status import Observed
 from sandbox_operator.clock import now_utc, parse_time
 from sandbox_operator.config import Settings
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.effective import effectively_paused, sandbox_spec
-from sandbox_operator.handlers.sandbox.admission import QuotaIndex, SandboxIndex, admit, waiting
+from sandbox_operator.handlers.sandbox.admission import SandboxIndex, admit, waiting
 from sandbox_operator.handlers.sandbox.environment import sync_environment, sync_files
 from sandbox_operator.handlers.sandbox.lifecycle import (
     idle_snapshot_settled,
@@ -60,6 +59,7 @@ from sandbox_operator.handlers.sandbox.workspace import (
     plan_workspace,
     roll_back,
 )
+from sandbox_operator.indexes import Indexes
 from sandbox_operator.kube import Refused
 from sandbox_operator.resources import (
     CLAIMS,
@@ -68,8 +68,6 @@ from sandbox_operator.resources import (
 
 JSON = dict[str, Any]
 Key = tuple[str, str]
-# Kopf indexes of our pods and claims by (namespace, sandbox): read without a request.
-ChildIndex = Mapping[Key, Any]
 
 
 # How long teardown waits for a graceful pod exit before forcing it.
@@ -124,34 +122,27 @@ async def reconcile(
     logger: kopf.Logger,
     *,
     children: Children,
-    pods: ChildIndex,
-    claims: ChildIndex,
-    sandboxes: SandboxIndex,
-    links: Links,
-    quotas: QuotaIndex,
-    pools: ChildIndex,
+    indexes: Indexes,
     pod: JSON | None = None,
     pod_known: bool = False,
     status_into: kopf.Patch | None = None,
 ) -> JSON | None:
     """Converge one Sandbox. `children` says how far beyond the pod to look;
     `pod_known` means `pod` is the pod as it stands (None: there is none);
-    otherwise the pod index is asked. `sandboxes` and `quotas` are what quota
-    admission counts with; `pools` is where a claim finds its pool, `links`
-    its members. The final
-    status goes into `status_into` when given (see `write_status`). Returns
-    the status a full pass arrived at (None when it stopped early)."""
+    otherwise the pod index is asked. The final status goes into `status_into`
+    when given (see `write_status`). Returns the status a full pass arrived at
+    (None when it stopped early)."""
     meta = body["metadata"]
     async with ctx.lock(meta["namespace"], meta["name"]):
-        if not _present(sandboxes, identity.ref_of(body)):
+        if not _present(indexes.sandboxes, identity.ref_of(body)):
             return None  # gone since this pass was scheduled (a timer of a deleted Sandbox)
         body = current(ctx, body)
         if claimed_by(body) is not None:
             return None  # a pool member another Sandbox claimed: that one looks after it now
         recorded = (body.get("status") or {}).get("pool")
-        body = await take_member(ctx, body, sandboxes, links, pods, pools)
+        body = await take_member(ctx, body, indexes)
         kids = identity.children_ref(body)
-        if kids.uid != meta["uid"] and not _present(sandboxes, kids):
+        if kids.uid != meta["uid"] and not _present(indexes.sandboxes, kids):
             # Its children went with the member: nothing to rebuild them from.
             why = (
                 f"the pool member {kids.name} that served this Sandbox was deleted, with its"
@@ -169,16 +160,16 @@ async def reconcile(
         if pod_known:
             ctx.created_pods.pop((kids.namespace, kids.name), None)  # the event is newer
         else:
-            indexed = next(iter(pods.get((kids.namespace, kids.name), [])), None)
+            indexed = next(iter(indexes.pods.get((kids.namespace, kids.name), [])), None)
             pod = ctx.known_pod(kids.namespace, kids.name, indexed)
-        claim = next(iter(claims.get((kids.namespace, kids.name), [])), None)
+        claim = next(iter(indexes.claims.get((kids.namespace, kids.name), [])), None)
         body = await pin_template(ctx, body)
         spec, invalid = parse_spec(body, ctx.settings)
         if (
             spec is not None
             and invalid is None
             and kids.uid == meta["uid"]  # a claimed member keeps the share it was admitted with
-            and not await admit(ctx, body, spec, sandboxes, quotas)
+            and not await admit(ctx, body, spec, indexes.sandboxes, indexes.quotas)
         ):
             raise waiting(ctx, meta["namespace"])
         # Under the object's lock, so that racing triggers see each other's refusals.
