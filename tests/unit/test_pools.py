@@ -25,7 +25,7 @@ from sandbox_operator.builders.pool import (
     refill_plan,
     stuck_member,
 )
-from sandbox_operator.handlers.sandbox.pool import (
+from sandbox_operator.handlers.sandbox.pool_claim import (
     Decisions,
     Reservations,
     release,

@@ -18,7 +18,7 @@ from sandbox_operator.api.sandbox import (
 from sandbox_operator.api.template import SandboxTemplateSpec, SetupStep
 from sandbox_operator.builders import template as build
 from sandbox_operator.handlers.sandbox.lifecycle import paused_fields
-from sandbox_operator.handlers.sandbox.template import use_of
+from sandbox_operator.handlers.sandbox.template_use import use_of
 
 JSON = dict[str, Any]
 

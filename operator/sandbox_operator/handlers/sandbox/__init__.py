@@ -1,13 +1,15 @@
 """The Sandbox controller: one package, a module per concern.
 
-reconcile.py  the entry points (reconcile, teardown) and the order of things
-workspace.py  the claim, restores and rollbacks, the other children
-pod.py        what to do with the pod, and doing it
-pool.py       taking a warm member of a SandboxPool
-arrival.py    a new Sandbox's claim, ahead of Kopf's change handlers
-environment.py  env of new commands and spec.files, through the agent
-lifecycle.py  idleness and lifetime
-status.py     the status model, written only when it changed
+reconcile.py     the entry points (reconcile, teardown) and the order of things
+workspace.py     the workspace claim, restores and rollbacks, the other children
+pod.py           what to do with the pod, and doing it
+template_use.py  the template a Sandbox takes, read once and recorded (status.template)
+admission.py     admission against the namespace's SandboxQuotas
+pool_claim.py    taking a warm member of a SandboxPool (status.pool)
+arrival.py       a new Sandbox's pool claim, ahead of Kopf's change handlers
+environment.py   env of new commands and spec.files, through the agent
+lifecycle.py     idleness and lifetime
+status.py        the status model, written only when it changed
 """
 
 from sandbox_operator.handlers.sandbox.arrival import claim_on_arrival

@@ -42,7 +42,7 @@ from sandbox_operator.handlers.sandbox.lifecycle import (
     paused_fields,
 )
 from sandbox_operator.handlers.sandbox.pod import decide_pod, ensure_pod, with_eviction
-from sandbox_operator.handlers.sandbox.pool import take_member
+from sandbox_operator.handlers.sandbox.pool_claim import take_member
 from sandbox_operator.handlers.sandbox.status import (
     current,
     report_blocked,
@@ -50,7 +50,7 @@ from sandbox_operator.handlers.sandbox.status import (
     status_of,
     write_status,
 )
-from sandbox_operator.handlers.sandbox.template import pin_template
+from sandbox_operator.handlers.sandbox.template_use import pin_template
 from sandbox_operator.handlers.sandbox.workspace import (
     ClaimState,
     PredecessorDeleting,
