@@ -24,7 +24,7 @@ SANDBOX_CONTAINER = "sandbox"
 
 @dataclass(frozen=True)
 class SandboxRef:
-    """What a builder needs to know about the Sandbox object itself."""
+    """A Sandbox object: what its children are named after and owned by."""
 
     name: str
     namespace: str
