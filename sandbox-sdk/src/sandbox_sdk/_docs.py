@@ -48,7 +48,8 @@ def _doc(obj: object) -> str:
 def _signature(func: object) -> str:
     # Annotations are strings here (PEP 563): shown without their quotes.
     text = str(inspect.signature(func)).replace("'", "")  # type: ignore[arg-type]
-    text = text.replace("(self, ", "(").replace("(self)", "()")
+    # `self`, also annotated (a module's function assigned as a method).
+    text = re.sub(r"^\(self(?:: \w+)?(, |\))", lambda m: "(" if m[1] == ", " else "()", text)
     # Qualified names read worse than the names users import.
     return re.sub(r"\bsandbox_sdk\.(?:[a-z_]+\.)+", "", text)
 

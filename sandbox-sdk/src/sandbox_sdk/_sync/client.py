@@ -28,7 +28,7 @@ import yaml
 
 from sandbox_sdk import _lazy
 from sandbox_sdk import config as cluster_config
-from sandbox_sdk._sync.code import DEFAULT_CODE_TIMEOUT, ContextRef, Contexts, run_code
+from sandbox_sdk._sync.code import Contexts, run_code
 from sandbox_sdk._sync.gateway import Gateway
 from sandbox_sdk._sync.kube import API_VERSION, Kube, core_path, resource_path
 from sandbox_sdk._sync_io import sleep
@@ -49,12 +49,9 @@ from sandbox_sdk.errors import (
 )
 from sandbox_sdk.types import (
     CommandResult,
-    ErrorCallback,
     Event,
-    Execution,
     OutputEvent,
     Progress,
-    ResultCallback,
     Runtime,
     Sink,
     Template,
@@ -1091,42 +1088,8 @@ class Sandbox:
             raise ServerError("the output stream ended before the command did")
         return result
 
-    def run_code(
-        self,
-        code: str,
-        *,
-        language: str = "python",
-        context: ContextRef | None = None,
-        on_stdout: Sink | None = None,
-        on_stderr: Sink | None = None,
-        on_result: ResultCallback | None = None,
-        on_error: ErrorCallback | None = None,
-        timeout: float = DEFAULT_CODE_TIMEOUT,
-    ) -> Execution:
-        """Run `code` in a kernel whose state stays for the next run (a Jupyter
-        cell): variables, imports and definitions of earlier runs in the same
-        `context` (default: the language's default context) are there.
-        `language`: python (an IPython kernel), or javascript (Node.js, in an
-        image that has `node`).
-
-        Returns the results (the last expression's value, figures and tables
-        the code displayed, each with all its MIME representations), what it
-        printed, and the error it raised if any (an error is not raised here:
-        the context stays usable). Past `timeout` seconds the run is
-        interrupted (`status == "timed_out"`). The callbacks get each piece as
-        it comes.
-        """
-        return run_code(
-            self,
-            code,
-            language=language,
-            context=context,
-            on_stdout=on_stdout,
-            on_stderr=on_stderr,
-            on_result=on_result,
-            on_error=on_error,
-            timeout=timeout,
-        )
+    # The sandbox is its first argument: defined with the contexts (code.py).
+    run_code = run_code
 
     def stream(
         self,

@@ -83,7 +83,7 @@ class Contexts:
 
 
 def run_code(
-    sandbox: Sandbox,
+    self: Sandbox,  # a method of Sandbox (client.py assigns it there)
     code: str,
     *,
     language: str = "python",
@@ -94,6 +94,19 @@ def run_code(
     on_error: ErrorCallback | None = None,
     timeout: float = DEFAULT_CODE_TIMEOUT,
 ) -> Execution:
+    """Run `code` in a kernel whose state stays for the next run (a Jupyter
+    cell): variables, imports and definitions of earlier runs in the same
+    `context` (default: the language's default context) are there.
+    `language`: python (an IPython kernel), or javascript (Node.js, in an
+    image that has `node`).
+
+    Returns the results (the last expression's value, figures and tables
+    the code displayed, each with all its MIME representations), what it
+    printed, and the error it raised if any (an error is not raised here:
+    the context stays usable). Past `timeout` seconds the run is
+    interrupted (`status == "timed_out"`). The callbacks get each piece as
+    it comes.
+    """
     body: JSON = {"code": code, "language": language, "timeoutSeconds": timeout}
     if context is not None:
         body["contextId"] = _context_id(context)
@@ -103,9 +116,9 @@ def run_code(
     started: JSON = {}
     for attempt in range(3):
         try:
-            with sandbox.client.gateway.stream(
-                sandbox.namespace,
-                sandbox.name,
+            with self.client.gateway.stream(
+                self.namespace,
+                self.name,
                 "POST",
                 "code/run",
                 json_body=body,
@@ -157,6 +170,6 @@ def run_code(
             raise ServerError("the code run's stream ended before the run did")
         except (NotReady, NotFound) as exc:
             # Refused before it started (the sandbox is starting): worth a retry.
-            if started or attempt == 2 or not sandbox._worth_waiting(exc):
+            if started or attempt == 2 or not self._worth_waiting(exc):
                 raise
     raise AssertionError("unreachable")
