@@ -14,7 +14,7 @@ from sandbox_sdk.errors import CommandLost, Forbidden
 
 
 def test_every_tool_has_a_valid_schema_and_a_description() -> None:
-    assert len({t.name for t in tools.TOOLS}) == len(tools.TOOLS) == 16
+    assert len({t.name for t in tools.TOOLS}) == len(tools.TOOLS) == 17
     for tool in tools.TOOLS:
         jsonschema.Draft202012Validator.check_schema(tool.schema)
         assert tool.schema["additionalProperties"] is False
