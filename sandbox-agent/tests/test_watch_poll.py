@@ -183,6 +183,7 @@ def test_a_polled_watch_sees_each_kind_of_change(fresh: Callable[..., Sandbox]) 
 def test_a_polled_watch_ends_when_its_directory_moves(fresh: Callable[..., Sandbox]) -> None:
     sb = fresh(runner=False, watch_mode="poll", watch_poll_interval=0.05)
     (sb.workspace / "here").mkdir()
+    (sb.workspace / "here/kept.txt").touch()  # an empty one may read as removed
     with Watch(sb, "here") as w:
         os.rename(sb.workspace / "here", sb.workspace / "there")
         end = w.next()
@@ -193,9 +194,7 @@ def test_a_polled_watch_ends_when_its_directory_moves(fresh: Callable[..., Sandb
 def test_polling_limits_refuse_at_the_start_and_overflow_later(
     fresh: Callable[..., Sandbox],
 ) -> None:
-    sb = fresh(
-        runner=False, watch_mode="poll", watch_poll_interval=0.05, watch_poll_max_entries=3
-    )
+    sb = fresh(runner=False, watch_mode="poll", watch_poll_interval=0.05, watch_poll_max_entries=3)
     ws = sb.workspace
     (ws / "big").mkdir()
     for name in "abcd":

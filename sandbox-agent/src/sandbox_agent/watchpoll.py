@@ -29,7 +29,11 @@ previous scan into the same events. What it cannot see, it does not claim:
   contents move with it, unreported); moved out reads as ``remove`` (each
   entry below it too), moved in as ``create``. A file removed and another
   made under a new name in the same interval may reuse the inode and read as
-  a rename, with a ``write`` when its content differs.
+  a rename, with a ``write`` when its content differs;
+- the watched directory gone from its path ends the stream as ``removed``
+  (after a ``remove`` of each entry it held, and of itself) or ``moved``;
+  where the link count cannot tell (gVisor), an empty directory moved away
+  reads as removed.
 
 Bounds: at most ``Limits.entries`` entries and ``Limits.directories``
 directories per stream (over them at the start: 429; later: one ``overflow``
@@ -399,14 +403,28 @@ class Poller(Stream):
         """Whether the watched directory was removed, or moved away from its path
         (the scans would go on following it, as an inotify watch does, but the
         inotify side ends the stream then, and so does this one)."""
-        if os.fstat(fd).st_nlink == 0:
-            return "removed"
         try:
             again, _ = self.ws.open_dir(self.requested)
         except Exception:  # not found, or no longer a directory there
-            return "moved"
+            again = -1
+        if again >= 0:
+            try:
+                st = os.fstat(again)
+            finally:
+                os.close(again)
+            if (st.st_dev, st.st_ino) == self.root_id:
+                return None
+        # Gone from its path. Removed, when its link count says so, or when it
+        # holds nothing (only an empty directory can be removed): under gVisor
+        # a directory removed by the other container keeps its link count in
+        # this one's view, but lists empty. So an empty directory moved away
+        # reads as removed there.
+        if os.fstat(fd).st_nlink == 0:
+            return "removed"
         try:
-            st = os.fstat(again)
-        finally:
-            os.close(again)
-        return None if (st.st_dev, st.st_ino) == self.root_id else "moved"
+            os.lseek(fd, 0, os.SEEK_SET)
+            with os.scandir(fd) as entries:
+                empty = next(entries, None) is None
+        except OSError:
+            empty = True
+        return "removed" if empty else "moved"
