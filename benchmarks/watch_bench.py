@@ -30,6 +30,12 @@ inotify cannot see the other container's changes there and the agent polls
 the price of polling. sdk over agent is what the access path adds (API
 server proxy, gateway, SDK) to the agent's own stream. All three see the
 same writes at the same moments, so the machine's load weighs on each alike.
+
+And what watching costs while nothing changes: the pod's CPU (its cgroup's
+cpuacct.usage: agent and runner under runc; gVisor's kernel, the agent and
+the gofers under gVisor) over `--cpu-seconds`, without a watch, then with a
+recursive watch held open of the directory: the latency run's files and a
+tree of 2,000 more in 20 directories.
 """
 
 from __future__ import annotations
@@ -61,14 +67,16 @@ from benchmarks.common import (  # noqa: E402
     write_results,
 )
 from devcluster import gvisor  # noqa: E402
+from devcluster.cluster import LocalCluster  # noqa: E402
 from sandbox_sdk import SandboxClient, Watch  # noqa: E402
-from tests.kube import KubeJSON, api_path  # noqa: E402
+from tests.kube import KubeJSON, api_path, core_path  # noqa: E402
 
 NS = "bench-watch"
 DIR = "bench"
 RUNTIMES = {"runc": None, "gvisor": gvisor.RUNTIME_CLASS}
 CLIENTS = ("sdk", "agent", "kubectl exec")
 WARMUP = 5  # first files left out: connections and caches warming
+TREE_FILES = 2000  # TREE below (with WRITER's files beside them)
 
 # Run in the sandbox container: new files, apart at random; "index time" for each.
 WRITER = """
@@ -82,6 +90,15 @@ for i in range(count):
     os.write(fd, b"x")
     os.close(fd)
     print(i, repr(began))
+"""
+# Run in the sandbox container: 20 directories of 100 files (and WRITER's files).
+TREE = """
+import os, sys
+for d in range(20):
+    os.makedirs(f"{sys.argv[1]}/tree/d{d}")
+    for f in range(100):
+        with open(f"{sys.argv[1]}/tree/d{d}/f{f}", "w") as out:
+            out.write("x")
 """
 # Run by `kubectl exec` in the sandbox container: each name created, a line.
 INOTIFY = """
@@ -222,6 +239,40 @@ def measure(
     return {"mode": mode, "latencies": latencies}
 
 
+def pod_cpu(cluster: LocalCluster, kube: KubeJSON, name: str) -> float:
+    """CPU seconds the sandbox's pod has used so far (its cgroup)."""
+    body = kube.read(api_path("sandbox.dev/v1alpha1", "sandboxes", NS, name))
+    pod = kube.read(core_path("pods", NS, body["status"].get("podName") or name))
+    usage = cluster.pod_cgroup("cpuacct", pod["metadata"]["uid"]) / "cpuacct.usage"
+    return int(usage.read_text()) / 1e9
+
+
+def idle_watch_cpu(
+    cluster: LocalCluster, kube: KubeJSON, kubeconfig: Path, name: str, seconds: float
+) -> dict[str, float]:
+    """The pod's CPU share (of one core) with nothing changing: no watch, then a
+    recursive watch of TREE_FILES files held open."""
+    with SandboxClient(NS, kubeconfig=kubeconfig) as sdk:
+        box = sdk.connect(name)
+        box.execute(["python3", "-c", TREE, DIR], check=True)
+        time.sleep(1)
+        before = pod_cpu(cluster, kube, name)
+        time.sleep(seconds)
+        idle = pod_cpu(cluster, kube, name) - before
+        with box.files.watch(DIR, recursive=True) as watch:
+            assert watch.started is not None
+            directories = watch.started.watches or 0
+            time.sleep(1)  # past its first scans
+            before = pod_cpu(cluster, kube, name)
+            time.sleep(seconds)
+            watching = pod_cpu(cluster, kube, name) - before
+    return {
+        "idle_cpu_share": idle / seconds,
+        "watching_cpu_share": watching / seconds,
+        "directories": directories,
+    }
+
+
 def summary(values: list[float]) -> dict[str, float]:
     return {
         "p50_s": statistics.median(values),
@@ -236,6 +287,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--writes", type=int, default=200)
+    parser.add_argument("--cpu-seconds", type=float, default=10.0)
     args = parser.parse_args()
     if args.writes <= WARMUP:
         raise SystemExit(f"--writes must be more than {WARMUP}")
@@ -276,6 +328,15 @@ def main() -> None:
                 "ratio_sdk_over_kubectl_exec_p99": ratio_exec_p99,
                 "ratio_sdk_over_agent_p50": ratio_agent,
             }
+        for runtime in RUNTIMES:
+            cpu = idle_watch_cpu(cluster, kube, kubeconfig, runtime, args.cpu_seconds)
+            print(
+                f"\n{runtime}: the pod's CPU with nothing changing, {args.cpu_seconds:.0f} s each:"
+                f" no watch {cpu['idle_cpu_share']:.1%} of a core; a recursive watch of"
+                f" {TREE_FILES:,} files in {cpu['directories']:.0f} directories"
+                f" {cpu['watching_cpu_share']:.1%}"
+            )
+            results[runtime].update(cpu)
         kube.close()
     results["load_after"] = os.getloadavg()
     write_results("watch_bench", results)
