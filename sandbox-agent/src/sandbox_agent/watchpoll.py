@@ -39,8 +39,8 @@ Bounds: at most ``Limits.entries`` entries and ``Limits.directories``
 directories per stream (over them at the start: 429; later: one ``overflow``
 with reason ``watch_limit``, then nothing until the tree is back under, when
 the next scan reports what changed meanwhile). A scan runs in a thread, one
-at a time per stream, and the pause before the next grows with a slow tree
-so that scanning takes at most ``SCAN_SHARE`` of the time.
+at a time per stream, and the pause before the next grows with a large tree
+so that scanning takes at most ``SCAN_SHARE`` of a core.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from .watch import _OPEN_DIR, MAX_DEPTH, Change, Limits, Mode, Reason, Stream
 # gVisor's gofer mounts (named 9p in its mountinfo, as Linux's 9p client is,
 # which has no change notification either).
 INOTIFY_BLIND = frozenset({"9p"})
-SCAN_SHARE = 0.1  # at most this share of the time spent scanning (a slow tree waits longer)
+SCAN_SHARE = 0.1  # at most this share of a core spent scanning (a large tree waits longer)
 
 
 class Entry(NamedTuple):
@@ -213,6 +213,7 @@ class _Scan(NamedTuple):
     changes: list[Change]
     over_limit: bool = False
     ended: Reason | None = None
+    cpu: float = 0.0  # CPU seconds the poll took (its thread's)
 
 
 class Poller(Stream):
@@ -350,15 +351,15 @@ class Poller(Stream):
         pause = self.interval
         while not self.closed and self.ended is None:
             await asyncio.sleep(pause)
-            began = time.monotonic()
             try:
                 found = await asyncio.to_thread(self._poll)
             except OSError:
                 # The directory can no longer be read (its volume went away):
                 # as the inotify side, the stream ends rather than going quiet.
                 found = _Scan([], ended="unmounted")
-            took = time.monotonic() - began
-            pause = max(self.interval, took * (1 - SCAN_SHARE) / SCAN_SHARE)
+            # By the scan's CPU time, not its wall time: on a busy machine a
+            # scan waits for a core, which is no reason to look less often.
+            pause = max(self.interval, found.cpu * (1 - SCAN_SHARE) / SCAN_SHARE)
             if self.closed:
                 return
             for change in found.changes:
@@ -371,7 +372,13 @@ class Poller(Stream):
             self.wake.set()
 
     def _poll(self) -> _Scan:
-        """One scan compared with the previous one (in a thread)."""
+        """One scan compared with the previous one (in a thread), with the CPU
+        time it took."""
+        began = time.thread_time()
+        found = self._compare()
+        return found._replace(cpu=time.thread_time() - began)
+
+    def _compare(self) -> _Scan:
         with self.lock:
             if self.closed:
                 return _Scan([])
