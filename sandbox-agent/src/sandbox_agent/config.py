@@ -64,7 +64,7 @@ class Settings:
     # How watches find changes: inotify, or poll (scans compared); auto: poll
     # where inotify cannot see the sandbox container's changes (watchpoll.py).
     watch_mode: str = "auto"
-    watch_poll_interval: float = 0.25  # seconds between scans (longer for a slow tree)
+    watch_poll_interval: float = 0.25  # seconds between scans (longer for a large tree)
     watch_poll_max_entries: int = 20_000  # entries one polled stream remembers
     metrics_auth: bool = True
     malloc_keep_bytes: int = 128 * MiB  # freed heap kept for reuse (0: glibc defaults)
