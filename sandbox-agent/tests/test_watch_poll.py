@@ -6,10 +6,11 @@ itself: tests/e2e/test_watch_e2e.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
-from conftest import Sandbox
+from conftest import Sandbox, wait_until
 from test_watch import Watch
 
 from sandbox_agent.watch import Change
@@ -221,6 +222,31 @@ def test_polling_limits_refuse_at_the_start_and_overflow_later(
         (ws / "small/d").unlink()
         assert w.changes(1) == [("write", "small/b")]
         w.quiet(0.3)
+
+
+def test_a_polled_watch_lets_its_directory_go_when_its_client_leaves(
+    fresh: Callable[..., Sandbox],
+) -> None:
+    sb = fresh(runner=False, watch_mode="poll", watch_poll_interval=0.05)
+    assert sb.agent is not None
+    pid = sb.agent.pid
+    (sb.workspace / "held/sub").mkdir(parents=True)
+    held = os.path.realpath(sb.workspace / "held")
+
+    def descriptors() -> int:
+        """The agent's descriptors of the watched directory (its scans open more)."""
+        count = 0
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):  # closed meanwhile
+                count += os.readlink(f"/proc/{pid}/fd/{name}") == held
+        return count
+
+    watches = [Watch(sb, "held", recursive=True) for _ in range(3)]
+    assert descriptors() >= 3
+    for w in watches:
+        w.close()
+    wait_until(lambda: descriptors() == 0, 10)
+    assert "sandbox_agent_watches 0.0" in sb.client.get("/metrics").text
 
 
 def test_auto_mode_keeps_inotify_on_a_filesystem_it_sees(fresh: Callable[..., Sandbox]) -> None:

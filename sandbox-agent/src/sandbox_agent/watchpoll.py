@@ -54,6 +54,7 @@ import re
 import stat
 import threading
 import time
+import weakref
 from typing import NamedTuple
 
 from .errors import Busy
@@ -239,6 +240,9 @@ class Poller(Stream):
         # that close() may have freed (and the process reused) meanwhile.
         self.lock = threading.Lock()
         self.task: asyncio.Task[None] | None = None
+        # Closes the root descriptor also when the stream never started (its
+        # client left first) and the object is simply dropped.
+        self._finalizer: weakref.finalize[[int], Poller] | None = None
 
     @property
     def watched(self) -> int:
@@ -252,6 +256,7 @@ class Poller(Stream):
         limit is reached."""
         fd, _resolved = self.ws.open_dir(self.requested)
         self.root_fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
         try:
             st = os.fstat(fd)
             self.root_id = (st.st_dev, st.st_ino)
@@ -344,8 +349,8 @@ class Poller(Stream):
             self.task.cancel()
             self.task = None
         with self.lock:
-            if self.root_fd >= 0:
-                os.close(self.root_fd)
+            if self._finalizer is not None:
+                self._finalizer()  # os.close, once
             self.root_fd = -1
             super().close()
         self.snapshot = {}
