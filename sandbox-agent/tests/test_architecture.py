@@ -31,6 +31,7 @@ DOMAIN = (
     "runner_client",
     "runtime",
     "watch",
+    "watchpoll",
 )
 
 

@@ -11,7 +11,7 @@ from typing import IO, Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from . import archive, files, metrics, models, patch, watch
+from . import archive, files, metrics, models, patch, watch, watchpoll
 from .errors import Busy, Invalid, TooLarge
 from .paths import Workspace
 from .routing import Args, Handler
@@ -289,9 +289,15 @@ async def file_watch(request: Request, args: Args) -> Response:
     `finished` when the directory is removed or moved, or after
     `timeoutSeconds`; leaving ends it too. Opening one counts as activity, the
     stream itself does not: a watch alone does not keep a sandbox from its
-    idle timeout. 429: `too_many_watches` (SANDBOX_AGENT_MAX_WATCHES streams
-    open), `too_many_watched_directories` (a recursive tree over
-    SANDBOX_AGENT_WATCH_MAX_DIRECTORIES), `inotify_limit` (the kernel's).
+    idle timeout. `started` says how changes are found (`mode`): inotify, or
+    poll where inotify cannot see the sandbox container's changes (under
+    gVisor: each container mounts the workspace as a filesystem of its own),
+    comparing scans every `pollInterval` seconds: what was made and removed
+    between two scans is not reported, and a rename is told by inode. 429:
+    `too_many_watches` (SANDBOX_AGENT_MAX_WATCHES streams open),
+    `too_many_watched_directories` (a recursive tree over
+    SANDBOX_AGENT_WATCH_MAX_DIRECTORIES), `too_many_watched_entries` (poll: over
+    SANDBOX_AGENT_WATCH_POLL_MAX_ENTRIES), `inotify_limit` (the kernel's).
     """
     st = state_of(request)
     s = st.settings
@@ -302,8 +308,16 @@ async def file_watch(request: Request, args: Args) -> Response:
             "too_many_watches",
             f"{s.max_watches} watches are open (SANDBOX_AGENT_MAX_WATCHES): close one first",
         )
-    limits = watch.Limits(queue=s.watch_queue, directories=s.watch_max_directories)
-    w = watch.Watcher(st.workspace, rel, recursive, limits)
+    limits = watch.Limits(
+        queue=s.watch_queue,
+        directories=s.watch_max_directories,
+        entries=s.watch_poll_max_entries,
+    )
+    w: watch.Stream
+    if watchpoll.choose_mode(s.watch_mode, st.workspace.root) == "poll":
+        w = watchpoll.Poller(st.workspace, rel, recursive, limits, s.watch_poll_interval)
+    else:
+        w = watch.Watcher(st.workspace, rel, recursive, limits)
     st.watchers.add(w)  # holds its slot while the watches are added
     await asyncio.to_thread(w.open)  # closes itself on failure
     # Opening a watch is a file call like any other; what it streams afterwards

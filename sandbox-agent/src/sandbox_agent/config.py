@@ -65,6 +65,11 @@ class Settings:
     watch_queue: int = 4096  # changes held per stream for its client; then one overflow event
     watch_max_directories: int = 4096  # inotify watches (directories) per stream
     watch_keepalive: float = 15.0  # seconds of quiet before a keepalive line
+    # How watches find changes: inotify, or poll (scans compared); auto: poll
+    # where inotify cannot see the sandbox container's changes (watchpoll.py).
+    watch_mode: str = "auto"
+    watch_poll_interval: float = 0.25  # seconds between scans (longer for a large tree)
+    watch_poll_max_entries: int = 20_000  # entries one polled stream remembers
     metrics_auth: bool = True
     malloc_keep_bytes: int = 128 * MiB  # freed heap kept for reuse (0: glibc defaults)
     # The container's memory limit (the operator passes limits.memory); 0:
@@ -119,6 +124,9 @@ _ENV = {
     "watch_queue": "SANDBOX_AGENT_WATCH_QUEUE",
     "watch_max_directories": "SANDBOX_AGENT_WATCH_MAX_DIRECTORIES",
     "watch_keepalive": "SANDBOX_AGENT_WATCH_KEEPALIVE",
+    "watch_mode": "SANDBOX_AGENT_WATCH_MODE",
+    "watch_poll_interval": "SANDBOX_AGENT_WATCH_POLL_INTERVAL",
+    "watch_poll_max_entries": "SANDBOX_AGENT_WATCH_POLL_MAX_ENTRIES",
     "metrics_auth": "SANDBOX_AGENT_METRICS_AUTH",
     "malloc_keep_bytes": "SANDBOX_AGENT_MALLOC_KEEP_BYTES",
     "memory_limit_bytes": "SANDBOX_AGENT_MEMORY_LIMIT_BYTES",
@@ -231,4 +239,11 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
         )
     if settings.watch_keepalive <= 0:
         raise ConfigError("SANDBOX_AGENT_WATCH_KEEPALIVE must be > 0")
+    if settings.watch_mode not in ("auto", "inotify", "poll"):
+        raise ConfigError("SANDBOX_AGENT_WATCH_MODE must be auto, inotify or poll")
+    if settings.watch_poll_interval < 0.01 or settings.watch_poll_max_entries < 1:
+        raise ConfigError(
+            "SANDBOX_AGENT_WATCH_POLL_INTERVAL must be >= 0.01 and"
+            " SANDBOX_AGENT_WATCH_POLL_MAX_ENTRIES >= 1"
+        )
     return settings

@@ -323,7 +323,21 @@ class WatchEvent(_Out, kw_only=True, omit_defaults=True):
     ] = None
     recursive: Annotated[bool | None, Meta(description="started: subdirectories watched")] = None
     watches: Annotated[
-        int | None, Meta(description="started: directories watched (inotify watches)")
+        int | None,
+        Meta(description="started: directories watched (inotify watches), or scanned (poll)"),
+    ] = None
+    mode: Annotated[
+        Literal["inotify", "poll"] | None,
+        Meta(
+            description="started: how changes are found. inotify: as they happen; poll: by "
+            "comparing scans of the tree, every pollInterval seconds (where inotify does not "
+            "see the sandbox container's changes: the workspace is a separate filesystem per "
+            "container, as under gVisor). A poll sees the difference between two scans: what "
+            "was made and removed between them is not reported, and several writes are one"
+        ),
+    ] = None
+    poll_interval: Annotated[
+        float | None, Meta(description="started, mode poll: seconds between two scans (at least)")
     ] = None
     dropped: Annotated[
         int | None,

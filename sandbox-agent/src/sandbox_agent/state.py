@@ -18,7 +18,7 @@ from .quiesce import Quiesce
 from .runner_client import RunnerClient
 from .runtime import RuntimeRestart
 from .terminals import TerminalManager
-from .watch import Watcher
+from .watch import Stream
 
 
 class AgentState:
@@ -48,7 +48,7 @@ class AgentState:
         # Open directory watches (their streams): bounded by settings.max_watches.
         # Weak, so a watcher whose stream never started (the client left before
         # the answer) frees its slot when it is dropped.
-        self.watchers: weakref.WeakSet[Watcher] = weakref.WeakSet()
+        self.watchers: weakref.WeakSet[Stream] = weakref.WeakSet()
         self.runner.on_change.append(self._runner_changed)
 
     def touch(self) -> None:

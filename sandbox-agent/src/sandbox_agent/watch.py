@@ -2,7 +2,10 @@
 
 One ``Watcher`` per stream: its own inotify descriptor, read from the event
 loop (``add_reader``: no thread, no polling), a queue of at most
-``queue`` changes and at most ``directories`` inotify watches.
+``queue`` changes and at most ``directories`` inotify watches. The queue,
+its overflow and the end of a stream are ``Stream``'s, which the polling
+side (watchpoll.py: where inotify cannot see the sandbox container's
+changes, as under gVisor) shares.
 
 Bounds. Code in the sandbox decides how fast files change, and a client may
 read slowly or not at all, so nothing here grows with either: past the
@@ -68,10 +71,14 @@ Kind = Literal["create", "write", "remove", "rename", "chmod", "overflow", "fini
 Reason = Literal["queue", "kernel", "watch_limit", "removed", "moved", "unmounted", "timeout"]
 
 
+Mode = Literal["inotify", "poll"]
+
+
 @dataclass(frozen=True)
 class Limits:
     queue: int  # changes held for the client
-    directories: int  # inotify watches (directories) of one stream
+    directories: int  # inotify watches (directories) of one stream; scanned ones when polling
+    entries: int = 20_000  # polling: entries remembered between scans (watchpoll.py)
 
 
 class Change(NamedTuple):
@@ -87,11 +94,15 @@ class Change(NamedTuple):
     reason: Reason | None = None  # overflow, finished
 
 
-class Watcher:
-    """The inotify side of one watch stream. ``open`` (blocking: run it in a
-    thread) adds the watches; ``start`` attaches the descriptor to the running
-    loop; ``next`` waits for a change; ``close`` ends it all (also done when the
-    object is dropped unclosed, so a stream that never started leaks nothing)."""
+class Stream:
+    """What every watch stream shares, whatever finds its changes: the bounded
+    queue of changes for the client (with the overflow marker and the collapsing
+    of waiting writes and chmods), ``next``, and how it ends. ``open`` (blocking:
+    run it in a thread) puts the watch in place; ``start`` attaches it to the
+    running loop; ``close`` ends it all."""
+
+    mode: Mode
+    poll_interval: float | None = None  # polling: seconds between two scans
 
     def __init__(self, ws: Workspace, rel: str, recursive: bool, limits: Limits) -> None:
         self.ws = ws
@@ -99,26 +110,115 @@ class Watcher:
         self.shown = ws.clean(rel)  # the prefix of every path sent: as the client named it
         self.recursive = recursive
         self.limits = limits
-        self.fd = -1
-        self.root_wd = -1
-        self.dirs: dict[int, str] = {}  # watch descriptor -> directory, relative ('' root)
         self.queue: deque[Change] = deque()
         # (kind, path) of writes and chmods waiting in the queue: later ones of
         # the same file add nothing (see the module's docstring).
         self.waiting: set[tuple[str, str]] = set()
-        # Files created or modified since their last close (the IN_CLOSE_WRITE rule).
-        self.changed: set[str] = set()
-        self.moves: dict[int, tuple[str, bool, float]] = {}  # cookie -> MOVED_FROM
-        self.move_timer: asyncio.TimerHandle | None = None
         self.dropped = 0
         self.drop_reason: Reason | None = None
         self.ended: Reason | None = None
         self.opened = False  # past open(): a limit hit now is an overflow, not a refusal
         self.closed = False
-        self.rescan_pending = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.wake: asyncio.Event | None = None
+
+    @property
+    def watched(self) -> int:
+        """Directories watched (inotify) or scanned (polling), for ``started``."""
+        raise NotImplementedError
+
+    def open(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.wake = asyncio.Event()
+
+    def close(self) -> None:
+        self.closed = True
+        self.queue.clear()
+
+    async def next(self, wait: float) -> Change | None:
+        """The next change (``finished`` last), or None when ``wait`` seconds
+        passed without one."""
+        assert self.wake is not None
+        while True:
+            if self.queue:
+                change = self.queue.popleft()
+                if change.kind in ("write", "chmod"):
+                    self.waiting.discard((change.kind, change.path))
+                return change
+            if self.dropped:
+                return self._marker(time.time())
+            if self.ended is not None:
+                return Change("finished", "", True, time.time(), reason=self.ended)
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), wait)
+            except TimeoutError:
+                return None
+
+    def _end(self, reason: Reason) -> None:
+        if self.ended is None:
+            self.ended = reason
+
+    # -- the bounded queue -------------------------------------------------------------
+
+    def _lose(self, reason: Reason) -> None:
+        if not self.dropped:
+            self.drop_reason = reason
+        self.dropped += 1
+
+    def _marker(self, at: float) -> Change:
+        change = Change(
+            "overflow", "", True, at, dropped=self.dropped, reason=self.drop_reason or "queue"
+        )
+        self.dropped, self.drop_reason = 0, None
+        return change
+
+    def _push(self, change: Change) -> None:
+        q = self.queue
+        if self.dropped:
+            if len(q) > self.limits.queue // 2:
+                self.dropped += 1  # still draining: one overflow for the whole burst
+                return
+            q.append(self._marker(change.at))
+        if len(q) >= self.limits.queue:
+            self._lose("queue")
+            return
+        if change.kind in ("write", "chmod"):
+            key = (change.kind, change.path)
+            if key in self.waiting:
+                return
+            self.waiting.add(key)
+        q.append(change)
+        if self.wake is not None:
+            self.wake.set()
+
+
+class Watcher(Stream):
+    """The inotify side of one watch stream. ``open`` adds the watches;
+    ``start`` attaches the descriptor to the running loop; ``close`` ends it
+    all (also done when the object is dropped unclosed, so a stream that never
+    started leaks nothing)."""
+
+    mode: Mode = "inotify"
+
+    def __init__(self, ws: Workspace, rel: str, recursive: bool, limits: Limits) -> None:
+        super().__init__(ws, rel, recursive, limits)
+        self.fd = -1
+        self.root_wd = -1
+        self.dirs: dict[int, str] = {}  # watch descriptor -> directory, relative ('' root)
+        # Files created or modified since their last close (the IN_CLOSE_WRITE rule).
+        self.changed: set[str] = set()
+        self.moves: dict[int, tuple[str, bool, float]] = {}  # cookie -> MOVED_FROM
+        self.move_timer: asyncio.TimerHandle | None = None
+        self.rescan_pending = False
         self._finalizer: weakref.finalize[[int], Watcher] | None = None
+
+    @property
+    def watched(self) -> int:
+        return len(self.dirs)
 
     # -- set-up (in a thread) -----------------------------------------------------
 
@@ -237,8 +337,8 @@ class Watcher:
     # -- running (on the loop) ------------------------------------------------------
 
     def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.wake = asyncio.Event()
+        super().start()
+        assert self.loop is not None
         self.loop.add_reader(self.fd, self._readable)
 
     def close(self) -> None:
@@ -252,29 +352,8 @@ class Watcher:
         if self._finalizer is not None:
             self._finalizer()  # os.close, once
         self.fd = -1
-        self.closed = True
         self.dirs.clear()
-        self.queue.clear()
-
-    async def next(self, wait: float) -> Change | None:
-        """The next change (``finished`` last), or None when ``wait`` seconds
-        passed without one."""
-        assert self.wake is not None
-        while True:
-            if self.queue:
-                change = self.queue.popleft()
-                if change.kind in ("write", "chmod"):
-                    self.waiting.discard((change.kind, change.path))
-                return change
-            if self.dropped:
-                return self._marker(time.time())
-            if self.ended is not None:
-                return Change("finished", "", True, time.time(), reason=self.ended)
-            self.wake.clear()
-            try:
-                await asyncio.wait_for(self.wake.wait(), wait)
-            except TimeoutError:
-                return None
+        super().close()
 
     def _readable(self) -> None:
         try:
@@ -427,45 +506,8 @@ class Watcher:
         finally:
             os.close(fd)
 
-    def _end(self, reason: Reason) -> None:
-        if self.ended is None:
-            self.ended = reason
 
-    # -- the bounded queue -------------------------------------------------------------
-
-    def _lose(self, reason: Reason) -> None:
-        if not self.dropped:
-            self.drop_reason = reason
-        self.dropped += 1
-
-    def _marker(self, at: float) -> Change:
-        change = Change(
-            "overflow", "", True, at, dropped=self.dropped, reason=self.drop_reason or "queue"
-        )
-        self.dropped, self.drop_reason = 0, None
-        return change
-
-    def _push(self, change: Change) -> None:
-        q = self.queue
-        if self.dropped:
-            if len(q) > self.limits.queue // 2:
-                self.dropped += 1  # still draining: one overflow for the whole burst
-                return
-            q.append(self._marker(change.at))
-        if len(q) >= self.limits.queue:
-            self._lose("queue")
-            return
-        if change.kind in ("write", "chmod"):
-            key = (change.kind, change.path)
-            if key in self.waiting:
-                return
-            self.waiting.add(key)
-        q.append(change)
-        if self.wake is not None:
-            self.wake.set()
-
-
-async def events(w: Watcher, keepalive: float, seconds: float) -> AsyncIterator[models.WatchEvent]:
+async def events(w: Stream, keepalive: float, seconds: float) -> AsyncIterator[models.WatchEvent]:
     """The stream of an opened watcher: ``started``, changes, ``keepalive`` while
     idle, and ``finished`` when the directory went away or ``seconds`` (0:
     no limit) passed. Closes the watcher however it ends (a client that leaves
@@ -482,7 +524,9 @@ async def events(w: Watcher, keepalive: float, seconds: float) -> AsyncIterator[
             time=models.rfc3339(time.time()),
             path=display(w.shown),
             recursive=w.recursive,
-            watches=len(w.dirs),
+            watches=w.watched,
+            mode=w.mode,
+            poll_interval=w.poll_interval,
         )
         while True:
             wait = keepalive
@@ -507,7 +551,7 @@ async def events(w: Watcher, keepalive: float, seconds: float) -> AsyncIterator[
         w.close()
 
 
-def event_of(w: Watcher, c: Change) -> models.WatchEvent:
+def event_of(w: Stream, c: Change) -> models.WatchEvent:
     def shown(rel: str) -> str:
         if not rel:
             return display(w.shown)

@@ -551,14 +551,16 @@ class WatchEvent(WireModel):
     dropped: int | None = Field(default=None, description="overflow: changes the agent dropped (the kernel's own are not counted)")
     error: ErrorDetail | None = Field(default=None)
     file_type: str | None = Field(default=None, validation_alias="fileType", serialization_alias="fileType", description="directory, or file for anything else (symlinks included)")
+    mode: str | None = Field(default=None, description="started: how changes are found. inotify: as they happen; poll: by comparing scans of the tree, every pollInterval seconds (where inotify does not see the sandbox container's changes: the workspace is a separate filesystem per container, as under gVisor). A poll sees the difference between two scans: what was made and removed between them is not reported, and several writes are one")
     move: str | None = Field(default=None, description="rename: both names in the watch (within), moved in from outside it (in: path is the new name) or out of it (out: path is the old name)")
     old_path: str | None = Field(default=None, validation_alias="oldPath", serialization_alias="oldPath", description="rename within the watch: the name before")
     path: str | None = Field(default=None, description="Relative to the workspace, under the watched path as it was named. rename: the new name (or the old one, moved out of the watch)")
+    poll_interval: float | None = Field(default=None, validation_alias="pollInterval", serialization_alias="pollInterval", description="started, mode poll: seconds between two scans (at least)")
     reason: str | None = Field(default=None, description="overflow: the agent's queue was full (queue), the kernel's was (kernel), a new directory was not watched (watch_limit); finished: why it ended")
     recursive: bool | None = Field(default=None, description="started: subdirectories watched")
     time: str | None = Field(default=None, description="When the agent read the change (RFC 3339, UTC)")
     type: str = Field(description="One of: chmod, create, finished, interrupted, keepalive, overflow, remove, rename, started, write.")
-    watches: int | None = Field(default=None, description="started: directories watched (inotify watches)")
+    watches: int | None = Field(default=None, description="started: directories watched (inotify watches), or scanned (poll)")
 
 
 class WriteRequest(WireModel):
