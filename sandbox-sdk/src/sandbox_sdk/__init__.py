@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         AsyncSandboxClient,
         AsyncTerminal,
         AsyncTerminals,
+        AsyncTerminalSession,
         AsyncWatch,
     )
     from sandbox_sdk._sync.client import (
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
         SandboxClient,
         Terminal,
         Terminals,
+        TerminalSession,
         Watch,
     )
     from sandbox_sdk.types import CommandResult, Event, OutputEvent, Runtime, Template
@@ -69,12 +71,22 @@ _HOMES = {
             "AsyncSandboxClient",
             "AsyncTerminal",
             "AsyncTerminals",
+            "AsyncTerminalSession",
             "AsyncWatch",
         ),
         "_async.client",
     ),
     **dict.fromkeys(
-        ("Files", "Job", "Sandbox", "SandboxClient", "Terminal", "Terminals", "Watch"),
+        (
+            "Files",
+            "Job",
+            "Sandbox",
+            "SandboxClient",
+            "Terminal",
+            "TerminalSession",
+            "Terminals",
+            "Watch",
+        ),
         "_sync.client",
     ),
     **dict.fromkeys(("CommandResult", "Event", "OutputEvent", "Runtime", "Template"), "types"),
@@ -88,6 +100,7 @@ __all__ = [
     "AsyncSandbox",
     "AsyncSandboxClient",
     "AsyncTerminal",
+    "AsyncTerminalSession",
     "AsyncTerminals",
     "AsyncWatch",
     "CommandFailed",
@@ -113,6 +126,7 @@ __all__ = [
     "ServerError",
     "Template",
     "Terminal",
+    "TerminalSession",
     "Terminals",
     "Timeout",
     "Unauthorized",

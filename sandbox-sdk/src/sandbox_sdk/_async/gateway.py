@@ -28,6 +28,7 @@ Which token the gateway gets (it reviews it with TokenReview, then RBAC):
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -42,6 +43,7 @@ from typing import Any
 import httpx
 
 from sandbox_sdk._async.kube import AsyncKube, core_path
+from sandbox_sdk._async.websocket import AsyncWebSocket, accept_key
 from sandbox_sdk._async_io import sleep
 from sandbox_sdk._wire import (
     DEFAULT_SERVICE,
@@ -364,6 +366,60 @@ class AsyncGateway:
                 yield response
         except httpx.TransportError as exc:
             raise ServerError(f"{method} {tail}: the stream broke off: {exc}") from exc
+
+    async def websocket(
+        self, namespace: str, name: str, tail: str, *, params: dict[str, str] | None = None
+    ) -> AsyncWebSocket:
+        """A WebSocket to the agent's `tail` (a GET that upgrades), on the way this
+        client reaches the gateway, whichever it is: each carries an upgrade (the
+        API server's service proxy passes it on to the Service). Refusals raise
+        as `request`'s do, after the same retries (opening one starts nothing);
+        an answer that is not an upgrade (something on the way dropped the
+        `Upgrade` header: the gateway's 426, or a 2xx of a proxy that does not
+        speak WebSocket) raises ServerError with code `websocket_required`."""
+        key = base64.b64encode(os.urandom(16)).decode()
+        upgrade = {
+            "Connection": "Upgrade",
+            "Upgrade": "websocket",
+            "Sec-WebSocket-Version": "13",
+            "Sec-WebSocket-Key": key,
+        }
+        http, url, hdrs = await self._prepare(namespace, name, tail, upgrade)
+        timeout = httpx.Timeout(self.timeout, connect=10)
+        for attempt in range(len(_BACKOFF) + 1):
+            last = attempt == len(_BACKOFF)
+            opening = http.stream("GET", url, params=params, headers=hdrs, timeout=timeout)
+            try:
+                response = await opening.__aenter__()
+            except httpx.TimeoutException as exc:
+                raise ServerError(f"GET {tail}: no answer in time ({exc})") from exc
+            except httpx.TransportError as exc:
+                if last:
+                    raise ServerError(f"the gateway could not be reached: {exc}") from exc
+                await sleep(_BACKOFF[attempt])
+                continue
+            if response.status_code == 101:
+                if response.headers.get("sec-websocket-accept") != accept_key(key):
+                    await opening.__aexit__(None, None, None)
+                    raise ServerError(f"GET {tail}: the WebSocket handshake's answer is wrong")
+                return AsyncWebSocket(opening, response.extensions["network_stream"])
+            try:
+                await response.aread()
+            finally:
+                await opening.__aexit__(None, None, None)
+            if response.status_code < 400:
+                raise ServerError(
+                    f"GET {tail}: HTTP {response.status_code} instead of a WebSocket (something"
+                    " between here and the gateway does not pass WebSocket upgrades on)",
+                    status=response.status_code,
+                    code="websocket_required",
+                )
+            error = _error_of(response, self.location)
+            transient = response.status_code in _RETRY_STATUS or error.code in _RETRY_CODES
+            if not transient or last:
+                raise error
+            await sleep(_BACKOFF[attempt])
+        raise AssertionError("unreachable")
 
 
 def _error_of(response: httpx.Response, location: Location | None = None) -> SandboxError:
