@@ -28,7 +28,6 @@ Which token the gateway gets (it reviews it with TokenReview, then RBAC):
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -43,7 +42,7 @@ from typing import Any
 import httpx
 
 from sandbox_sdk._async.kube import AsyncKube, core_path
-from sandbox_sdk._async.websocket import AsyncWebSocket, accept_key
+from sandbox_sdk._async.websocket import AsyncWebSocket, handshake
 from sandbox_sdk._async_io import sleep
 from sandbox_sdk._wire import (
     DEFAULT_SERVICE,
@@ -377,20 +376,12 @@ class AsyncGateway:
         an answer that is not an upgrade (something on the way dropped the
         `Upgrade` header: the gateway's 426, or a 2xx of a proxy that does not
         speak WebSocket) raises ServerError with code `websocket_required`."""
-        key = base64.b64encode(os.urandom(16)).decode()
-        upgrade = {
-            "Connection": "Upgrade",
-            "Upgrade": "websocket",
-            "Sec-WebSocket-Version": "13",
-            "Sec-WebSocket-Key": key,
-        }
-        http, url, hdrs = await self._prepare(namespace, name, tail, upgrade)
+        http, url, hdrs = await self._prepare(namespace, name, tail, None)
         timeout = httpx.Timeout(self.timeout, connect=10)
         for attempt in range(len(_BACKOFF) + 1):
             last = attempt == len(_BACKOFF)
-            opening = http.stream("GET", url, params=params, headers=hdrs, timeout=timeout)
             try:
-                response = await opening.__aenter__()
+                opened = await handshake(http, url, params=params, headers=hdrs, timeout=timeout)
             except httpx.TimeoutException as exc:
                 raise ServerError(f"GET {tail}: no answer in time ({exc})") from exc
             except httpx.TransportError as exc:
@@ -398,24 +389,17 @@ class AsyncGateway:
                     raise ServerError(f"the gateway could not be reached: {exc}") from exc
                 await sleep(_BACKOFF[attempt])
                 continue
-            if response.status_code == 101:
-                if response.headers.get("sec-websocket-accept") != accept_key(key):
-                    await opening.__aexit__(None, None, None)
-                    raise ServerError(f"GET {tail}: the WebSocket handshake's answer is wrong")
-                return AsyncWebSocket(opening, response.extensions["network_stream"])
-            try:
-                await response.aread()
-            finally:
-                await opening.__aexit__(None, None, None)
-            if response.status_code < 400:
+            if isinstance(opened, AsyncWebSocket):
+                return opened
+            if opened.status_code < 400:
                 raise ServerError(
-                    f"GET {tail}: HTTP {response.status_code} instead of a WebSocket (something"
+                    f"GET {tail}: HTTP {opened.status_code} instead of a WebSocket (something"
                     " between here and the gateway does not pass WebSocket upgrades on)",
-                    status=response.status_code,
+                    status=opened.status_code,
                     code="websocket_required",
                 )
-            error = _error_of(response, self.location)
-            transient = response.status_code in _RETRY_STATUS or error.code in _RETRY_CODES
+            error = _error_of(opened, self.location)
+            transient = opened.status_code in _RETRY_STATUS or error.code in _RETRY_CODES
             if not transient or last:
                 raise error
             await sleep(_BACKOFF[attempt])

@@ -23,6 +23,7 @@ import base64
 import collections
 import contextlib
 import hashlib
+import os
 import time
 from contextlib import AbstractContextManager
 from typing import Any
@@ -36,8 +37,8 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 from sandbox_sdk._sync_io import Lock, interrupt, readable, reading
 
 # Bytes asked of one read. More than httpcore reads at a time (64 KiB), so the
-# first read also takes, whole, what httpcore read past the handshake's head;
-# `readable` (the sync twin's wait) looks at the socket only and would not see it.
+# first read takes, whole, what httpcore read past the handshake's head, which
+# `readable` (the sync twin's wait) would not see: it looks at the socket.
 READ_BYTES = 1 << 20
 # A received message larger than this closes the connection (1009): the agent
 # sends at most 64 KiB of output per message.
@@ -53,6 +54,40 @@ _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 def accept_key(key: str) -> str:
     """The `Sec-WebSocket-Accept` a server answers to `key`."""
     return base64.b64encode(hashlib.sha1(key.encode() + _GUID).digest()).decode()
+
+
+def handshake(
+    http: httpx.Client,
+    url: str,
+    *,
+    params: dict[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: httpx.Timeout | None = None,
+) -> WebSocket | httpx.Response:
+    """Open a WebSocket to `url` with a GET of `http` that asks to upgrade: the
+    WebSocket, or the answer that was not an upgrade (its body read). httpx's
+    own errors (the connection failed) are raised as they are."""
+    key = base64.b64encode(os.urandom(16)).decode()
+    upgrade = {
+        **(headers or {}),
+        "Connection": "Upgrade",
+        "Upgrade": "websocket",
+        "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Key": key,
+    }
+    opening = http.stream("GET", url, params=params, headers=upgrade, timeout=timeout)
+    response = opening.__enter__()
+    accepted = response.headers.get("sec-websocket-accept") == accept_key(key)
+    if response.status_code == 101 and accepted:
+        return WebSocket(opening, response.extensions["network_stream"])
+    try:
+        if response.status_code != 101:
+            response.read()
+    finally:
+        opening.__exit__(None, None, None)
+    if response.status_code == 101:
+        raise httpx.RemoteProtocolError("the WebSocket handshake's answer does not match its key")
+    return response
 
 
 class WebSocket:
@@ -71,6 +106,7 @@ class WebSocket:
         self.closed = False
         self.close_code: int | None = None
         self._released = False
+        self._started = False  # a first read was made
 
     @property
     def buffered(self) -> bool:
@@ -110,8 +146,11 @@ class WebSocket:
 
     def _fill(self, timeout: float | None) -> None:
         """One read from the connection, and what wsproto makes of it."""
-        if not readable(self._stream, timeout):
+        # The first read goes straight to the stream: it returns what httpcore
+        # read past the handshake's head first, which `readable` cannot see.
+        if self._started and not readable(self._stream, timeout):
             return
+        self._started = True
         events: list[Event] = []
         with reading(self._lock):  # wsproto's state too: a send may run meanwhile
             if self.closed:
