@@ -29,7 +29,6 @@ from sandbox_sdk import _lazy
 from sandbox_sdk import config as cluster_config
 from sandbox_sdk._async.gateway import AsyncGateway
 from sandbox_sdk._async.kube import API_VERSION, AsyncKube, core_path, resource_path
-from sandbox_sdk._async.websocket import AsyncWebSocket
 from sandbox_sdk._async_io import sleep
 from sandbox_sdk._wire import MAX_TIMEOUT, FileContent, event_of, exec_body, timeout_seconds
 from sandbox_sdk.errors import (
@@ -59,6 +58,7 @@ from sandbox_sdk.types import (
 )
 
 if TYPE_CHECKING:
+    from sandbox_sdk._async.websocket import AsyncWebSocket
     from sandbox_sdk.models import agent, resources
 else:  # the generated models are built on first use: see sandbox_sdk._lazy
     agent = _lazy.module("sandbox_sdk.models.agent")

@@ -37,12 +37,11 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from sandbox_sdk._async.kube import AsyncKube, core_path
-from sandbox_sdk._async.websocket import AsyncWebSocket, handshake
 from sandbox_sdk._async_io import sleep
 from sandbox_sdk._wire import (
     DEFAULT_SERVICE,
@@ -63,6 +62,9 @@ from sandbox_sdk.errors import (
     ServerError,
     from_response,
 )
+
+if TYPE_CHECKING:
+    from sandbox_sdk._async.websocket import AsyncWebSocket
 
 JSON = dict[str, Any]
 TOKEN_SECONDS = 3600
@@ -376,6 +378,10 @@ class AsyncGateway:
         an answer that is not an upgrade (something on the way dropped the
         `Upgrade` header: the gateway's 426, or a 2xx of a proxy that does not
         speak WebSocket) raises ServerError with code `websocket_required`."""
+        # wsproto and the framing: for terminal attachments alone, kept off the
+        # start-up of every other command.
+        from sandbox_sdk._async.websocket import AsyncWebSocket, handshake
+
         http, url, hdrs = await self._prepare(namespace, name, tail, None)
         timeout = httpx.Timeout(self.timeout, connect=10)
         for attempt in range(len(_BACKOFF) + 1):

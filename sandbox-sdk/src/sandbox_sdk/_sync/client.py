@@ -30,7 +30,6 @@ from sandbox_sdk import _lazy
 from sandbox_sdk import config as cluster_config
 from sandbox_sdk._sync.gateway import Gateway
 from sandbox_sdk._sync.kube import API_VERSION, Kube, core_path, resource_path
-from sandbox_sdk._sync.websocket import WebSocket
 from sandbox_sdk._sync_io import sleep
 from sandbox_sdk._wire import MAX_TIMEOUT, FileContent, event_of, exec_body, timeout_seconds
 from sandbox_sdk.errors import (
@@ -60,6 +59,7 @@ from sandbox_sdk.types import (
 )
 
 if TYPE_CHECKING:
+    from sandbox_sdk._sync.websocket import WebSocket
     from sandbox_sdk.models import agent, resources
 else:  # the generated models are built on first use: see sandbox_sdk._lazy
     agent = _lazy.module("sandbox_sdk.models.agent")

@@ -38,12 +38,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from sandbox_sdk._sync.kube import Kube, core_path
-from sandbox_sdk._sync.websocket import WebSocket, handshake
 from sandbox_sdk._sync_io import sleep
 from sandbox_sdk._wire import (
     DEFAULT_SERVICE,
@@ -64,6 +63,9 @@ from sandbox_sdk.errors import (
     ServerError,
     from_response,
 )
+
+if TYPE_CHECKING:
+    from sandbox_sdk._sync.websocket import WebSocket
 
 JSON = dict[str, Any]
 TOKEN_SECONDS = 3600
@@ -375,6 +377,10 @@ class Gateway:
         an answer that is not an upgrade (something on the way dropped the
         `Upgrade` header: the gateway's 426, or a 2xx of a proxy that does not
         speak WebSocket) raises ServerError with code `websocket_required`."""
+        # wsproto and the framing: for terminal attachments alone, kept off the
+        # start-up of every other command.
+        from sandbox_sdk._sync.websocket import WebSocket, handshake
+
         http, url, hdrs = self._prepare(namespace, name, tail, None)
         timeout = httpx.Timeout(self.timeout, connect=10)
         for attempt in range(len(_BACKOFF) + 1):
