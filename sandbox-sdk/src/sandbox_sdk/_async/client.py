@@ -1585,7 +1585,8 @@ class AsyncTerminalSession:
     `read()` once the output received before it is read, and from `send()`:
     `terminal.attach()` again goes on from where reading stopped. The agent's
     refusal of a key or a control message (the terminal cannot take input
-    that fast, an unknown signal) is raised by the next `read()`.
+    that fast, an unknown signal) is raised by the next `read()`. One task
+    (or thread, with the sync client) may read while others send.
     """
 
     def __init__(self, terminal: AsyncTerminal, ws: AsyncWebSocket | None) -> None:
