@@ -13,6 +13,9 @@ back:
   agent, its echo one message back;
 - WebSocket, gateway pod: the same session to the gateway's pod directly
   (what a client in the cluster has: the gateway Service's DNS name);
+- WebSocket, agent pod: the SDK's WebSocket straight to the agent with its
+  own token (nobody but the operator and the gateway has one: not a route
+  users have, it says what the gateway and the API server add);
 - HTTP, API proxy: the SDK's plain HTTP operations (the session's fallback
   where no WebSocket passes, and the only way before `attach()`): a POST of
   the key, the echo from a long-poll read that was waiting;
@@ -26,6 +29,7 @@ within 0.5x of kubectl exec's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pty
 import select
@@ -42,6 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402
+    agent_client,
     create_namespace,
     operator_cluster,
     percentile,
@@ -51,6 +56,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from devcluster import deploy  # noqa: E402
 from sandbox_sdk import SandboxClient, Terminal, TerminalSession  # noqa: E402
+from sandbox_sdk._sync.websocket import WebSocket, handshake  # noqa: E402
 from tests.kube import KubeJSON, core_path  # noqa: E402
 
 NS = "bench-terminal"
@@ -101,6 +107,18 @@ def _ws_key(session: TerminalSession, key: bytes) -> float:
         if not chunk:
             raise SystemExit("WebSocket session: no echo in 10 s")
         seen += chunk
+    return time.perf_counter() - began
+
+
+def _raw_key(ws: WebSocket, key: bytes) -> float:
+    began = time.perf_counter()
+    ws.send(key)
+    seen = b""
+    while key not in seen:
+        message = ws.receive(timeout=10)
+        if not isinstance(message, bytes):
+            raise SystemExit(f"agent WebSocket: {message!r} instead of the echo")
+        seen += message
     return time.perf_counter() - began
 
 
@@ -159,13 +177,24 @@ def main() -> None:
             proxied = via_proxy.connect(BOX).terminals.create(argv=["cat"])
             direct = via_pod.connect(BOX).terminals.create(argv=["cat"])
             polled = via_proxy.connect(BOX).terminals.create(argv=["cat"])
+            raw = via_proxy.connect(BOX).terminals.create(argv=["cat"])
             echoes = Echoes(polled)
             echoes.start()
-            with proxied.attach() as ws_proxy, direct.attach() as ws_pod:
+            agent = agent_client(kube, NS, BOX)
+            ws_agent = handshake(agent, f"/v1/terminals/{raw.id}/attach", params={"cursor": "0"})
+            assert isinstance(ws_agent, WebSocket), ws_agent
+            assert "attached" in str(ws_agent.receive(timeout=10))
+            with (
+                proxied.attach() as ws_proxy,
+                direct.attach() as ws_pod,
+                contextlib.closing(agent),
+                contextlib.closing(ws_agent),
+            ):
                 assert (ws_proxy.transport, ws_pod.transport) == ("websocket", "websocket")
                 routes: dict[str, Callable[[bytes], float]] = {
                     "WebSocket, API proxy": lambda key: _ws_key(ws_proxy, key),
                     "WebSocket, gateway pod": lambda key: _ws_key(ws_pod, key),
+                    "WebSocket, agent pod": lambda key: _raw_key(ws_agent, key),
                     "HTTP, API proxy": lambda key: _http_key(polled, echoes, key),
                     "kubectl exec -it": lambda key: _exec_key(master, key),
                 }
@@ -178,7 +207,7 @@ def main() -> None:
                     for name, measure in routes.items():
                         times[name].append(measure(key))
             echoes.stopping = True
-            for term in (proxied, direct, polled):
+            for term in (proxied, direct, polled, raw):
                 term.kill()
         kubectl.kill()
         kubectl.wait(10)
@@ -188,7 +217,9 @@ def main() -> None:
         for name, values in times.items():
             print(_row(name, values))
         exec_p50 = statistics.median(times["kubectl exec -it"])
-        for name in ("WebSocket, API proxy", "WebSocket, gateway pod", "HTTP, API proxy"):
+        for name in times:
+            if name == "kubectl exec -it":
+                continue
             ratio = statistics.median(times[name]) / exec_p50
             print(f"  ratio p50, {name}: {ratio:.2f}x (target <= 0.5x)")
         results["echo"] = {
