@@ -3,22 +3,33 @@
     python benchmarks/terminal_bench.py [--keys 200]
 
 One sandbox on the real local node, `cat` on a pseudo-terminal in it (the
-terminal's line discipline echoes each key at once). Each measured key is
-one byte sent, then the time until its echo is back:
+terminal's line discipline echoes each key at once), one terminal per
+route. Each measured key is one byte sent, then the time until its echo is
+back:
 
-- terminal: the SDK's terminal (`sandbox.terminals`), the route `kubectl
-  sandbox shell` takes: a POST of the key through the API server's service
-  proxy and the gateway, the echo from a long-poll read that was waiting;
+- WebSocket, API proxy: the SDK's `terminal.attach()` session, the route
+  `kubectl sandbox shell` takes from a kubeconfig: the key one WebSocket
+  message through the API server's service proxy and the gateway to the
+  agent, its echo one message back;
+- WebSocket, gateway pod: the same session to the gateway's pod directly
+  (what a client in the cluster has: the gateway Service's DNS name);
+- WebSocket, agent pod: the SDK's WebSocket straight to the agent with its
+  own token (nobody but the operator and the gateway has one: not a route
+  users have, it says what the gateway and the API server add);
+- HTTP, API proxy: the SDK's plain HTTP operations (the session's fallback
+  where no WebSocket passes, and the only way before `attach()`): a POST of
+  the key, the echo from a long-poll read that was waiting;
 - kubectl exec -it: `kubectl exec -i -t box -c sandbox -- cat` on a local
   pty (the API server's stream to the kubelet and the container runtime).
 
-Keys alternate between the two, one at a time. Target (issue): the
-terminal's p50 within 0.5x of kubectl exec's.
+Keys go round the routes, one at a time. Target (issue): the terminal's p50
+within 0.5x of kubectl exec's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pty
 import select
@@ -27,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +46,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import (  # noqa: E402
+    agent_client,
     create_namespace,
-    latency_row,
     operator_cluster,
     percentile,
     ready_sandbox,
     token_kubeconfig,
     write_results,
 )
-from sandbox_sdk import SandboxClient  # noqa: E402
-from tests.kube import KubeJSON  # noqa: E402
+from devcluster import deploy  # noqa: E402
+from sandbox_sdk import SandboxClient, Terminal, TerminalSession  # noqa: E402
+from sandbox_sdk._sync.websocket import WebSocket, handshake  # noqa: E402
+from tests.kube import KubeJSON, core_path  # noqa: E402
 
 NS = "bench-terminal"
 BOX = "box"
@@ -53,7 +67,7 @@ KEYS = b"abcdefghijklmnopqrstuvwxyz"
 class Echoes(threading.Thread):
     """Reads a terminal's output (the SDK's long-poll) and notes when each key came back."""
 
-    def __init__(self, term: Any) -> None:
+    def __init__(self, term: Terminal) -> None:
         super().__init__(daemon=True)
         self.term = term
         self.seen = bytearray()
@@ -76,11 +90,35 @@ class Echoes(threading.Thread):
             self.changed.wait_for(lambda: len(self.seen) >= count, timeout=10)
 
 
-def _terminal_key(term: Any, echoes: Echoes, key: bytes) -> float:
+def _http_key(term: Terminal, echoes: Echoes, key: bytes) -> float:
     want = len(echoes.seen) + 1
     began = time.perf_counter()
     term.send(key)
     echoes.wait_for(want)
+    return time.perf_counter() - began
+
+
+def _ws_key(session: TerminalSession, key: bytes) -> float:
+    began = time.perf_counter()
+    session.send(key)
+    seen = b""
+    while key not in seen:
+        chunk = session.read(wait=10)
+        if not chunk:
+            raise SystemExit("WebSocket session: no echo in 10 s")
+        seen += chunk
+    return time.perf_counter() - began
+
+
+def _raw_key(ws: WebSocket, key: bytes) -> float:
+    began = time.perf_counter()
+    ws.send(key)
+    seen = b""
+    while key not in seen:
+        message = ws.receive(timeout=10)
+        if not isinstance(message, bytes):
+            raise SystemExit(f"agent WebSocket: {message!r} instead of the echo")
+        seen += message
     return time.perf_counter() - began
 
 
@@ -93,6 +131,19 @@ def _exec_key(master: int, key: bytes) -> float:
             raise SystemExit("kubectl exec: no echo in 10 s")
         if key in os.read(master, 4096):
             return time.perf_counter() - began
+
+
+def _gateway_pod(kube: KubeJSON) -> str:
+    pods = kube.list(
+        core_path("pods", deploy.NAMESPACE), label_selector="app.kubernetes.io/name=sandbox-gateway"
+    )
+    ready = [p for p in pods if (p.get("status") or {}).get("podIP")]
+    return f"http://{ready[0]['status']['podIP']}:8080"
+
+
+def _row(label: str, values: list[float]) -> str:
+    p50, p90, p99 = (percentile(values, q) * 1000 for q in (0.5, 0.9, 0.99))
+    return f"  {label:<28} p50 {p50:6.2f} ms   p90 {p90:6.2f} ms   p99 {p99:6.2f} ms"
 
 
 def main() -> None:
@@ -119,36 +170,66 @@ def main() -> None:
             start_new_session=True,
         )
         os.environ["KUBECONFIG"] = str(kubeconfig)
-        with SandboxClient(NS) as client:
-            term = client.connect(BOX).terminals.create(argv=["cat"])
-            echoes = Echoes(term)
+        with (
+            SandboxClient(NS, gateway="proxy") as via_proxy,
+            SandboxClient(NS, gateway_url=_gateway_pod(kube)) as via_pod,
+        ):
+            proxied = via_proxy.connect(BOX).terminals.create(argv=["cat"])
+            direct = via_pod.connect(BOX).terminals.create(argv=["cat"])
+            polled = via_proxy.connect(BOX).terminals.create(argv=["cat"])
+            raw = via_proxy.connect(BOX).terminals.create(argv=["cat"])
+            echoes = Echoes(polled)
             echoes.start()
-            for warm in KEYS[:5]:  # warm both: connections, the kubelet's stream
-                _terminal_key(term, echoes, bytes([warm]))
-                _exec_key(master, bytes([warm]))
-            ours: list[float] = []
-            theirs: list[float] = []
-            for i in range(args.keys):
-                key = bytes([KEYS[i % len(KEYS)]])
-                ours.append(_terminal_key(term, echoes, key))
-                theirs.append(_exec_key(master, key))
+            agent = agent_client(kube, NS, BOX)
+            ws_agent = handshake(agent, f"/v1/terminals/{raw.id}/attach", params={"cursor": "0"})
+            assert isinstance(ws_agent, WebSocket), ws_agent
+            assert "attached" in str(ws_agent.receive(timeout=10))
+            with (
+                proxied.attach() as ws_proxy,
+                direct.attach() as ws_pod,
+                contextlib.closing(agent),
+                contextlib.closing(ws_agent),
+            ):
+                assert (ws_proxy.transport, ws_pod.transport) == ("websocket", "websocket")
+                routes: dict[str, Callable[[bytes], float]] = {
+                    "WebSocket, API proxy": lambda key: _ws_key(ws_proxy, key),
+                    "WebSocket, gateway pod": lambda key: _ws_key(ws_pod, key),
+                    "WebSocket, agent pod": lambda key: _raw_key(ws_agent, key),
+                    "HTTP, API proxy": lambda key: _http_key(polled, echoes, key),
+                    "kubectl exec -it": lambda key: _exec_key(master, key),
+                }
+                times: dict[str, list[float]] = {name: [] for name in routes}
+                for warm in KEYS[:5]:  # warm all: connections, the kubelet's stream
+                    for measure in routes.values():
+                        measure(bytes([warm]))
+                for i in range(args.keys):
+                    key = bytes([KEYS[i % len(KEYS)]])
+                    for name, measure in routes.items():
+                        times[name].append(measure(key))
             echoes.stopping = True
-            term.kill()
+            for term in (proxied, direct, polled, raw):
+                term.kill()
         kubectl.kill()
         kubectl.wait(10)
         os.close(master)
         os.close(slave)
-        print(f"a key's echo from `cat` on a pty, {args.keys} keys each, alternating:")
-        print(latency_row("terminal (SDK, gateway)", ours))
-        print(latency_row("kubectl exec -it", theirs))
-        ratio = statistics.median(ours) / statistics.median(theirs)
-        print(f"  ratio p50: {ratio:.2f}x (target <= 0.5x)")
+        print(f"a key's echo from `cat` on a pty, {args.keys} keys each, round robin:")
+        for name, values in times.items():
+            print(_row(name, values))
+        exec_p50 = statistics.median(times["kubectl exec -it"])
+        for name in times:
+            if name == "kubectl exec -it":
+                continue
+            ratio = statistics.median(times[name]) / exec_p50
+            print(f"  ratio p50, {name}: {ratio:.2f}x (target <= 0.5x)")
         results["echo"] = {
-            "terminal_p50_s": statistics.median(ours),
-            "terminal_p99_s": percentile(ours, 0.99),
-            "kubectl_exec_p50_s": statistics.median(theirs),
-            "kubectl_exec_p99_s": percentile(theirs, 0.99),
-            "ratio_p50": ratio,
+            name: {
+                "p50_s": statistics.median(values),
+                "p90_s": percentile(values, 0.9),
+                "p99_s": percentile(values, 0.99),
+                "ratio_p50": statistics.median(values) / exec_p50,
+            }
+            for name, values in times.items()
         }
         kube.close()
     results["load_after"] = os.getloadavg()

@@ -89,10 +89,12 @@ def test_per_turn_chat(user_env: dict[str, str]) -> None:
 
 def test_a_terminal_in_a_real_pod(user_env: dict[str, str]) -> None:
     """A login shell on a pty in the runtime container (runc), through the
-    gateway and the API server's proxy; a watch of the workspace (the agent's
-    inotify on the volume it shares with the runtime container) sees what the
-    terminal changes."""
+    gateway and the API server's proxy, attached over a WebSocket (the proxy
+    passes the upgrade on) and driven over HTTP; a watch of the workspace (the
+    agent's inotify on the volume it shares with the runtime container) sees
+    what the terminal changes."""
     out = _run_example("terminal.py", user_env)
+    assert "attached over websocket" in out, out  # not the HTTP fallback
     # The image gives the sandbox user /bin/sh; an interactive terminal gets bash.
     assert re.search(r"a login shell \(\S*bash\) on /dev/pts/", out), out
     assert "the REPL kept total between sends" in out

@@ -13,8 +13,10 @@ import itertools
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -64,6 +66,61 @@ def _log_tail(path: Path, lines: int = 60) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+class TcpRelay:
+    """A TCP relay on 127.0.0.1 to `port`, whose connections the test can cut
+    (both ways at once, no closing handshake: a network that dropped them).
+    It goes on accepting new connections after a cut."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            up = socket.create_connection(("127.0.0.1", self.upstream))
+            with self.lock:
+                self.sockets += [down, up]
+            for source, sink in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def cut(self) -> None:
+        """Drop every connection open now."""
+        with self.lock:
+            cut, self.sockets = self.sockets, []
+        for sock in cut:
+            with contextlib.suppress(OSError):
+                # Linger 0: the close resets, as a dropped network path ends. The
+                # shutdown first wakes the pump blocked in recv (a close alone
+                # would wait for it).
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.cut()
 
 
 class OperatorProcess:

@@ -25,7 +25,7 @@ from sandbox_sdk import SandboxClient
 from sandbox_sdk.cli import PIPE_EXIT, TRUNCATED_EXIT
 from tests.executions import Executions
 from tests.integration.conftest import RELEASE
-from tests.integration.harness import Node, wait_for
+from tests.integration.harness import GatewayProcess, Node, TcpRelay, wait_for
 from tests.integration.test_sdk import (
     LiveSandbox,
     _ca_for_children,
@@ -426,3 +426,51 @@ def test_shell_joins_this_terminal_to_one_in_the_sandbox(
     # Without a terminal: a command's output and exit code.
     done = _cli(env, "shell", "tty", "--", "sh", "-c", "echo piped; exit 3")
     assert (done.returncode, done.stdout.replace("\r", "")) == (3, "piped\n"), done.stderr
+
+
+def test_shell_says_how_to_attach_again_when_its_connection_drops(
+    client: SandboxClient, live_sandbox: LiveSandbox, gateway: GatewayProcess
+) -> None:
+    """The connection to the gateway dropped under `kubectl sandbox shell` (a
+    relay in front of the gateway resets it): the local terminal is put back,
+    the exit code is 1, the message names the `--attach` line, and that line
+    joins the terminal, which went on meanwhile."""
+    client.create("python", name="tty", wait=False)
+    _start(live_sandbox, "tty")
+    relay = TcpRelay(gateway.port)
+    env = {**os.environ, **_explicit_env(client), "SANDBOX_GATEWAY_URL": relay.url}
+    bash = ("--", "env", "PS1=cut> ", "bash", "--norc", "--noprofile", "-i")
+    session = _Pty(env, "shell", "tty", *bash, cols=80, rows=24)
+    try:
+        session.expect("cut> ")
+        session.type("sleep 1; echo went-on-$((6*7))\r")
+        session.expect("went-on-$")  # the echo: the shell has the line
+        relay.cut()
+        assert session.process.wait(30) == 1
+        session.expect("--attach term-")
+        assert not session.raw(), "the local terminal is back in its own mode"
+    finally:
+        session.close()
+        relay.close()
+    hint = session.seen.decode(errors="replace")
+    assert "connection lost" in hint, hint
+    term_id = hint.split("--attach ", 1)[1].split()[0]
+    [left] = client.connect("tty").terminals.list()
+    assert (left.id, left.status) == (term_id, "running")
+    session = _Pty(
+        env | {"SANDBOX_GATEWAY_URL": gateway.url},
+        "shell",
+        "tty",
+        "--attach",
+        term_id,
+        cols=80,
+        rows=24,
+    )
+    try:
+        wait_for(session.raw, 30, "the shell joined (the local terminal raw)")
+        session.type("echo $((6*7))-again\r")
+        session.expect("42-again")
+        session.type("exit 4\r")
+        assert session.process.wait(30) == 4
+    finally:
+        session.close()

@@ -18,6 +18,7 @@ import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -39,10 +40,17 @@ from sandbox_sdk import (
     Paused,
     Sandbox,
     SandboxClient,
+    ServerError,
 )
-from sandbox_sdk._async.client import AsyncFiles, AsyncJob, AsyncTerminal, AsyncTerminals
-from sandbox_sdk._sync.client import Files, Job, Terminal, Terminals
-from tests.integration.harness import AgentProcess, GatewayProcess, wait_for
+from sandbox_sdk._async.client import (
+    AsyncFiles,
+    AsyncJob,
+    AsyncTerminal,
+    AsyncTerminals,
+    AsyncTerminalSession,
+)
+from sandbox_sdk._sync.client import Files, Job, Terminal, Terminals, TerminalSession
+from tests.integration.harness import AgentProcess, GatewayProcess, TcpRelay, wait_for
 from tests.integration.test_gateway import caller
 from tests.kube import KubeJSON, api_path, core_path
 from tests.sandboxes import Sandboxes
@@ -591,6 +599,7 @@ def test_the_async_client_has_the_same_surface(
         (Job, AsyncJob),
         (Terminals, AsyncTerminals),
         (Terminal, AsyncTerminal),
+        (TerminalSession, AsyncTerminalSession),
     ]
     for sync_cls, async_cls in pairs:
         sync_api = {n for n in dir(sync_cls) if not n.startswith("_")}
@@ -656,6 +665,231 @@ def test_a_terminal_from_the_sdk(client: SandboxClient, live_sandbox: LiveSandbo
     assert sandbox.terminals.list() == []
     with pytest.raises(NotFound):
         again.info()
+
+
+def _until_lost(session: TerminalSession) -> ServerError:
+    """Read until the session says its connection is gone (bounded: a session
+    that never notices fails the test)."""
+    for _ in range(6):
+        try:
+            session.read(wait=5)
+        except ServerError as exc:
+            return exc
+    raise AssertionError("the cut connection was not noticed in 30 s")
+
+
+def test_a_terminal_attached_over_a_websocket(
+    control_plane: ControlPlane,
+    gateway: GatewayProcess,
+    kube: KubeJSON,
+    ns: str,
+    alice: str,
+    live_sandbox: LiveSandbox,
+) -> None:
+    """`attach()`: keys out and output back on one WebSocket through the
+    gateway; a resize and a signal over it. The connection dropped under it (a
+    relay in front of the gateway resets its sockets): `read()` says so, and the
+    same handle attached again replays what the terminal wrote meanwhile, from
+    where reading stopped and not before. Refused: a terminal that does not
+    exist (NotFound), a caller without `create sandboxes/exec` (Forbidden)."""
+    live_sandbox("tty")
+    relay = TcpRelay(gateway.port)
+    server, ca = control_plane.server, str(control_plane.ca_cert)
+    try:
+        with SandboxClient(
+            ns, api_server=server, ca_file=ca, token=alice, gateway_url=relay.url
+        ) as sdk:
+            sandbox = sdk.connect("tty")
+            term = sandbox.terminals.create(
+                argv=["bash", "--norc", "--noprofile", "-i"], env={"PS1": "ws> "}, cols=70, rows=15
+            )
+            with term.attach() as session:
+                assert session.transport == "websocket"
+                session.read_until("ws> ")
+                session.resize(100, 30)
+                session.send("stty size\r")
+                session.read_until("30 100")
+                session.send("sh -c 'printf \"sle%sing\\n\" ep; exec sleep 100'\r")
+                session.read_until("sleeping")
+                session.signal("INT")
+                session.read_until("ws> ")
+                # The line is the shell's once echoed: it runs on without us.
+                session.send("sleep 1; echo after-$((20+22))\r")
+                session.read_until("after-$")
+                read_to = term.cursor
+                relay.cut()
+                lost = _until_lost(session)
+                assert lost.code == "attachment_lost", lost
+                with pytest.raises(ServerError, match="attachment_lost"):
+                    session.send("x")
+            assert term.cursor == read_to, "nothing was read after the cut"
+            with term.attach() as again:
+                replay = again.read_until("after-42")
+                assert b"after-$((" not in replay, "replayed from the cursor, not from the start"
+                assert again.dropped == 0
+                again.send("exit 3\r")
+                ended = again.wait(timeout=30)
+                assert (ended.status, ended.exit_code) == ("exited", 3), ended
+                assert again.ended
+                assert again.read(wait=0) == b""
+            term.kill()
+
+            with pytest.raises(NotFound):
+                sandbox.terminals.get("term-0123456789abcdef").attach()
+            live = sandbox.terminals.create(argv=["cat"])
+            viewer = caller(kube, ns, "tty-viewer", "viewer")
+            with (
+                SandboxClient(
+                    ns,
+                    api_server=server,
+                    ca_file=ca,
+                    token=alice,
+                    gateway_token=viewer,
+                    gateway_url=gateway.url,
+                ) as seer,
+                pytest.raises(Forbidden),
+            ):
+                seer.connect("tty").terminals.get(live.id).attach()
+            files_only = sandbox.token(["files:read"], ttl=120)
+            with (
+                SandboxClient(ns, gateway_url=gateway.url, gateway_token=files_only) as scoped,
+                pytest.raises(Forbidden),
+            ):
+                scoped.connect("tty").terminals.get(live.id).attach()
+            live.kill()
+    finally:
+        relay.close()
+
+
+def test_a_terminal_session_from_async_code(
+    control_plane: ControlPlane,
+    gateway: GatewayProcess,
+    ns: str,
+    alice: str,
+    live_sandbox: LiveSandbox,
+) -> None:
+    """The async session: one task reads while another sends on the same
+    WebSocket; the program's end (EOF to `cat`) ends the iteration."""
+    live_sandbox("tty")
+
+    async def use() -> tuple[bytes, bytes, int | None]:
+        async with AsyncSandboxClient(
+            ns,
+            api_server=control_plane.server,
+            token=alice,
+            ca_file=str(control_plane.ca_cert),
+            gateway_url=gateway.url,
+        ) as sdk:
+            box = await sdk.connect("tty")
+            term = await box.terminals.create(argv=["cat"])
+            async with await term.attach() as session:
+
+                async def copies() -> bytes:
+                    seen = b""
+                    while seen.count(b"typed-3") < 2:  # the echo, then cat's copy
+                        seen += await session.read(wait=10)
+                    return seen
+
+                reader = asyncio.create_task(copies())
+                for i in range(4):
+                    await session.send(f"typed-{i}\r")
+                shown = await asyncio.wait_for(reader, 60)
+                await session.send("\x04")  # EOF: cat exits
+                rest = b"".join([chunk async for chunk in session])
+                ended = await session.wait(timeout=30)
+            await term.kill()
+            return shown, rest, ended.exit_code
+
+    shown, rest, code = asyncio.run(use())
+    # Each line twice: the terminal's echo, and cat's copy.
+    lines = shown.split(b"\r\n")
+    for i in range(4):
+        assert lines.count(f"typed-{i}".encode()) == 2, shown
+    assert b"typed" not in rest
+    assert code == 0
+
+
+# Headers a proxy does not pass on: hop-by-hop ones (RFC 9110 7.6.1), and those
+# it sets itself (host; the length and encoding of a body it reframes).
+_NOT_FORWARDED = frozenset(
+    {"connection", "upgrade", "keep-alive", "transfer-encoding", "te", "trailer"}
+    | {"host", "content-length", "content-encoding"}
+)
+
+
+class _PlainProxy:
+    """An HTTP/1.1 reverse proxy that knows nothing of WebSockets: it drops the
+    hop-by-hop headers (Connection, Upgrade, ...) as HTTP proxies must, so an
+    upgrade reaches the gateway as a plain GET."""
+
+    def __init__(self, upstream: str) -> None:
+        http = httpx.Client(base_url=upstream, timeout=120)
+        hop = _NOT_FORWARDED
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in hop}
+                answer = http.request(self.command, self.path, headers=headers, content=body)
+                self.send_response(answer.status_code)
+                for name, value in answer.headers.items():
+                    if name.lower() not in hop:
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(answer.content)))
+                self.end_headers()
+                self.wfile.write(answer.content)
+
+            do_GET = do_POST = do_DELETE = forward
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.http = http
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.http.close()
+
+
+def test_a_terminal_session_falls_back_to_http_where_no_websocket_passes(
+    control_plane: ControlPlane,
+    gateway: GatewayProcess,
+    ns: str,
+    alice: str,
+    live_sandbox: LiveSandbox,
+) -> None:
+    """Behind a proxy that drops the upgrade (the gateway answers the plain GET
+    with 426), `attach()` gives a session on the HTTP operations, which does the
+    same work: keys in, output out, the end and its exit code."""
+    live_sandbox("tty")
+    proxy = _PlainProxy(gateway.url)
+    try:
+        with SandboxClient(
+            ns,
+            api_server=control_plane.server,
+            token=alice,
+            ca_file=str(control_plane.ca_cert),
+            gateway_url=proxy.url,
+        ) as sdk:
+            term = sdk.connect("tty").terminals.create(argv=["sh", "-c", "read line; exit 5"])
+            with term.attach() as session:
+                assert session.transport == "http"
+                session.send("via-http\r")
+                assert b"via-http" in session.read_until("via-http")
+                assert session.wait(timeout=30).exit_code == 5
+                assert session.ended
+            term.kill()
+            with pytest.raises(NotFound):
+                sdk.connect("tty").terminals.get("term-0123456789abcdef").attach()
+    finally:
+        proxy.close()
 
 
 def test_pause_returns_once_the_pod_is_gone(

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         AsyncSandboxClient,
         AsyncTerminal,
         AsyncTerminals,
+        AsyncTerminalSession,
         AsyncWatch,
     )
     from sandbox_sdk._async.code import AsyncContexts
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
         SandboxClient,
         Terminal,
         Terminals,
+        TerminalSession,
         Watch,
     )
     from sandbox_sdk._sync.code import Contexts
@@ -81,12 +83,22 @@ _HOMES = {
             "AsyncSandboxClient",
             "AsyncTerminal",
             "AsyncTerminals",
+            "AsyncTerminalSession",
             "AsyncWatch",
         ),
         "_async.client",
     ),
     **dict.fromkeys(
-        ("Files", "Job", "Sandbox", "SandboxClient", "Terminal", "Terminals", "Watch"),
+        (
+            "Files",
+            "Job",
+            "Sandbox",
+            "SandboxClient",
+            "Terminal",
+            "TerminalSession",
+            "Terminals",
+            "Watch",
+        ),
         "_sync.client",
     ),
     **dict.fromkeys(
@@ -116,6 +128,7 @@ __all__ = [
     "AsyncSandbox",
     "AsyncSandboxClient",
     "AsyncTerminal",
+    "AsyncTerminalSession",
     "AsyncTerminals",
     "AsyncWatch",
     "CodeError",
@@ -146,6 +159,7 @@ __all__ = [
     "ServerError",
     "Template",
     "Terminal",
+    "TerminalSession",
     "Terminals",
     "Timeout",
     "Unauthorized",

@@ -22,7 +22,16 @@ from sandbox_sdk._async import gateway
 from sandbox_sdk._sync import client
 
 TARGET = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
-CLASSES = [client.SandboxClient, client.Sandbox, client.Files, client.Job, client.Watch]
+CLASSES = [
+    client.SandboxClient,
+    client.Sandbox,
+    client.Files,
+    client.Job,
+    client.Watch,
+    client.Terminals,
+    client.Terminal,
+    client.TerminalSession,
+]
 RESULTS = [types.CommandResult, types.OutputEvent, types.Runtime, types.Event]
 ERRORS = [
     errors.SandboxError,

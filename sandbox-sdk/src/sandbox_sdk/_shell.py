@@ -6,6 +6,13 @@ program's exit, a lost connection, an error, a signal. Window size changes
 follow (SIGWINCH). The program's exit code is ours (128 + N for a signal).
 A lost connection leaves the terminal running in the sandbox; the message
 says how to attach to it again.
+
+The terminal is attached over a WebSocket (`Terminal.attach()`): each key
+goes out as one message as it is typed, and output is written here as it
+arrives (where nothing on the way carries a WebSocket, the session falls
+back to a request per key and long-polled output). Two threads: this one
+reads the keys, the other the output; the session lets one send while the
+other waits to receive.
 """
 
 from __future__ import annotations
@@ -25,12 +32,21 @@ from typing import TYPE_CHECKING, Any
 from sandbox_sdk.errors import SandboxError
 
 if TYPE_CHECKING:
-    from sandbox_sdk._sync.client import Sandbox, Terminal
+    from sandbox_sdk._sync.client import Sandbox, TerminalSession
 
 # How long one read of the terminal's output waits for some (then asks again).
 READ_WAIT = 20.0
 # How often the key loop looks at whether the output side ended.
 TICK = 0.2
+# The agent's refusals of one key or control message on an attachment: said,
+# and the session goes on (anything else read raises ends it).
+REFUSALS = {
+    "terminal_backlogged",
+    "runner_unavailable",
+    "invalid_request",
+    "invalid_signal",
+    "terminal_ended",
+}
 
 
 @contextlib.contextmanager
@@ -58,9 +74,9 @@ def _size(fd: int) -> tuple[int, int]:
 class _Output(threading.Thread):
     """Copies the terminal's output to ours until it ends or the connection fails."""
 
-    def __init__(self, term: Terminal, out_fd: int) -> None:
+    def __init__(self, session: TerminalSession, out_fd: int) -> None:
         super().__init__(daemon=True)
-        self.term = term
+        self.session = session
         self.out_fd = out_fd
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -68,11 +84,20 @@ class _Output(threading.Thread):
     def run(self) -> None:
         try:
             while True:
-                data = self.term.read(wait=READ_WAIT)
+                try:
+                    data = self.session.read(wait=READ_WAIT)
+                except SandboxError as exc:
+                    if self.session.transport != "websocket" or exc.code not in REFUSALS:
+                        raise
+                    # The agent refused a key or a resize (input sent faster than
+                    # the terminal takes it): said, and the session goes on.
+                    if exc.code != "terminal_ended":  # its exit follows
+                        os.write(self.out_fd, f"\r\n[sandbox: {exc}]\r\n".encode())
+                    continue
                 view = memoryview(data)
                 while view:
                     view = view[os.write(self.out_fd, view) :]
-                if not data and self.term.status != "running":
+                if not data and self.session.ended:
                     return
         except BaseException as exc:  # reported by the key loop, which owns the exit
             self.error = exc
@@ -93,12 +118,19 @@ def shell(
     cols, rows = _size(out_fd if os.isatty(out_fd) else in_fd)
     if attach is not None:
         term = sandbox.terminals.get(attach)
-        term.cursor = term.info().output_cursor  # what is on the screen now, not the past
-        term.resize(cols, rows)
-    elif len(command) == 1:
-        term = sandbox.terminals.create(command[0], cols=cols, rows=rows)
+        # What is on the screen from now on, not the past.
+        session = term.attach(cursor=term.info().output_cursor)
+        try:
+            session.resize(cols, rows)
+        except BaseException:
+            session.close()
+            raise
     else:
-        term = sandbox.terminals.create(argv=list(command) or None, cols=cols, rows=rows)
+        if len(command) == 1:
+            term = sandbox.terminals.create(command[0], cols=cols, rows=rows)
+        else:
+            term = sandbox.terminals.create(argv=list(command) or None, cols=cols, rows=rows)
+        session = term.attach()  # from its first byte
     resized = threading.Event()
     handlers: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
@@ -107,12 +139,12 @@ def shell(
         # so that the local terminal is put back.
         for sig in (signal.SIGTERM, signal.SIGHUP):
             handlers[sig] = signal.signal(sig, _stop)
-    output = _Output(term, out_fd)
+    output = _Output(session, out_fd)
     try:
         with raw_mode(in_fd):
             output.start()
             try:
-                _keys(term, output, in_fd, resized, out_fd)
+                _keys(session, output, in_fd, resized, out_fd)
             except Stopped:
                 raise
             except Exception as exc:  # a lost connection, as the output side reports it
@@ -120,15 +152,19 @@ def shell(
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+        session.close()  # detached; the output thread, waiting on it, ends
     if output.error is not None:
         name = sandbox.name
+        why = output.error
+        if isinstance(why, SandboxError) and why.code == "attachment_lost":
+            why = why.details.get("reason", why)  # its own advice is the SDK's, not ours
         print(
-            f"\r\nconnection lost ({output.error}); the terminal goes on in the sandbox:"
+            f"\r\nconnection lost ({why}); the terminal goes on in the sandbox:"
             f" kubectl sandbox shell {name} --attach {term.id}",
             file=sys.stderr,
         )
         return 1
-    ended = term.info()
+    ended = session.wait()  # as the end said it (the WebSocket's last message)
     with contextlib.suppress(SandboxError):
         term.kill()  # its output was shown: free its place
     if ended.signal:
@@ -149,7 +185,7 @@ def _stop(signum: int, frame: Any) -> None:
 
 
 def _keys(
-    term: Terminal, output: _Output, in_fd: int, resized: threading.Event, out_fd: int
+    session: TerminalSession, output: _Output, in_fd: int, resized: threading.Event, out_fd: int
 ) -> None:
     """Send what is typed until the output side ends (the program exited or the
     connection failed). Input that ends (a pipe) stops only the typing."""
@@ -157,7 +193,7 @@ def _keys(
     while not output.done.is_set():
         if resized.is_set():
             resized.clear()
-            term.resize(*_size(out_fd))
+            session.resize(*_size(out_fd))
         if not typing:
             output.done.wait(TICK)
             continue
@@ -172,7 +208,7 @@ def _keys(
             typing = False
             continue
         try:
-            term.send(data)
+            session.send(data)
         except SandboxError:
             if output.done.is_set():
                 return  # it ended while we typed

@@ -45,6 +45,7 @@ from sandbox_sdk.errors import (
     SandboxError,
     ServerError,
     Timeout,
+    from_response,
 )
 from sandbox_sdk.types import (
     CommandResult,
@@ -58,6 +59,7 @@ from sandbox_sdk.types import (
 )
 
 if TYPE_CHECKING:
+    from sandbox_sdk._async.websocket import AsyncWebSocket
     from sandbox_sdk.models import agent, resources
 else:  # the generated models are built on first use: see sandbox_sdk._lazy
     agent = _lazy.module("sandbox_sdk.models.agent")
@@ -1034,6 +1036,19 @@ class AsyncSandbox:
                     raise
         raise AssertionError("unreachable")
 
+    async def _websocket(self, tail: str, params: dict[str, str]) -> AsyncWebSocket:
+        """A WebSocket to the agent's `tail`, waiting (as `_request` does) for a
+        sandbox that is starting."""
+        for attempt in range(3):
+            try:
+                return await self.client.gateway.websocket(
+                    self.namespace, self.name, tail, params=params
+                )
+            except (NotReady, NotFound) as exc:
+                if attempt == 2 or not await self._worth_waiting(exc):
+                    raise
+        raise AssertionError("unreachable")
+
     async def _worth_waiting(self, exc: SandboxError) -> bool:
         """Whether a refusal means "not yet" (the sandbox is starting, or the
         gateway has not seen it yet): then wait for Ready and try again."""
@@ -1516,11 +1531,255 @@ class AsyncTerminal:
             await self.read(wait=min(left, 30.0))
         return await self.info()
 
+    async def attach(self, cursor: int | None = None) -> AsyncTerminalSession:
+        """Join the terminal over a WebSocket: keys go out as they are sent and
+        output comes as the program writes it, with no request per key and no
+        polling (what `kubectl sandbox shell` uses). Its output is replayed
+        from `cursor` (by default this handle's `cursor`, which the session
+        moves on as it reads: after a dropped connection, `attach()` again
+        shows what was missed, as far as the 1 MiB kept reaches back).
+
+        Every way the SDK reaches the gateway carries the WebSocket, the API
+        server's service proxy included. Where something in between does not
+        (a proxy or Ingress in front of `gateway_url` that drops the upgrade),
+        the session falls back to the plain HTTP operations (`transport` is
+        then "http": a request per send, output by long poll). NotFound for a
+        terminal that does not exist; Forbidden without `create sandboxes/exec`.
+        """
+        if cursor is not None:
+            self.cursor = cursor
+        try:
+            ws = await self.sandbox._websocket(f"{self._tail}/attach", {"cursor": str(self.cursor)})
+        except SandboxError as exc:
+            if exc.code != "websocket_required":
+                raise
+            session = AsyncTerminalSession(self, None)
+            session.info = await self.info()  # NotFound here, as over the WebSocket
+            self.status, self.exit_code = session.info.status, session.info.exit_code
+            return session
+        session = AsyncTerminalSession(self, ws)
+        try:
+            await session._attached()
+        except BaseException:
+            await session.aclose()
+            raise
+        return session
+
     async def kill(self) -> None:
         """End its program (and what that started) and forget the terminal."""
         with contextlib.suppress(NotFound):  # gone already
             await self.sandbox._request("DELETE", self._tail)
         self.status = "exited"
+
+
+# The status the agent's HTTP operations answer with for a refusal that an
+# attachment reports as an event (which carries the code only); 400 otherwise.
+_ATTACH_REFUSALS = {"terminal_ended": 409, "terminal_backlogged": 429, "runner_unavailable": 503}
+
+
+class AsyncTerminalSession:
+    """A terminal attached over a WebSocket (`terminal.attach()`), a context
+    manager: `send` keys, `read` output, `resize`, `signal` the foreground
+    job; `close()` detaches (the program goes on).
+
+    `read()` returns output in order and moves the terminal handle's `cursor`
+    past it; `dropped` counts bytes that were lost (output that outran the
+    1 MiB the agent keeps while this session did not read). When the program
+    ends, `read()` returns b"" and `ended` is true; `wait()` gives its exit
+    code. A lost connection raises ServerError (code `attachment_lost`) from
+    `read()` once the output received before it is read, and from `send()`:
+    `terminal.attach()` again goes on from where reading stopped. The agent's
+    refusal of a key or a control message (the terminal cannot take input
+    that fast, an unknown signal) is raised by the next `read()`. One task
+    (or thread, with the sync client) may read while others send.
+    """
+
+    def __init__(self, terminal: AsyncTerminal, ws: AsyncWebSocket | None) -> None:
+        self.terminal = terminal
+        self.transport = "websocket" if ws is not None else "http"
+        self.dropped = 0
+        # The terminal as the agent last described it (at attaching, at its end).
+        self.info: agent.Terminal | None = None
+        self._ws = ws
+        self._chunks: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._next = terminal.cursor  # where the next output message starts
+        self._ended = False
+        self._lost: SandboxError | None = None
+
+    def __repr__(self) -> str:
+        return f"<TerminalSession {self.terminal.id} over {self.transport}>"
+
+    async def __aenter__(self) -> AsyncTerminalSession:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    @property
+    def ended(self) -> bool:
+        """The program ended and all of its output was read."""
+        if self._ws is None:
+            return self.terminal.status != "running"
+        return self._ended and not self._chunks
+
+    def _gone(self, why: str) -> SandboxError:
+        return ServerError(
+            f"the attachment to terminal {self.terminal.id} was lost ({why}); the terminal goes"
+            f" on: attach() again to read on from cursor {self.terminal.cursor}",
+            code="attachment_lost",
+            details={"reason": why},
+        )
+
+    async def _attached(self) -> None:
+        """The agent's first message: where the replay starts."""
+        assert self._ws is not None
+        try:
+            first = await self._ws.receive(timeout=self.terminal.sandbox.client.gateway.timeout)
+        except TimeoutError:
+            raise self._gone("no answer after the handshake") from None
+        event = json.loads(first) if isinstance(first, str) else None
+        if not isinstance(event, dict) or event.get("type") != "attached":
+            raise self._gone(f"the agent's first message was {str(first)[:100]!r}")
+        self.dropped = int(event.get("dropped") or 0)
+        self.terminal.cursor = self._next = int(event["cursor"])
+        self._describe(event.get("terminal"))
+
+    def _describe(self, view: Any) -> None:
+        if isinstance(view, dict):
+            self.info = agent.Terminal.model_validate(view)
+            self.terminal.status, self.terminal.exit_code = self.info.status, self.info.exit_code
+
+    async def _receive(self, wait: float) -> None:
+        """Messages until some output came (and what came with it), the terminal
+        ended, the connection closed, or `wait` seconds passed."""
+        assert self._ws is not None
+        deadline = time.monotonic() + wait
+        while not self._ended and self._lost is None:
+            if self._chunks and not self._ws.buffered:
+                return
+            try:
+                message = await self._ws.receive(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return
+            if message is None:
+                self._lost = self._gone(f"the connection closed, {self._ws.close_code}")
+                return
+            if isinstance(message, bytes):
+                self._chunks.append((self._next, message))
+                self._next += len(message)
+                continue
+            event = json.loads(message)
+            kind = event.get("type") if isinstance(event, dict) else None
+            if kind == "dropped":
+                self.dropped += int(event.get("bytes") or 0)
+                self._next = int(event.get("cursor") or self._next)
+            elif kind == "exit":
+                self._describe(event.get("terminal"))
+                self._ended = True
+            elif kind == "error":
+                code = str(event.get("code") or "")
+                body = {"error": {"code": code, "message": event.get("message")}}
+                raise from_response(_ATTACH_REFUSALS.get(code, 400), body, str(event))
+
+    async def read(self, *, wait: float = 10.0, max_bytes: int | None = None) -> bytes:
+        """Output not read yet, waiting up to `wait` seconds for some; b"" when
+        there is none yet, or none any more (`ended`)."""
+        if self._ws is None:
+            return await self.terminal.read(wait=min(wait, 60.0), max_bytes=max_bytes)
+        if not self._chunks:
+            await self._receive(wait)
+        if not self._chunks and self._lost is not None:
+            raise self._lost
+        out = bytearray()
+        while self._chunks and (max_bytes is None or len(out) < max_bytes):
+            start, data = self._chunks.popleft()
+            if max_bytes is not None and len(out) + len(data) > max_bytes:
+                taken = max_bytes - len(out)
+                self._chunks.appendleft((start + taken, data[taken:]))
+                data = data[:taken]
+            out += data
+            self.terminal.cursor = start + len(data)
+        return bytes(out)
+
+    async def read_until(self, pattern: str | bytes, *, timeout: float = 30.0) -> bytes:
+        """Read until the output read so far (by this call) contains `pattern`;
+        Timeout when it has not after `timeout` seconds or the terminal ended."""
+        want = pattern.encode() if isinstance(pattern, str) else pattern
+        seen = b""
+        deadline = time.monotonic() + timeout
+        while want not in seen:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            chunk = await self.read(wait=min(left, 10.0))
+            seen += chunk
+            if not chunk and self.ended:
+                break
+        if want not in seen:
+            raise Timeout(
+                f"terminal {self.terminal.id}: {want!r} not seen; last output {seen[-200:]!r}"
+            )
+        return seen
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        """Output as it comes, until the terminal ends."""
+        while True:
+            chunk = await self.read(wait=30.0)
+            if chunk:
+                yield chunk
+            elif self.ended:
+                return
+
+    async def _control(self, message: bytes | str) -> None:
+        assert self._ws is not None
+        try:
+            await self._ws.send(message)
+        except ConnectionError as exc:
+            raise self._gone(str(exc)) from exc
+
+    async def send(self, data: str | bytes) -> None:
+        """Keys as typed: "ls\\r" runs ls in a shell, "\\x03" is Ctrl-C."""
+        if self._ws is None:
+            await self.terminal.send(data)
+        else:
+            await self._control(data.encode() if isinstance(data, str) else data)
+
+    async def resize(self, cols: int, rows: int) -> None:
+        """The terminal's window size (its foreground job gets SIGWINCH)."""
+        if self._ws is None:
+            await self.terminal.resize(cols, rows)
+        else:
+            await self._control(json.dumps({"type": "resize", "cols": cols, "rows": rows}))
+
+    async def signal(self, signal: str = "INT") -> None:
+        """To the terminal's foreground job, as a key would (INT: Ctrl-C)."""
+        if self._ws is None:
+            await self.terminal.signal(signal)
+        else:
+            await self._control(json.dumps({"type": "signal", "signal": signal}))
+
+    async def wait(self, timeout: float | None = None) -> agent.Terminal:
+        """Until the program ends (output not read yet is skipped); the terminal
+        as it ended (`exit_code`, `signal`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.ended:
+            left = 30.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise Timeout(f"terminal {self.terminal.id} still running after {timeout}s")
+            await self.read(wait=min(left, 30.0))
+        if self.info is None or self.info.status == "running":
+            self.info = await self.terminal.info()
+        return self.info
+
+    async def aclose(self) -> None:
+        """Detach (the program goes on; `terminal.attach()` joins it again)."""
+        if self._ws is not None:
+            await self._ws.aclose()
 
 
 def _extract(tar: tarfile.TarFile, target: Path) -> None:

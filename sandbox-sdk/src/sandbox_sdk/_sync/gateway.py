@@ -38,7 +38,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -63,6 +63,9 @@ from sandbox_sdk.errors import (
     ServerError,
     from_response,
 )
+
+if TYPE_CHECKING:
+    from sandbox_sdk._sync.websocket import WebSocket
 
 JSON = dict[str, Any]
 TOKEN_SECONDS = 3600
@@ -363,6 +366,49 @@ class Gateway:
                 yield response
         except httpx.TransportError as exc:
             raise ServerError(f"{method} {tail}: the stream broke off: {exc}") from exc
+
+    def websocket(
+        self, namespace: str, name: str, tail: str, *, params: dict[str, str] | None = None
+    ) -> WebSocket:
+        """A WebSocket to the agent's `tail` (a GET that upgrades), on the way this
+        client reaches the gateway, whichever it is: each carries an upgrade (the
+        API server's service proxy passes it on to the Service). Refusals raise
+        as `request`'s do, after the same retries (opening one starts nothing);
+        an answer that is not an upgrade (something on the way dropped the
+        `Upgrade` header: the gateway's 426, or a 2xx of a proxy that does not
+        speak WebSocket) raises ServerError with code `websocket_required`."""
+        # wsproto and the framing: for terminal attachments alone, kept off the
+        # start-up of every other command.
+        from sandbox_sdk._sync.websocket import WebSocket, handshake
+
+        http, url, hdrs = self._prepare(namespace, name, tail, None)
+        timeout = httpx.Timeout(self.timeout, connect=10)
+        for attempt in range(len(_BACKOFF) + 1):
+            last = attempt == len(_BACKOFF)
+            try:
+                opened = handshake(http, url, params=params, headers=hdrs, timeout=timeout)
+            except httpx.TimeoutException as exc:
+                raise ServerError(f"GET {tail}: no answer in time ({exc})") from exc
+            except httpx.TransportError as exc:
+                if last:
+                    raise ServerError(f"the gateway could not be reached: {exc}") from exc
+                sleep(_BACKOFF[attempt])
+                continue
+            if isinstance(opened, WebSocket):
+                return opened
+            if opened.status_code < 400:
+                raise ServerError(
+                    f"GET {tail}: HTTP {opened.status_code} instead of a WebSocket (something"
+                    " between here and the gateway does not pass WebSocket upgrades on)",
+                    status=opened.status_code,
+                    code="websocket_required",
+                )
+            error = _error_of(opened, self.location)
+            transient = opened.status_code in _RETRY_STATUS or error.code in _RETRY_CODES
+            if not transient or last:
+                raise error
+            sleep(_BACKOFF[attempt])
+        raise AssertionError("unreachable")
 
 
 def _error_of(response: httpx.Response, location: Location | None = None) -> SandboxError:
