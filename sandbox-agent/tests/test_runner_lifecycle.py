@@ -20,6 +20,7 @@ from conftest import PY, Sandbox, wait_until
 
 from sandbox_agent import __version__
 from sandbox_agent import runner as wire
+from sandbox_agent.server import PLACED
 
 SRC_RUNNER = Path(wire.__file__)
 
@@ -31,11 +32,13 @@ def _kill_group(pid: int | None) -> None:
 
 
 def test_runner_placed_atomically_with_mode_0644(fresh: Callable[..., Sandbox]) -> None:
+    """The runner and the code-context bridges it starts, each whole, mode 0644."""
     sb = fresh(runner=False)
-    placed = sb.runtime / "runner.py"
-    assert placed.read_bytes() == SRC_RUNNER.read_bytes()
-    assert stat.S_IMODE(placed.stat().st_mode) == 0o644
-    assert not [p for p in sb.runtime.iterdir() if p.name != "runner.py"]  # no temp leftovers
+    for name in PLACED:
+        placed = sb.runtime / name
+        assert placed.read_bytes() == SRC_RUNNER.with_name(name).read_bytes(), name
+        assert stat.S_IMODE(placed.stat().st_mode) == 0o644, name
+    assert sorted(p.name for p in sb.runtime.iterdir()) == sorted(PLACED)  # no temp leftovers
 
 
 def test_not_ready_without_runner_then_ready(fresh: Callable[..., Sandbox]) -> None:
