@@ -185,6 +185,10 @@ def test_stateful_sequences_no_server_errors(fuzz_target: Sandbox) -> None:
             fuzz_target.client.delete(f"/v1/executions/{ex['id']}")
         for _ in range(3):
             fuzz_target.sh("true")
+        # Code contexts too: one left by an earlier sequence (or eight: the
+        # cap) would change what a later one's calls answer.
+        for ctx in fuzz_target.client.get("/v1/contexts").json()["contexts"]:
+            fuzz_target.client.delete(f"/v1/contexts/{ctx['id']}")
 
     class Workflow(schema.as_state_machine()):  # type: ignore[misc]
         def setup(self) -> None:
@@ -214,7 +218,9 @@ def test_stateful_sequences_no_server_errors(fuzz_target: Sandbox) -> None:
     try:
         Workflow.run(
             settings=settings(
-                max_examples=40,
+                # Enough sequences that some reach an execution through a link
+                # among the API's 50-odd operations.
+                max_examples=80,
                 stateful_step_count=6,
                 deadline=None,
                 database=None,

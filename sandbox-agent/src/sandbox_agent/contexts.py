@@ -38,7 +38,7 @@ import msgspec
 from . import metrics, models
 from .config import Settings
 from .environment import Environment
-from .errors import Busy, NotFound, Unavailable
+from .errors import Busy, Conflict, NotFound, Unavailable
 from .runner_client import RunnerClient, Spawn
 
 # The bridge of each language, placed next to the runner (server.PLACED).
@@ -126,6 +126,9 @@ class _Kernel:
         self.line = bytearray()
         self.skipping = False  # inside an over-long line: drop up to its end
         self.stderr = bytearray()  # the bridge's last words, for a failure message
+        # The image cannot run this language's kernel (no node, no jupyter_client):
+        # a fact about the sandbox, not a passing failure.
+        self.unsupported = False
 
     @property
     def running(self) -> bool:
@@ -173,6 +176,7 @@ class _Kernel:
 
     def on_spawn_failed(self, message: str) -> None:
         self.exited = True
+        self.unsupported = True  # its interpreter is not in the image
         self._end(f"the kernel's bridge did not start: {message}")
 
     def on_lost(self, code: str, message: str) -> None:
@@ -206,6 +210,7 @@ class _Kernel:
             if not self.ready.done():
                 self.ready.set_result(None)
         elif kind == "unavailable":
+            self.unsupported = True
             if not self.ready.done():
                 message = _text(obj.get("message"), 2000) or "the kernel is unavailable"
                 self.ready.set_result(message)
@@ -392,6 +397,8 @@ class Context:
         if failure is not None:
             kernel.kill()
             self.message = failure
+            if kernel.unsupported:
+                raise Conflict("kernel_unavailable", failure)
             raise Unavailable("kernel_unavailable", failure)
 
     def stop(self) -> None:

@@ -179,9 +179,9 @@ OPS: tuple[Op, ...] = (
        errors=RUNNING, body=models.SignalRequest, params=(TERMINAL_ID,), gateway=EXEC_ACCESS),
     # code contexts (a kernel each: stateful code)
     Op("POST", "/v1/code/run", api_contexts.code_run, "code",
-       errors=(400, 404, 429, 503), body=models.CodeRequest, writes=True, gateway=EXEC_ACCESS),
+       errors=(400, 404, 409, 429, 503), body=models.CodeRequest, writes=True, gateway=EXEC_ACCESS),
     Op("POST", "/v1/contexts", api_contexts.context_create, models.Context, status=201,
-       errors=(400, 429, 503), body=models.ContextRequest, writes=True, gateway=EXEC_ACCESS),
+       errors=(400, 409, 429, 503), body=models.ContextRequest, writes=True, gateway=EXEC_ACCESS),
     Op("GET", "/v1/contexts", api_contexts.context_list, models.ContextList,
        gateway=EXEC_ACCESS),
     Op("GET", "/v1/contexts/{id}", api_contexts.context_get, models.Context,
@@ -189,7 +189,7 @@ OPS: tuple[Op, ...] = (
     Op("DELETE", "/v1/contexts/{id}", api_contexts.context_delete, None, status=204,
        errors=(404,), params=(CONTEXT_ID,), gateway=EXEC_ACCESS),
     Op("POST", "/v1/contexts/{id}/restart", api_contexts.context_restart, models.Context,
-       errors=(404, 503), params=(CONTEXT_ID,), gateway=EXEC_ACCESS),
+       errors=(404, 409, 503), params=(CONTEXT_ID,), gateway=EXEC_ACCESS),
     Op("POST", "/v1/contexts/{id}/interrupt", api_contexts.context_interrupt, models.Context,
        errors=(404, 503), params=(CONTEXT_ID,), gateway=EXEC_ACCESS),
     # files
