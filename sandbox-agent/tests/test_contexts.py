@@ -154,9 +154,10 @@ def test_an_image_without_jupyter_is_told_so(
     sb = fresh(runner=False, root=world_tmp)
     os.chmod(sb.root, 0o755)
     sb.start_runner(user=65534)
-    r = sb.client.post("/v1/code/run", json={"code": "1"}, timeout=120)
-    assert sb.error(r, 409) == "kernel_unavailable"  # the image's, not a passing failure
-    assert "jupyter_client" in r.json()["error"]["message"]
+    for _ in range(3):  # each time a new default context: none kills the next one's bridge
+        r = sb.client.post("/v1/code/run", json={"code": "1"}, timeout=120)
+        assert sb.error(r, 409) == "kernel_unavailable"  # the image's, not a passing failure
+        assert "jupyter_client" in r.json()["error"]["message"]
     assert sb.client.get("/v1/contexts").json()["contexts"] == []
     assert sb.sh("echo still")["stdout"] == "still\n"
 

@@ -117,7 +117,10 @@ class _Kernel:
 
     def __init__(self, ctx: Context, generation: int) -> None:
         self.ctx = ctx
-        self.id = f"{ctx.id}.{generation}"  # the runner's mark: the kill reaches the kernel too
+        # The runner's mark, so that a kill reaches the kernel too. Unique: a
+        # context made again under the same id (a default one) must not carry
+        # the mark of its predecessor, whose kill may still be sweeping.
+        self.id = f"{ctx.id}.{generation}.{uuid.uuid4().hex[:8]}"
         self.channel = 0
         self.pid: int | None = None
         self.ready: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
