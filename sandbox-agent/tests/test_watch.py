@@ -308,6 +308,7 @@ def test_paths_that_leave_the_workspace_are_refused(sandbox: Sandbox, wsdir: str
             (str(outside), 400, "path_traversal"),
             (f"{wsdir}/out", 403, "path_escape"),
             (f"{wsdir}/missing", 404, "not_found"),
+            (f"{wsdir}/missing/below", 404, "not_found"),  # a missing parent too
             (f"{wsdir}/file", 400, "not_a_directory"),
         ):
             r = sandbox.client.get("/v1/files/watch", params={"path": path})

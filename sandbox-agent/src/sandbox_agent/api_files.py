@@ -319,7 +319,8 @@ async def file_watch(request: Request, args: Args) -> Response:
     else:
         w = watch.Watcher(st.workspace, rel, recursive, limits)
     st.watchers.add(w)  # holds its slot while the watches are added
-    await asyncio.to_thread(w.open)  # closes itself on failure
+    with files.os_errors(rel):  # a missing parent directory: 404, as for every file call
+        await asyncio.to_thread(w.open)  # closes itself on failure
     # Opening a watch is a file call like any other; what it streams afterwards
     # is not activity (see the docstring).
     st.touch()
