@@ -166,7 +166,16 @@ async def run_code(
                             message=event.get("message"),
                         )
             # A stream without its end: the code may have run; never run it again.
-            raise ServerError("the code run's stream ended before the run did")
+            raise ServerError("the code run's stream ended before the run did", code="code_run_cut")
+        except ServerError as exc:
+            if not started or exc.code == "code_run_cut":
+                raise
+            # Cut after the run began: whether it ended, and how, is not known
+            # here (the context's state may have changed); never run it again.
+            raise ServerError(
+                f"the code run's stream broke off after the run began: {exc}",
+                code="code_run_cut",
+            ) from exc
         except (NotReady, NotFound) as exc:
             # Refused before it started (the sandbox is starting): worth a retry.
             if started or attempt == 2 or not await self._worth_waiting(exc):
