@@ -124,8 +124,14 @@ def test_a_client_that_leaves_interrupts_its_run(fresh: Callable[..., Sandbox]) 
     # the next run gets its turn once the abandoned one was interrupted (a run
     # in progress is activity, as a running command is)
     began = time.monotonic()
-    assert main_result(run(sb, "n + 1"))["data"]["text/plain"] == "1"
+    after = run(sb, "n + 1")
     assert time.monotonic() - began < 60
+    if after[0].get("restarted"):
+        # On a loaded machine the interrupt may take longer than its grace: the
+        # kernel was started again, and the run says so.
+        assert kinds(after, "error")[0]["name"] == "NameError", after
+    else:
+        assert main_result(after)["data"]["text/plain"] == "1"
 
 
 def test_bad_requests(fresh: Callable[..., Sandbox]) -> None:

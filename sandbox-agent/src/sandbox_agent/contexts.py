@@ -303,6 +303,9 @@ class Context:
         self.lock = asyncio.Lock()
         self.waiting = 0
         self.generation = 0
+        # A restart no run has reported yet (one after an abandoned run): the
+        # next run's started event says restarted.
+        self.unannounced_restart = False
 
     @property
     def status(self) -> models.ContextStatus:
@@ -520,6 +523,7 @@ class ContextManager:
             restarted = ctx.kernel is None or ctx.kernel.ended
             if restarted:
                 await ctx.start()  # its kernel died since the last run: a new one
+            announce, ctx.unannounced_restart = ctx.unannounced_restart, False
             kernel = ctx.kernel
             assert kernel is not None
             run = _Run()
@@ -532,7 +536,7 @@ class ContextManager:
             yield models.CodeEvent(
                 type="started",
                 context_id=ctx.id,
-                restarted=True if restarted and ctx.restarts > 0 else None,
+                restarted=True if (restarted and ctx.restarts > 0) or announce else None,
             )
             async for event in self._events(ctx, run, seconds):
                 yield event
@@ -603,6 +607,7 @@ class ContextManager:
             if not run.done:
                 with contextlib.suppress(Unavailable):
                     await self._restart_for(ctx, run)
+                ctx.unannounced_restart = True
         finally:
             self._release(ctx)
 
