@@ -24,6 +24,8 @@ from prometheus_client import start_http_server
 
 from sandbox_operator.gateway import config
 from sandbox_operator.gateway.app import Gateway
+from sandbox_operator.gateway.e2b import app as e2b_app
+from sandbox_operator.gateway.e2b.core import Adapter
 from sandbox_operator.gateway.signing import Keys
 from sandbox_operator.gateway.table import RouteTable
 from sandbox_operator.kube import Kube
@@ -74,6 +76,23 @@ async def serve(settings: config.GatewaySettings) -> None:
     server = await loop.create_server(
         gateway.guard.factory(runner.server), settings.host, settings.port, reuse_address=True
     )
+    e2b_runner, e2b_server = None, None
+    if settings.e2b_port:
+        # The E2B adapter on a listener of its own, through the same guard.
+        e2b_runner = web.AppRunner(
+            e2b_app.build(Adapter(gateway)),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_GRACE,
+        )
+        await e2b_runner.setup()
+        assert e2b_runner.server is not None
+        e2b_server = await loop.create_server(
+            gateway.guard.factory(e2b_runner.server),
+            settings.host,
+            settings.e2b_port,
+            reuse_address=True,
+        )
     if settings.metrics_port:
         start_http_server(settings.metrics_port)
     logging.getLogger("sandbox_gateway").info("serving on %s:%d", settings.host, settings.port)
@@ -85,7 +104,11 @@ async def serve(settings: config.GatewaySettings) -> None:
     logging.getLogger("sandbox_gateway").info("draining for %.0f s", settings.drain_seconds)
     await asyncio.sleep(settings.drain_seconds)
     server.close()
+    if e2b_server is not None:
+        e2b_server.close()
     gateway.upstreams.interrupt_streams()
+    if e2b_runner is not None:
+        await e2b_runner.cleanup()
     await runner.cleanup()
     await table.close()
     await kube.close()

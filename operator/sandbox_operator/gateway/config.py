@@ -54,6 +54,18 @@ class GatewaySettings(BaseModel):
     # after the kubelet signals it, and keep sending new connections here until
     # then (closing the listener at once refused them during every rollout).
     drain_seconds: Annotated[float, Field(ge=0, le=300)] = 5.0
+    # The E2B adapter (e2b/): its own listener, off when 0.
+    e2b_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    # Hosts `{port}-{id}.{e2b_domain}` reach a sandbox's ports (get_host, signed
+    # file URLs); the domain create answers with. None: by headers only.
+    e2b_domain: str | None = None
+    # Where a Kubernetes identity that is not a ServiceAccount creates and finds
+    # its E2B sandboxes (a ServiceAccount's own namespace otherwise; an E2B-shaped
+    # key carries its namespace).
+    e2b_default_namespace: str = "default"
+    # E2B template names (aliases) -> (Cluster)SandboxTemplate names; a name not
+    # listed is looked up as is.
+    e2b_templates: dict[str, str] = Field(default_factory=dict)
 
 
 def load(environ: Mapping[str, str] | None = None) -> GatewaySettings:

@@ -1,0 +1,128 @@
+"""The E2B listener: which plane a request is for, and which handler serves it.
+
+A request is for the data plane when it names a sandbox: by the headers the
+SDKs send when `E2B_SANDBOX_URL` is set (`E2b-Sandbox-Id`, `E2b-Sandbox-Port`)
+or by its host, `{port}-{id}.{e2b_domain}`. Everything else is the control
+plane. Each part of the adapter lists its endpoints (`Endpoint`); the data
+plane's handlers get the sandbox resolved and authenticated (core.Target).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from sandbox_operator.gateway.e2b import core
+from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target
+
+log = logging.getLogger("sandbox_gateway.e2b")
+
+ControlHandler = Callable[[web.Request, dict[str, str]], Awaitable[web.StreamResponse]]
+DataHandler = Callable[[web.Request, Target, dict[str, str]], Awaitable[web.StreamResponse]]
+CONTROL = 0  # Endpoint.port of a control-plane endpoint
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One route: `port` 0 for the control plane, else the sandbox port it serves
+    (core.ENVD_PORT, core.INTERPRETER_PORT); `path` a regular expression whose
+    named groups are passed to the handler."""
+
+    port: int
+    method: str
+    path: str
+    handler: ControlHandler | DataHandler
+
+    def match(self, method: str, path: str) -> dict[str, str] | None:
+        if method != self.method and not (self.method == "GET" and method == "HEAD"):
+            return None
+        found = re.fullmatch(self.path, path)
+        return found.groupdict() if found else None
+
+
+class E2BApp:
+    def __init__(self, adapter: Adapter, endpoints: Iterable[Endpoint]) -> None:
+        self.adapter = adapter
+        self.endpoints = list(endpoints)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.errors], client_max_size=1 << 20)
+        app.router.add_route("*", "/{path:.*}", self.dispatch)
+        return app
+
+    @web.middleware
+    async def errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except E2BError as exc:
+            return exc.response()
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return E2BError(exc.status, exc.reason).response()
+
+    def _sandbox(self, request: web.Request) -> tuple[str, int] | None:
+        """(sandbox ID, port) a data-plane request names, or None."""
+        sandbox_id = request.headers.get(core.SANDBOX_ID_HEADER)
+        if sandbox_id is not None:
+            port = request.headers.get(core.SANDBOX_PORT_HEADER, str(core.ENVD_PORT))
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise E2BError(400, f"{core.SANDBOX_PORT_HEADER} must be a port number")
+            return sandbox_id, int(port)
+        domain = self.adapter.gateway.settings.e2b_domain
+        host = (request.host or "").split(":", 1)[0].lower()
+        if domain and host.endswith("." + domain.lower()):
+            port, _, sandbox_id = host[: -len(domain) - 1].partition("-")
+            if port.isdigit() and 0 < int(port) < 65536 and sandbox_id:
+                return sandbox_id, int(port)
+        return None
+
+    async def dispatch(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        named = self._sandbox(request)
+        port = CONTROL if named is None else named[1]
+        for endpoint in self.endpoints:
+            if endpoint.port != port:
+                continue
+            params = endpoint.match(request.method, path)
+            if params is None:
+                continue
+            if named is None:
+                handler: ControlHandler = endpoint.handler  # type: ignore[assignment]
+                return await handler(request, params)
+            token = request.headers.get(core.ACCESS_TOKEN_HEADER) or request.headers.get(
+                core.TRAFFIC_TOKEN_HEADER
+            )
+            target = await self.adapter.target(named[0], token)
+            serve: DataHandler = endpoint.handler  # type: ignore[assignment]
+            return await serve(request, target, params)
+        if named is not None and port not in (core.ENVD_PORT, core.INTERPRETER_PORT):
+            raise E2BError(404, f"port {port} of sandbox {named[0]} is not served here")
+        raise E2BError(404, f"{request.method} {path} is not served by the E2B adapter")
+
+
+async def health(request: web.Request, target: Target, params: dict[str, str]) -> web.Response:
+    """The daemon's health: 204 while the sandbox is running (a sandbox that is not
+    running got core.not_running on the way here)."""
+    return web.Response(status=204)
+
+
+def endpoints(adapter: Adapter) -> list[Endpoint]:
+    """Every endpoint of the adapter, from its parts (each part is a class made
+    with the adapter, whose `endpoints()` lists its own)."""
+    return [Endpoint(core.ENVD_PORT, "GET", "/health", health)]
+
+
+def build(adapter: Adapter) -> web.Application:
+    return E2BApp(adapter, endpoints(adapter)).app()
+
+
+def json_response(body: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, text=json.dumps(body), content_type="application/json")

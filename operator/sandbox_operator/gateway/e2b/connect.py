@@ -1,0 +1,161 @@
+"""Connect RPC with the JSON codec, as E2B's daemon protocol uses it.
+
+Unary calls: a POST of `application/json`, answered with the message as JSON,
+or an error as `{"code": "<connect code>", "message"}` with the code's HTTP
+status. Server streams: the request is `application/connect+json` with one
+enveloped message; the answer is 200 with enveloped messages (1 flag byte,
+4 bytes of big-endian length, JSON), ended by an end-of-stream envelope
+(flag 0x02) whose JSON holds the error, if any. Flag 0x01 marks a
+gzip-compressed envelope (`Connect-Content-Encoding: gzip`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+from typing import Any
+
+from aiohttp import web
+
+JSON = dict[str, Any]
+UNARY = "application/json"
+STREAM = "application/connect+json"
+COMPRESSED = 0x01
+END_STREAM = 0x02
+# The largest request message read (file contents travel over HTTP /files).
+MAX_MESSAGE = 16 << 20
+
+# Connect's error codes and the HTTP status a unary error answers with.
+STATUS = {
+    "canceled": 499,
+    "unknown": 500,
+    "invalid_argument": 400,
+    "deadline_exceeded": 504,
+    "not_found": 404,
+    "already_exists": 409,
+    "permission_denied": 403,
+    "resource_exhausted": 429,
+    "failed_precondition": 400,
+    "aborted": 409,
+    "out_of_range": 400,
+    "unimplemented": 501,
+    "internal": 500,
+    "unavailable": 503,
+    "data_loss": 500,
+    "unauthenticated": 401,
+}
+# From an HTTP status the agent answered with to the nearest Connect code.
+FROM_HTTP = {
+    400: "invalid_argument",
+    401: "unauthenticated",
+    403: "permission_denied",
+    404: "not_found",
+    408: "deadline_exceeded",
+    409: "already_exists",
+    410: "not_found",
+    413: "resource_exhausted",
+    422: "invalid_argument",
+    429: "resource_exhausted",
+    501: "unimplemented",
+    502: "unavailable",
+    503: "unavailable",
+    504: "deadline_exceeded",
+}
+
+
+class ConnectError(Exception):
+    """A Connect error: `code` one of STATUS's keys."""
+
+    def __init__(self, code: str, message: str) -> None:
+        assert code in STATUS, code
+        super().__init__(message)
+        self.code, self.message = code, message
+
+    @classmethod
+    def from_http(cls, status: int, message: str) -> ConnectError:
+        return cls(FROM_HTTP.get(status, "internal" if status >= 500 else "unknown"), message)
+
+    def json(self) -> JSON:
+        return {"code": self.code, "message": self.message}
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=STATUS[self.code], text=json.dumps(self.json()), content_type=UNARY
+        )
+
+
+def envelope(message: JSON, flags: int = 0) -> bytes:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    return struct.pack(">BI", flags, len(data)) + data
+
+
+def end_stream(error: ConnectError | None = None) -> bytes:
+    return envelope({"error": error.json()} if error is not None else {}, END_STREAM)
+
+
+def _decode(data: bytes) -> JSON:
+    try:
+        message = json.loads(data) if data.strip() else {}
+    except (ValueError, RecursionError) as exc:
+        raise ConnectError("invalid_argument", f"the message is not JSON: {exc}") from exc
+    if not isinstance(message, dict):
+        raise ConnectError("invalid_argument", "the message must be a JSON object")
+    return message
+
+
+async def read_request(request: web.Request) -> tuple[JSON, bool]:
+    """The request's message, and whether the call is a server stream."""
+    kind = request.content_type
+    if kind not in (UNARY, STREAM):
+        raise ConnectError("invalid_argument", f"content type {kind!r}: use {UNARY} or {STREAM}")
+    if request.content_length is not None and request.content_length > MAX_MESSAGE + 5:
+        raise ConnectError("resource_exhausted", f"a message is at most {MAX_MESSAGE} bytes")
+    body = await request.content.read(MAX_MESSAGE + 6)
+    if len(body) > MAX_MESSAGE + 5:
+        raise ConnectError("resource_exhausted", f"a message is at most {MAX_MESSAGE} bytes")
+    if kind == UNARY:
+        if request.headers.get("Content-Encoding", "identity") == "gzip":
+            body = _gunzip(body)
+        return _decode(body), False
+    if len(body) < 5:
+        raise ConnectError("invalid_argument", "a stream request holds one enveloped message")
+    flags, length = struct.unpack(">BI", body[:5])
+    if length != len(body) - 5 or flags & END_STREAM:
+        raise ConnectError("invalid_argument", "a stream request holds one enveloped message")
+    data = body[5:]
+    if flags & COMPRESSED:
+        data = _gunzip(data)
+    return _decode(data), True
+
+
+def _gunzip(data: bytes) -> bytes:
+    try:
+        out = gzip.decompress(data)
+    except (OSError, EOFError) as exc:
+        raise ConnectError(
+            "invalid_argument", f"a compressed message did not decompress: {exc}"
+        ) from exc
+    if len(out) > MAX_MESSAGE:
+        raise ConnectError("resource_exhausted", f"a message is at most {MAX_MESSAGE} bytes")
+    return out
+
+
+def unary(message: JSON) -> web.Response:
+    return web.Response(text=json.dumps(message), content_type=UNARY)
+
+
+async def open_stream(request: web.Request) -> web.StreamResponse:
+    """The answer of a server stream, headers sent: write `envelope(...)`s, then
+    `end_stream(...)`, then write_eof."""
+    response = web.StreamResponse(status=200, headers={"Content-Type": STREAM})
+    await response.prepare(request)
+    return response
+
+
+def timeout_seconds(request: web.Request) -> float | None:
+    """The call's deadline (`Connect-Timeout-Ms`), or None."""
+    value = request.headers.get("Connect-Timeout-Ms", "")
+    if not value.isdigit() or len(value) > 10:
+        return None
+    return int(value) / 1000
