@@ -72,6 +72,8 @@ class Route:
     claimed_by: str = ""
     # The SandboxPool this one waits in, unclaimed, if any.
     pool: str = ""
+    # Where the workspace is mounted in the sandbox container (spec.workspace.mountPath).
+    workspace: str = "/workspace"
 
 
 def route_of(body: JSON) -> Route:
@@ -114,6 +116,9 @@ def route_of(body: JSON) -> Route:
         served_by=member,
         claimed_by=claimer,
         pool=(meta.get("labels") or {}).get(LABEL_POOL, ""),
+        workspace=str(
+            ((body.get("spec") or {}).get("workspace") or {}).get("mountPath") or "/workspace"
+        ),
     )
 
 
