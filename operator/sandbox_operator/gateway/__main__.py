@@ -60,10 +60,15 @@ async def serve(settings: config.GatewaySettings) -> None:
     table = RouteTable(kube, settings.namespaces)
     table.start()
     gateway = Gateway(settings, kube, table, Keys(settings.keys_dir))
+    adapter = Adapter(gateway)
+    main_app = gateway.app()
+    if settings.e2b_port:
+        # E2B-shaped API keys are minted and revoked on the main listener.
+        adapter.api_keys.add_routes(main_app)
     # handler_cancellation: a caller that goes away cancels its handler, which
     # closes the upstream connection, so the agent sees the disconnect too.
     runner = web.AppRunner(
-        gateway.app(),
+        main_app,
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=SHUTDOWN_GRACE,
@@ -80,7 +85,7 @@ async def serve(settings: config.GatewaySettings) -> None:
     if settings.e2b_port:
         # The E2B adapter on a listener of its own, through the same guard.
         e2b_runner = web.AppRunner(
-            e2b_app.build(Adapter(gateway)),
+            e2b_app.build(adapter),
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=SHUTDOWN_GRACE,

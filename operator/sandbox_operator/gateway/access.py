@@ -278,32 +278,62 @@ class Access:
                 raise Denied(403, "forbidden", f"this token does not allow {operation.value!r}")
             return
         verb, sub = operation.rbac
-        key = (caller.user, caller.groups, caller.extra, verb, sub, namespace, name)
-        allowed, hit = await self.decisions.fetch(
-            key,
-            lambda: self._allowed(caller, verb, sub, namespace, name),
-            lambda _: self.access_seconds,
-        )
-        if hit:
-            metrics.CACHE_HITS.labels("access").inc()
-        if not allowed:
+        if not await self.allowed(caller, verb, namespace, name, sub=sub):
             raise Denied(
                 403,
                 "forbidden",
                 f"{caller.user} may not {operation.describe()} in namespace {namespace}",
             )
 
+    async def allowed(
+        self,
+        caller: Caller,
+        verb: str,
+        namespace: str,
+        name: str = "",
+        *,
+        sub: str = "",
+        group: str = GROUP,
+        resource: str = SANDBOXES.plural,
+    ) -> bool:
+        """Whether RBAC lets `caller` (a Kubernetes identity, not a scoped token) do
+        `verb` on `resource` (of `group`; `sub`resource) named `name` in `namespace`
+        (`name` empty: any, or a create or list). Cached like every decision."""
+        assert caller.scope is None, "a scoped token is decided by its claims"
+        key = (
+            caller.user,
+            caller.groups,
+            caller.extra,
+            verb,
+            group,
+            resource,
+            sub,
+            namespace,
+            name,
+        )
+        allowed, hit = await self.decisions.fetch(
+            key,
+            lambda: self._allowed(caller, verb, group, resource, sub, namespace, name),
+            lambda _: self.access_seconds,
+        )
+        if hit:
+            metrics.CACHE_HITS.labels("access").inc()
+        return allowed
+
     async def _allowed(
-        self, caller: Caller, verb: str, sub: str, namespace: str, name: str
+        self,
+        caller: Caller,
+        verb: str,
+        group: str,
+        resource: str,
+        sub: str,
+        namespace: str,
+        name: str,
     ) -> bool:
         metrics.REVIEWS.labels("access").inc()
-        attributes = {
-            "namespace": namespace,
-            "verb": verb,
-            "group": GROUP,
-            "resource": SANDBOXES.plural,
-            "name": name,
-        }
+        attributes = {"namespace": namespace, "verb": verb, "group": group, "resource": resource}
+        if name:
+            attributes["name"] = name
         if sub:
             attributes["subresource"] = sub
         spec: JSON = {

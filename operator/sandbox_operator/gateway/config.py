@@ -66,6 +66,20 @@ class GatewaySettings(BaseModel):
     # E2B template names (aliases) -> (Cluster)SandboxTemplate names; a name not
     # listed is looked up as is.
     e2b_templates: dict[str, str] = Field(default_factory=dict)
+    # Where the E2B-shaped API keys (`e2b_...`) are kept, hashed, as Secrets: the
+    # gateway's own namespace (the chart sets it from the downward API). None:
+    # such keys are neither minted nor accepted (Kubernetes tokens still are).
+    e2b_keys_namespace: Annotated[str | None, Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")] = (
+        None
+    )
+    # How long a key's Secret, once read, is trusted: a revoked key (its Secret
+    # deleted) stops working within this long on every replica.
+    e2b_key_seconds: Annotated[float, Field(ge=0, le=300)] = 10.0
+    # The longest lease (`timeout`) a create, connect or set_timeout may ask for.
+    e2b_max_timeout_seconds: Annotated[int, Field(ge=1, le=30 * 86400)] = 86400
+    # How long create (and connect to a paused sandbox) waits for the sandbox to be
+    # Ready before it gives up (the SDKs' own request timeout is 60 s).
+    e2b_ready_wait_seconds: Annotated[float, Field(gt=0, le=600)] = 50.0
 
 
 def load(environ: Mapping[str, str] | None = None) -> GatewaySettings:

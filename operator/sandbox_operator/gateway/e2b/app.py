@@ -117,7 +117,13 @@ async def health(request: web.Request, target: Target, params: dict[str, str]) -
 def endpoints(adapter: Adapter) -> list[Endpoint]:
     """Every endpoint of the adapter, from its parts (each part is a class made
     with the adapter, whose `endpoints()` lists its own)."""
-    return [Endpoint(core.ENVD_PORT, "GET", "/health", health)]
+    # Imported here: the parts import this module's Endpoint.
+    from sandbox_operator.gateway.e2b.control import Control
+
+    return [
+        Endpoint(core.ENVD_PORT, "GET", "/health", health),
+        *Control(adapter).endpoints(),
+    ]
 
 
 def build(adapter: Adapter) -> web.Application:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from sandbox_operator.gateway.e2b.keys import ApiKeys
 from sandbox_operator.gateway.signing import SigningError
 from sandbox_operator.gateway.table import Route
 
@@ -124,6 +125,8 @@ class Adapter:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        # X-API-KEY -> Kubernetes identity and namespace (the control plane's callers).
+        self.api_keys = ApiKeys(gateway)
 
     # -- the access token ------------------------------------------------------------
 
