@@ -15,11 +15,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import aiohttp
 from pydantic import ValidationError
 
+from sandbox_operator.clock import parse_time
 from sandbox_operator.effective import effectively_paused, sandbox_spec
 from sandbox_operator.identity import TOKEN_KEY
 from sandbox_operator.kube import Kube, KubeError
@@ -74,6 +76,16 @@ class Route:
     pool: str = ""
     # Where the workspace is mounted in the sandbox container (spec.workspace.mountPath).
     workspace: str = "/workspace"
+    # The lease's end (spec.lifecycle.expiresAt, RFC 3339), "" when it has none.
+    lease_end: str = ""
+
+    def lease_over(self, now: datetime) -> bool:
+        """Whether its lease has ended (the operator deletes or pauses it soon after:
+        until then, nobody is served by it)."""
+        try:
+            return bool(self.lease_end) and parse_time(self.lease_end) <= now
+        except ValueError:
+            return False
 
 
 def route_of(body: JSON) -> Route:
@@ -87,8 +99,9 @@ def route_of(body: JSON) -> Route:
         spec = sandbox_spec(body)
         paused, by_spec = effectively_paused(body, spec), spec.paused
         ports = {p.port: Port(p.port, p.name, p.public) for p in spec.network.exposed_ports}
+        lease = spec.lifecycle.expires_at or ""
     except ValidationError:
-        paused, by_spec, ports = False, False, {}
+        paused, by_spec, ports, lease = False, False, {}, ""
     pool = status.get("pool") or {}
     member = (pool["member"], pool["memberUid"]) if pool.get("memberUid") else None
     claimer = next(
@@ -119,6 +132,7 @@ def route_of(body: JSON) -> Route:
         workspace=str(
             ((body.get("spec") or {}).get("workspace") or {}).get("mountPath") or "/workspace"
         ),
+        lease_end=lease,
     )
 
 

@@ -29,6 +29,7 @@ import secrets
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -181,8 +182,9 @@ class Adapter:
         if not self.verify_access(token, route):
             raise E2BError(401, "the access token is not valid for this sandbox")
         assert route is not None
-        if route.paused:
-            # A paused E2B sandbox comes back through connect, not by being called.
+        if route.paused or route.lease_over(datetime.now(UTC)):
+            # A paused E2B sandbox comes back through connect, not by being called;
+            # one whose lease ended is over at once (the operator acts on its next pass).
             raise not_running(sandbox_id)
         current = route
         if not route.ready or table.token(route) is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import math
 import re
@@ -224,15 +225,15 @@ def sandbox_body(
         spec["env"] = [{"name": k, "value": v} for k, v in ask.env.items()]
     if ask.internet is False:
         spec["network"] = {"egress": "None"}
+    spec["lifecycle"] = {
+        "expiresAt": lease_end(now, ask.timeout),
+        "onExpiry": ON_EXPIRY_PAUSE if ask.auto_pause else ON_EXPIRY_DELETE,
+    }
     # Checked as the API server will, so a bad field is a 400 that names it.
     try:
         SandboxSpec.model_validate(spec)
     except ValidationError as exc:
         raise bad(f"the sandbox cannot be made: {exc.errors()[0].get('msg', exc)}") from exc
-    spec["lifecycle"] = {
-        "expiresAt": lease_end(now, ask.timeout),
-        "onExpiry": ON_EXPIRY_PAUSE if ask.auto_pause else ON_EXPIRY_DELETE,
-    }
     return {
         "apiVersion": API_VERSION,
         "kind": "Sandbox",
@@ -328,27 +329,30 @@ def view_of(body: JSON, now: datetime) -> View | None:
         return None
     annotations = meta.get("annotations") or {}
     status = body.get("status") or {}
+    try:
+        # As it runs: its own fields over its template's (a template may lease too).
+        spec: SandboxSpec | None = sandbox_spec(body)
+    except ValidationError:
+        spec = None  # the operator refuses it (InvalidSpec); it can still be killed
     lifecycle = lifecycle_of(body)
+    lease, on_expiry = lifecycle.get("expiresAt"), lifecycle.get("onExpiry")
+    if spec is not None:
+        lease, on_expiry = spec.lifecycle.expires_at, spec.lifecycle.on_expiry.value
     expires = None
-    if isinstance(lifecycle.get("expiresAt"), str):
-        try:
-            expires = parse_time(lifecycle["expiresAt"])
-        except ValueError:
-            expires = None
-    on_expiry = (
-        ON_EXPIRY_PAUSE if lifecycle.get("onExpiry") == ON_EXPIRY_PAUSE else ON_EXPIRY_DELETE
-    )
+    if isinstance(lease, str):
+        with contextlib.suppress(ValueError):
+            expires = parse_time(lease)
+    on_expiry = ON_EXPIRY_PAUSE if on_expiry == ON_EXPIRY_PAUSE else ON_EXPIRY_DELETE
     lease_over = expires is not None and expires <= now
     if lease_over and on_expiry == ON_EXPIRY_DELETE:
         return None
-    try:
-        spec = sandbox_spec(body)
+    if spec is not None:
         by_spec = spec.paused
         by_operator = effectively_paused(body, spec) and not by_spec
         cpu = spec.resources.cpu or _DEFAULTS["default_cpu"]
         memory = spec.resources.memory or _DEFAULTS["default_memory"]
         disk = spec.workspace.size or _DEFAULTS["default_workspace_size"]
-    except ValidationError:
+    else:
         by_spec, by_operator = bool((body.get("spec") or {}).get("paused")), False
         cpu, memory = _DEFAULTS["default_cpu"], _DEFAULTS["default_memory"]
         disk = _DEFAULTS["default_workspace_size"]
