@@ -35,14 +35,14 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from aiohttp import web
 
 from sandbox_operator.api.common import DNS_SUBDOMAIN_PATTERN
 from sandbox_operator.api.sandbox import SandboxReason
-from sandbox_operator.clock import iso_precise, parse_time
+from sandbox_operator.clock import iso, iso_precise
 from sandbox_operator.gateway.access import Denied
 from sandbox_operator.gateway.e2b import core, shapes, usage
 from sandbox_operator.gateway.e2b.app import CONTROL, Endpoint, json_response
@@ -84,8 +84,8 @@ class Control:
         self.settings = adapter.gateway.settings
 
     def endpoints(self) -> list[Endpoint]:
-        create_v1 = self._create(shapes_default=15)
-        create_v2 = self._create(shapes_default=300)
+        create_v1 = self._create(default_timeout=15)
+        create_v2 = self._create(default_timeout=300)
         return [
             Endpoint(CONTROL, "POST", "/sandboxes", create_v1),
             Endpoint(CONTROL, "POST", "/v2/sandboxes", create_v2),
@@ -179,10 +179,10 @@ class Control:
     # -- create -------------------------------------------------------------------------
 
     def _create(
-        self, *, shapes_default: int
+        self, *, default_timeout: int
     ) -> Callable[[web.Request, dict[str, str]], Awaitable[web.StreamResponse]]:
         async def handler(request: web.Request, params: dict[str, str]) -> web.StreamResponse:
-            return await self.create(request, shapes_default)
+            return await self.create(request, default_timeout)
 
         return handler
 
@@ -307,8 +307,7 @@ class Control:
         if following is not None:
             headers["X-Next-Token"] = shapes.encode_token(following)
         if RUNNING_STATE in query.states:
-            running = [v for v in views if v.state == RUNNING_STATE]
-            headers["X-Total-Running"] = str(len(running))
+            headers["X-Total-Running"] = str(shapes.running_total(views, query))
         return web.Response(
             text=json.dumps([shapes.listed(v) for v in shown]),
             content_type="application/json",
@@ -347,38 +346,24 @@ class Control:
         for attempt in range(_PATCH_TRIES):
             now = datetime.now(UTC)
             body = await self._kube(kube.get(path))
-            if body is None or body["metadata"].get("uid") != view.uid:
+            current = shapes.view_of(body, now) if body is not None else None
+            if body is None or current is None or current.uid != view.uid:
                 raise not_found(view.id)
-            current = shapes.view_of(body, now)
-            end = shapes.lease_end(now, seconds)
-            lease = shapes.lifecycle_of(body).get("expiresAt")
-            patch: JSON = {
-                "metadata": {
-                    "uid": view.uid,
-                    "resourceVersion": body["metadata"].get("resourceVersion"),
-                },
-                "spec": {"lifecycle": {"expiresAt": end}},
-            }
-            keep = (
-                extend_only
-                and current is not None
-                and current.expires_at is not None
-                and current.expires_at >= parse_time(end)
-            )
-            if keep:
-                patch["spec"]["lifecycle"]["expiresAt"] = lease
-            if extra:
-                merge(patch, extra)
-            if keep and not extra:
-                return
+            end = now.replace(microsecond=0) + timedelta(seconds=seconds)
+            if extend_only and current.expires_at is not None and current.expires_at >= end:
+                if not extra:
+                    return  # it lasts long enough already
+                end = current.expires_at
+            meta = {"uid": view.uid, "resourceVersion": body["metadata"].get("resourceVersion")}
+            patch: JSON = {"metadata": meta, "spec": {"lifecycle": {"expiresAt": iso(end)}}}
+            merge(patch, extra or {})
             try:
                 written = await kube.patch(path, patch)
             except KubeError as exc:
                 if exc.status == 409 and attempt + 1 < _PATCH_TRIES:
-                    continue
-                raise E2BError(
-                    409 if exc.status == 409 else 503, f"could not write the lease: {exc.message}"
-                ) from exc
+                    continue  # written by someone else meanwhile: decide again
+                status = 409 if exc.status == 409 else 503
+                raise E2BError(status, f"could not write the lease: {exc.message}") from exc
             if written is None:
                 raise not_found(view.id)
             return

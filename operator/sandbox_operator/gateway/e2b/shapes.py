@@ -23,7 +23,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -561,10 +561,9 @@ def _order_key(view: View) -> tuple[datetime, str]:
     return parse_time(view.started_at), view.id
 
 
-def page(views: Iterable[View], query: ListQuery) -> tuple[list[View], Cursor | None]:
-    """The views the query selects, in its order, after its cursor, at most
-    `limit` of them; and the cursor of the next page when there is one."""
-    chosen = [
+def selected(views: Iterable[View], query: ListQuery) -> list[View]:
+    """The views the query's filters select (every filter; no order, no paging)."""
+    return [
         v
         for v in views
         if v.state in query.states
@@ -572,6 +571,17 @@ def page(views: Iterable[View], query: ListQuery) -> tuple[list[View], Cursor | 
         and (query.started_after is None or parse_time(v.started_at) >= query.started_after)
         and (query.template is None or query.template in (v.template_id, v.alias))
     ]
+
+
+def running_total(views: Iterable[View], query: ListQuery) -> int:
+    """E2B's X-Total-Running: the running sandboxes the filters select, all pages."""
+    return len(selected(views, replace(query, states=frozenset({RUNNING}))))
+
+
+def page(views: Iterable[View], query: ListQuery) -> tuple[list[View], Cursor | None]:
+    """The views the query selects, in its order, after its cursor, at most
+    `limit` of them; and the cursor of the next page when there is one."""
+    chosen = selected(views, query)
     chosen.sort(key=_order_key, reverse=query.descending)
     if query.after is not None:
         mark = (parse_time(query.after.started), query.after.name)
