@@ -51,6 +51,7 @@ COMMANDS = [
     *("create", "get", "list", "delete", "exec", "run", "shell", "terminals", "cp", "ls"),
     *("cat", "grep", "logs"),
     *("snapshot", "snapshots", "restore", "fork", "pause", "resume", "port", "completion"),
+    "e2b-key",
 ]
 PROGRESS_FROM = 1 << 20  # bytes: smaller transfers show no progress bar
 WAIT_SLICE = 3.0  # seconds between looks at why a created sandbox is not ready yet
@@ -620,6 +621,46 @@ def _forwarder(sandbox: Sandbox, port: int, local: int) -> http.server.Threading
     return http.server.ThreadingHTTPServer(("127.0.0.1", local), Relay)
 
 
+def cmd_e2b_key(client: SandboxClient, args: argparse.Namespace) -> int:
+    """E2B API keys: create (printed once), list, revoke."""
+    if args.action == "create":
+        if not args.service_account:
+            raise CliError("e2b-key create: --service-account SA (the identity the key acts as)")
+        if args.key_id:
+            raise CliError("e2b-key create takes no id")
+        minted = client.create_e2b_key(
+            args.service_account, expiration_seconds=args.expiration_seconds
+        )
+        if args.output in ("json", "yaml"):
+            _emit([minted], args.output, "E2BKey", False)
+        else:
+            print(minted["key"])
+        return 0
+    if args.action == "revoke":
+        if not args.key_id:
+            raise CliError("e2b-key revoke ID (the id `e2b-key list` shows)")
+        client.revoke_e2b_key(args.key_id)
+        print(f"e2b-key/{args.key_id[:12]} revoked")
+        return 0
+    keys = client.list_e2b_keys()
+    if args.output in ("json", "yaml"):
+        _emit(keys, args.output, "E2BKey", True)
+        return 0
+    rows = [["ID", "SERVICE ACCOUNT", "CREATED BY", "EXPIRES", "AGE"]]
+    for key in keys:
+        rows.append(
+            [
+                key["id"],
+                key["serviceAccount"],
+                key.get("createdBy", ""),
+                key.get("expiresAt", "never"),
+                _age(key.get("createdAt")),
+            ]
+        )
+    print(_table(rows))
+    return 0
+
+
 def cmd_completion(client: SandboxClient | None, args: argparse.Namespace) -> int:
     print(BASH_COMPLETION if args.shell == "bash" else ZSH_COMPLETION)
     return 0
@@ -648,6 +689,8 @@ def complete(words: list[str]) -> list[str]:
         return list(COMMANDS)
     if positional[0] in ("completion",):
         return ["bash", "zsh"]
+    if positional[0] == "e2b-key":
+        return ["create", "list", "revoke"] if len(positional) == 1 else []
     if len(positional) == 1 and positional[0] not in ("list", "run", "snapshots", "logs"):
         try:
             with _client_class()() as client:
@@ -816,6 +859,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("port", type=int)
     p.add_argument("--forward", type=int, metavar="LOCAL_PORT", help="serve it on localhost")
     p.set_defaults(run=cmd_port)
+
+    p = add("e2b-key", "API keys for E2B's SDKs (E2B_API_KEY) that act as a ServiceAccount")
+    p.add_argument("action", choices=["create", "list", "revoke"])
+    p.add_argument("key_id", nargs="?", metavar="ID", help="revoke: the key's id (from list)")
+    p.add_argument("--service-account", help="create: the ServiceAccount the key acts as")
+    p.add_argument(
+        "--expiration-seconds", type=int, help="create: the key ends by itself after this long"
+    )
+    p.set_defaults(run=cmd_e2b_key)
 
     p = add("completion", "shell completion script")
     p.add_argument("shell", choices=["bash", "zsh"])

@@ -492,6 +492,41 @@ class AsyncSandboxClient:
         finally:
             await sandbox.destroy(wait=False)
 
+    # -- E2B API keys ----------------------------------------------------------------
+
+    async def create_e2b_key(
+        self,
+        service_account: str,
+        *,
+        namespace: str | None = None,
+        expiration_seconds: int | None = None,
+    ) -> dict[str, Any]:
+        """An API key in E2B's shape (`e2b_...`, for E2B's SDKs as `E2B_API_KEY`)
+        that acts as ServiceAccount `service_account` of the namespace. Needs RBAC's
+        `create serviceaccounts/token` on it (the `edit` role has it). The answer
+        holds the key, shown this once (`key`), and its `id` for revoking it."""
+        body: dict[str, Any] = {"serviceAccount": service_account}
+        if expiration_seconds is not None:
+            body["expirationSeconds"] = expiration_seconds
+        ns = namespace or self.namespace
+        answer = await self.gateway.call(ns, "POST", f"/v1/namespaces/{ns}/e2bkeys", json_body=body)
+        found: dict[str, Any] = answer.json()
+        return found
+
+    async def list_e2b_keys(self, *, namespace: str | None = None) -> builtins.list[dict[str, Any]]:
+        """The E2B API keys of the namespace's ServiceAccounts this client may mint
+        for (id, serviceAccount, createdAt, createdBy, expiresAt; never the key)."""
+        ns = namespace or self.namespace
+        answer = await self.gateway.call(ns, "GET", f"/v1/namespaces/{ns}/e2bkeys")
+        items: builtins.list[dict[str, Any]] = answer.json()["items"]
+        return items
+
+    async def revoke_e2b_key(self, key_id: str, *, namespace: str | None = None) -> None:
+        """Revoke an E2B API key by its id (NotFound when there is none this client
+        may revoke)."""
+        ns = namespace or self.namespace
+        await self.gateway.call(ns, "DELETE", f"/v1/namespaces/{ns}/e2bkeys/{key_id}")
+
     # -- snapshots and executions ----------------------------------------------------
 
     async def list_snapshots(

@@ -280,9 +280,15 @@ class AsyncGateway:
     async def _prepare(
         self, namespace: str, name: str, tail: str, headers: dict[str, str] | None
     ) -> tuple[httpx.AsyncClient, str, dict[str, str]]:
+        path = f"/v1/namespaces/{namespace}/sandboxes/{name}/{tail}"
+        return await self._prepare_path(namespace, path, headers)
+
+    async def _prepare_path(
+        self, namespace: str, path: str, headers: dict[str, str] | None
+    ) -> tuple[httpx.AsyncClient, str, dict[str, str]]:
         location = await self.locate()
         token = await self.token(namespace)
-        url = f"{location.base}/v1/namespaces/{namespace}/sandboxes/{name}/{tail}"
+        url = f"{location.base}{path}"
         out = dict(headers or {})
         if location.via_api_server:
             assert self.kube is not None
@@ -291,6 +297,28 @@ class AsyncGateway:
         assert self.direct is not None
         out["Authorization"] = f"Bearer {token}"
         return self.direct, url, out
+
+    async def call(
+        self, namespace: str, method: str, path: str, *, json_body: Any = None
+    ) -> httpx.Response:
+        """One call of the gateway's own API outside a sandbox's (`path` from its
+        root, e.g. `/v1/namespaces/NS/e2bkeys`), as this client, not retried (it
+        may not be idempotent)."""
+        http, url, hdrs = await self._prepare_path(namespace, path, None)
+        body = None
+        if json_body is not None:
+            body = json.dumps(json_body).encode()
+            hdrs["Content-Type"] = "application/json"
+        timeout = httpx.Timeout(self.timeout, connect=10)
+        try:
+            response = await http.request(method, url, content=body, headers=hdrs, timeout=timeout)
+        except httpx.TimeoutException as exc:
+            raise ServerError(f"{method} {path}: no answer in time ({exc})") from exc
+        except httpx.TransportError as exc:
+            raise ServerError(f"the gateway could not be reached: {exc}") from exc
+        if response.status_code >= 400:
+            raise _error_of(response, self.location)
+        return response
 
     async def request(
         self,
