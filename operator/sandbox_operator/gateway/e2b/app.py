@@ -59,6 +59,11 @@ class E2BApp:
     async def errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        # The connection guard's deadlines hold between requests only: without
+        # this, the head deadline armed when the connection opened would close
+        # it mid-request, or a kept-alive connection under its next request.
+        guard = self.adapter.gateway.guard
+        guard.started(request.protocol)
         try:
             return await handler(request)
         except E2BError as exc:
@@ -67,6 +72,8 @@ class E2BApp:
             if exc.status < 400:
                 raise
             return E2BError(exc.status, exc.reason).response()
+        finally:
+            guard.ended(request.protocol)
 
     def _sandbox(self, request: web.Request) -> tuple[str, int] | None:
         """(sandbox ID, port) a data-plane request names, or None."""
