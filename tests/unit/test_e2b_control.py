@@ -42,7 +42,7 @@ def test_a_create_request_takes_e2b_s_fields() -> None:
             "allow_internet_access": False,
             "secure": True,
             "autoPauseMemory": True,
-            "mcp": None,
+            "mcp": {"server": {}},  # the SDK starts it itself, as a command
             "volumeMounts": [],
         },
         300,
@@ -73,7 +73,7 @@ def test_a_create_request_takes_e2b_s_fields() -> None:
         ({"templateID": "b", "metadata": {f"k{i}": "v" for i in range(65)}}, "metadata"),
         ({"templateID": "b", "envVars": {"1 A": "x"}}, "envVars"),
         ({"templateID": "b", "envVars": {"A": "x" * 32769}}, "envVars"),
-        ({"templateID": "b", "mcp": {"server": {}}}, "mcp"),
+        ({"templateID": "b", "mcp": "server"}, "mcp"),
         ({"templateID": "b", "network": {"allowOut": ["1.1.1.1"]}}, "network"),
         ({"templateID": "b", "autoResume": {"enabled": True}}, "autoResume"),
         ({"templateID": "b", "allow_internet_access": "no"}, "allow_internet_access"),
@@ -109,6 +109,9 @@ def test_the_sandbox_of_a_create_request() -> None:
     assert warm["spec"]["poolRef"] == {"name": "base-warm"}
     assert "templateRef" not in warm["spec"]
     assert warm["spec"]["lifecycle"]["onExpiry"] == "Delete"
+    # Until it is Ready (when create writes the lease again), the start has its time.
+    slow = shapes.sandbox_body("iabc", shapes.CreateRequest("base", 5, False), ref, None, NOW, 49.5)
+    assert slow["spec"]["lifecycle"]["expiresAt"] == "2026-01-02T03:05:00Z"
 
 
 def test_new_ids_are_e2b_ids_and_dns_labels() -> None:

@@ -197,20 +197,26 @@ class Control:
         ref = await self.template(who.namespace, ask.template)
         pool = await self.pool(who.namespace, ref)
         now = datetime.now(UTC)
-        body = shapes.sandbox_body(core.new_id(), ask, ref, pool, now)
+        wait = self.settings.e2b_ready_wait_seconds
+        body = shapes.sandbox_body(core.new_id(), ask, ref, pool, now, wait)
         made = await self._kube(self.gateway.kube.create(SANDBOXES.path(who.namespace), body))
         if made is None:  # a namesake: 100 random bits met; the caller may try again
             raise E2BError(503, "could not name the sandbox; try again")
         name, uid = made["metadata"]["name"], made["metadata"]["uid"]
+        path = SANDBOXES.path(who.namespace, name)
         try:
             await self.ready(who.namespace, name, uid, starting=True)
+            # The lease runs from now, when the sandbox can first be used.
+            ready_at = datetime.now(UTC).replace(microsecond=0)
+            lease = {"expiresAt": iso(ready_at + timedelta(seconds=ask.timeout))}
+            patch = {"metadata": {"uid": uid}, "spec": {"lifecycle": lease}}
+            if await self._kube(self.gateway.kube.patch(path, patch)) is None:
+                raise not_found(name)
         except BaseException:
             # Nothing half-made is left behind, whatever went wrong (the caller
             # leaving included).
             with contextlib.suppress(Exception):
-                await asyncio.shield(
-                    self.gateway.kube.delete(SANDBOXES.path(who.namespace, name), uid=uid)
-                )
+                await asyncio.shield(self.gateway.kube.delete(path, uid=uid))
             raise
         view = shapes.view_of(made, now)
         assert view is not None
@@ -264,12 +270,17 @@ class Control:
         if route.ready and not route.paused and table.token(route) is not None:
             return route
         why = f"{route.reason}: {route.message}" if route.reason else "not observed yet"
+        # A create that failed deleted its sandbox: the SDK's automatic retry of a
+        # 429 or 504 would make another in the same conditions, past its own
+        # request timeout, and hide this message behind a timeout of its own.
+        once = {"Should-Retry": "false"} if starting else {}
         if route.reason == SandboxReason.QUOTA_EXCEEDED:
-            raise E2BError(429, f"no room for the sandbox ({why})")
+            raise E2BError(429, f"no room for the sandbox ({why})", once)
         if route.reason in _STUCK:
-            raise E2BError(400 if route.reason != SandboxReason.IMAGE_PULL else 500, why)
+            status = 400 if route.reason != SandboxReason.IMAGE_PULL else 500
+            raise E2BError(status, why, once)
         wait = self.settings.e2b_ready_wait_seconds
-        raise E2BError(504, f"the sandbox was not ready within {wait:g} s ({why})")
+        raise E2BError(504, f"the sandbox was not ready within {wait:g} s ({why})", once)
 
     # -- read ---------------------------------------------------------------------------
 

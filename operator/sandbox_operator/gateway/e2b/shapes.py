@@ -159,7 +159,6 @@ class CreateRequest:
 # Fields of E2B's NewSandbox this adapter cannot honour: refused, not ignored,
 # when a caller sets them to anything but their "off" value.
 _UNSUPPORTED = {
-    "mcp": "MCP servers in the sandbox are not supported here",
     "iam": "workload identity tokens are not supported here",
     "volumeMounts": "volumes are not supported here (the sandbox has its own workspace)",
     "network": "per-sandbox network rules are not supported here; allow_internet_access"
@@ -174,6 +173,10 @@ def parse_create(body: JSON, default_timeout: int, max_timeout: int) -> CreateRe
     for name, why in _UNSUPPORTED.items():
         if body.get(name) not in (None, {}, []):
             raise bad(f"{name}: {why}")
+    # `mcp` is the SDK's to act on (it starts the MCP gateway as a command in the
+    # sandbox, which says so when the image has none): nothing here to do.
+    if body.get("mcp") is not None and not isinstance(body["mcp"], dict):
+        raise bad("mcp must be an object")
     resume = body.get("autoResume")
     if resume is not None:
         if not isinstance(resume, dict) or not isinstance(resume.get("enabled", False), bool):
@@ -217,16 +220,19 @@ def sandbox_body(
     template_ref: JSON,
     pool: str | None,
     now: datetime,
+    start_seconds: float = 0,
 ) -> JSON:
     """The Sandbox a create request makes: from a warm member of `pool` when one
-    serves its template, else from the template itself."""
+    serves its template, else from the template itself. Its lease allows
+    `start_seconds` more for the start: the lease runs from Ready (create writes
+    it again then), so a short one does not end before the sandbox ever ran."""
     spec: JSON = {"poolRef": {"name": pool}} if pool else {"templateRef": template_ref}
     if ask.env:
         spec["env"] = [{"name": k, "value": v} for k, v in ask.env.items()]
     if ask.internet is False:
         spec["network"] = {"egress": "None"}
     spec["lifecycle"] = {
-        "expiresAt": lease_end(now, ask.timeout),
+        "expiresAt": lease_end(now, ask.timeout + math.ceil(start_seconds)),
         "onExpiry": ON_EXPIRY_PAUSE if ask.auto_pause else ON_EXPIRY_DELETE,
     }
     # Checked as the API server will, so a bad field is a 400 that names it.
