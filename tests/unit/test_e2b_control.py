@@ -13,7 +13,7 @@ import pytest
 
 from sandbox_operator.api.sandbox import SandboxSpec
 from sandbox_operator.gateway.access import Caller
-from sandbox_operator.gateway.e2b import core, keys, shapes, usage
+from sandbox_operator.gateway.e2b import core, keys, listing, shapes, usage
 from sandbox_operator.gateway.e2b.core import E2BError
 from sandbox_operator.resources import LABEL_POOL, RESUME_ANNOTATION
 
@@ -246,27 +246,27 @@ def sdk_metadata_query(metadata: dict[str, str]) -> str:
 
 def test_the_sdk_s_metadata_filter_round_trips() -> None:
     wanted = {"user": "abc", "odd key": "a=b&c", "ünï": "ß/%"}
-    assert shapes.parse_metadata_query(sdk_metadata_query(wanted)) == wanted
-    assert shapes.parse_metadata_query("") == {}
-    assert "metadata" in refused(shapes.parse_metadata_query, "=x")
+    assert listing.parse_metadata_query(sdk_metadata_query(wanted)) == wanted
+    assert listing.parse_metadata_query("") == {}
+    assert "metadata" in refused(listing.parse_metadata_query, "=x")
 
 
 def test_the_label_selector_narrows_by_the_pairs_that_fit_labels() -> None:
-    selector = shapes.label_selector({"user": "abc", "odd key": "x", "b": "c/d"})
+    selector = listing.label_selector({"user": "abc", "odd key": "x", "b": "c/d"})
     assert selector == "sandbox.dev/e2b=true,e2b.sandbox.dev/user=abc"
 
 
 def test_list_parameters() -> None:
-    query = shapes.parse_list(
+    query = listing.parse_list(
         {"state": "paused", "order": "asc", "limit": "2", "template": "base"}, v2=True
     )
     assert query.states == {"paused"}
     assert not query.descending
     assert query.limit == 2
-    assert shapes.parse_list({}, v2=True).states == {"running", "paused"}
+    assert listing.parse_list({}, v2=True).states == {"running", "paused"}
     # The first list only ever showed running sandboxes.
-    assert shapes.parse_list({"state": "paused"}, v2=False).states == {"running"}
-    after = shapes.parse_list({"startedAfter": "2026-01-02T04:00:00+01:00"}, v2=True)
+    assert listing.parse_list({"state": "paused"}, v2=False).states == {"running"}
+    after = listing.parse_list({"startedAfter": "2026-01-02T04:00:00+01:00"}, v2=True)
     assert after.started_after == datetime(2026, 1, 2, 3, tzinfo=UTC)
     for bad in (
         {"state": "dead"},
@@ -278,14 +278,14 @@ def test_list_parameters() -> None:
         {"startedAfter": "yesterday"},
         {"nextToken": "not a token"},
     ):
-        refused(shapes.parse_list, bad, v2=True)
+        refused(listing.parse_list, bad, v2=True)
 
 
 def test_paging_tokens_round_trip_and_refuse_forgeries() -> None:
-    cursor = shapes.Cursor("2026-01-02T03:00:00.000001Z", "iabc")
-    assert shapes.decode_token(shapes.encode_token(cursor)) == cursor
-    for forged in ("", "x" * 2000, "a+b", "e30", "bnVsbA", shapes.encode_token(cursor) + "A"):
-        refused(shapes.decode_token, forged)
+    cursor = listing.Cursor("2026-01-02T03:00:00.000001Z", "iabc")
+    assert listing.decode_token(listing.encode_token(cursor)) == cursor
+    for forged in ("", "x" * 2000, "a+b", "e30", "bnVsbA", listing.encode_token(cursor) + "A"):
+        refused(listing.decode_token, forged)
 
 
 def views(*specs: tuple[str, str, str]) -> list[shapes.View]:
@@ -309,22 +309,24 @@ def test_pages_follow_the_order_and_the_cursor() -> None:
         seen: list[str] = []
         after = None
         for _ in range(5):
-            query = shapes.ListQuery({}, frozenset(shapes.STATES), descending, None, None, 1, after)
-            shown, after = shapes.page(all_views, query)
+            query = listing.ListQuery(
+                {}, frozenset(shapes.STATES), descending, None, None, 1, after
+            )
+            shown, after = listing.page(all_views, query)
             seen += [v.id for v in shown]
             if after is None:
                 break
         expected = ["iaaa", "ibbb", "iccc", "iddd"]
         assert seen == (expected[::-1] if descending else expected)
-    running = shapes.ListQuery({}, frozenset({"running"}), True, None, None, 100, None)
-    shown, after = shapes.page(all_views, running)
+    running = listing.ListQuery({}, frozenset({"running"}), True, None, None, 100, None)
+    shown, after = listing.page(all_views, running)
     assert [v.id for v in shown] == ["iddd", "iccc", "iaaa"]
     assert after is None
     since = datetime(2026, 1, 2, 3, 0, 0, 200000, tzinfo=UTC)
-    later = shapes.ListQuery({}, frozenset(shapes.STATES), False, since, None, 100, None)
-    assert [v.id for v in shapes.page(all_views, later)[0]] == ["ibbb", "iccc", "iddd"]
-    other = shapes.ListQuery({}, frozenset(shapes.STATES), False, None, "unknown", 100, None)
-    assert shapes.page(all_views, other)[0] == []
+    later = listing.ListQuery({}, frozenset(shapes.STATES), False, since, None, 100, None)
+    assert [v.id for v in listing.page(all_views, later)[0]] == ["ibbb", "iccc", "iddd"]
+    other = listing.ListQuery({}, frozenset(shapes.STATES), False, None, "unknown", 100, None)
+    assert listing.page(all_views, other)[0] == []
 
 
 def test_the_metadata_filter_matches_every_pair() -> None:
@@ -332,12 +334,12 @@ def test_the_metadata_filter_matches_every_pair() -> None:
     body = sandbox("ibbb", metadata={"a": "1", "b": "2"}, lifecycle=LEASE)
     view = shapes.view_of(body, NOW)
     assert view is not None
-    query = shapes.ListQuery({"a": "1"}, frozenset(shapes.STATES), True, None, None, 100, None)
-    assert [v.id for v in shapes.page([*tagged, view], query)[0]] == ["ibbb"]
-    both = shapes.ListQuery(
+    query = listing.ListQuery({"a": "1"}, frozenset(shapes.STATES), True, None, None, 100, None)
+    assert [v.id for v in listing.page([*tagged, view], query)[0]] == ["ibbb"]
+    both = listing.ListQuery(
         {"a": "1", "b": "3"}, frozenset(shapes.STATES), True, None, None, 9, None
     )
-    assert shapes.page([view], both)[0] == []
+    assert listing.page([view], both)[0] == []
 
 
 # -- API keys -----------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from sandbox_operator.api.common import DNS_SUBDOMAIN_PATTERN
 from sandbox_operator.api.sandbox import SandboxReason
 from sandbox_operator.clock import iso, iso_precise
 from sandbox_operator.gateway.access import Denied
-from sandbox_operator.gateway.e2b import core, shapes, usage
+from sandbox_operator.gateway.e2b import core, listing, shapes, usage
 from sandbox_operator.gateway.e2b.app import CONTROL, Endpoint, json_response
 from sandbox_operator.gateway.e2b.core import Adapter, E2BError
 from sandbox_operator.gateway.e2b.keys import Identity
@@ -299,12 +299,12 @@ class Control:
         """The E2B sandboxes of the caller's namespace (made through this API), as
         RBAC's `list sandboxes` there allows; filtered, ordered and paged here."""
         who = await self.identify(request)
-        query = shapes.parse_list(request.query, v2=v2)
+        query = listing.parse_list(request.query, v2=v2)
         await self.permit(who, "list")
         listed = await self._kube(
             self.gateway.kube.get(
                 SANDBOXES.path(who.namespace),
-                params={"labelSelector": shapes.label_selector(query.metadata)},
+                params={"labelSelector": listing.label_selector(query.metadata)},
             )
         )
         now = datetime.now(UTC)
@@ -313,12 +313,12 @@ class Control:
             for body in (listed or {}).get("items") or []
             if not shapes.is_pool_member(body) and (view := shapes.view_of(body, now)) is not None
         ]
-        shown, following = shapes.page(views, query)
+        shown, following = listing.page(views, query)
         headers = {}
         if following is not None:
-            headers["X-Next-Token"] = shapes.encode_token(following)
+            headers["X-Next-Token"] = listing.encode_token(following)
         if RUNNING_STATE in query.states:
-            headers["X-Total-Running"] = str(shapes.running_total(views, query))
+            headers["X-Total-Running"] = str(listing.running_total(views, query))
         return web.Response(
             text=json.dumps([shapes.listed(v) for v in shown]),
             content_type="application/json",
