@@ -59,6 +59,10 @@ class E2BApp:
     async def errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        # The connection guard's deadlines stop while a request is in progress,
+        # so a long stream is not cut (as the gateway's own middleware does).
+        guard = self.adapter.gateway.guard
+        guard.started(request.protocol)
         try:
             return await handler(request)
         except E2BError as exc:
@@ -67,6 +71,8 @@ class E2BApp:
             if exc.status < 400:
                 raise
             return E2BError(exc.status, exc.reason).response()
+        finally:
+            guard.ended(request.protocol)
 
     def _sandbox(self, request: web.Request) -> tuple[str, int] | None:
         """(sandbox ID, port) a data-plane request names, or None."""
@@ -116,8 +122,14 @@ async def health(request: web.Request, target: Target, params: dict[str, str]) -
 
 def endpoints(adapter: Adapter) -> list[Endpoint]:
     """Every endpoint of the adapter, from its parts (each part is a class made
-    with the adapter, whose `endpoints()` lists its own)."""
-    return [Endpoint(core.ENVD_PORT, "GET", "/health", health)]
+    with the adapter, whose `endpoints()` lists its own; imported here, as the
+    parts import this module)."""
+    from sandbox_operator.gateway.e2b.interpreter import Interpreter
+
+    return [
+        Endpoint(core.ENVD_PORT, "GET", "/health", health),
+        *Interpreter(adapter).endpoints(),
+    ]
 
 
 def build(adapter: Adapter) -> web.Application:
