@@ -123,6 +123,8 @@ class ImageSpec:
     install_recommends: bool = True
     """False: only what the packages depend on (the scientific Python stack
     recommends compilers and BLAS headers: a gigabyte)."""
+    users: tuple[tuple[str, int, int, str], ...] | None = None
+    """(name, uid, gid, home) added to /etc/passwd; None: `_USERS`."""
 
     @property
     def reference(self) -> str:
@@ -187,6 +189,26 @@ _SDK = PipProject(
     extras=("mcp",),
 )
 
+# The python runtime: with a Jupyter kernel for code contexts (run_code), and
+# the two libraries code-interpreter users reach for first (figures, tables).
+_PYTHON_PACKAGES = (
+    "python3",
+    "git",
+    "curl",
+    "ca-certificates",
+    "python3-ipykernel",
+    "python3-jupyter-client",
+    "python3-matplotlib",
+    "python3-pandas",
+    # fonttools (matplotlib's) depends on "scipy | munkres": scipy
+    # brings pythran, g++ and the boost headers (600 MiB)
+    "python3-munkres",
+    # what git recommends, named: recommends are off for this image
+    "less",
+    "openssh-client",
+    "patch",
+)
+
 IMAGES: dict[str, ImageSpec] = {
     spec.name: spec
     for spec in (
@@ -212,31 +234,20 @@ IMAGES: dict[str, ImageSpec] = {
             entrypoint=("/usr/local/bin/sandbox-agent",),
             user="65532:65532",
         ),
-        # With a Jupyter kernel for code contexts (run_code), and the two
-        # libraries code-interpreter users reach for first (figures, tables).
-        _runtime(
-            "python",
-            (
-                "python3",
-                "git",
-                "curl",
-                "ca-certificates",
-                "python3-ipykernel",
-                "python3-jupyter-client",
-                "python3-matplotlib",
-                "python3-pandas",
-                # fonttools (matplotlib's) depends on "scipy | munkres": scipy
-                # brings pythran, g++ and the boost headers (600 MiB)
-                "python3-munkres",
-                # what git recommends, named: recommends are off for this image
-                "less",
-                "openssh-client",
-                "patch",
-            ),
-            "python3",
-            install_recommends=False,
-        ),
+        _runtime("python", _PYTHON_PACKAGES, "python3", install_recommends=False),
         _runtime("node", ("nodejs", "npm", "python3", "ca-certificates"), "node"),
+        # E2B's `base` and `code-interpreter-v1` templates: what E2B users' code
+        # expects of a sandbox (user `user` in /home/user, python and node, the
+        # code interpreter's kernel and libraries).
+        ImageSpec(
+            "sandbox-runtime-e2b:dev",
+            packages=(*_PYTHON_PACKAGES, "python-is-python3", "nodejs"),
+            install_recommends=False,
+            cmd=("python3",),
+            user="1000:1000",
+            workdir="/home/user",
+            users=(("user", 1000, 1000, "/home/user"), *_USERS[1:]),
+        ),
         # For the negative test: a runtime the sandbox runner cannot run in.
         _runtime("nopython", (), "/bin/sh", variant="minbase"),
         ImageSpec(
@@ -310,6 +321,8 @@ def cache_key(spec: ImageSpec) -> str:
     spec_fields = asdict(spec)
     if spec.install_recommends:
         del spec_fields["install_recommends"]  # the default keeps older images' keys
+    if spec.users is None:
+        del spec_fields["users"]  # likewise
     add("spec", json.dumps(spec_fields, sort_keys=True, default=str).encode())
     add("suite", f"{versions.DEBIAN_SUITE} {versions.DEBIAN_PYTHON}".encode())
     if spec.pause:
@@ -546,6 +559,12 @@ def _stage_pip_project(project: PipProject, stage: Path, work: Path) -> None:
         launcher.chmod(0o755)
 
 
+def _shell(spec: ImageSpec) -> str:
+    """The users' login shell: bash where the image names its users (E2B's
+    `user` expects one), sh in the images made before that."""
+    return "/bin/bash" if spec.users is not None else "/bin/sh"
+
+
 def _debian_rootfs(spec: ImageSpec, work: Path, rootfs_tar: Path) -> None:
     if shutil.which("mmdebstrap") is None:
         raise ImageError("mmdebstrap is not installed (python -m devcluster.hostdeps installs it)")
@@ -553,12 +572,13 @@ def _debian_rootfs(spec: ImageSpec, work: Path, rootfs_tar: Path) -> None:
     stage.mkdir()
     for project in spec.pip:
         _stage_pip_project(project, stage, work)
+    users = spec.users if spec.users is not None else _USERS
     passwd = "".join(
-        f"{user}:x:{uid}:{gid}:{user}:{home}:/bin/sh\\n" for user, uid, gid, home in _USERS
+        f"{user}:x:{uid}:{gid}:{user}:{home}:{_shell(spec)}\\n" for user, uid, gid, home in users
     )
-    groups = "".join(f"{user}:x:{gid}:\\n" for user, uid, gid, _home in _USERS if uid == gid)
-    homes = " ".join(f'"$1{home}"' for _user, _uid, _gid, home in _USERS)
-    owners = "; ".join(f'chown {uid}:{gid} "$1{home}"' for _user, uid, gid, home in _USERS)
+    groups = "".join(f"{user}:x:{gid}:\\n" for user, uid, gid, _home in users if uid == gid)
+    homes = " ".join(f'"$1{home}"' for _user, _uid, _gid, home in users)
+    owners = "; ".join(f'chown {uid}:{gid} "$1{home}"' for _user, uid, gid, home in users)
     hooks = [
         f"printf '{passwd}' >> \"$1/etc/passwd\"",
         f"printf '{groups}' >> \"$1/etc/group\"",

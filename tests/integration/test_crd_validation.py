@@ -92,6 +92,21 @@ BAD: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
     (
         "Sandbox",
         "sandboxes",
+        {"lifecycle": {"expiresAt": "tomorrow"}},
+        {},
+        "spec.lifecycle.expiresAt",
+    ),
+    ("Sandbox", "sandboxes", {"workspace": {"mountPath": "/home/../etc"}}, {}, "should match"),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"workspace": {"mountPath": "/etc/app"}},
+        {},
+        "mountPath cannot hide a directory of the image or the pod",
+    ),
+    (
+        "Sandbox",
+        "sandboxes",
         {"network": {"egress": "Everything"}},
         {},
         'Unsupported value: "Everything"',

@@ -298,6 +298,18 @@ def test_files_digest_follows_the_files_and_an_ephemeral_workspace_s_pod() -> No
     assert build.files_digest(scratch, "pod-1") != build.files_digest(scratch, "pod-2")
 
 
+def test_the_workspace_is_home_and_working_directory_where_the_spec_mounts_it() -> None:
+    spec = SandboxSpec.model_validate({"workspace": {"mountPath": "/home/user"}})
+    pod = build.build_pod(REF, spec, SETTINGS)
+    sandbox = next(c for c in pod["spec"]["containers"] if c["name"] == "sandbox")
+    agent = next(c for c in pod["spec"]["initContainers"] if c["name"] == "agent")
+    assert {"name": "workspace", "mountPath": "/home/user"} in sandbox["volumeMounts"]
+    assert sandbox["workingDir"] == "/home/user"
+    assert {"name": "HOME", "value": "/home/user"} in sandbox["env"]
+    # The agent serves the same volume at its own, fixed place.
+    assert {"name": "workspace", "mountPath": "/workspace"} in agent["volumeMounts"]
+
+
 def test_a_pod_of_an_older_operator_is_kept_while_its_digest_matches() -> None:
     spec = SandboxSpec.model_validate({"runtime": "python", "env": [{"name": "A", "value": "1"}]})
     pod = build.build_pod(REF, spec, SETTINGS)

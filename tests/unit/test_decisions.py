@@ -25,6 +25,7 @@ from sandbox_operator.handlers.sandbox import pod as pods
 from sandbox_operator.handlers.sandbox import workspace
 from sandbox_operator.handlers.sandbox.lifecycle import IdleAction
 from sandbox_operator.handlers.sandbox.pod import PodAction
+from sandbox_operator.handlers.sandbox.status import spec_fields
 from sandbox_operator.handlers.sandbox.workspace import ClaimState
 from sandbox_operator.resources import (
     CLAIM_FROM_SNAPSHOT,
@@ -330,6 +331,40 @@ def test_lifecycle_decisions() -> None:
     assert lifecycle(idle, _info(3600), resumed_at=NOW).action is IdleAction.NONE
     expired = {"expiresAt": iso(NOW - timedelta(seconds=1))}
     assert lifecycle(idle, _info(0), status=expired).action is IdleAction.DELETE
+
+
+def test_the_lease_ends_the_sandbox_as_on_expiry_says() -> None:
+    ended = iso(NOW - timedelta(seconds=1))
+    lease = {"lifecycle": {"expiresAt": ended}}
+    assert lifecycle(lease, _info(0), status={"expiresAt": ended}).action is IdleAction.DELETE
+    pause = {"lifecycle": {"expiresAt": ended, "onExpiry": "Pause"}}
+    assert lifecycle(pause, _info(0), status={"expiresAt": ended}).action is (
+        IdleAction.EXPIRE_PAUSE
+    )
+    # The max lifetime ended first: deleted, whatever the lease would have done.
+    earlier = iso(NOW - timedelta(minutes=5))
+    assert lifecycle(pause, _info(0), status={"expiresAt": earlier}).action is IdleAction.DELETE
+    # Before its end a leased sandbox is not ended by the default idle timeout...
+    later = {"lifecycle": {"expiresAt": iso(NOW + timedelta(hours=1))}}
+    assert SETTINGS.default_idle_timeout
+    assert lifecycle(later, _info(86400)).action is IdleAction.NONE
+    # ...but by an idle timeout its spec sets.
+    later["lifecycle"]["idleTimeout"] = "10m"
+    assert lifecycle(later, _info(3600)).action is IdleAction.IDLE
+
+
+def status_fields(body: JSON, spec: SandboxSpec) -> JSON:
+    return spec_fields(body, spec, SETTINGS)
+
+
+def test_status_expires_at_is_the_earlier_of_lease_and_max_lifetime() -> None:
+    created = sandbox_body()
+    created["metadata"]["creationTimestamp"] = iso(NOW)
+    lease = iso(NOW + timedelta(minutes=5))
+    spec = SandboxSpec.model_validate({"lifecycle": {"expiresAt": lease, "maxLifetime": "1h"}})
+    assert status_fields(created, spec)["expires_at"] == lease
+    spec = SandboxSpec.model_validate({"lifecycle": {"expiresAt": lease, "maxLifetime": "1m"}})
+    assert status_fields(created, spec)["expires_at"] == iso(NOW + timedelta(minutes=1))
 
 
 def test_idleness_counts_from_readiness_at_the_earliest() -> None:

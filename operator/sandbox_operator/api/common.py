@@ -219,6 +219,15 @@ def total_size_rule(limit: int, parts: dict[str, str], what: str) -> dict[str, s
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# A moment as RFC 3339 writes it (what Kubernetes' date-time format accepts).
+RFC3339_PATTERN = (
+    r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}"
+    r"(\.[0-9]{1,9})?(Z|[+-][0-9]{2}:[0-9]{2})$"
+)
+# An absolute path of plain segments (none is `.` or `..`: a segment starts with no dot).
+MOUNT_PATH_PATTERN = r"^(/[A-Za-z0-9_][A-Za-z0-9._-]*)+$"
+# Directories of the image or the pod that a workspace must not hide.
+RESERVED_MOUNT_PATTERN = r"^/(proc|sys|dev|etc|tmp|run|usr|bin|sbin|lib|lib64|var|sandbox)(/|$)"
 
 ObjectName = Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, min_length=1, max_length=253)]
 

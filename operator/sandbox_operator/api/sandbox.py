@@ -16,6 +16,9 @@ from sandbox_operator.api.common import (
     DNS_LABEL_PATTERN,
     DNS_SUBDOMAIN_PATTERN,
     MAX_INPUT_CHARACTERS,
+    MOUNT_PATH_PATTERN,
+    RESERVED_MOUNT_PATTERN,
+    RFC3339_PATTERN,
     Bounds,
     Condition,
     Duration,
@@ -196,7 +199,7 @@ class Resources(Model):
 
 
 class Workspace(Model):
-    """The sandbox's persistent working directory, mounted at /workspace."""
+    """The sandbox's persistent working directory, mounted at /workspace (or mountPath)."""
 
     model_config = ConfigDict(
         json_schema_extra=validations(
@@ -225,6 +228,20 @@ class Workspace(Model):
         default=None,
         description="StorageClass of the workspace claim (default: the cluster's default class).",
     )
+    mount_path: Annotated[str | None, Field(pattern=MOUNT_PATH_PATTERN, max_length=128)] = Field(
+        default=None,
+        json_schema_extra=validations(
+            cel(
+                f"!self.matches('{RESERVED_MOUNT_PATTERN}')",
+                "mountPath cannot hide a directory of the image or the pod"
+                " (/proc, /sys, /dev, /etc, /tmp, /run, /usr, /bin, /sbin, /lib, /var, /sandbox)",
+            )
+        ),
+        description="Where the sandbox container sees the workspace (default /workspace); it is"
+        " also the working directory and HOME. An absolute path of a fresh directory:"
+        " not /, and not under /proc, /sys, /dev, /etc, /tmp, /run, /usr, /bin, /sbin,"
+        " /lib, /var or /sandbox.",
+    )
     from_snapshot: Annotated[str | None, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)] = (
         Field(
             default=None,
@@ -247,6 +264,21 @@ class Lifecycle(Model):
     )
     max_lifetime: Annotated[Duration | None, Bounds.duration("maxLifetime", "1s")] = Field(
         default=None, description="Delete the Sandbox this long after creation, whatever it does."
+    )
+    expires_at: Annotated[str | None, Field(pattern=RFC3339_PATTERN, max_length=40)] = Field(
+        default=None,
+        description="A lease: at this time (RFC 3339, e.g. 2026-01-02T15:04:05Z) the operator"
+        " ends the sandbox as onExpiry says. Moving it (either way) renews or shortens the"
+        " lease. While it is set, the operator's default idle timeout does not apply (an"
+        " explicit idleTimeout still does).",
+        json_schema_extra={"format": "date-time"},
+    )
+    on_expiry: OnIdle = Field(
+        default=OnIdle.DELETE,
+        description="What the end of the lease (expiresAt) does: Delete (the default) the"
+        " Sandbox, or Pause it (keeps the workspace; resume with the"
+        " sandbox.dev/resume-requested-at annotation and a later expiresAt).",
+        json_schema_extra=_OPERATOR_DEFAULT,
     )
     on_idle: OnIdle = Field(
         default=OnIdle.DELETE,
@@ -627,7 +659,9 @@ class SandboxStatus(Model):
         default=None, description="Set when the idle policy paused the sandbox; cleared on resume."
     )
     expires_at: str | None = Field(
-        default=None, description="When lifecycle.maxLifetime deletes the Sandbox."
+        default=None,
+        description="When the Sandbox's life ends: the earlier of lifecycle.maxLifetime"
+        " after creation and the lease (lifecycle.expiresAt).",
     )
     workspace_snapshot: str | None = Field(
         default=None, description="The Snapshot the current workspace was restored from."

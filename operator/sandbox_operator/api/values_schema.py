@@ -260,8 +260,17 @@ def build() -> JSON:
             },
             "catalog": _obj(
                 "The runtime catalog: a ClusterSandboxTemplate per runtime in"
-                " settings.runtimes, so `kubectl get clustersandboxtemplates` lists them.",
-                {"enabled": {"type": "boolean"}},
+                " settings.runtimes, so `kubectl get clustersandboxtemplates` lists them,"
+                " and the ClusterSandboxTemplates of `templates` (name -> spec).",
+                {
+                    "enabled": {"type": "boolean"},
+                    "templates": {
+                        "type": "object",
+                        "description": "More ClusterSandboxTemplates: name -> spec (as the"
+                        " CRD takes it), e.g. E2B's `base` and `code-interpreter-v1`.",
+                        "additionalProperties": {"type": "object"},
+                    },
+                },
             ),
             "crds": _obj(
                 "The CustomResourceDefinitions.",

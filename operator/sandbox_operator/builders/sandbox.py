@@ -264,15 +264,17 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
             {"name": "agent-tmp", "mountPath": "/tmp"},
         ],
     }
+    # The workspace is the user's home and working directory, where the spec says.
+    home = spec.workspace.mount_path or WORKSPACE_PATH
     sandbox = {
         "name": SANDBOX_CONTAINER,
         "image": image,
         "imagePullPolicy": pull_policy,
         # The runner is placed by the agent; the image only needs python3 >= 3.9.
         "command": ["python3", f"{RUNTIME_DIR}/runner.py"],
-        "workingDir": WORKSPACE_PATH,
+        "workingDir": home,
         "env": [
-            {"name": "HOME", "value": WORKSPACE_PATH},
+            {"name": "HOME", "value": home},
             {"name": "SANDBOX_RUNNER_SOCKET", "value": f"{RUNTIME_DIR}/runner.sock"},
             *_env(spec),
         ],
@@ -287,7 +289,7 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
             profile.sandbox,
         ),
         "volumeMounts": [
-            {"name": "workspace", "mountPath": WORKSPACE_PATH},
+            {"name": "workspace", "mountPath": home},
             {"name": "runtime", "mountPath": RUNTIME_DIR},
         ],
         # The agent's verdict, not the runner's: a runtime that cannot kill a command
@@ -500,6 +502,8 @@ def legacy_pod_hash(spec: SandboxSpec) -> str:
     for key in ("tolerations", "podLabels", "podAnnotations", "files"):
         if not stamped.get(key):
             stamped.pop(key, None)
+    if stamped.get("lifecycle", {}).get("onExpiry") == "Delete":
+        del stamped["lifecycle"]["onExpiry"]
     return hashlib.sha256(json.dumps(stamped, sort_keys=True).encode()).hexdigest()[:16]
 
 

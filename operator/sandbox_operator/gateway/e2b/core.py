@@ -27,6 +27,7 @@ import json
 import re
 import secrets
 import string
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from sandbox_operator.clock import parse_time
 from sandbox_operator.gateway.signing import SigningError
 from sandbox_operator.gateway.table import Route
 
@@ -100,6 +102,17 @@ def not_running(sandbox_id: str) -> E2BError:
     return E2BError(502, f"The sandbox {sandbox_id} was not found")
 
 
+def lease_ended(route: Route, now: float | None = None) -> bool:
+    """Whether the sandbox's lease (spec.lifecycle.expiresAt) has passed."""
+    if not route.lease:
+        return False
+    try:
+        end = parse_time(route.lease).timestamp()
+    except ValueError:
+        return False  # admission checks the format; nothing to decide on otherwise
+    return (time.time() if now is None else now) >= end
+
+
 @dataclass(frozen=True)
 class Target:
     """The sandbox a data-plane request reaches, ready for calls."""
@@ -158,9 +171,10 @@ class Adapter:
             key = self.gateway.keys._key(kid)
         except (ValueError, UnicodeDecodeError, SigningError):
             return False
-        name, uid = (route.name, route.uid) if route is not None else ("", "")
+        namespace, name, uid = (route.namespace, route.name, route.uid) if route else ("", "", "")
         expected = _b64(self._mac(key, head, name, uid))
-        return hmac.compare_digest(expected, given) and route is not None
+        matches = hmac.compare_digest(expected, given)
+        return matches and route is not None and self.token_namespace(token) == namespace
 
     # -- reaching a sandbox ----------------------------------------------------------
 
@@ -178,8 +192,9 @@ class Adapter:
         if not self.verify_access(token, route):
             raise E2BError(401, "the access token is not valid for this sandbox")
         assert route is not None
-        if route.paused:
-            # A paused E2B sandbox comes back through connect, not by being called.
+        if route.paused or lease_ended(route):
+            # A paused E2B sandbox comes back through connect, not by being called;
+            # one past its lease is ended, whenever the operator's next pass comes.
             raise not_running(sandbox_id)
         current = route
         if not route.ready or table.token(route) is None:

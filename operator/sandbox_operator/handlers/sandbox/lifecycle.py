@@ -38,7 +38,8 @@ JSON = dict[str, Any]
 
 class IdleAction(Enum):
     NONE = "none"
-    DELETE = "delete"  # max lifetime reached
+    DELETE = "delete"  # max lifetime reached, or the lease with onExpiry: Delete
+    EXPIRE_PAUSE = "expire-pause"  # the lease ended and onExpiry says Pause
     SNAPSHOT = "snapshot"  # take the idle snapshot first
     WAIT_SNAPSHOT = "wait-snapshot"  # pause once the snapshot is settled
     IDLE = "idle"  # onIdle: Delete or Pause now
@@ -63,9 +64,20 @@ def decide_lifecycle(
     """Max lifetime and the idle policy, from the agent's report. Pure.
 
     `info` None means the agent's activity is unknown: never taken for idleness."""
+    lease = spec.lifecycle.expires_at
     if status.expires_at and now >= parse_time(status.expires_at):
+        # status.expiresAt is the earlier of the lease and the max lifetime: a lease
+        # that ended first is what onExpiry decides about.
+        if (
+            lease
+            and spec.lifecycle.on_expiry is OnIdle.PAUSE
+            and parse_time(lease) <= parse_time(status.expires_at)
+        ):
+            return LifecycleDecision(IdleAction.EXPIRE_PAUSE)
         return LifecycleDecision(IdleAction.DELETE)
-    idle_timeout = spec.lifecycle.idle_timeout or settings.default_idle_timeout
+    # A leased sandbox lives as long as its lease says, used or not: the
+    # operator's default idle timeout is for sandboxes nobody said anything about.
+    idle_timeout = spec.lifecycle.idle_timeout or (None if lease else settings.default_idle_timeout)
     if idle_timeout and became_ready(status, now):
         # Idleness counts from Ready at the earliest, which is now: nothing the agent
         # could report moves the deadline, so the first Ready is written without asking.
@@ -183,13 +195,30 @@ async def lifecycle(
     fields = {**full, **decision.fields}
     sandbox_path = SANDBOXES.path(meta["namespace"], meta["name"])
     if decision.action is IdleAction.DELETE:
-        logger.info("max lifetime reached; deleting")
+        by_lease = spec.lifecycle.expires_at == status.expires_at
+        logger.info("%s reached; deleting", "lease end" if by_lease else "max lifetime")
         ctx.event(
-            body, "info", reason="MaxLifetimeReached", message=f"expired at {status.expires_at}"
+            body,
+            "info",
+            reason="LeaseExpired" if by_lease else "MaxLifetimeReached",
+            message=f"expired at {status.expires_at}",
         )
-        metrics.TEARDOWNS.labels("max_lifetime").inc()
+        metrics.TEARDOWNS.labels("lease" if by_lease else "max_lifetime").inc()
         await ctx.kube.delete(sandbox_path, uid=meta["uid"])
         return None
+    if decision.action is IdleAction.EXPIRE_PAUSE:
+        if status.idle_paused_at:
+            return fields  # paused at its lease end already
+        logger.info("lease ended at %s; pausing", spec.lifecycle.expires_at)
+        ctx.event(
+            body,
+            "info",
+            reason="LeaseExpired",
+            message=f"the lease ended at {spec.lifecycle.expires_at}: Pause",
+        )
+        metrics.TEARDOWNS.labels("lease_pause").inc()
+        fields["idle_paused_at"] = iso(now)
+        return fields
     if decision.action is IdleAction.NONE:
         return fields
     assert decision.last_activity is not None

@@ -70,10 +70,18 @@ def spec_fields(body: JSON, spec: SandboxSpec | None, settings: Settings) -> JSO
     if spec is None:
         return {"image": None, "workspace_claim": None, "expires_at": None, "ports": None}
     lifetime = spec.lifecycle.max_lifetime or settings.default_max_lifetime
-    expires = None
+    ends = []
     if lifetime:
         created = parse_time(body["metadata"]["creationTimestamp"])
-        expires = iso(created + parse_duration(lifetime))
+        ends.append(created + parse_duration(lifetime))
+    if spec.lifecycle.expires_at:
+        ends.append(parse_time(spec.lifecycle.expires_at))
+    # Written as the lease was (when it ends first), so the lifecycle can tell which.
+    expires = None
+    if ends:
+        first = min(ends)
+        lease = spec.lifecycle.expires_at
+        expires = lease if lease and parse_time(lease) == first else iso(first)
     served_by = identity.children_ref(body).name
     claim = None if spec.workspace.ephemeral else identity.names(served_by)["claim"]
     ports = build.port_statuses(identity.ref_of(body), spec, settings)

@@ -42,6 +42,7 @@ class Workspace(WireModel):
     ephemeral: bool | None = Field(default=None, description="Use an emptyDir instead of a PersistentVolumeClaim (lost with the pod).")
     size: int | str | None = Field(default=None, description="Workspace size (default: the operator's default_workspace_size).")
     storage_class_name: str | None = Field(default=None, validation_alias="storageClassName", serialization_alias="storageClassName", description="StorageClass of the workspace claim (default: the cluster's default class).")
+    mount_path: str | None = Field(default=None, validation_alias="mountPath", serialization_alias="mountPath", description="Where the sandbox container sees the workspace (default /workspace); it is also the working directory and HOME. An absolute path of a fresh directory: not /, and not under /proc, /sys, /dev, /etc, /tmp, /run, /usr, /bin, /sbin, /lib, /var or /sandbox.")
     from_snapshot: str | None = Field(default=None, validation_alias="fromSnapshot", serialization_alias="fromSnapshot", description="A Snapshot (same namespace) the workspace starts from. Changing it on an existing Sandbox rolls the workspace back to that snapshot: the pod stops, the claim is replaced from the snapshot, the pod starts again.")
 
 
@@ -79,6 +80,8 @@ class Lifecycle(WireModel):
 
     idle_timeout: str | None = Field(default=None, validation_alias="idleTimeout", serialization_alias="idleTimeout", description="Tear down after this long without exec or file activity (agent-reported; a running command counts as activity). Default: the operator's default_idle_timeout.")
     max_lifetime: str | None = Field(default=None, validation_alias="maxLifetime", serialization_alias="maxLifetime", description="Delete the Sandbox this long after creation, whatever it does.")
+    expires_at: str | None = Field(default=None, validation_alias="expiresAt", serialization_alias="expiresAt", description="A lease: at this time (RFC 3339, e.g. 2026-01-02T15:04:05Z) the operator ends the sandbox as onExpiry says. Moving it (either way) renews or shortens the lease. While it is set, the operator's default idle timeout does not apply (an explicit idleTimeout still does).")
+    on_expiry: str | None = Field(default=None, validation_alias="onExpiry", serialization_alias="onExpiry", description="What the end of the lease (expiresAt) does: Delete (the default) the Sandbox, or Pause it (keeps the workspace; resume with the sandbox.dev/resume-requested-at annotation and a later expiresAt). One of: Delete, Pause.")
     on_idle: str | None = Field(default=None, validation_alias="onIdle", serialization_alias="onIdle", description="What the idle timeout does: Delete (the default) the Sandbox, or Pause it (keeps the workspace; resume with the sandbox.dev/resume-requested-at annotation). One of: Delete, Pause.")
     snapshot_on_idle: bool | None = Field(default=None, validation_alias="snapshotOnIdle", serialization_alias="snapshotOnIdle", description="Take a Snapshot of the workspace before the idle policy deletes or pauses the sandbox (and before pausedTimeout deletes it). The Snapshot is not owned by the Sandbox: it outlives it.")
     snapshot_timeout: str | None = Field(default=None, validation_alias="snapshotTimeout", serialization_alias="snapshotTimeout", description="How long the idle policy waits for that Snapshot before it goes ahead anyway (the operator's idle_snapshot_timeout applies when unset).")
@@ -200,7 +203,7 @@ class SandboxStatus(WireModel):
     active_executions: int | None = Field(default=None, validation_alias="activeExecutions", serialization_alias="activeExecutions", description="Commands running in the sandbox, as the agent reported.")
     idle_deadline: str | None = Field(default=None, validation_alias="idleDeadline", serialization_alias="idleDeadline", description="When the idle policy acts unless there is activity.")
     idle_paused_at: str | None = Field(default=None, validation_alias="idlePausedAt", serialization_alias="idlePausedAt", description="Set when the idle policy paused the sandbox; cleared on resume.")
-    expires_at: str | None = Field(default=None, validation_alias="expiresAt", serialization_alias="expiresAt", description="When lifecycle.maxLifetime deletes the Sandbox.")
+    expires_at: str | None = Field(default=None, validation_alias="expiresAt", serialization_alias="expiresAt", description="When the Sandbox's life ends: the earlier of lifecycle.maxLifetime after creation and the lease (lifecycle.expiresAt).")
     workspace_snapshot: str | None = Field(default=None, validation_alias="workspaceSnapshot", serialization_alias="workspaceSnapshot", description="The Snapshot the current workspace was restored from.")
     workspace_lineage: list[str] | None = Field(default=None, validation_alias="workspaceLineage", serialization_alias="workspaceLineage", description="That Snapshot, then the one its source was restored from, and so on.")
     workspace_restore_request: str | None = Field(default=None, validation_alias="workspaceRestoreRequest", serialization_alias="workspaceRestoreRequest", description="The restore-requested-at annotation value the last restore answered.")
