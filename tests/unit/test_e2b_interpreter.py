@@ -99,7 +99,8 @@ def test_working_directories_are_the_workspaces_both_ways() -> None:
         status, message = refused(relative_cwd, outside, WS)
         assert status == 400
         assert "outside the sandbox's workspace" in message
-    for crooked in (WS + "/../root", WS + "//x", WS + "/./x"):
+    assert relative_cwd("project/", WS) == "project"
+    for crooked in (WS + "/../root", WS + "//x", WS + "/./x", "a/../../etc", "../x", "..", "./a"):
         assert refused(relative_cwd, crooked, WS)[0] == 400
     assert refused(context_body, {"cwd": 3}, WS)[0] == 400
     assert refused(context_body, "python", WS)[0] == 400

@@ -211,11 +211,11 @@ def relative_cwd(cwd: str, workspace: str) -> str:
     absolute one must be the workspace or inside it, and canonical."""
     if "\0" in cwd or len(cwd) > 4096:
         raise InterpreterError(400, "cwd must be a path")
-    if not cwd.startswith("/"):
-        return cwd  # relative already: the agent checks it
     path = cwd.rstrip("/") or "/"
-    if posixpath.normpath(path) != path:
+    if posixpath.normpath(path) != path or path == ".." or path.startswith("../"):
         raise InterpreterError(400, f"cwd {_shown(cwd)} is not a canonical path")
+    if not path.startswith("/"):
+        return path  # relative to the workspace already (the agent checks it too)
     root = workspace.rstrip("/")
     if path == (root or "/"):
         return "."
