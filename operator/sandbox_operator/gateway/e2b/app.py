@@ -117,7 +117,13 @@ async def health(request: web.Request, target: Target, params: dict[str, str]) -
 def endpoints(adapter: Adapter) -> list[Endpoint]:
     """Every endpoint of the adapter, from its parts (each part is a class made
     with the adapter, whose `endpoints()` lists its own)."""
-    return [Endpoint(core.ENVD_PORT, "GET", "/health", health)]
+    # The parts import this module (Endpoint): imported here, not at the top.
+    from sandbox_operator.gateway.e2b.process import Processes
+
+    return [
+        Endpoint(core.ENVD_PORT, "GET", "/health", health),
+        *Processes(adapter).endpoints(),
+    ]
 
 
 def build(adapter: Adapter) -> web.Application:
