@@ -261,3 +261,11 @@ def test_pty_and_command_inputs_do_not_mix(e2b_sandbox: Sandbox) -> None:
     finally:
         e2b_sandbox.pty.kill(terminal.pid)
         command.kill()
+
+
+def test_sandbox_killed_during_a_command(e2b_sandbox: Sandbox) -> None:
+    handle = e2b_sandbox.commands.run("sleep 60", background=True)
+    e2b_sandbox.kill()
+    with pytest.raises(TimeoutException, match="sandbox was killed or reached its end of life"):
+        handle.wait()
+    assert not e2b_sandbox.is_running()

@@ -74,6 +74,8 @@ class Route:
     pool: str = ""
     # Where the workspace is mounted in the sandbox container (spec.workspace.mountPath).
     workspace: str = "/workspace"
+    # Deleted, its finalizer not yet done: its pod is going away.
+    deleting: bool = False
 
 
 def route_of(body: JSON) -> Route:
@@ -119,6 +121,7 @@ def route_of(body: JSON) -> Route:
         workspace=str(
             ((body.get("spec") or {}).get("workspace") or {}).get("mountPath") or "/workspace"
         ),
+        deleting=bool(meta.get("deletionTimestamp")),
     )
 
 

@@ -178,8 +178,9 @@ class Adapter:
         if not self.verify_access(token, route):
             raise E2BError(401, "the access token is not valid for this sandbox")
         assert route is not None
-        if route.paused:
-            # A paused E2B sandbox comes back through connect, not by being called.
+        if route.paused or route.deleting:
+            # A paused E2B sandbox comes back through connect, not by being called;
+            # a deleted one is gone for E2B (is_running() is False) from the delete on.
             raise not_running(sandbox_id)
         current = route
         if not route.ready or table.token(route) is None:

@@ -34,6 +34,7 @@ from sandbox_operator.gateway.e2b import connect
 from sandbox_operator.gateway.e2b import process_wire as wire
 from sandbox_operator.gateway.e2b.connect import ConnectError
 from sandbox_operator.gateway.e2b.core import E2BError, Target
+from sandbox_operator.gateway.table import Route
 
 if TYPE_CHECKING:
     from sandbox_operator.gateway.e2b.process import Proc, Processes
@@ -59,6 +60,10 @@ FOREVER = 30 * 86400.0
 MAX_IDLE = 604800.0
 # How long to wait for the runner to name the pid of a command it started.
 PID_WAIT = 10.0
+# A process that died of SIGTERM (or an unexplained SIGKILL, or with the
+# runner) may have died with its sandbox: how long to watch for the sandbox
+# going away before reporting the death as the process's own.
+LEAVING_WAIT = 2.0
 RUNNING = ("running", "starting")
 
 
@@ -175,7 +180,7 @@ class Outbox:
         if transport is None or transport.is_closing():
             raise CallerGone()
         route = self.service.adapter.gateway.table.get(self.target.namespace, self.target.id)
-        if route is None or route.uid != self.target.route.uid or route.paused:
+        if route is None or route.uid != self.target.route.uid or route.deleting or route.paused:
             raise ConnectError(
                 "unavailable",
                 f"the connection to sandbox {self.target.id} ended before the stream completed",
@@ -313,11 +318,30 @@ class Streams:
                     await out.send(wire.data_event(stream, data))
             elif kind == "finished":
                 record = event.get("execution")
-                end = wire.execution_end(
-                    record if isinstance(record, dict) else {}, own_deadline=own_deadline
-                )
+                record = record if isinstance(record, dict) else {}
+                end = wire.execution_end(record, own_deadline=own_deadline)
+                if wire.may_be_shutdown(record) and await self._leaving(out):
+                    raise self._broken(out)
                 await out.send(end)
                 return
+
+    async def _leaving(self, out: Outbox) -> bool:
+        """Whether the sandbox is going away (deleted, paused, no longer ready):
+        its processes die with it, which E2B's SDKs must hear as the sandbox's
+        end, not as the process's."""
+        table = self.service.adapter.gateway.table
+        uid = out.target.route.uid
+
+        def gone(route: Route | None) -> bool:
+            return (
+                route is None
+                or route.uid != uid
+                or route.deleting
+                or route.paused
+                or not route.ready
+            )
+
+        return gone(await table.wait(out.target.namespace, out.target.id, gone, LEAVING_WAIT))
 
     @staticmethod
     def _broken(out: Outbox) -> ConnectError:
@@ -383,6 +407,8 @@ class Streams:
             if isinstance(data, str) and data:
                 await out.send(wire.data_event("pty", data))
             elif page.get("status") not in RUNNING:
+                if wire.may_be_shutdown(page) and await self._leaving(out):
+                    raise self._broken(out)
                 await out.send(wire.terminal_end(page))
                 return
             cursor = after

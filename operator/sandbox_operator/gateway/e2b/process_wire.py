@@ -413,6 +413,17 @@ def terminal_end(view: JSON) -> JSON:
     return end_event(None, None, str(message) if message else f"the terminal {view.get('status')}")
 
 
+def may_be_shutdown(view: JSON) -> bool:
+    """Whether an ended execution or terminal may have died with its sandbox: a
+    pod's end sends SIGTERM (then SIGKILL), and takes the runner along."""
+    sig = view.get("signal")
+    return (
+        view.get("status") == "lost"
+        or sig == signal.SIGTERM
+        or (sig == signal.SIGKILL and view.get("oomKilled") is True)
+    )
+
+
 def process_info(argv: list[str], cwd_rel: str, pid: int, workspace: str) -> JSON:
     """A ProcessInfo of List. The environment a process got is not recorded by
     the agent, so `envs` is empty."""
