@@ -12,7 +12,7 @@ directory is its workspace; the tests learn its path from `pwd`. They need
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from e2b import (
@@ -87,7 +87,11 @@ def test_list_shows_running_commands(e2b_sandbox: Sandbox) -> None:
     processes = {p.pid: p for p in e2b_sandbox.commands.list()}
     assert {first.pid, second.pid} <= set(processes)
     one, two = processes[first.pid], processes[second.pid]
-    assert (one.cmd, one.args, one.cwd) == ("/bin/bash", ["-l", "-c", "sleep 30"], home(e2b_sandbox))
+    assert (one.cmd, one.args, one.cwd) == (
+        "/bin/bash",
+        ["-l", "-c", "sleep 30"],
+        home(e2b_sandbox),
+    )
     assert (two.cmd, two.args, two.cwd) == ("/bin/bash", ["-l", "-c", "sleep 31"], "/tmp")
     assert one.tag is None
     for handle in (first, second):
@@ -197,7 +201,9 @@ def test_tags(e2b_sandbox: Sandbox) -> None:
         )
         by_tag = rpc.connect(
             process_pb.ConnectRequest(
-                process=process_pb.ProcessSelector(selector=Oneof("tag", "my-server"))
+                process=process_pb.ProcessSelector(
+                    selector=Oneof[Literal["tag"], str]("tag", "my-server")
+                )
             ),
             timeout_ms=10_000,
         )

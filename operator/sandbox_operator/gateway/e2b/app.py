@@ -11,38 +11,23 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 
 from aiohttp import web
 
 from sandbox_operator.gateway.e2b import core
-from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target
+from sandbox_operator.gateway.e2b.core import (
+    CONTROL,
+    Adapter,
+    ControlHandler,
+    DataHandler,
+    E2BError,
+    Endpoint,
+    Target,
+)
+from sandbox_operator.gateway.e2b.process import Processes
 
 log = logging.getLogger("sandbox_gateway.e2b")
-
-ControlHandler = Callable[[web.Request, dict[str, str]], Awaitable[web.StreamResponse]]
-DataHandler = Callable[[web.Request, Target, dict[str, str]], Awaitable[web.StreamResponse]]
-CONTROL = 0  # Endpoint.port of a control-plane endpoint
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One route: `port` 0 for the control plane, else the sandbox port it serves
-    (core.ENVD_PORT, core.INTERPRETER_PORT); `path` a regular expression whose
-    named groups are passed to the handler."""
-
-    port: int
-    method: str
-    path: str
-    handler: ControlHandler | DataHandler
-
-    def match(self, method: str, path: str) -> dict[str, str] | None:
-        if method != self.method and not (self.method == "GET" and method == "HEAD"):
-            return None
-        found = re.fullmatch(self.path, path)
-        return found.groupdict() if found else None
 
 
 class E2BApp:
@@ -117,9 +102,6 @@ async def health(request: web.Request, target: Target, params: dict[str, str]) -
 def endpoints(adapter: Adapter) -> list[Endpoint]:
     """Every endpoint of the adapter, from its parts (each part is a class made
     with the adapter, whose `endpoints()` lists its own)."""
-    # The parts import this module (Endpoint): imported here, not at the top.
-    from sandbox_operator.gateway.e2b.process import Processes
-
     return [
         Endpoint(core.ENVD_PORT, "GET", "/health", health),
         *Processes(adapter).endpoints(),

@@ -16,6 +16,7 @@
 - The call into a sandbox's agent, with the agent token the gateway holds.
 - E2B's error shapes: `{"code": <status>, "message"}` on the control plane,
   and the 502 "... was not found" that the SDKs read as "not running".
+- What an endpoint is (`Endpoint`): each part lists its own, app.py routes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -227,3 +228,30 @@ class Adapter:
             )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise E2BError(502, f"The sandbox {target.id} could not be reached: {exc}") from exc
+
+
+# -- endpoints ------------------------------------------------------------------------
+# Each part of the adapter lists its endpoints; app.py collects them (here, not
+# in app.py, so that the parts and app.py do not import each other).
+
+ControlHandler = Callable[[web.Request, dict[str, str]], Awaitable[web.StreamResponse]]
+DataHandler = Callable[[web.Request, Target, dict[str, str]], Awaitable[web.StreamResponse]]
+CONTROL = 0  # Endpoint.port of a control-plane endpoint
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One route: `port` 0 for the control plane, else the sandbox port it serves
+    (core.ENVD_PORT, core.INTERPRETER_PORT); `path` a regular expression whose
+    named groups are passed to the handler."""
+
+    port: int
+    method: str
+    path: str
+    handler: ControlHandler | DataHandler
+
+    def match(self, method: str, path: str) -> dict[str, str] | None:
+        if method != self.method and not (self.method == "GET" and method == "HEAD"):
+            return None
+        found = re.fullmatch(self.path, path)
+        return found.groupdict() if found else None

@@ -24,7 +24,6 @@ import base64
 import functools
 import json
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -32,10 +31,10 @@ from aiohttp import web
 
 from sandbox_operator.gateway.e2b import connect, core
 from sandbox_operator.gateway.e2b import process_wire as wire
-from sandbox_operator.gateway.e2b.app import DataHandler, Endpoint
 from sandbox_operator.gateway.e2b.connect import ConnectError
-from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target
+from sandbox_operator.gateway.e2b.core import Adapter, DataHandler, E2BError, Endpoint, Target
 from sandbox_operator.gateway.e2b.process_stream import Streams
+from sandbox_operator.gateway.e2b.process_wire import Proc, proc_of
 
 JSON = dict[str, Any]
 
@@ -46,48 +45,6 @@ INPUT_PIECE = 4 << 20
 # How long a SIGKILL waits for the agent to see the process end, so that the
 # pid is gone when the call returns (the agent's kill grace is 5 s).
 KILL_WAIT = 6.0
-RUNNING = ("running", "starting")
-
-
-@dataclass(frozen=True)
-class Proc:
-    """A process of the sandbox as the agent records it."""
-
-    kind: str  # "execution" | "terminal"
-    id: str
-    pid: int
-    argv: list[str]
-    cwd: str  # the agent's, relative to the workspace
-    running: bool
-    record: JSON
-
-    @property
-    def tag(self) -> str | None:
-        return wire.unwrap(self.argv)[2]
-
-    @property
-    def pty(self) -> bool:
-        return self.kind == "terminal"
-
-
-def _strings(value: Any) -> list[str]:
-    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
-
-
-def proc_of(kind: str, record: Any) -> Proc | None:
-    """A Proc from an agent record, or None when it has no pid (not started)."""
-    if not isinstance(record, dict):
-        return None
-    pid, rid = record.get("pid"), record.get("id")
-    if isinstance(pid, bool) or not isinstance(pid, int) or not isinstance(rid, str):
-        return None
-    argv = _strings(record.get("argv"))
-    if not argv and isinstance(record.get("command"), str):
-        argv = ["/bin/sh", "-c", record["command"]]
-    cwd = record.get("cwd")
-    cwd = cwd if isinstance(cwd, str) else "."
-    running = record.get("status") in RUNNING
-    return Proc(kind, rid, pid, argv, cwd, running, record)
 
 
 def from_e2b(exc: E2BError) -> ConnectError:

@@ -24,8 +24,8 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -33,11 +33,9 @@ from aiohttp import web
 from sandbox_operator.gateway.e2b import connect
 from sandbox_operator.gateway.e2b import process_wire as wire
 from sandbox_operator.gateway.e2b.connect import ConnectError
-from sandbox_operator.gateway.e2b.core import E2BError, Target
+from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target
+from sandbox_operator.gateway.e2b.process_wire import RUNNING, Proc
 from sandbox_operator.gateway.table import Route
-
-if TYPE_CHECKING:
-    from sandbox_operator.gateway.e2b.process import Proc, Processes
 
 JSON = dict[str, Any]
 T = TypeVar("T")
@@ -64,7 +62,37 @@ PID_WAIT = 10.0
 # runner) may have died with its sandbox: how long to watch for the sandbox
 # going away before reporting the death as the process's own.
 LEAVING_WAIT = 2.0
-RUNNING = ("running", "starting")
+
+
+class Processes(Protocol):
+    """What the streams use of the process service (process.Processes)."""
+
+    adapter: Adapter
+
+    async def call(
+        self,
+        target: Target,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        body: Any = None,
+        missing_ok: bool = False,
+    ) -> Any: ...
+
+    async def open(
+        self,
+        target: Target,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        body: Any = None,
+    ) -> aiohttp.ClientResponse: ...
+
+    async def find(
+        self, target: Target, selector: wire.Selector, *, ended: bool = False
+    ) -> Proc: ...
 
 
 class CallerGone(Exception):

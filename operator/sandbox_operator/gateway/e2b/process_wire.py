@@ -65,6 +65,8 @@ SIGNALS = {"SIGNAL_SIGKILL": "KILL", "SIGNAL_SIGTERM": "TERM", 9: "KILL", 15: "T
 
 # E2B's users: the sandbox's one user runs every process; root is not there.
 USER = "user"
+# The agent's statuses of a process that runs.
+RUNNING = ("running", "starting")
 
 
 @dataclass(frozen=True)
@@ -438,3 +440,47 @@ def process_info(argv: list[str], cwd_rel: str, pid: int, workspace: str) -> JSO
     if tag is not None:
         info["tag"] = tag
     return info
+
+
+# -- the agent's records ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Proc:
+    """A process of the sandbox as the agent records it."""
+
+    kind: str  # "execution" | "terminal"
+    id: str
+    pid: int
+    argv: list[str]
+    cwd: str  # the agent's, relative to the workspace
+    running: bool
+    record: JSON
+
+    @property
+    def tag(self) -> str | None:
+        return unwrap(self.argv)[2]
+
+    @property
+    def pty(self) -> bool:
+        return self.kind == "terminal"
+
+
+def _strings(value: Any) -> list[str]:
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+
+
+def proc_of(kind: str, record: Any) -> Proc | None:
+    """A Proc from an agent record, or None when it has no pid (not started)."""
+    if not isinstance(record, dict):
+        return None
+    pid, rid = record.get("pid"), record.get("id")
+    if isinstance(pid, bool) or not isinstance(pid, int) or not isinstance(rid, str):
+        return None
+    argv = _strings(record.get("argv"))
+    if not argv and isinstance(record.get("command"), str):
+        argv = ["/bin/sh", "-c", record["command"]]
+    cwd = record.get("cwd")
+    cwd = cwd if isinstance(cwd, str) else "."
+    running = record.get("status") in RUNNING
+    return Proc(kind, rid, pid, argv, cwd, running, record)
