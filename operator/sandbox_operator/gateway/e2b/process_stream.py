@@ -257,10 +257,15 @@ class Streams:
         wire.check_user(out.request.headers.get("Authorization"))
         rel, outside = wire.resolve_cwd(spec.cwd, out.target.route.workspace)
         argv = [spec.cmd, *spec.args]
-        if spec.pty is not None:
-            await self._start_pty(out, spec, argv, rel, outside)
-        else:
-            await self._start_command(out, spec, argv, rel, outside)
+        try:
+            if spec.pty is not None:
+                await self._start_pty(out, spec, argv, rel, outside)
+            else:
+                await self._start_command(out, spec, argv, rel, outside)
+        except wire.AgentError as exc:
+            if exc.agent_code == "invalid_cwd":  # say it with the caller's own path
+                raise wire.invalid(f"cwd '{spec.cwd}' does not exist") from exc
+            raise
 
     async def _start_command(
         self, out: Outbox, spec: wire.StartSpec, argv: list[str], rel: str, outside: str | None
@@ -319,10 +324,12 @@ class Streams:
         """The pid of a command the agent's started event did not name yet (an
         agent that announces commands before the runner spawned them)."""
         deadline = time.monotonic() + PID_WAIT
-        pause = 0.005
+        pause = 0.001  # the runner names it within a millisecond or two
         while time.monotonic() < deadline:
             record = await out.until(
-                self.service.call(out.target, "GET", f"executions/{execution}")
+                self.service.call(
+                    out.target, "GET", f"executions/{execution}", params={"output": "false"}
+                )
             )
             pid = record.get("pid") if isinstance(record, dict) else None
             if isinstance(pid, int) and not isinstance(pid, bool):
