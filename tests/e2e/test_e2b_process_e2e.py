@@ -69,6 +69,16 @@ def test_output_bytes_that_are_not_utf8(e2b_sandbox: Sandbox) -> None:
     assert result.stdout == "a" * 8191 + "\ufffd"
 
 
+def test_large_output(e2b_sandbox: Sandbox) -> None:
+    chunks: list[str] = []
+    result = e2b_sandbox.commands.run(
+        "head -c 3000000 /dev/zero | tr '\\0' a; echo; echo end >&2", on_stdout=chunks.append
+    )
+    assert result.stdout == "a" * 3_000_000 + "\n"
+    assert len(chunks) > 1
+    assert result.stderr == "end\n"
+
+
 def test_background_connect_and_wait(e2b_sandbox: Sandbox) -> None:
     handle = e2b_sandbox.commands.run("sleep 1; echo done", background=True)
     attached = e2b_sandbox.commands.connect(handle.pid)
@@ -223,7 +233,7 @@ def test_pty(e2b_sandbox: Sandbox) -> None:
         if b"80x" in b"".join(out):
             break
     e2b_sandbox.pty.resize(terminal.pid, PtySize(cols=100, rows=30))
-    e2b_sandbox.pty.send_stdin(terminal.pid, b"stty size; exit\n")
+    e2b_sandbox.pty.stream_input(terminal.pid, [b"stty size", "; exit\n"])
     result = terminal.wait(on_pty=out.append)
     text = b"".join(out).decode()
     assert result.exit_code == 0
