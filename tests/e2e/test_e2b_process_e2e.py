@@ -264,6 +264,14 @@ def test_pty_reconnect_and_kill(e2b_sandbox: Sandbox) -> None:
         e2b_sandbox.pty.resize(terminal.pid, PtySize(90, 24))
 
 
+def test_pty_timeout_ends_it(e2b_sandbox: Sandbox) -> None:
+    terminal = e2b_sandbox.pty.create(PtySize(24, 80), timeout=2)
+    with pytest.raises(TimeoutException):
+        terminal.wait()
+    time.sleep(1)
+    assert not alive(e2b_sandbox, terminal.pid)
+
+
 def test_pty_and_command_inputs_do_not_mix(e2b_sandbox: Sandbox) -> None:
     terminal = e2b_sandbox.pty.create(PtySize(80, 24))
     command = e2b_sandbox.commands.run("sleep 30", background=True, stdin=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import json
 from collections.abc import Awaitable, Callable, Mapping
@@ -69,6 +70,8 @@ def unary(method: Unary) -> DataHandler:
             return exc.response()
         except E2BError as exc:
             return from_e2b(exc).response()
+        except (aiohttp.ClientError, OSError) as exc:  # a connection broke off
+            return ConnectError("unavailable", f"the call broke off: {exc}").response()
 
     return handler
 
@@ -113,12 +116,12 @@ class Processes:
         async with await self.adapter.agent(
             target, method, path, params=params, json_body=body
         ) as resp:
-            data = parse_json(await read_body(resp), resp.status)
-            if resp.status == 404 and missing_ok:
-                return None
-            if resp.status >= 400:
-                raise wire.agent_error(resp.status, data)
-            return data
+            data = parse_json(await read_body(resp, target), resp.status)
+        if resp.status == 404 and missing_ok:
+            return None
+        if resp.status >= 400:
+            raise wire.agent_error(resp.status, data)
+        return data
 
     async def open(
         self,
@@ -135,7 +138,8 @@ class Processes:
         if resp.status < 400:
             return resp
         async with resp:
-            raise wire.agent_error(resp.status, parse_json(await read_body(resp), resp.status))
+            data = parse_json(await read_body(resp, target), resp.status)
+        raise wire.agent_error(resp.status, data)
 
     async def procs(self, target: Target, *, finished: bool = False) -> list[Proc]:
         """The sandbox's processes: running executions and terminals; with
@@ -218,11 +222,14 @@ class Processes:
             error = exc
         except E2BError as exc:
             error = from_e2b(exc)
+        except (aiohttp.ClientError, OSError) as exc:  # a connection broke off
+            error = ConnectError("unavailable", f"the call broke off: {exc}")
         response = await connect.open_stream(request)
-        if error is None:
-            await response.write(connect.envelope({}))
-        await response.write(connect.end_stream(error))
-        await response.write_eof()
+        with contextlib.suppress(ConnectionResetError):  # the caller left: nobody to tell
+            if error is None:
+                await response.write(connect.envelope({}))
+            await response.write(connect.end_stream(error))
+            await response.write_eof()
         return response
 
     async def send_signal(self, request: web.Request, target: Target, msg: JSON) -> JSON:
@@ -279,15 +286,18 @@ def _matches(proc: Proc, selector: wire.Selector) -> bool:
     return proc.tag is not None and proc.tag == selector.tag
 
 
-async def read_body(resp: aiohttp.ClientResponse) -> bytes:
+async def read_body(resp: aiohttp.ClientResponse, target: Target) -> bytes:
     """An agent answer's body, bounded."""
     if resp.content_length is not None and resp.content_length > MAX_ANSWER:
         raise ConnectError("internal", "the sandbox's agent answered too much")
     body = bytearray()
-    while chunk := await resp.content.read(1 << 16):
-        body += chunk
-        if len(body) > MAX_ANSWER:
-            raise ConnectError("internal", "the sandbox's agent answered too much")
+    try:
+        while chunk := await resp.content.read(1 << 16):
+            body += chunk
+            if len(body) > MAX_ANSWER:
+                raise ConnectError("internal", "the sandbox's agent answered too much")
+    except (aiohttp.ClientError, OSError) as exc:
+        raise ConnectError("unavailable", f"the sandbox {target.id} broke off: {exc}") from exc
     return bytes(body)
 
 

@@ -21,6 +21,7 @@ when its caller left or its sandbox went away.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
@@ -121,7 +122,12 @@ class Lines:
                 if line.strip():
                     return _event(line)
                 continue
-            chunk = await self.content.readany()
+            try:
+                chunk = await self.content.readany()
+            except (aiohttp.ClientError, OSError) as exc:
+                raise ConnectError(
+                    "unavailable", f"the sandbox's event stream broke: {exc}"
+                ) from exc
             if not chunk:
                 self.eof = True
             self.buffer += chunk
@@ -248,6 +254,8 @@ class Streams:
             error = ConnectError.from_http(exc.status, exc.message)
         except CallerGone:
             return out.response or web.Response(status=499)
+        except (aiohttp.ClientError, OSError) as exc:
+            error = ConnectError("unavailable", f"the sandbox {target.id} broke off: {exc}")
         return await out.close(error)
 
     # -- Start -------------------------------------------------------------------------
@@ -406,18 +414,21 @@ class Streams:
             outside = wire.absolute_cwd(rel, out.target.route.workspace)
             body = {**body, "cwd": ".", "argv": wire.launch(argv, outside, spec.tag)}
             term = await self.service.call(out.target, "POST", "terminals", body=body)
+        term = term if isinstance(term, dict) else {}
         pid, term_id = term.get("pid"), term.get("id")
-        if not isinstance(pid, int) or not isinstance(term_id, str):
+        if isinstance(pid, bool) or not isinstance(pid, int) or not isinstance(term_id, str):
             raise ConnectError("internal", "the sandbox's agent did not name the terminal's pid")
         await out.send(wire.start_event(pid))
         try:
             await self._pump_pty(out, term_id, 0)
         except ConnectError as exc:
             if exc.code == "deadline_exceeded":
-                # Its lifetime is over: end it now, not at the agent's next sweep.
-                await self.service.call(
-                    out.target, "DELETE", f"terminals/{term_id}", missing_ok=True
-                )
+                # Its lifetime is over: end it now, not at the agent's next sweep
+                # (which ends it anyway when this fails).
+                with contextlib.suppress(ConnectError, E2BError):
+                    await self.service.call(
+                        out.target, "DELETE", f"terminals/{term_id}", missing_ok=True
+                    )
             raise
 
     async def _pump_pty(self, out: Outbox, term_id: str, cursor: int) -> None:
