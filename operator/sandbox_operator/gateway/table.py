@@ -76,6 +76,8 @@ class Route:
     workspace: str = "/workspace"
     # The lease's end (spec.lifecycle.expiresAt), as written; "" when none.
     lease: str = ""
+    # Deleted, its finalizer not yet done: its pod is going away.
+    deleting: bool = False
 
 
 def route_of(body: JSON) -> Route:
@@ -122,6 +124,7 @@ def route_of(body: JSON) -> Route:
             ((body.get("spec") or {}).get("workspace") or {}).get("mountPath") or "/workspace"
         ),
         lease=str(((body.get("spec") or {}).get("lifecycle") or {}).get("expiresAt") or ""),
+        deleting=bool(meta.get("deletionTimestamp")),
     )
 
 

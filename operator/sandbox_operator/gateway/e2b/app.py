@@ -15,9 +15,17 @@ from collections.abc import Awaitable, Callable, Iterable
 from aiohttp import web
 
 from sandbox_operator.gateway.e2b import core
-from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target
+from sandbox_operator.gateway.e2b.core import (
+    CONTROL,
+    Adapter,
+    ControlHandler,
+    DataHandler,
+    E2BError,
+    Endpoint,
+    Target,
+)
 from sandbox_operator.gateway.e2b.interpreter import Interpreter
-from sandbox_operator.gateway.e2b.routes import CONTROL, ControlHandler, DataHandler, Endpoint
+from sandbox_operator.gateway.e2b.process import Processes
 
 log = logging.getLogger("sandbox_gateway.e2b")
 
@@ -103,6 +111,7 @@ def endpoints(adapter: Adapter) -> list[Endpoint]:
     return [
         Endpoint(core.ENVD_PORT, "GET", "/health", health),
         *Interpreter(adapter).endpoints(),
+        *Processes(adapter).endpoints(),
     ]
 
 

@@ -16,6 +16,7 @@
 - The call into a sandbox's agent, with the agent token the gateway holds.
 - E2B's error shapes: `{"code": <status>, "message"}` on the control plane,
   and the 502 "... was not found" that the SDKs read as "not running".
+- What an endpoint is (`Endpoint`): each part lists its own, app.py routes.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import re
 import secrets
 import string
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -192,9 +193,10 @@ class Adapter:
         if not self.verify_access(token, route):
             raise E2BError(401, "the access token is not valid for this sandbox")
         assert route is not None
-        if route.paused or lease_ended(route):
+        if route.paused or route.deleting or lease_ended(route):
             # A paused E2B sandbox comes back through connect, not by being called;
-            # one past its lease is ended, whenever the operator's next pass comes.
+            # a deleted one is gone for E2B (is_running() is False) from the delete
+            # on, and one past its lease whenever the operator's next pass comes.
             raise not_running(sandbox_id)
         current = route
         if not route.ready or table.token(route) is None:
@@ -241,3 +243,34 @@ class Adapter:
             )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise E2BError(502, f"The sandbox {target.id} could not be reached: {exc}") from exc
+
+
+# -- endpoints ------------------------------------------------------------------------
+# Each part of the adapter lists its endpoints; app.py collects them (here, not
+# in app.py, so that the parts and app.py do not import each other).
+
+ControlHandler = Callable[[web.Request, dict[str, str]], Awaitable[web.StreamResponse]]
+DataHandler = Callable[[web.Request, Target, dict[str, str]], Awaitable[web.StreamResponse]]
+CONTROL = 0  # Endpoint.port of a control-plane endpoint
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One route: `port` 0 for the control plane, else the sandbox port it serves
+    (core.ENVD_PORT, core.INTERPRETER_PORT); `path` a regular expression whose
+    named groups are passed to the handler."""
+
+    port: int
+    method: str
+    path: str
+    handler: ControlHandler | DataHandler
+
+    def match(self, method: str, path: str) -> dict[str, str] | None:
+        if method != self.method and not (self.method == "GET" and method == "HEAD"):
+            return None
+        found = re.fullmatch(self.path, path)
+        return found.groupdict() if found else None
+
+
+def json_response(body: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, text=json.dumps(body), content_type="application/json")

@@ -48,8 +48,7 @@ import aiohttp
 from aiohttp import web
 
 from sandbox_operator.gateway.e2b import core
-from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target
-from sandbox_operator.gateway.e2b.routes import Endpoint, json_response
+from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Endpoint, Target, json_response
 
 JSON = dict[str, Any]
 NDJSON = "application/x-ndjson"
