@@ -264,6 +264,36 @@ def test_javascript_keeps_state_in_order(fresh: Callable[..., Sandbox]) -> None:
     assert listed == {"default-javascript": "javascript"}
 
 
+def test_env_is_set_for_one_run(fresh: Callable[..., Sandbox]) -> None:
+    """A run's env is in the kernel's environment (and its children's) while it
+    runs, then the values from before are back; setting it costs no execution."""
+    sb = fresh()
+    run(sb, "import os, subprocess\nos.environ['KEPT'] = 'before'")
+    during = run(
+        sb,
+        "print(subprocess.run(['sh', '-c', 'echo $ONE'], capture_output=True, text=True)"
+        ".stdout, end='')\n(os.environ['ONE'], os.environ['KEPT'])",
+        env={"ONE": "1", "KEPT": "during"},
+    )
+    assert [e["text"] for e in kinds(during, "stdout")] == ["1\n"]
+    assert main_result(during)["data"]["text/plain"] == "('1', 'during')"
+    assert during[-1]["executionCount"] == 2
+    after = run(sb, "(os.environ.get('ONE'), os.environ['KEPT'])")
+    assert main_result(after)["data"]["text/plain"] == "(None, 'before')"
+    assert after[-1]["executionCount"] == 3
+    js = run(
+        sb,
+        "[process.env.ONE, process.env.HOME !== undefined]",
+        language="javascript",
+        env={"ONE": "js"},
+    )
+    assert main_result(js)["data"]["text/plain"] == "[ 'js', true ]"
+    later = run(sb, "process.env.ONE", language="javascript")
+    assert "result" not in [e["type"] for e in later]  # undefined: no value to show
+    r = sb.client.post("/v1/code/run", json={"code": "1", "env": {"A=B": "x"}})
+    assert sb.error(r, 400) == "invalid_request"
+
+
 def test_a_reader_slower_than_a_flood_costs_bounded_memory(fresh: Callable[..., Sandbox]) -> None:
     sb = fresh()
     run(sb, "import sys")

@@ -246,6 +246,38 @@ def test_stream_ndjson(sandbox: Sandbox) -> None:
     assert arrival[-1] - arrival[1] >= 0.2
 
 
+def test_stream_started_event_names_the_pid(sandbox: Sandbox) -> None:
+    events = _events(
+        sandbox.client.post(
+            "/v1/executions/stream", json={"argv": ["sh", "-c", "echo $$"]}
+        ).text.splitlines()
+    )
+    started, finished = events[0], events[-1]
+    assert started["type"] == "started" and finished["type"] == "finished"
+    pid = started["execution"]["pid"]
+    assert isinstance(pid, int) and pid > 0
+    assert finished["execution"]["pid"] == pid
+    assert "".join(e["data"] for e in events if e["type"] == "output") == f"{pid}\n"
+    # Reattaching names it too.
+    again = _events(
+        sandbox.client.get(
+            f"/v1/executions/{started['execution']['id']}/stream", params={"cursor": 0}
+        ).text.splitlines()
+    )
+    assert again[0]["execution"]["pid"] == pid
+
+
+def test_stream_of_a_command_that_does_not_start(sandbox: Sandbox) -> None:
+    events = _events(
+        sandbox.client.post(
+            "/v1/executions/stream", json={"argv": ["/nonexistent/program"]}
+        ).text.splitlines()
+    )
+    assert [e["type"] for e in events] == ["started", "finished"]
+    assert events[0]["execution"]["pid"] is None
+    assert events[-1]["execution"]["status"] == "failed"
+
+
 def test_stream_sse(sandbox: Sandbox) -> None:
     r = sandbox.client.post(
         "/v1/executions/stream",

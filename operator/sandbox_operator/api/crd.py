@@ -78,6 +78,7 @@ KINDS: tuple[Kind, ...] = (
             _column("Runtime", ".status.image", priority=1),
             _column("Pod IP", ".status.podIP", priority=1),
             _column("Last Activity", ".status.lastActivity", "date", priority=1),
+            _column("Expires", ".status.expiresAt", priority=1),
             _AGE,
         ],
     ),

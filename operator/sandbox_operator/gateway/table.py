@@ -15,13 +15,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import aiohttp
 from pydantic import ValidationError
 
-from sandbox_operator.clock import parse_time
 from sandbox_operator.effective import effectively_paused, sandbox_spec
 from sandbox_operator.identity import TOKEN_KEY
 from sandbox_operator.kube import Kube, KubeError
@@ -76,16 +74,10 @@ class Route:
     pool: str = ""
     # Where the workspace is mounted in the sandbox container (spec.workspace.mountPath).
     workspace: str = "/workspace"
-    # The lease's end (spec.lifecycle.expiresAt, RFC 3339), "" when it has none.
-    lease_end: str = ""
-
-    def lease_over(self, now: datetime) -> bool:
-        """Whether its lease has ended (the operator deletes or pauses it soon after:
-        until then, nobody is served by it)."""
-        try:
-            return bool(self.lease_end) and parse_time(self.lease_end) <= now
-        except ValueError:
-            return False
+    # The lease's end (spec.lifecycle.expiresAt), as written; "" when none.
+    lease: str = ""
+    # Deleted, its finalizer not yet done: its pod is going away.
+    deleting: bool = False
 
 
 def route_of(body: JSON) -> Route:
@@ -99,9 +91,8 @@ def route_of(body: JSON) -> Route:
         spec = sandbox_spec(body)
         paused, by_spec = effectively_paused(body, spec), spec.paused
         ports = {p.port: Port(p.port, p.name, p.public) for p in spec.network.exposed_ports}
-        lease = spec.lifecycle.expires_at or ""
     except ValidationError:
-        paused, by_spec, ports, lease = False, False, {}, ""
+        paused, by_spec, ports = False, False, {}
     pool = status.get("pool") or {}
     member = (pool["member"], pool["memberUid"]) if pool.get("memberUid") else None
     claimer = next(
@@ -132,7 +123,8 @@ def route_of(body: JSON) -> Route:
         workspace=str(
             ((body.get("spec") or {}).get("workspace") or {}).get("mountPath") or "/workspace"
         ),
-        lease_end=lease,
+        lease=str(((body.get("spec") or {}).get("lifecycle") or {}).get("expiresAt") or ""),
+        deleting=bool(meta.get("deletionTimestamp")),
     )
 
 

@@ -34,7 +34,7 @@ async def code_run(request: Request, args: Args) -> Response:
     else:
         ctx = await st.contexts.default(req.language)
     st.touch()
-    events = st.contexts.run(ctx, req.code, req.timeout_seconds)
+    events = st.contexts.run(ctx, req.code, req.timeout_seconds, req.env)
     # The first event before the 200: a refusal (busy, no kernel) is a status.
     first = await anext(events)
     return event_stream(_chain(first, events), request, {"X-Context-Id": ctx.id})

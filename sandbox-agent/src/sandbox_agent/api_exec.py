@@ -104,7 +104,9 @@ async def exec_stream(request: Request, args: Args) -> Response:
 
     Output events follow the order described for POST /v1/executions: exact
     within a stream, approximate between stdout and stderr, exact for
-    everything with `combinedOutput: true`.
+    everything with `combinedOutput: true`. The first event, `started`,
+    carries the execution with its `pid` (null only when the command did not
+    start: `finished` with status `failed` follows).
     """
     _req, ex, _replayed = await _submit(request)
     b64_out = args.get("encoding", str) == "base64"

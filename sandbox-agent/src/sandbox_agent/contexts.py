@@ -507,8 +507,11 @@ class ContextManager:
         for task in list(self._tasks):
             task.cancel()
 
-    async def run(self, ctx: Context, code: str, seconds: float) -> AsyncIterator[models.CodeEvent]:
-        """Run `code` in `ctx` when its turn comes; the events as they come."""
+    async def run(
+        self, ctx: Context, code: str, seconds: float, env: dict[str, str] | None = None
+    ) -> AsyncIterator[models.CodeEvent]:
+        """Run `code` in `ctx` when its turn comes, with `env` set in the kernel for
+        this run only; the events as they come."""
         if ctx.waiting >= MAX_WAITING:
             raise Busy(
                 "context_busy", f"{MAX_WAITING} runs already wait for context {ctx.id}; retry later"
@@ -532,7 +535,10 @@ class ContextManager:
             ctx.last_used = time.time()
             self.on_activity()
             metrics.CONTEXT_RUNS.inc()
-            kernel.send({"op": "execute", "id": run.id, "code": code})
+            op: dict[str, Any] = {"op": "execute", "id": run.id, "code": code}
+            if env:
+                op["env"] = env
+            kernel.send(op)
             yield models.CodeEvent(
                 type="started",
                 context_id=ctx.id,

@@ -44,6 +44,9 @@ _STREAM_NAME: dict[int, StreamName] = {STREAM_OUT: "stdout", STREAM_ERR: "stderr
 
 
 _OUTPUT_METRIC = {s: metrics.EXEC_OUTPUT_BYTES.labels(n) for s, n in _STREAM_NAME.items()}
+# How long a stream's `started` event waits for the runner to name the process
+# (its pid), which comes a moment after the record exists.
+PID_WAIT = 10.0
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
@@ -1124,6 +1127,15 @@ async def stream_events(
 ) -> AsyncIterator[models.StreamEvent]:
     """Events from ``cursor`` until the execution ends and all output was sent."""
     if started_event:
+        # The event names the process: a client that addresses it by pid (the
+        # E2B adapter) needs the pid before anything else. It comes once the
+        # runner spawned the command, or never for one that did not start.
+        deadline = time.monotonic() + PID_WAIT
+        while ex.pid is None and ex.finished is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await ex.wait_change(left)
         yield models.StreamEvent(type="started", execution=ex.view(output=False))
     decoders = {
         s: codecs.getincrementaldecoder("utf-8")("replace") for s in (STREAM_OUT, STREAM_ERR)

@@ -134,7 +134,7 @@ function bridge() {
         return;
       }
       current = { id: String(op.id), began: false, interrupt: false };
-      child.send({ op: 'execute', id: current.id, code: op.code });
+      child.send({ op: 'execute', id: current.id, code: op.code, env: op.env });
     } else if (op.op === 'interrupt' && current && current.id === op.id) {
       current.interrupt = true;
       if (current.began) child.kill('SIGINT');
@@ -196,11 +196,32 @@ function kernel() {
     }
   }
 
+  // A run's variables (op env) are in process.env while it runs; the values
+  // they had before come back when it ends.
+  function setEnv(env) {
+    const saved = {};
+    if (!env || typeof env !== 'object') return saved;
+    for (const [k, v] of Object.entries(env)) {
+      if (typeof v !== 'string') continue;
+      saved[k] = Object.prototype.hasOwnProperty.call(process.env, k) ? process.env[k] : undefined;
+      process.env[k] = v;
+    }
+    return saved;
+  }
+
+  function restoreEnv(saved) {
+    for (const [k, v] of Object.entries(saved)) {
+      if (v === undefined) delete process.env[k];
+      else process.env[k] = v;
+    }
+  }
+
   async function execute(m) {
     count += 1;
     const n = count;
     process.send({ type: 'began', id: m.id });
     let status = 'ok';
+    const saved = setEnv(m.env);
     try {
       let value = compile(m.code, n).runInThisContext({ breakOnSigint: true, displayErrors: false });
       if (value !== null && typeof value === 'object' && typeof value.then === 'function') {
@@ -233,6 +254,7 @@ function kernel() {
       });
     } finally {
       abandon = null;
+      restoreEnv(saved);
     }
     tell({ id: m.id, type: 'finished', status, executionCount: n });
   }

@@ -17,7 +17,8 @@ Constraints that shape this file:
   bypasses that goes to a log file.
 
 In (one JSON object per line on stdin):
-  {"op": "execute", "id": str, "code": str}   one at a time
+  {"op": "execute", "id": str, "code": str, "env"?: {str: str}}
+                                              one at a time; env: for that run only
   {"op": "interrupt", "id": str}              SIGINT to the kernel, once it runs that
 Out (one JSON object per line on stdout):
   {"type": "ready", "language": "python", "languageVersion": ...}
@@ -121,14 +122,33 @@ class Bridge:
                 return 0
             if op.get("op") == "execute" and isinstance(op.get("code"), str):
                 rid = str(op.get("id", ""))
+                env = _env(op.get("env"))
                 with self.lock:
                     self.current, self.busy = rid, False
+                if env:
+                    self.silent(ENV_SET % (env,))
                 alive = self.execute(rid, op["code"])
                 with self.lock:
                     self.current, self.busy = "", False
                     self.interrupts.discard(rid)
+                if alive and env:
+                    alive = self.silent(ENV_RESTORE)
                 if not alive:
                     return 4
+
+    def silent(self, code: str) -> bool:
+        """Run code the user does not see (no output, no history, no execution
+        count) and wait for its end; False when the kernel died."""
+        msg_id = self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+        while True:
+            try:
+                reply = self.kc.get_shell_msg(timeout=POLL)
+            except queue.Empty:
+                if not self.alive():
+                    return False
+                continue
+            if reply.get("parent_header", {}).get("msg_id") == msg_id:
+                return True
 
     def alive(self) -> bool:
         try:
@@ -219,6 +239,26 @@ class Bridge:
             pass
         emit({"id": rid, "type": "finished", "status": status, "executionCount": count})
         return True
+
+
+# A run's variables (op "env"): set in the kernel's os.environ before the run,
+# keeping the values they had on the os module, and put back after it. Both run
+# silently, so the run's execution count is the kernel's own.
+ENV_SET = (
+    "(lambda os, env: (setattr(os, '_sandbox_saved_env', "
+    "{k: os.environ.get(k) for k in env}), os.environ.update(env)))(__import__('os'), %r)"
+)
+ENV_RESTORE = (
+    "(lambda os: [os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v) "
+    "for k, v in os.__dict__.pop('_sandbox_saved_env', {}).items()])(__import__('os'))"
+)
+
+
+def _env(value: Any) -> dict[str, str]:
+    """A run's variables, if they are a mapping of strings (the agent checked them)."""
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def _died(km: Any) -> str:

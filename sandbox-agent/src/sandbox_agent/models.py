@@ -824,6 +824,14 @@ class CodeRequest(_Base, kw_only=True):
             "restarted if that does not end the run; finished says timed_out",
         ),
     ] = 300.0
+    env: Annotated[
+        dict[EnvName, EnvValue],
+        Meta(
+            max_length=256,
+            description="Set in the kernel's environment for this run only: the values "
+            "the variables had before come back when it ends",
+        ),
+    ] = msgspec.field(default_factory=dict)
 
 
 CodeEventType = Literal["started", "stdout", "stderr", "result", "error", "finished"]

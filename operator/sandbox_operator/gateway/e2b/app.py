@@ -3,46 +3,32 @@
 A request is for the data plane when it names a sandbox: by the headers the
 SDKs send when `E2B_SANDBOX_URL` is set (`E2b-Sandbox-Id`, `E2b-Sandbox-Port`)
 or by its host, `{port}-{id}.{e2b_domain}`. Everything else is the control
-plane. Each part of the adapter lists its endpoints (`Endpoint`); the data
-plane's handlers get the sandbox resolved and authenticated (core.Target).
+plane. Each part of the adapter lists its endpoints (`routes.Endpoint`); the
+data plane's handlers get the sandbox resolved and authenticated (core.Target).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 
 from aiohttp import web
 
 from sandbox_operator.gateway.e2b import core
-from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target
+from sandbox_operator.gateway.e2b.control import Control
+from sandbox_operator.gateway.e2b.core import (
+    CONTROL,
+    Adapter,
+    ControlHandler,
+    DataHandler,
+    E2BError,
+    Endpoint,
+    Target,
+)
+from sandbox_operator.gateway.e2b.interpreter import Interpreter
+from sandbox_operator.gateway.e2b.process import Processes
 
 log = logging.getLogger("sandbox_gateway.e2b")
-
-ControlHandler = Callable[[web.Request, dict[str, str]], Awaitable[web.StreamResponse]]
-DataHandler = Callable[[web.Request, Target, dict[str, str]], Awaitable[web.StreamResponse]]
-CONTROL = 0  # Endpoint.port of a control-plane endpoint
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One route: `port` 0 for the control plane, else the sandbox port it serves
-    (core.ENVD_PORT, core.INTERPRETER_PORT); `path` a regular expression whose
-    named groups are passed to the handler."""
-
-    port: int
-    method: str
-    path: str
-    handler: ControlHandler | DataHandler
-
-    def match(self, method: str, path: str) -> dict[str, str] | None:
-        if method != self.method and not (self.method == "GET" and method == "HEAD"):
-            return None
-        found = re.fullmatch(self.path, path)
-        return found.groupdict() if found else None
 
 
 class E2BApp:
@@ -59,9 +45,8 @@ class E2BApp:
     async def errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        # The connection guard's deadlines hold between requests only: without
-        # this, the head deadline armed when the connection opened would close
-        # it mid-request, or a kept-alive connection under its next request.
+        # The connection guard's deadlines stop while a request is in progress,
+        # so a long stream is not cut (as the gateway's own middleware does).
         guard = self.adapter.gateway.guard
         guard.started(request.protocol)
         try:
@@ -124,18 +109,13 @@ async def health(request: web.Request, target: Target, params: dict[str, str]) -
 def endpoints(adapter: Adapter) -> list[Endpoint]:
     """Every endpoint of the adapter, from its parts (each part is a class made
     with the adapter, whose `endpoints()` lists its own)."""
-    # Imported here: the parts import this module's Endpoint.
-    from sandbox_operator.gateway.e2b.control import Control
-
     return [
         Endpoint(core.ENVD_PORT, "GET", "/health", health),
         *Control(adapter).endpoints(),
+        *Interpreter(adapter).endpoints(),
+        *Processes(adapter).endpoints(),
     ]
 
 
 def build(adapter: Adapter) -> web.Application:
     return E2BApp(adapter, endpoints(adapter)).app()
-
-
-def json_response(body: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, text=json.dumps(body), content_type="application/json")

@@ -6,14 +6,18 @@ status. Server streams: the request is `application/connect+json` with one
 enveloped message; the answer is 200 with enveloped messages (1 flag byte,
 4 bytes of big-endian length, JSON), ended by an end-of-stream envelope
 (flag 0x02) whose JSON holds the error, if any. Flag 0x01 marks a
-gzip-compressed envelope (`Connect-Content-Encoding: gzip`).
+gzip-compressed envelope (`Connect-Content-Encoding: gzip`). Client streams
+(process.Process/StreamInput) send any number of enveloped messages and get
+the server-stream answer shape: one message, then the end-of-stream envelope.
 """
 
 from __future__ import annotations
 
-import gzip
+import asyncio
 import json
 import struct
+import zlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -111,9 +115,7 @@ async def read_request(request: web.Request) -> tuple[JSON, bool]:
         raise ConnectError("invalid_argument", f"content type {kind!r}: use {UNARY} or {STREAM}")
     if request.content_length is not None and request.content_length > MAX_MESSAGE + 5:
         raise ConnectError("resource_exhausted", f"a message is at most {MAX_MESSAGE} bytes")
-    body = await request.content.read(MAX_MESSAGE + 6)
-    if len(body) > MAX_MESSAGE + 5:
-        raise ConnectError("resource_exhausted", f"a message is at most {MAX_MESSAGE} bytes")
+    body = await _read_body(request, MAX_MESSAGE + 5)
     if kind == UNARY:
         if request.headers.get("Content-Encoding", "identity") == "gzip":
             body = _gunzip(body)
@@ -129,16 +131,55 @@ async def read_request(request: web.Request) -> tuple[JSON, bool]:
     return _decode(data), True
 
 
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, at most `limit` bytes (a read returns what has arrived so
+    far, so one read is not the body)."""
+    body = bytearray()
+    while chunk := await request.content.read(65536):
+        body += chunk
+        if len(body) > limit:
+            raise ConnectError("resource_exhausted", f"a message is at most {MAX_MESSAGE} bytes")
+    return bytes(body)
+
+
 def _gunzip(data: bytes) -> bytes:
+    """Decompressed, never past MAX_MESSAGE (a small bomb must not fill memory)."""
+    inflate = zlib.decompressobj(wbits=31)
     try:
-        out = gzip.decompress(data)
-    except (OSError, EOFError) as exc:
+        out = inflate.decompress(data, MAX_MESSAGE + 1)
+    except zlib.error as exc:
         raise ConnectError(
             "invalid_argument", f"a compressed message did not decompress: {exc}"
         ) from exc
     if len(out) > MAX_MESSAGE:
         raise ConnectError("resource_exhausted", f"a message is at most {MAX_MESSAGE} bytes")
+    if not inflate.eof:
+        raise ConnectError("invalid_argument", "a compressed message is cut short")
     return out
+
+
+async def read_stream(request: web.Request) -> AsyncIterator[JSON]:
+    """The messages of a client stream, as they arrive (the request must be
+    `application/connect+json`); ends at the end of the body."""
+    if request.content_type != STREAM:
+        raise ConnectError("invalid_argument", f"a client stream is sent as {STREAM}")
+    while True:
+        try:
+            head = await request.content.readexactly(5)
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                raise ConnectError("invalid_argument", "the stream ends inside a message") from exc
+            return
+        flags, length = struct.unpack(">BI", head)
+        if length > MAX_MESSAGE:
+            raise ConnectError("resource_exhausted", f"a message is at most {MAX_MESSAGE} bytes")
+        try:
+            data = await request.content.readexactly(length)
+        except asyncio.IncompleteReadError as exc:
+            raise ConnectError("invalid_argument", "the stream ends inside a message") from exc
+        if flags & END_STREAM:
+            return
+        yield _decode(_gunzip(data) if flags & COMPRESSED else data)
 
 
 def unary(message: JSON) -> web.Response:
@@ -150,6 +191,15 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
     `end_stream(...)`, then write_eof."""
     response = web.StreamResponse(status=200, headers={"Content-Type": STREAM})
     await response.prepare(request)
+    return response
+
+
+async def stream_error(request: web.Request, error: ConnectError) -> web.StreamResponse:
+    """A server stream that ends at once with `error` (Connect answers streams with
+    200 and puts the error in the end-of-stream envelope)."""
+    response = await open_stream(request)
+    await response.write(end_stream(error))
+    await response.write_eof()
     return response
 
 

@@ -45,8 +45,7 @@ from sandbox_operator.api.sandbox import SandboxReason
 from sandbox_operator.clock import iso, iso_precise
 from sandbox_operator.gateway.access import Denied
 from sandbox_operator.gateway.e2b import core, listing, shapes, usage
-from sandbox_operator.gateway.e2b.app import CONTROL, Endpoint, json_response
-from sandbox_operator.gateway.e2b.core import Adapter, E2BError
+from sandbox_operator.gateway.e2b.core import CONTROL, Adapter, E2BError, Endpoint, json_response
 from sandbox_operator.gateway.e2b.keys import Identity
 from sandbox_operator.gateway.table import Route
 from sandbox_operator.kube import KubeError, Refused

@@ -16,6 +16,7 @@
 - The call into a sandbox's agent, with the agent token the gateway holds.
 - E2B's error shapes: `{"code": <status>, "message"}` on the control plane,
   and the 502 "... was not found" that the SDKs read as "not running".
+- What an endpoint is (`Endpoint`): each part lists its own, app.py routes.
 """
 
 from __future__ import annotations
@@ -27,14 +28,15 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
+from sandbox_operator.clock import parse_time
 from sandbox_operator.gateway.e2b.keys import ApiKeys
 from sandbox_operator.gateway.signing import SigningError
 from sandbox_operator.gateway.table import Route
@@ -102,6 +104,17 @@ def not_running(sandbox_id: str) -> E2BError:
     return E2BError(502, f"The sandbox {sandbox_id} was not found")
 
 
+def lease_ended(route: Route, now: float | None = None) -> bool:
+    """Whether the sandbox's lease (spec.lifecycle.expiresAt) has passed."""
+    if not route.lease:
+        return False
+    try:
+        end = parse_time(route.lease).timestamp()
+    except ValueError:
+        return False  # admission checks the format; nothing to decide on otherwise
+    return (time.time() if now is None else now) >= end
+
+
 @dataclass(frozen=True)
 class Target:
     """The sandbox a data-plane request reaches, ready for calls."""
@@ -162,9 +175,10 @@ class Adapter:
             key = self.gateway.keys._key(kid)
         except (ValueError, UnicodeDecodeError, SigningError):
             return False
-        name, uid = (route.name, route.uid) if route is not None else ("", "")
+        namespace, name, uid = (route.namespace, route.name, route.uid) if route else ("", "", "")
         expected = _b64(self._mac(key, head, name, uid))
-        return hmac.compare_digest(expected, given) and route is not None
+        matches = hmac.compare_digest(expected, given)
+        return matches and route is not None and self.token_namespace(token) == namespace
 
     # -- reaching a sandbox ----------------------------------------------------------
 
@@ -182,9 +196,10 @@ class Adapter:
         if not self.verify_access(token, route):
             raise E2BError(401, "the access token is not valid for this sandbox")
         assert route is not None
-        if route.paused or route.lease_over(datetime.now(UTC)):
+        if route.paused or route.deleting or lease_ended(route):
             # A paused E2B sandbox comes back through connect, not by being called;
-            # one whose lease ended is over at once (the operator acts on its next pass).
+            # a deleted one is gone for E2B (is_running() is False) from the delete
+            # on, and one past its lease whenever the operator's next pass comes.
             raise not_running(sandbox_id)
         current = route
         if not route.ready or table.token(route) is None:
@@ -231,3 +246,34 @@ class Adapter:
             )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise E2BError(502, f"The sandbox {target.id} could not be reached: {exc}") from exc
+
+
+# -- endpoints ------------------------------------------------------------------------
+# Each part of the adapter lists its endpoints; app.py collects them (here, not
+# in app.py, so that the parts and app.py do not import each other).
+
+ControlHandler = Callable[[web.Request, dict[str, str]], Awaitable[web.StreamResponse]]
+DataHandler = Callable[[web.Request, Target, dict[str, str]], Awaitable[web.StreamResponse]]
+CONTROL = 0  # Endpoint.port of a control-plane endpoint
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One route: `port` 0 for the control plane, else the sandbox port it serves
+    (core.ENVD_PORT, core.INTERPRETER_PORT); `path` a regular expression whose
+    named groups are passed to the handler."""
+
+    port: int
+    method: str
+    path: str
+    handler: ControlHandler | DataHandler
+
+    def match(self, method: str, path: str) -> dict[str, str] | None:
+        if method != self.method and not (self.method == "GET" and method == "HEAD"):
+            return None
+        found = re.fullmatch(self.path, path)
+        return found.groupdict() if found else None
+
+
+def json_response(body: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, text=json.dumps(body), content_type="application/json")

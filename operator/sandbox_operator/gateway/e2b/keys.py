@@ -197,12 +197,24 @@ class Identity:
 
 class ApiKeys:
     def __init__(self, gateway: Gateway) -> None:
+        # Settings are read when keys are used, not when the adapter is made.
         self.gateway = gateway
-        settings = gateway.settings
-        self.namespace = settings.e2b_keys_namespace
-        self.ttl = settings.e2b_key_seconds
-        # Keyed by the key's digest: the cache never holds a usable key.
-        self.records: TtlCache[KeyRecord | None] = TtlCache(settings.cache_entries)
+        self._records: TtlCache[KeyRecord | None] | None = None
+
+    @property
+    def namespace(self) -> str | None:
+        return self.gateway.settings.e2b_keys_namespace
+
+    @property
+    def ttl(self) -> float:
+        return self.gateway.settings.e2b_key_seconds
+
+    @property
+    def records(self) -> TtlCache[KeyRecord | None]:
+        """Keyed by the key's digest: the cache never holds a usable key."""
+        if self._records is None:
+            self._records = TtlCache(self.gateway.settings.cache_entries)
+        return self._records
 
     # -- X-API-KEY -> identity ----------------------------------------------------------
 

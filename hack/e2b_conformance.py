@@ -1,0 +1,201 @@
+"""Run E2B's own SDK test suites against this operator's E2B adapter.
+
+    python hack/e2b_conformance.py e2b CHECKOUT [-- PYTEST_ARGS...]
+    python hack/e2b_conformance.py code-interpreter CHECKOUT [-- PYTEST_ARGS...]
+
+CHECKOUT is a checkout of e2b-dev/E2B (its `packages/python-sdk/tests` run)
+or of e2b-dev/code-interpreter (`python/tests`), ideally at the tag of the
+SDK version pinned here; nothing of it is copied into this repository. The
+suites run in a virtualenv of their own under ~/.cache/sandbox-operator,
+with the pinned SDK from PyPI and the suites' test dependencies, against
+`E2B_API_URL` / `E2B_SANDBOX_URL` / `E2B_API_KEY` (by default: the E2B port of
+the `make up` cluster's gateway and a token of its `sandbox-demo`
+ServiceAccount).
+
+The report is one line per test file: passed, failed, skipped, and the
+category when the file tests something the adapter does not offer (template
+builds, volumes, secrets, snapshots of memory, fork, network policy knobs,
+sudo). A category is reported, never hidden: its files run like the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path.home() / ".cache" / "sandbox-operator" / "e2b-conformance"
+
+# The SDK versions the adapter is checked against (tests/e2e pins the same).
+E2B = "e2b==2.63.0"
+CODE_INTERPRETER = "e2b-code-interpreter==2.11.5"
+TEST_DEPENDENCIES = (
+    "pytest>=9,<10",
+    "pytest-asyncio>=1.3,<2",
+    "pytest-timeout>=2.4,<3",
+    "pytest-xdist>=3.3,<4",
+    "python-dotenv>=1,<2",
+    "pytest-dotenv>=0.5,<0.6",
+)
+SUITES = {
+    "e2b": ("packages/python-sdk", (E2B,)),
+    "code-interpreter": ("python", (E2B, CODE_INTERPRETER)),
+}
+# What E2B offers that the adapter does not (docs/e2b.md, "What differs"):
+# path fragments of test files -> why they are expected to fail.
+CATEGORIES = {
+    "template": "template builds (templates are SandboxTemplates here)",
+    "volume": "E2B volumes",
+    "secret": "E2B secrets",
+    "snapshot": "E2B snapshots (memory and the snapshot API)",
+    "fork": "fork",
+    "network": "network policy knobs",
+    "internet_access": "network policy knobs",
+    "egress": "network policy knobs",
+    "sudo": "sudo (Pod Security restricted)",
+    "mcp": "MCP gateway inside the sandbox",
+    "java": "a Java kernel (not in the image)",
+    "test_r.py": "an R kernel (not in the image)",
+    "systemd": "systemd (no init system in a pod)",
+}
+
+
+def category(path: str) -> str:
+    for fragment, why in CATEGORIES.items():
+        if fragment in path:
+            return why
+    return ""
+
+
+def environment(venv_dir: Path, packages: tuple[str, ...]) -> Path:
+    """A virtualenv with `packages` and the test dependencies, made once per set."""
+    python = venv_dir / "bin" / "python"
+    marker = venv_dir / ".installed"
+    wanted = "\n".join((*packages, *TEST_DEPENDENCIES))
+    if not marker.exists() or marker.read_text() != wanted:
+        venv.create(venv_dir, with_pip=True, clear=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", *packages, *TEST_DEPENDENCIES], check=True
+        )
+        marker.write_text(wanted)
+    return python
+
+
+def _cluster_defaults() -> dict[str, str]:
+    """E2B_API_URL and E2B_API_KEY of the `make up` cluster, unless already set."""
+    sys.path.insert(0, str(REPO))
+    from devcluster import deploy
+    from devcluster.cluster import LocalCluster
+
+    cluster = LocalCluster("local")
+    out: dict[str, str] = {}
+    if "E2B_API_URL" not in os.environ:
+        service = deploy.kubectl(
+            cluster,
+            "get",
+            "service",
+            "-n",
+            deploy.NAMESPACE,
+            f"{deploy.RELEASE}-gateway",
+            "-o",
+            "jsonpath={.spec.clusterIP} {.spec.ports[?(@.name=='e2b')].port}",
+        )
+        ip, _, port = service.stdout.strip().partition(" ")
+        if service.returncode != 0 or not port:
+            raise SystemExit(
+                "the gateway Service has no `e2b` port: is the cluster up (`make up`)"
+                " with gateway.e2b.enabled? Or set E2B_API_URL."
+            )
+        out["E2B_API_URL"] = f"http://{ip}:{port}"
+    if "E2B_API_KEY" not in os.environ:
+        token = deploy.kubectl(cluster, "create", "token", "sandbox-demo", "--duration=4h")
+        if token.returncode != 0:
+            raise SystemExit(f"no token for sandbox-demo: {token.stderr}")
+        out["E2B_API_KEY"] = token.stdout.strip()
+    return out
+
+
+def report(junit: Path, root: Path) -> tuple[list[str], int]:
+    """Lines of the per-file table, and how many files outside the categories failed."""
+    per_file: dict[str, Counter[str]] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = (case.get("file") or case.get("classname", "").replace(".", "/") + ".py").strip()
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = "failed"
+            elif child.tag == "skipped":
+                outcome = "skipped"
+        per_file.setdefault(name, Counter())[outcome] += 1
+    lines = [
+        f"| {'test file':70} | pass | fail | skip | category |",
+        f"| {'-' * 70} | ---: | ---: | ---: | --- |",
+    ]
+    unexpected = 0
+    for name in sorted(per_file):
+        counts = per_file[name]
+        why = category(name)
+        if counts["failed"] and not why:
+            unexpected += 1
+        lines.append(
+            f"| {name[:70]:70} | {counts['passed']:4} | {counts['failed']:4}"
+            f" | {counts['skipped']:4} | {why} |"
+        )
+    total = sum(per_file.values(), Counter())
+    lines.append(
+        f"\n{total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped in"
+        f" {len(per_file)} files; {unexpected} files outside the categories failed"
+    )
+    return lines, unexpected
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("suite", choices=sorted(SUITES))
+    parser.add_argument("checkout", type=Path, help="a checkout of the suite's repository")
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
+    args = parser.parse_args(argv)
+    package, packages = SUITES[args.suite]
+    root = args.checkout.resolve() / package
+    if not (root / "tests").is_dir():
+        parser.error(f"{root / 'tests'} does not exist: is {args.checkout} the right checkout?")
+    key = hashlib.sha256(args.suite.encode()).hexdigest()[:8]
+    python = environment(CACHE / f"venv-{args.suite}-{key}", packages)
+    env = {**os.environ, **_cluster_defaults()}
+    env.setdefault("E2B_SANDBOX_URL", env["E2B_API_URL"])
+    env.setdefault("E2B_DOMAIN", "e2b.local")
+    junit = CACHE / f"{args.suite}.xml"
+    run = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            f"--junitxml={junit}",
+            "-o",
+            "junit_family=xunit1",
+            "tests",
+            *args.pytest_args,
+        ],
+        cwd=root,
+        env=env,
+        check=False,
+    )
+    if not junit.exists():
+        return run.returncode or 1
+    lines, unexpected = report(junit, root)
+    print("\n".join(lines))
+    return 1 if unexpected else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

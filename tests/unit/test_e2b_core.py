@@ -1,0 +1,116 @@
+"""The E2B adapter's shared pieces: sandbox IDs, the access token, the lease, and
+the Connect envelope codec. Pure: no cluster, no agent."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from sandbox_operator.gateway import signing
+from sandbox_operator.gateway.e2b import connect, core
+from sandbox_operator.gateway.signing import Keys
+from sandbox_operator.gateway.table import Route
+
+
+def _adapter(directory: Path, *kids: str) -> core.Adapter:
+    for kid in kids:
+        (directory / kid).write_text("k" * 48 + kid)
+    gateway = SimpleNamespace(keys=Keys(directory))
+    return core.Adapter(cast(Any, gateway))
+
+
+def _route(name: str = "ibox", uid: str = "uid-1", **fields: Any) -> Route:
+    base: dict[str, Any] = dict(
+        namespace="team-a",
+        name=name,
+        uid=uid,
+        endpoint="http://10.0.0.1:8080",
+        pod_ip="10.0.0.1",
+        phase="Running",
+        ready=True,
+        reason="",
+        message="",
+        paused=False,
+        paused_by_spec=False,
+    )
+    return Route(**{**base, **fields})
+
+
+def test_new_ids_are_sandbox_names_without_dashes() -> None:
+    ids = {core.new_id() for _ in range(200)}
+    assert len(ids) == 200
+    assert all(core.is_id(i) and len(i) == 20 and "-" not in i for i in ids)
+    for bad in ("", "ab", "with-dash", "Upper", "1leadingdigit", "x" * 64, "a/b", "a.b"):
+        assert not core.is_id(bad), bad
+
+
+def test_the_access_token_belongs_to_one_sandbox_object(tmp_path: Path) -> None:
+    adapter = _adapter(tmp_path, "20260101")
+    route = _route()
+    token = adapter.access_token("team-a", "ibox", "uid-1")
+    assert adapter.token_namespace(token) == "team-a"
+    assert adapter.verify_access(token, route)
+    # A namesake made after a delete, another sandbox, another namespace's name.
+    assert not adapter.verify_access(token, _route(uid="uid-2"))
+    assert not adapter.verify_access(token, _route(name="iother"))
+    assert not adapter.verify_access(token, None)
+    other_ns = adapter.access_token("team-b", "ibox", "uid-1")
+    assert not adapter.verify_access(other_ns, route)
+    # Tampering with any part, or trailing bytes, is refused.
+    head, _, mac = token.rpartition(".")
+    assert not adapter.verify_access(f"{head}.{mac[::-1]}", route)
+    assert not adapter.verify_access(token + "A", route)
+    assert not adapter.verify_access(" " + token, route)
+    assert adapter.token_namespace("e2b_" + "0" * 40) is None
+
+
+def test_access_tokens_outlive_a_new_signer_and_die_with_their_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(signing, "RELOAD_SECONDS", 0.0)
+    adapter = _adapter(tmp_path, "20260101")
+    token = adapter.access_token("team-a", "ibox", "uid-1")
+    (tmp_path / "20270101").write_text("n" * 48)
+    adapter.gateway.keys.reload()
+    assert adapter.verify_access(token, _route())
+    (tmp_path / "20260101").unlink()
+    adapter.gateway.keys.reload()
+    assert not adapter.verify_access(token, _route())
+
+
+def test_a_lease_ends_at_its_time() -> None:
+    now = time.time()
+    assert not core.lease_ended(_route())
+    assert not core.lease_ended(_route(lease="2999-01-01T00:00:00Z"), now)
+    assert core.lease_ended(_route(lease="2000-01-01T00:00:00Z"), now)
+    assert core.lease_ended(_route(lease="2000-01-01T00:00:00.123456789+02:00"), now)
+
+
+def test_not_running_is_what_e2b_sdks_read_as_not_running() -> None:
+    error = core.not_running("ibox")
+    body = json.loads(error.response().text or "")
+    assert error.status == 502
+    assert "was not found" in body["message"]
+    assert body == {"code": 502, "message": body["message"]}
+
+
+def test_connect_envelopes_and_errors() -> None:
+    frame = connect.envelope({"a": 1})
+    flags, length = struct.unpack(">BI", frame[:5])
+    assert flags == 0
+    assert json.loads(frame[5:]) == {"a": 1}
+    assert length == len(frame) - 5
+    end = connect.end_stream(connect.ConnectError("not_found", "no such process"))
+    assert end[0] == connect.END_STREAM
+    assert json.loads(end[5:]) == {"error": {"code": "not_found", "message": "no such process"}}
+    assert json.loads(connect.end_stream()[5:]) == {}
+    assert connect.ConnectError.from_http(404, "x").code == "not_found"
+    assert connect.ConnectError.from_http(418, "x").code == "unknown"
+    assert connect.ConnectError.from_http(507, "x").code == "internal"
+    assert connect.ConnectError("unauthenticated", "x").response().status == 401
