@@ -24,6 +24,7 @@ log = logging.getLogger("sandbox_gateway.e2b")
 
 ControlHandler = Callable[[web.Request, dict[str, str]], Awaitable[web.StreamResponse]]
 DataHandler = Callable[[web.Request, Target, dict[str, str]], Awaitable[web.StreamResponse]]
+SignedTarget = Callable[[web.Request, str], Awaitable[Target]]
 CONTROL = 0  # Endpoint.port of a control-plane endpoint
 
 
@@ -37,6 +38,10 @@ class Endpoint:
     method: str
     path: str
     handler: ControlHandler | DataHandler
+    # A data-plane route that E2B's signed URLs reach (its /files): a request
+    # with a `signature` and no access token gets its sandbox from here, which
+    # verifies the signature first.
+    signed: SignedTarget | None = None
 
     def match(self, method: str, path: str) -> dict[str, str] | None:
         if method != self.method and not (self.method == "GET" and method == "HEAD"):
@@ -100,7 +105,10 @@ class E2BApp:
             token = request.headers.get(core.ACCESS_TOKEN_HEADER) or request.headers.get(
                 core.TRAFFIC_TOKEN_HEADER
             )
-            target = await self.adapter.target(named[0], token)
+            if not token and endpoint.signed is not None and "signature" in request.query:
+                target = await endpoint.signed(request, named[0])
+            else:
+                target = await self.adapter.target(named[0], token)
             serve: DataHandler = endpoint.handler  # type: ignore[assignment]
             return await serve(request, target, params)
         if named is not None and port not in (core.ENVD_PORT, core.INTERPRETER_PORT):
@@ -117,7 +125,15 @@ async def health(request: web.Request, target: Target, params: dict[str, str]) -
 def endpoints(adapter: Adapter) -> list[Endpoint]:
     """Every endpoint of the adapter, from its parts (each part is a class made
     with the adapter, whose `endpoints()` lists its own)."""
-    return [Endpoint(core.ENVD_PORT, "GET", "/health", health)]
+    # The parts import Endpoint from here: imported when the list is made.
+    from sandbox_operator.gateway.e2b.files import Files
+    from sandbox_operator.gateway.e2b.filesystem import Filesystem
+
+    return [
+        Endpoint(core.ENVD_PORT, "GET", "/health", health),
+        *Filesystem(adapter).endpoints(),
+        *Files(adapter).endpoints(),
+    ]
 
 
 def build(adapter: Adapter) -> web.Application:

@@ -129,6 +129,16 @@ class Adapter:
 
     def access_token(self, namespace: str, name: str, uid: str) -> str:
         kid, key = self.gateway.keys._signing_key()
+        return self._token(kid, key, namespace, name, uid)
+
+    def access_tokens(self, namespace: str, name: str, uid: str) -> list[str]:
+        """The Sandbox's access token under every key that verifies: a signed file
+        URL made from a token minted before a key rotation still verifies."""
+        keys = self.gateway.keys
+        keys.reload()
+        return [self._token(kid, key, namespace, name, uid) for kid, key in keys.keys.items()]
+
+    def _token(self, kid: str, key: bytes, namespace: str, name: str, uid: str) -> str:
         head = f"{_TOKEN_PREFIX}.{_b64(namespace.encode())}.{_b64(kid.encode())}"
         return f"{head}.{_b64(self._mac(key, head, name, uid))}"
 
