@@ -11,43 +11,24 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 
 from aiohttp import web
 
 from sandbox_operator.gateway.e2b import core
-from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target
+from sandbox_operator.gateway.e2b.core import (
+    CONTROL,
+    Adapter,
+    ControlHandler,
+    DataHandler,
+    E2BError,
+    Endpoint,
+    Target,
+)
+from sandbox_operator.gateway.e2b.files import Files
+from sandbox_operator.gateway.e2b.filesystem import Filesystem
 
 log = logging.getLogger("sandbox_gateway.e2b")
-
-ControlHandler = Callable[[web.Request, dict[str, str]], Awaitable[web.StreamResponse]]
-DataHandler = Callable[[web.Request, Target, dict[str, str]], Awaitable[web.StreamResponse]]
-SignedTarget = Callable[[web.Request, str], Awaitable[Target]]
-CONTROL = 0  # Endpoint.port of a control-plane endpoint
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One route: `port` 0 for the control plane, else the sandbox port it serves
-    (core.ENVD_PORT, core.INTERPRETER_PORT); `path` a regular expression whose
-    named groups are passed to the handler."""
-
-    port: int
-    method: str
-    path: str
-    handler: ControlHandler | DataHandler
-    # A data-plane route that E2B's signed URLs reach (its /files): a request
-    # with a `signature` and no access token gets its sandbox from here, which
-    # verifies the signature first.
-    signed: SignedTarget | None = None
-
-    def match(self, method: str, path: str) -> dict[str, str] | None:
-        if method != self.method and not (self.method == "GET" and method == "HEAD"):
-            return None
-        found = re.fullmatch(self.path, path)
-        return found.groupdict() if found else None
 
 
 class E2BApp:
@@ -125,10 +106,6 @@ async def health(request: web.Request, target: Target, params: dict[str, str]) -
 def endpoints(adapter: Adapter) -> list[Endpoint]:
     """Every endpoint of the adapter, from its parts (each part is a class made
     with the adapter, whose `endpoints()` lists its own)."""
-    # The parts import Endpoint from here: imported when the list is made.
-    from sandbox_operator.gateway.e2b.files import Files
-    from sandbox_operator.gateway.e2b.filesystem import Filesystem
-
     return [
         Endpoint(core.ENVD_PORT, "GET", "/health", health),
         *Filesystem(adapter).endpoints(),

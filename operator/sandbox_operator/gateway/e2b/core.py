@@ -27,7 +27,7 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -117,6 +117,35 @@ class Target:
     def endpoint(self) -> str:
         assert self.route.endpoint is not None  # a Target is only made for a ready route
         return self.route.endpoint
+
+
+ControlHandler = Callable[[web.Request, dict[str, str]], Awaitable[web.StreamResponse]]
+DataHandler = Callable[[web.Request, Target, dict[str, str]], Awaitable[web.StreamResponse]]
+SignedTarget = Callable[[web.Request, str], Awaitable[Target]]
+CONTROL = 0  # Endpoint.port of a control-plane endpoint
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One route of the listener (each part of the adapter lists its own; app.py
+    dispatches): `port` 0 for the control plane, else the sandbox port it serves
+    (core.ENVD_PORT, core.INTERPRETER_PORT); `path` a regular expression whose
+    named groups are passed to the handler."""
+
+    port: int
+    method: str
+    path: str
+    handler: ControlHandler | DataHandler
+    # A data-plane route that E2B's signed URLs reach (its /files): a request
+    # with a `signature` and no access token gets its sandbox from here, which
+    # verifies the signature first.
+    signed: SignedTarget | None = None
+
+    def match(self, method: str, path: str) -> dict[str, str] | None:
+        if method != self.method and not (self.method == "GET" and method == "HEAD"):
+            return None
+        found = re.fullmatch(self.path, path)
+        return found.groupdict() if found else None
 
 
 class Adapter:

@@ -9,6 +9,7 @@ path as the caller gave it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import posixpath
 import re
@@ -26,6 +27,7 @@ JSON = dict[str, Any]
 # shows an ID it cannot name.
 NAMES = {0: "root", 1000: "user"}
 FILE_TYPES = {"file": "FILE_TYPE_FILE", "directory": "FILE_TYPE_DIRECTORY"}
+MAX_LINKS = 256  # symlinks of one answer whose targets are looked up
 
 
 def field(message: JSON, name: str, kind: type, default: Any) -> Any:
@@ -70,20 +72,18 @@ def go_permissions(kind: str, mode: int) -> str:
     return (prefix or "-") + rwx
 
 
-def entry_info(info: JSON, shown: str) -> JSON:
+def entry_info(info: JSON, shown: str, home: str, resolved: JSON | None = None) -> JSON:
     """An EntryInfo (proto3 JSON) of the agent's FileInfo `info`, at the absolute
-    path `shown`. A symlink is FILE_TYPE_SYMLINK (and isSymlink), its target an
-    absolute path as envd shows it."""
+    path `shown`. A symlink, as the newest envd shows it: `isSymlink`, with the
+    type and mode of what it points to and that path as its target (`resolved`:
+    the agent's FileInfo of the target, None when it leads nowhere or outside
+    the workspace: then the type is FILE_TYPE_SYMLINK, the mode the link's own
+    and the target the link's text)."""
     kind = str(info.get("type", ""))
-    try:
-        mode = int(str(info.get("mode", "0")), 8)
-    except ValueError:
-        mode = 0
+    mode = _mode(info)
     entry: JSON = {
         "name": posixpath.basename(shown) or "/",
-        "type": "FILE_TYPE_SYMLINK"
-        if kind == "symlink"
-        else FILE_TYPES.get(kind, "FILE_TYPE_UNSPECIFIED"),
+        "type": FILE_TYPES.get(kind, "FILE_TYPE_UNSPECIFIED"),
         "path": shown,
         "size": str(int(info.get("size") or 0)),
         "mode": mode & 0o777,
@@ -94,12 +94,51 @@ def entry_info(info: JSON, shown: str) -> JSON:
     if info.get("modifiedAt"):
         entry["modifiedTime"] = info["modifiedAt"]
     if kind == "symlink":
-        target = str(info.get("symlinkTarget") or "")
-        if target and not target.startswith("/"):
-            target = posixpath.normpath(posixpath.join(posixpath.dirname(shown), target))
-        entry["symlinkTarget"] = target
         entry["isSymlink"] = True
+        if resolved is not None:
+            entry["type"] = FILE_TYPES.get(str(resolved.get("type")), "FILE_TYPE_UNSPECIFIED")
+            entry["mode"] = _mode(resolved) & 0o777
+            entry["symlinkTarget"] = paths.e2b_path(str(resolved.get("path", ".")), home)
+        else:
+            # Leads nowhere, or out of the workspace: shown as a symlink (as older
+            # envd shows every symlink) rather than dropped as of unknown type.
+            entry["type"] = "FILE_TYPE_SYMLINK"
+            text = str(info.get("symlinkTarget") or "")
+            if not text.startswith("/"):
+                text = posixpath.normpath(posixpath.join(posixpath.dirname(shown), text))
+            entry["symlinkTarget"] = text
     return entry
+
+
+def _mode(info: JSON) -> int:
+    try:
+        return int(str(info.get("mode", "0")), 8)
+    except ValueError:
+        return 0
+
+
+async def entries(adapter: Adapter, target: Target, found: list[tuple[JSON, str]]) -> list[JSON]:
+    """EntryInfos of the agent's FileInfos (each with its absolute path), the
+    targets of symlinks looked up (at most MAX_LINKS of them, a few at a time;
+    past that a symlink's target is left unresolved)."""
+    home = target.route.workspace
+    links = [shown for info, shown in found if info.get("type") == "symlink"][:MAX_LINKS]
+    resolved: dict[str, JSON | None] = {}
+    gate = asyncio.Semaphore(8)
+
+    async def follow(shown: str) -> None:
+        async with gate:
+            try:
+                rel = paths.agent_path(shown, home)
+                params = {"path": rel, "follow": "true"}
+                resolved[shown] = await agent_json(
+                    adapter, target, "GET", "files/stat", shown, params=params
+                )
+            except (ConnectError, paths.Refused):
+                resolved[shown] = None
+
+    await asyncio.gather(*(follow(shown) for shown in links))
+    return [entry_info(info, shown, home, resolved.get(shown)) for info, shown in found]
 
 
 def tree_order(entry: JSON) -> list[str]:
@@ -133,20 +172,28 @@ async def agent_json(
         raise agent_error(response.status, data, shown)
 
 
-def agent_error(status: int, data: bytes, shown: str) -> ConnectError:
-    """A Connect error for an agent's error answer: its message, naming `shown`."""
+def agent_message(data: bytes) -> tuple[str, str]:
+    """(code, message) of an agent's error answer."""
     try:
         error = json.loads(data).get("error") or {}
-        code, message = str(error.get("code", "")), str(error.get("message", ""))
+        return str(error.get("code", "")), str(error.get("message", ""))
     except (ValueError, AttributeError):
-        code, message = "", data[:200].decode(errors="replace")
+        return "", data[:200].decode(errors="replace")
+
+
+def agent_error(status: int, data: bytes, shown: str) -> ConnectError:
+    """A Connect error for an agent's error answer. Its message names a path the
+    agent's way (relative to the workspace): `shown` is named instead."""
+    code, message = agent_message(data)
+    sentence = message.split(": ", 1)[0] if ": " in message else message
+    text = f"{sentence}: {shown}" if shown else message
+    if status == 404 and code == "not_found":
+        return ConnectError("not_found", f"no such file or directory: {shown}")
     if status == 409 and code != "already_exists":
-        return ConnectError("failed_precondition", f"{shown}: {message}")
+        return ConnectError("failed_precondition", text)
     if status == 507:
-        return ConnectError("resource_exhausted", f"{shown}: {message}")
-    if status == 400 and code == "path_traversal":
-        return ConnectError("invalid_argument", f"{shown}: {message}")
-    return ConnectError.from_http(status, f"{shown}: {message}" if shown else message)
+        return ConnectError("resource_exhausted", text)
+    return ConnectError.from_http(status, text)
 
 
 def user_of(request: web.Request) -> None:

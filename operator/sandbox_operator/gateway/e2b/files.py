@@ -29,24 +29,26 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import json
 import time
 import zlib
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from email.message import Message
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import aiohttp
 from aiohttp import BodyPartReader, web
+from aiohttp.web_protocol import RequestPayloadError
 
 from sandbox_operator.effective import sandbox_spec
 from sandbox_operator.gateway.e2b import core, paths
-from sandbox_operator.gateway.e2b.app import Endpoint, json_response
-from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target
+from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Endpoint, Target
+from sandbox_operator.gateway.e2b.entries import agent_message
 from sandbox_operator.kube import KubeError
 from sandbox_operator.resources import SANDBOXES
 
 JSON = dict[str, Any]
+T = TypeVar("T")
 CHUNK = 256 << 10
 OCTET = "application/octet-stream"
 
@@ -95,27 +97,20 @@ def _refusal(exc: paths.Refused) -> E2BError:
 
 async def _agent_failure(response: aiohttp.ClientResponse, shown: str) -> E2BError:
     """An envd-shaped error for the agent's error answer."""
-    data = await response.read()
-    try:
-        error = json.loads(data).get("error") or {}
-        code, message = str(error.get("code", "")), str(error.get("message", ""))
-    except (ValueError, AttributeError):
-        code, message = "", data[:200].decode(errors="replace")
+    code, message = agent_message(await response.read())
     status = response.status
     if status == 404:
         return E2BError(404, f"path '{shown}' does not exist")
-    if code in ("is_a_directory", "not_a_file"):
-        return E2BError(
-            400,
-            f"path '{shown}' is a directory"
-            if code == "is_a_directory"
-            else f"path '{shown}' is not a regular file",
-        )
+    if code == "is_a_directory":
+        return E2BError(400, f"path '{shown}' is a directory")
+    if code == "not_a_file":
+        return E2BError(400, f"path '{shown}' is not a regular file")
     if status == 507:
         return E2BError(507, f"not enough disk space available: {message}")
+    sentence = message.split(": ", 1)[0] if ": " in message else message
     if status >= 500:
-        return E2BError(502 if status in (502, 503) else 500, f"{shown}: {message}")
-    return E2BError(status, f"{shown}: {message}")
+        return E2BError(502 if status in (502, 503) else 500, f"{sentence}: {shown}")
+    return E2BError(status, f"{sentence}: {shown}")
 
 
 class Files:
@@ -218,6 +213,10 @@ class Files:
             paths.check_user(request.query.get("username"))
         except paths.Refused as exc:
             raise _refusal(exc) from None
+        if any(name.lower().startswith("x-metadata-") for name in request.headers):
+            # E2B keeps these as extended attributes of the file: not kept here,
+            # and better refused than dropped without a word.
+            raise E2BError(400, "file metadata (X-Metadata-* headers) is not supported here")
         given = request.query.get("path")
         kind = request.content_type
         written: list[JSON] = []
@@ -229,15 +228,15 @@ class Files:
                 await self._write(target, rel, shown, request.content.iter_chunked(CHUNK))
             )
         elif kind.startswith("multipart/"):
-            reader = await request.multipart()
+            reader = await _unbroken(request.multipart())
             while True:
-                part = await reader.next()
+                part = await _unbroken(reader.next())
                 if part is None:
                     break
                 if not isinstance(part, BodyPartReader) or part.name != "file":
-                    await part.release()
+                    await _unbroken(part.release())
                     continue
-                name = given if given is not None else part.filename
+                name = given if given is not None else _filename(part)
                 if name is None:
                     raise E2BError(400, "a file part needs a filename, or the path parameter")
                 rel, shown = self._resolve(name, home)
@@ -254,7 +253,7 @@ class Files:
                 f"unsupported content type: {kind[:100]}, expected multipart/form-data or"
                 " application/octet-stream",
             )
-        return json_response(written)
+        return web.json_response(written)
 
     @staticmethod
     def _resolve(name: str, home: str) -> tuple[str, str]:
@@ -271,14 +270,20 @@ class Files:
     async def _write(
         self, target: Target, rel: str, shown: str, chunks: AsyncIterator[bytes]
     ) -> JSON:
-        upstream = await self.adapter.agent(
-            target,
-            "PUT",
-            "files/content",
-            params={"path": rel, "parents": "true"},
-            data=chunks,
-            headers={"Content-Type": OCTET},
-        )
+        body = _Body(chunks)
+        try:
+            upstream = await self.adapter.agent(
+                target,
+                "PUT",
+                "files/content",
+                params={"path": rel, "parents": "true"},
+                data=body.__aiter__(),
+                headers={"Content-Type": OCTET},
+            )
+        except E2BError:
+            if body.error is not None:
+                raise E2BError(400, f"the request body could not be read: {body.error}") from None
+            raise
         async with upstream:
             if upstream.status >= 400:
                 raise await _agent_failure(upstream, shown)
@@ -310,9 +315,45 @@ class Files:
             found.pop(str(name), None)
         for name, value in (overlay.get("env") or {}).items():
             found[str(name)] = str(value)
-        response = json_response(found)
+        response = web.json_response(found)
         response.headers["Cache-Control"] = "no-store"
         return response
+
+
+def _filename(part: BodyPartReader) -> str | None:
+    """The filename of a multipart part as sent, a path as E2B's SDKs send it
+    (aiohttp's own reading drops a leading '/', which would turn an absolute
+    path into a relative one rather than refuse it)."""
+    header = Message()
+    header["Content-Disposition"] = part.headers.get("Content-Disposition", "")
+    name = header.get_filename()
+    return name if isinstance(name, str) else None
+
+
+async def _unbroken(step: Awaitable[T]) -> T:
+    """A step of reading a multipart body; 400 when the body is not one."""
+    try:
+        return await step
+    except (RequestPayloadError, ValueError, AssertionError, KeyError) as exc:
+        raise E2BError(400, f"the multipart body could not be read: {exc}") from None
+
+
+class _Body:
+    """The chunks of an upload on their way to the agent, and what stopped them:
+    a body that cannot be read (a broken gzip or multipart stream) is the
+    caller's fault, not the agent's being out of reach."""
+
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self.chunks = chunks
+        self.error: Exception | None = None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.chunks:
+                yield chunk
+        except (RequestPayloadError, ValueError, AssertionError) as exc:
+            self.error = exc
+            raise
 
 
 async def _part_chunks(part: BodyPartReader) -> AsyncIterator[bytes]:

@@ -24,13 +24,12 @@ from urllib.parse import quote
 from aiohttp import web
 
 from sandbox_operator.gateway.e2b import connect, core, paths, watch
-from sandbox_operator.gateway.e2b.app import Endpoint
 from sandbox_operator.gateway.e2b.connect import ConnectError
-from sandbox_operator.gateway.e2b.core import Adapter, Target
+from sandbox_operator.gateway.e2b.core import Adapter, Endpoint, Target
 from sandbox_operator.gateway.e2b.entries import (
     JSON,
     agent_json,
-    entry_info,
+    entries,
     field,
     path_field,
     tree_order,
@@ -95,7 +94,7 @@ class Filesystem:
         info = await agent_json(
             self.adapter, target, "GET", "files/stat", shown, params={"path": rel}
         )
-        return entry_info(info, shown)
+        return (await entries(self.adapter, target, [(info, shown)]))[0]
 
     async def stat(self, target: Target, message: JSON, home: str) -> JSON:
         rel, shown = path_field(message, "path", home)
@@ -107,14 +106,14 @@ class Filesystem:
         params = {"path": rel, "depth": str(depth), "hidden": "true"}
         listing = await agent_json(self.adapter, target, "GET", "files/list", shown, params=params)
         top = str(listing.get("path", rel))
-        entries = []
+        found = []
         for info in listing.get("entries") or []:
             inside = paths.below(str(info.get("path", "")), top)
-            if inside is None:
-                continue
-            entries.append(entry_info(info, posixpath.join(shown, inside)))
-        entries.sort(key=tree_order)
-        return {"entries": entries}
+            if inside is not None:
+                found.append((info, posixpath.join(shown, inside)))
+        described = await entries(self.adapter, target, found)
+        described.sort(key=tree_order)
+        return {"entries": described}
 
     async def make_dir(self, target: Target, message: JSON, home: str) -> JSON:
         rel, shown = path_field(message, "path", home)
@@ -134,14 +133,14 @@ class Filesystem:
                     ) from None
                 raise ConnectError("already_exists", f"directory already exists: {shown}") from None
             raise
-        return {"entry": entry_info(info, shown)}
+        return {"entry": (await entries(self.adapter, target, [(info, shown)]))[0]}
 
     async def move(self, target: Target, message: JSON, home: str) -> JSON:
         source, source_shown = path_field(message, "source", home)
         destination, shown = path_field(message, "destination", home)
         body = {"source": source, "destination": destination, "overwrite": True, "parents": True}
         info = await agent_json(self.adapter, target, "POST", "files/move", source_shown, body=body)
-        return {"entry": entry_info(info, shown)}
+        return {"entry": (await entries(self.adapter, target, [(info, shown)]))[0]}
 
     async def remove(self, target: Target, message: JSON, home: str) -> JSON:
         rel, shown = path_field(message, "path", home)

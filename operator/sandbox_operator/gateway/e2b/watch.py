@@ -31,7 +31,7 @@ from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target
 from sandbox_operator.gateway.e2b.entries import (
     agent_error,
     agent_json,
-    entry_info,
+    entries,
     field,
     path_field,
     user_of,
@@ -90,7 +90,7 @@ async def add_entry(adapter: Adapter, target: Target, event: JSON, top: str, hom
     shown = paths.e2b_path(rel, home)
     with contextlib.suppress(ConnectError):
         info = await agent_json(adapter, target, "GET", "files/stat", shown, params={"path": rel})
-        event["entry"] = entry_info(info, shown)
+        event["entry"] = (await entries(adapter, target, [(info, shown)]))[0]
 
 
 def keepalive_seconds(request: web.Request) -> float:
@@ -117,7 +117,7 @@ class WatchDir:
             home = target.route.workspace
             rel, shown = path_field(message, "path", home)
             recursive = field(message, "recursive", bool, False)
-            entries = field(message, "includeEntry", bool, False)
+            with_entries = field(message, "includeEntry", bool, False)
             field(message, "allowNetworkMounts", bool, False)
         except ConnectError as exc:
             return exc.response()
@@ -135,7 +135,13 @@ class WatchDir:
             error: ConnectError | None = None
             try:
                 error = await self._relay(
-                    upstream, response, target, home, entries, keepalive_seconds(request), until
+                    upstream,
+                    response,
+                    target,
+                    home,
+                    with_entries,
+                    keepalive_seconds(request),
+                    until,
                 )
             except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                 return response  # the caller left: closing the agent's stream ends its watch
@@ -150,7 +156,7 @@ class WatchDir:
         response: web.StreamResponse,
         target: Target,
         home: str,
-        entries: bool,
+        with_entries: bool,
         keepalive: float,
         until: float | None,
     ) -> ConnectError | None:
@@ -186,6 +192,6 @@ class WatchDir:
                 await response.write(connect.envelope({"keepalive": {}}))
             elif top is not None:
                 for translated in translate(event, top):
-                    if entries:
+                    if with_entries:
                         await add_entry(self.adapter, target, translated, top, home)
                     await response.write(connect.envelope({"filesystem": translated}))
