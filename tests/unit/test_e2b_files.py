@@ -212,7 +212,8 @@ def test_fields_are_typed_and_bounded() -> None:
     assert field({}, "depth", int, 0) == 0
     assert field({"watcher_id": "w1"}, "watcherId", str, "") == "w1"  # the proto's own name
     assert field({"includeEntry": True}, "includeEntry", bool, False) is True
-    for bad in (-1, 1 << 32, True, 1.5, "x", "99999999999", [], {}):
+    wrong: tuple[object, ...] = (-1, 1 << 32, True, 1.5, "x", "99999999999", [], {})
+    for bad in wrong:
         with pytest.raises(ConnectError) as refused:
             field({"depth": bad}, "depth", int, 0)
         assert refused.value.code == "invalid_argument"

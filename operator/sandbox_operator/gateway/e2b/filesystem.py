@@ -156,7 +156,20 @@ class Filesystem:
         entries = field(message, "includeEntry", bool, False)
         field(message, "allowNetworkMounts", bool, False)  # checked; nothing to allow here
         body = {"path": rel, "recursive": recursive}
-        made = await agent_json(self.adapter, target, "POST", "files/watchers", shown, body=body)
+        try:
+            made = await agent_json(
+                self.adapter, target, "POST", "files/watchers", shown, body=body
+            )
+        except ConnectError as exc:
+            if exc.code == "not_found":
+                await self._stat(target, rel, shown)  # not_found when the directory is missing
+                # It is there: the agent is older than its polled watchers.
+                raise ConnectError(
+                    "unimplemented",
+                    "this sandbox's agent keeps no watchers (an image older than the adapter):"
+                    " watch with AsyncSandbox.files.watch_dir (a stream) instead",
+                ) from None
+            raise
         return {"watcherId": str(made["id"]) + (_ENTRY_SUFFIX if entries else "")}
 
     def _watcher(self, message: JSON) -> tuple[str, bool]:
