@@ -153,7 +153,7 @@ class Filesystem:
     async def create_watcher(self, target: Target, message: JSON, home: str) -> JSON:
         rel, shown = path_field(message, "path", home)
         recursive = field(message, "recursive", bool, False)
-        entries = field(message, "includeEntry", bool, False)
+        with_entries = field(message, "includeEntry", bool, False)
         field(message, "allowNetworkMounts", bool, False)  # checked; nothing to allow here
         body = {"path": rel, "recursive": recursive}
         try:
@@ -170,32 +170,31 @@ class Filesystem:
                     " watch with AsyncSandbox.files.watch_dir (a stream) instead",
                 ) from None
             raise
-        return {"watcherId": str(made["id"]) + (_ENTRY_SUFFIX if entries else "")}
+        return {"watcherId": str(made["id"]) + (_ENTRY_SUFFIX if with_entries else "")}
 
     def _watcher(self, message: JSON) -> tuple[str, bool]:
         given = field(message, "watcherId", str, "")
         if not WATCHER_ID.fullmatch(given):
             raise ConnectError("not_found", f"watcher {given[:100]!r} not found")
-        entries = given.endswith(_ENTRY_SUFFIX)
-        return (given[: -len(_ENTRY_SUFFIX)] if entries else given), entries
+        with_entries = given.endswith(_ENTRY_SUFFIX)
+        return (given[: -len(_ENTRY_SUFFIX)] if with_entries else given), with_entries
 
     async def get_watcher_events(self, target: Target, message: JSON, home: str) -> JSON:
-        ident, entries = self._watcher(message)
+        ident, with_entries = self._watcher(message)
+        # The agent's message names the watcher (shown: nothing to add).
         found = await agent_json(
-            self.adapter, target, "GET", f"files/watchers/{quote(ident)}/events", f"watcher {ident}"
+            self.adapter, target, "GET", f"files/watchers/{quote(ident)}/events", ""
         )
         top = str(found.get("path", "."))
         translated: list[JSON] = []
         for event in found.get("events") or []:
             translated.extend(watch.translate(event, top))
-        if entries:
+        if with_entries:
             for event in translated:
                 await watch.add_entry(self.adapter, target, event, top, home)
         return {"events": translated}
 
     async def remove_watcher(self, target: Target, message: JSON, home: str) -> JSON:
         ident, _ = self._watcher(message)
-        await agent_json(
-            self.adapter, target, "DELETE", f"files/watchers/{quote(ident)}", f"watcher {ident}"
-        )
+        await agent_json(self.adapter, target, "DELETE", f"files/watchers/{quote(ident)}", "")
         return {}
