@@ -45,6 +45,10 @@ class E2BApp:
     async def errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        # The connection guard's deadlines wait while a request is served: a
+        # watch stream or a large transfer outlasts them (the agent bounds those).
+        guard = self.adapter.gateway.guard
+        guard.started(request.protocol)
         try:
             return await handler(request)
         except E2BError as exc:
@@ -53,6 +57,8 @@ class E2BApp:
             if exc.status < 400:
                 raise
             return E2BError(exc.status, exc.reason).response()
+        finally:
+            guard.ended(request.protocol)
 
     def _sandbox(self, request: web.Request) -> tuple[str, int] | None:
         """(sandbox ID, port) a data-plane request names, or None."""
