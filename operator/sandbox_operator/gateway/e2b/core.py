@@ -54,8 +54,11 @@ SANDBOX_PORT_HEADER = "E2b-Sandbox-Port"
 ACCESS_TOKEN_HEADER = "X-Access-Token"
 TRAFFIC_TOKEN_HEADER = "E2B-Traffic-Access-Token"
 # The version of E2B's sandbox daemon whose protocol the adapter speaks: the
-# SDKs enable features by it.
-ENVD_VERSION = "0.4.0"
+# SDKs enable features by it. 0.6.4 turns on what the adapter serves: closing
+# stdin (0.5.2), octet-stream uploads (0.5.7), entries in watch events (0.6.3)
+# and watches of network mounts (0.6.4). File metadata (0.6.2) is the one
+# feature in that range it refuses, with a 400 that says so.
+ENVD_VERSION = "0.6.4"
 
 # A sandbox ID: a Sandbox name that is one DNS label without dashes (E2B's
 # SDKs and hosts split on the dash), starting with a letter.
