@@ -189,6 +189,9 @@ def test_stateful_sequences_no_server_errors(fuzz_target: Sandbox) -> None:
         # cap) would change what a later one's calls answer.
         for ctx in fuzz_target.client.get("/v1/contexts").json()["contexts"]:
             fuzz_target.client.delete(f"/v1/contexts/{ctx['id']}")
+        # And watchers (eight at most, kept between calls).
+        for kept in fuzz_target.client.get("/v1/files/watchers").json()["watchers"]:
+            fuzz_target.client.delete(f"/v1/files/watchers/{kept['id']}")
 
     class Workflow(schema.as_state_machine()):  # type: ignore[misc]
         def setup(self) -> None:

@@ -272,6 +272,20 @@ async def archive_upload(request: Request, args: Args) -> Response:
     return ok(result)
 
 
+def _stream(st: AgentState, rel: str, recursive: bool) -> watch.Stream:
+    """A watch of `rel`, not yet open: inotify, or polling where inotify cannot see
+    the sandbox container's changes."""
+    s = st.settings
+    limits = watch.Limits(
+        queue=s.watch_queue,
+        directories=s.watch_max_directories,
+        entries=s.watch_poll_max_entries,
+    )
+    if watchpoll.choose_mode(s.watch_mode, st.workspace.root) == "poll":
+        return watchpoll.Poller(st.workspace, rel, recursive, limits, s.watch_poll_interval)
+    return watch.Watcher(st.workspace, rel, recursive, limits)
+
+
 async def file_watch(request: Request, args: Args) -> Response:
     """Watch a directory: its changes as a stream of events (ndjson, or SSE)
 
@@ -308,16 +322,7 @@ async def file_watch(request: Request, args: Args) -> Response:
             "too_many_watches",
             f"{s.max_watches} watches are open (SANDBOX_AGENT_MAX_WATCHES): close one first",
         )
-    limits = watch.Limits(
-        queue=s.watch_queue,
-        directories=s.watch_max_directories,
-        entries=s.watch_poll_max_entries,
-    )
-    w: watch.Stream
-    if watchpoll.choose_mode(s.watch_mode, st.workspace.root) == "poll":
-        w = watchpoll.Poller(st.workspace, rel, recursive, limits, s.watch_poll_interval)
-    else:
-        w = watch.Watcher(st.workspace, rel, recursive, limits)
+    w = _stream(st, rel, recursive)
     st.watchers.add(w)  # holds its slot while the watches are added
     with files.os_errors(rel):  # a missing parent directory: 404, as for every file call
         await asyncio.to_thread(w.open)  # closes itself on failure
@@ -326,3 +331,47 @@ async def file_watch(request: Request, args: Args) -> Response:
     st.touch()
     file_op("watch")
     return event_stream(watch.events(w, s.watch_keepalive, timeout), request, {})
+
+
+async def watcher_create(request: Request, args: Args) -> Response:
+    """Watch a directory, the changes kept by the agent for fetching later
+
+    For a client that cannot keep a watch stream open: the same watch, held
+    under an id. GET .../events returns what it saw since the previous fetch
+    (the changes the kernel has queued by then included), DELETE ends it. At
+    most SANDBOX_AGENT_MAX_WATCHERS (8) at once (429 `too_many_watchers`); one
+    nobody fetched from for SANDBOX_AGENT_WATCHER_IDLE_TIMEOUT seconds (600) is
+    removed. Changes past SANDBOX_AGENT_WATCH_QUEUE wait are dropped, and one
+    `overflow` event says how many. Creating one counts as activity; fetching
+    does not.
+    """
+    st = state_of(request)
+    req = await body_as(request, models.WatcherRequest)
+    st.polled.check_room()
+    w = _stream(st, req.path, req.recursive)
+    with files.os_errors(req.path):
+        await asyncio.to_thread(w.open)  # closes itself on failure
+    try:
+        made = st.polled.add(w)
+    except BaseException:
+        w.close()
+        raise
+    st.touch()
+    file_op("watcher")
+    return ok(made, 201)
+
+
+async def watcher_list(request: Request, args: Args) -> Response:
+    """The watchers the agent keeps"""
+    return ok(state_of(request).polled.list())
+
+
+async def watcher_events(request: Request, args: Args) -> Response:
+    """The changes a watcher saw since the previous fetch"""
+    return ok(state_of(request).polled.events(args.need("id", str)))
+
+
+async def watcher_delete(request: Request, args: Args) -> Response:
+    """End a watcher"""
+    state_of(request).polled.remove(args.need("id", str))
+    return Response(status_code=204)

@@ -132,6 +132,7 @@ def build_app(settings: Settings, token: bytes, ops: tuple[Op, ...] = OPS) -> AS
         watch = asyncio.get_running_loop().create_task(state.executions.watch_runner())
         yield
         watch.cancel()
+        state.polled.close()
         await state.terminals.stop()
         await state.contexts.stop()
         state.executions.fail_all_running()

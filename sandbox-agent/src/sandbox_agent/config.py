@@ -70,6 +70,9 @@ class Settings:
     watch_mode: str = "auto"
     watch_poll_interval: float = 0.25  # seconds between scans (longer for a large tree)
     watch_poll_max_entries: int = 20_000  # entries one polled stream remembers
+    # watchers kept between calls (POST /v1/files/watchers, watchers.py)
+    max_watchers: int = 8  # at once; more: 429 too_many_watchers
+    watcher_idle_timeout: float = 600.0  # seconds without a fetch: removed
     metrics_auth: bool = True
     malloc_keep_bytes: int = 128 * MiB  # freed heap kept for reuse (0: glibc defaults)
     # The container's memory limit (the operator passes limits.memory); 0:
@@ -127,6 +130,8 @@ _ENV = {
     "watch_mode": "SANDBOX_AGENT_WATCH_MODE",
     "watch_poll_interval": "SANDBOX_AGENT_WATCH_POLL_INTERVAL",
     "watch_poll_max_entries": "SANDBOX_AGENT_WATCH_POLL_MAX_ENTRIES",
+    "max_watchers": "SANDBOX_AGENT_MAX_WATCHERS",
+    "watcher_idle_timeout": "SANDBOX_AGENT_WATCHER_IDLE_TIMEOUT",
     "metrics_auth": "SANDBOX_AGENT_METRICS_AUTH",
     "malloc_keep_bytes": "SANDBOX_AGENT_MALLOC_KEEP_BYTES",
     "memory_limit_bytes": "SANDBOX_AGENT_MEMORY_LIMIT_BYTES",
@@ -246,4 +251,6 @@ def load(environ: Mapping[str, str] | None = None) -> Settings:
             "SANDBOX_AGENT_WATCH_POLL_INTERVAL must be >= 0.01 and"
             " SANDBOX_AGENT_WATCH_POLL_MAX_ENTRIES >= 1"
         )
+    if settings.watcher_idle_timeout < 1:
+        raise ConfigError("SANDBOX_AGENT_WATCHER_IDLE_TIMEOUT must be >= 1")
     return settings

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import re2
 
-from . import models
+from . import models, tempfiles
 from .config import Settings
 from .errors import (
     AgentError,
@@ -352,6 +352,7 @@ class AtomicWriter:
                     self.gid = existing.st_gid
                 self.mode = kept
             self.tmp = f".{self.name[:200]}.{os.urandom(6).hex()}.tmp"
+            tempfiles.register(self.tmp, existing is not None)  # for watches: see tempfiles.py
             with os_errors(rel):
                 self.fd = os.open(
                     self.tmp,
@@ -359,6 +360,8 @@ class AtomicWriter:
                     0o666,
                     dir_fd=self.dir_fd,
                 )
+                if self.mode is None:  # new: set its mode too (the umask's), the same steps
+                    self.mode = st.S_IMODE(os.fstat(self.fd).st_mode)
         except BaseException:
             self.loc.close()
             self.dir_fd = -1

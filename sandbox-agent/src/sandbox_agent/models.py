@@ -354,6 +354,42 @@ class WatchEvent(_Out, kw_only=True, omit_defaults=True):
     error: ErrorDetail | None = None
 
 
+class WatcherRequest(_Base, kw_only=True):
+    path: Path = "."
+    recursive: Annotated[
+        bool, Meta(description="Watch subdirectories too, and those made later")
+    ] = False
+
+
+class PolledWatcher(_Out, kw_only=True):
+    """A directory watch the agent keeps between calls (POST /v1/files/watchers):
+    its changes are fetched with GET .../events."""
+
+    id: str
+    path: Annotated[str, Meta(description="The watched directory, as named")]
+    recursive: bool
+    mode: Literal["inotify", "poll"]
+    poll_interval: float | None = None
+    created_at: str
+    idle_timeout_seconds: Annotated[
+        float, Meta(description="Removed when nobody fetched its events for this long")
+    ]
+
+
+class WatcherList(_Out, kw_only=True):
+    watchers: list[PolledWatcher]
+
+
+class WatcherEvents(_Out, kw_only=True):
+    """The changes a watcher saw since the previous fetch, in order: the same
+    events as a watch stream's (no started or keepalive); `finished` once, last,
+    when the watched directory went away."""
+
+    path: Annotated[str, Meta(description="The watched directory, as named")]
+    events: list[WatchEvent]
+    finished: Annotated[bool, Meta(description="The watch has ended: nothing more will come")]
+
+
 class StdinRequest(_Base, kw_only=True):
     data: Annotated[str, Meta(description="UTF-8 text to write")] = ""
     data_base64: str | None = None

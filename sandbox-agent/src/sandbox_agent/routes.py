@@ -35,6 +35,7 @@ ID = Param(
 TERMINAL_ID = Param(
     "id", "string", "Terminal id", required=True, location="path", pattern=ID.pattern
 )
+WATCHER_ID = Param("id", "string", "Watcher id", required=True, location="path", pattern=ID.pattern)
 CONTEXT_ID = Param(
     "id", "string", "Code context id", required=True, location="path", pattern=ID.pattern
 )
@@ -223,5 +224,12 @@ OPS: tuple[Op, ...] = (
        errors=WRITE, body="tar", params=(DIR,), writes=True, gateway=WRITES),
     Op("GET", "/v1/files/watch", api_files.file_watch, "watch",
        errors=(*READ, 429), params=(DIR, RECURSIVE, WATCH_TIMEOUT), gateway=READS),
+    Op("POST", "/v1/files/watchers", api_files.watcher_create, models.PolledWatcher, status=201,
+       errors=(*READ, 429), body=models.WatcherRequest, gateway=READS),
+    Op("GET", "/v1/files/watchers", api_files.watcher_list, models.WatcherList, gateway=READS),
+    Op("GET", "/v1/files/watchers/{id}/events", api_files.watcher_events, models.WatcherEvents,
+       errors=(404,), params=(WATCHER_ID,), gateway=READS),
+    Op("DELETE", "/v1/files/watchers/{id}", api_files.watcher_delete, None, status=204,
+       errors=(404,), params=(WATCHER_ID,), gateway=READS),
 )
 # fmt: on

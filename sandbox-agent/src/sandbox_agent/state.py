@@ -19,6 +19,7 @@ from .runner_client import RunnerClient
 from .runtime import RuntimeRestart
 from .terminals import TerminalManager
 from .watch import Stream
+from .watchers import Watchers
 
 
 class AgentState:
@@ -49,6 +50,8 @@ class AgentState:
         # Weak, so a watcher whose stream never started (the client left before
         # the answer) frees its slot when it is dropped.
         self.watchers: weakref.WeakSet[Stream] = weakref.WeakSet()
+        # Watches kept between calls, fetched by polling (watchers.py).
+        self.polled = Watchers(settings.max_watchers, settings.watcher_idle_timeout)
         self.runner.on_change.append(self._runner_changed)
 
     def touch(self) -> None:

@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from . import inotify, metrics, models
+from . import inotify, metrics, models, tempfiles
 from .errors import Busy
 from .paths import Workspace, display
 
@@ -72,6 +72,9 @@ Reason = Literal["queue", "kernel", "watch_limit", "removed", "moved", "unmounte
 
 
 Mode = Literal["inotify", "poll"]
+# A file written through the API, as reported (Stream._push): made if it was not
+# there, its mode set, its content written.
+_AS_WRITTEN: tuple[Kind, ...] = ("create", "chmod", "write")
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,10 @@ class Stream:
         self.dropped = 0
         self.drop_reason: Reason | None = None
         self.ended: Reason | None = None
+        self.end_told = False  # drain(): `finished` handed out once
+        # The agent's own temp files seen in this watch (path -> kinds of change),
+        # reported as the file they become (see tempfiles.py): bounded.
+        self.temps: dict[str, set[Kind]] = {}
         self.opened = False  # past open(): a limit hit now is an overflow, not a refusal
         self.closed = False
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -138,6 +145,10 @@ class Stream:
         self.closed = True
         self.queue.clear()
 
+    def read_pending(self) -> None:
+        """Take in the changes already found but not yet read (inotify: those the
+        kernel has queued), so a poll right after a change sees it."""
+
     async def next(self, wait: float) -> Change | None:
         """The next change (``finished`` last), or None when ``wait`` seconds
         passed without one."""
@@ -158,6 +169,25 @@ class Stream:
             except TimeoutError:
                 return None
 
+    def drain(self, limit: int) -> list[Change]:
+        """What waits, up to ``limit`` changes, without waiting: for a client that
+        polls (watchers.py). The overflow marker and ``finished`` (once) included."""
+        out: list[Change] = []
+        while len(out) < limit:
+            if self.queue:
+                change = self.queue.popleft()
+                if change.kind in ("write", "chmod"):
+                    self.waiting.discard((change.kind, change.path))
+                out.append(change)
+            elif self.dropped:
+                out.append(self._marker(time.time()))
+            elif self.ended is not None and not self.end_told:
+                self.end_told = True
+                out.append(Change("finished", "", True, time.time(), reason=self.ended))
+            else:
+                break
+        return out
+
     def _end(self, reason: Reason) -> None:
         if self.ended is None:
             self.ended = reason
@@ -177,6 +207,30 @@ class Stream:
         return change
 
     def _push(self, change: Change) -> None:
+        """Queue a change; the agent's own temp files as the files they become:
+        their changes are held until the rename into place, then reported as
+        `create` (a file that did not exist), `chmod` and `write` of the file."""
+        name = change.path.rsplit("/", 1)[-1]
+        if (
+            change.kind in ("create", "write", "chmod", "remove")
+            and tempfiles.existed(name) is not None
+        ):
+            if change.kind == "remove":  # a write that failed: nothing to report
+                self.temps.pop(change.path, None)
+            elif change.path in self.temps or len(self.temps) < self.limits.queue:
+                self.temps.setdefault(change.path, set()).add(change.kind)
+            return
+        if change.kind == "rename" and change.old is not None:
+            existed = tempfiles.existed(change.old.rsplit("/", 1)[-1])
+            if existed is not None:
+                kinds = self.temps.pop(change.old, set())
+                for kind in _AS_WRITTEN:
+                    if (kind == "create" and not existed) or (kind != "create" and kind in kinds):
+                        self._queue(change._replace(kind=kind, old=None, move=None))
+                return
+        self._queue(change)
+
+    def _queue(self, change: Change) -> None:
         q = self.queue
         if self.dropped:
             if len(q) > self.limits.queue // 2:
@@ -354,6 +408,10 @@ class Watcher(Stream):
         self.fd = -1
         self.dirs.clear()
         super().close()
+
+    def read_pending(self) -> None:
+        if self.fd >= 0 and self.ended is None and self.wake is not None:
+            self._readable()
 
     def _readable(self) -> None:
         try:

@@ -25,6 +25,8 @@ from sandbox_operator.gateway.e2b.core import (
     Endpoint,
     Target,
 )
+from sandbox_operator.gateway.e2b.files import Files
+from sandbox_operator.gateway.e2b.filesystem import Filesystem
 from sandbox_operator.gateway.e2b.interpreter import Interpreter
 from sandbox_operator.gateway.e2b.process import Processes
 
@@ -45,8 +47,9 @@ class E2BApp:
     async def errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        # The connection guard's deadlines stop while a request is in progress,
-        # so a long stream is not cut (as the gateway's own middleware does).
+        # The connection guard's deadlines wait while a request is served (as in
+        # the gateway's own middleware): a command's or a watch's stream, or a
+        # large transfer, outlasts them (the agent bounds those).
         guard = self.adapter.gateway.guard
         guard.started(request.protocol)
         try:
@@ -92,7 +95,10 @@ class E2BApp:
             token = request.headers.get(core.ACCESS_TOKEN_HEADER) or request.headers.get(
                 core.TRAFFIC_TOKEN_HEADER
             )
-            target = await self.adapter.target(named[0], token)
+            if not token and endpoint.signed is not None and "signature" in request.query:
+                target = await endpoint.signed(request, named[0])
+            else:
+                target = await self.adapter.target(named[0], token)
             serve: DataHandler = endpoint.handler  # type: ignore[assignment]
             return await serve(request, target, params)
         if named is not None and port not in (core.ENVD_PORT, core.INTERPRETER_PORT):
@@ -114,6 +120,8 @@ def endpoints(adapter: Adapter) -> list[Endpoint]:
         *Control(adapter).endpoints(),
         *Interpreter(adapter).endpoints(),
         *Processes(adapter).endpoints(),
+        *Filesystem(adapter).endpoints(),
+        *Files(adapter).endpoints(),
     ]
 
 

@@ -6,9 +6,11 @@ status. Server streams: the request is `application/connect+json` with one
 enveloped message; the answer is 200 with enveloped messages (1 flag byte,
 4 bytes of big-endian length, JSON), ended by an end-of-stream envelope
 (flag 0x02) whose JSON holds the error, if any. Flag 0x01 marks a
-gzip-compressed envelope (`Connect-Content-Encoding: gzip`). Client streams
-(process.Process/StreamInput) send any number of enveloped messages and get
-the server-stream answer shape: one message, then the end-of-stream envelope.
+gzip-compressed envelope (`Connect-Content-Encoding: gzip`); a unary body with
+`Content-Encoding: gzip` is inflated by the HTTP server before it is read.
+Client streams (process.Process/StreamInput) send any number of enveloped
+messages and get the server-stream answer shape: one message, then the
+end-of-stream envelope.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 JSON = dict[str, Any]
 UNARY = "application/json"
@@ -115,10 +118,13 @@ async def read_request(request: web.Request) -> tuple[JSON, bool]:
         raise ConnectError("invalid_argument", f"content type {kind!r}: use {UNARY} or {STREAM}")
     if request.content_length is not None and request.content_length > MAX_MESSAGE + 5:
         raise ConnectError("resource_exhausted", f"a message is at most {MAX_MESSAGE} bytes")
-    body = await _read_body(request, MAX_MESSAGE + 5)
+    try:
+        # A body sent with Content-Encoding: gzip comes inflated (by the server,
+        # in bounded chunks), so this bounds the message itself.
+        body = await _read_body(request, MAX_MESSAGE + 5)
+    except RequestPayloadError as exc:
+        raise ConnectError("invalid_argument", f"the body could not be read: {exc}") from None
     if kind == UNARY:
-        if request.headers.get("Content-Encoding", "identity") == "gzip":
-            body = _gunzip(body)
         return _decode(body), False
     if len(body) < 5:
         raise ConnectError("invalid_argument", "a stream request holds one enveloped message")

@@ -55,8 +55,11 @@ SANDBOX_PORT_HEADER = "E2b-Sandbox-Port"
 ACCESS_TOKEN_HEADER = "X-Access-Token"
 TRAFFIC_TOKEN_HEADER = "E2B-Traffic-Access-Token"
 # The version of E2B's sandbox daemon whose protocol the adapter speaks: the
-# SDKs enable features by it.
-ENVD_VERSION = "0.4.0"
+# SDKs enable features by it. 0.6.4 turns on what the adapter serves: closing
+# stdin (0.5.2), octet-stream uploads (0.5.7), entries in watch events (0.6.3)
+# and watches of network mounts (0.6.4). File metadata (0.6.2) is the one
+# feature in that range it refuses, with a 400 that says so.
+ENVD_VERSION = "0.6.4"
 
 # A sandbox ID: a Sandbox name that is one DNS label without dashes (E2B's
 # SDKs and hosts split on the dash), starting with a letter.
@@ -134,6 +137,35 @@ class Target:
         return self.route.endpoint
 
 
+ControlHandler = Callable[[web.Request, dict[str, str]], Awaitable[web.StreamResponse]]
+DataHandler = Callable[[web.Request, Target, dict[str, str]], Awaitable[web.StreamResponse]]
+SignedTarget = Callable[[web.Request, str], Awaitable[Target]]
+CONTROL = 0  # Endpoint.port of a control-plane endpoint
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One route of the listener (each part of the adapter lists its own; app.py
+    dispatches): `port` 0 for the control plane, else the sandbox port it serves
+    (core.ENVD_PORT, core.INTERPRETER_PORT); `path` a regular expression whose
+    named groups are passed to the handler."""
+
+    port: int
+    method: str
+    path: str
+    handler: ControlHandler | DataHandler
+    # A data-plane route that E2B's signed URLs reach (its /files): a request
+    # with a `signature` and no access token gets its sandbox from here, which
+    # verifies the signature first.
+    signed: SignedTarget | None = None
+
+    def match(self, method: str, path: str) -> dict[str, str] | None:
+        if method != self.method and not (self.method == "GET" and method == "HEAD"):
+            return None
+        found = re.fullmatch(self.path, path)
+        return found.groupdict() if found else None
+
+
 class Adapter:
     """The E2B adapter's state: the gateway it translates onto."""
 
@@ -146,6 +178,16 @@ class Adapter:
 
     def access_token(self, namespace: str, name: str, uid: str) -> str:
         kid, key = self.gateway.keys._signing_key()
+        return self._token(kid, key, namespace, name, uid)
+
+    def access_tokens(self, namespace: str, name: str, uid: str) -> list[str]:
+        """The Sandbox's access token under every key that verifies: a signed file
+        URL made from a token minted before a key rotation still verifies."""
+        keys = self.gateway.keys
+        keys.reload()
+        return [self._token(kid, key, namespace, name, uid) for kid, key in keys.keys.items()]
+
+    def _token(self, kid: str, key: bytes, namespace: str, name: str, uid: str) -> str:
         head = f"{_TOKEN_PREFIX}.{_b64(namespace.encode())}.{_b64(kid.encode())}"
         return f"{head}.{_b64(self._mac(key, head, name, uid))}"
 
@@ -246,33 +288,6 @@ class Adapter:
             )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise E2BError(502, f"The sandbox {target.id} could not be reached: {exc}") from exc
-
-
-# -- endpoints ------------------------------------------------------------------------
-# Each part of the adapter lists its endpoints; app.py collects them (here, not
-# in app.py, so that the parts and app.py do not import each other).
-
-ControlHandler = Callable[[web.Request, dict[str, str]], Awaitable[web.StreamResponse]]
-DataHandler = Callable[[web.Request, Target, dict[str, str]], Awaitable[web.StreamResponse]]
-CONTROL = 0  # Endpoint.port of a control-plane endpoint
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One route: `port` 0 for the control plane, else the sandbox port it serves
-    (core.ENVD_PORT, core.INTERPRETER_PORT); `path` a regular expression whose
-    named groups are passed to the handler."""
-
-    port: int
-    method: str
-    path: str
-    handler: ControlHandler | DataHandler
-
-    def match(self, method: str, path: str) -> dict[str, str] | None:
-        if method != self.method and not (self.method == "GET" and method == "HEAD"):
-            return None
-        found = re.fullmatch(self.path, path)
-        return found.groupdict() if found else None
 
 
 def json_response(body: object, status: int = 200) -> web.Response:
