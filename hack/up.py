@@ -34,6 +34,8 @@ from sandbox_operator.resources import RESUME_ANNOTATION  # noqa: E402
 
 NAME = "local"
 DEMO_ACCOUNT = "sandbox-demo"
+# The E2B adapter is off in the chart's defaults and on here (docs/e2b.md).
+E2B_ON = "gateway.e2b.enabled=true"
 
 
 def _json(cluster: LocalCluster, *args: str) -> dict[str, object]:
@@ -140,10 +142,11 @@ def _start(progress: Progress, cluster: LocalCluster) -> None:
         # reaches the gateway at: its ClusterIP, known once the Service exists.
         known = _gateway_url(cluster)
         external = [f"gateway.externalURL={known}"] if known else []
-        said.append(deploy.install_operator(cluster, extra_values=external).strip().splitlines()[0])
+        installed = deploy.install_operator(cluster, extra_values=[*external, E2B_ON])
+        said.append(installed.strip().splitlines()[0])
         if known is None:
             deploy.install_operator(
-                cluster, extra_values=[f"gateway.externalURL={_gateway_url(cluster)}"]
+                cluster, extra_values=[f"gateway.externalURL={_gateway_url(cluster)}", E2B_ON]
             )
         if any("sandbox-operator" in reference for reference in refreshed):
             # Same tag, new image: the Deployment's template did not change, so roll it.
@@ -260,6 +263,12 @@ def next_steps(sandbox: str, gateway: str) -> list[Hint]:
             "the gateway's HTTP API",
             f'curl -sf -H "Authorization: Bearer $(kubectl create token {DEMO_ACCOUNT})"'
             f" '{gateway}/v1/namespaces/default/sandboxes/{sandbox}/files/list?path=.'",
+        ),
+        (
+            "E2B's SDK, unchanged, through the E2B adapter (docs/e2b.md)",
+            f"export E2B_API_URL={gateway}:3000 E2B_SANDBOX_URL={gateway}:3000"
+            f" E2B_API_KEY=$(kubectl create token {DEMO_ACCOUNT} --duration=24h);"
+            " python examples/e2b/hello_e2b.py",
         ),
     ]
 

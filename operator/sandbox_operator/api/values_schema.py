@@ -154,6 +154,20 @@ def build() -> JSON:
                 " server's service proxy (a Role on that Service's proxy alone); empty: none.",
                 "items": {"type": "string", "minLength": 1},
             },
+            "e2b": _obj(
+                "The E2B adapter (docs/e2b.md): a listener for E2B's SDKs on the"
+                " Service's port `e2b`, and the RBAC it needs.",
+                {
+                    "enabled": {"type": "boolean"},
+                    "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+                    "domain": {
+                        "type": "string",
+                        "description": "Hosts `{port}-{id}.<domain>` reach sandboxes' ports;"
+                        " empty: none.",
+                        "pattern": "^$|^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                    },
+                },
+            ),
             **_placement("gateway"),
             "settings": _model(GatewaySettings, "Gateway settings (gateway/config.py)."),
         },
