@@ -13,13 +13,14 @@ import uuid
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from devcluster import deploy
 from devcluster.cluster import LocalCluster
 from devcluster.pytest_plugin import private_cluster
-from tests.e2e import chart
+from tests.e2e import chart, e2b_support
 from tests.integration.harness import wait_for
 from tests.kube import KubeJSON, core_path
 
@@ -92,7 +93,7 @@ def e2e_install(
         # What the operator learns on its periodic pass (limits biting, a full
         # workspace, idle deadlines) shows within seconds instead of the
         # default 30: the tests wait on conditions, not on the clock.
-        deploy.install_operator(cluster, extra_values=[E2E_RECONCILE])
+        deploy.install_operator(cluster, extra_values=[E2E_RECONCILE, e2b_support.CHART_VALUE])
         deploy.wait_for_crds(cluster)
         yield cluster, before
 
@@ -130,3 +131,71 @@ def e2e(e2e_context: E2E) -> Iterator[E2E]:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
+
+
+# -- the E2B adapter (tests/e2e/e2b.py) ---------------------------------------------
+
+CODE_INTERPRETER_TEMPLATE = "code-interpreter-v1"
+
+
+@pytest.fixture(scope="session")
+def e2b_session(request: pytest.FixtureRequest) -> Iterator[e2b_support.E2BTarget]:
+    target = e2b_support.from_environment()
+    owned = target is not None
+    if target is None:
+        context: E2E = request.getfixturevalue("e2e_context")
+        main, url = e2b_support.chart_urls(context.kube)
+        template = os.environ.get(e2b_support.TEMPLATE_VARIABLE, "base")
+        target = e2b_support.E2BTarget(context.kube, url, main, template)
+    try:
+        yield target
+    finally:
+        target.cleanup()
+        if owned:
+            target.kube.close()
+
+
+@pytest.fixture
+def e2b_target(e2b_session: e2b_support.E2BTarget) -> Iterator[e2b_support.E2BTarget]:
+    """The E2B listener; the namespaces a test makes are deleted after it."""
+    before = set(e2b_session.namespaces)
+    yield e2b_session
+    e2b_session.cleanup([n for n in e2b_session.namespaces if n not in before])
+
+
+@pytest.fixture(scope="module")
+def e2b_opts(e2b_session: e2b_support.E2BTarget) -> Iterator[dict[str, Any]]:
+    """The E2B SDK's connection options of a user in a namespace of its own (a
+    ServiceAccount with the chart's user role, its token as the key), for one
+    test module; the namespace and what is in it go at the module's end."""
+    ns, key = e2b_session.user()
+    yield e2b_session.opts(key)
+    e2b_session.cleanup([ns])
+
+
+@pytest.fixture(scope="module")
+def e2b_sandbox(e2b_session: e2b_support.E2BTarget, e2b_opts: dict[str, Any]) -> Iterator[Any]:
+    """An `e2b.Sandbox` of the base template, made through the E2B adapter, shared
+    by a test module (a test that kills it makes its own)."""
+    from e2b import Sandbox
+
+    sandbox = Sandbox.create(e2b_session.template, timeout=1800, **e2b_opts)
+    yield sandbox
+    sandbox.kill()
+
+
+@pytest.fixture(scope="module")
+def e2b_interpreter(e2b_opts: dict[str, Any]) -> Iterator[Any]:
+    """An `e2b_code_interpreter.Sandbox` of the code-interpreter-v1 template."""
+    from e2b_code_interpreter import Sandbox  # type: ignore[import-untyped]
+
+    sandbox = Sandbox.create(CODE_INTERPRETER_TEMPLATE, timeout=1800, **e2b_opts)
+    yield sandbox
+    sandbox.kill()
+
+
+@pytest.fixture
+def e2b_env(e2b_target: e2b_support.E2BTarget) -> dict[str, str]:
+    """The environment a user of E2B's SDKs sets, for a fresh namespace."""
+    _ns, key = e2b_target.user()
+    return {**e2b_target.env(key), "E2B_TEMPLATE": CODE_INTERPRETER_TEMPLATE}

@@ -4,31 +4,15 @@ pause and connect, kill; API keys (a ServiceAccount token, an `e2b_` key
 minted on the gateway, a wrong key, another namespace's key, a revoked key);
 a template that does not exist.
 
-Which gateway it talks to (the `e2b` fixture):
-- SANDBOX_E2E_E2B_URL set: that E2B listener (and SANDBOX_E2E_GATEWAY_URL, the
-  same gateway's main listener, where keys are minted), on the cluster of
-  KUBECONFIG, e.g. a gateway run from a checkout against `make up`'s cluster;
-  SANDBOX_E2E_E2B_TEMPLATE names the template (default `base`).
-- Otherwise the e2e tier's own cluster: the chart's gateway when its Service has
-  a port named `e2b`, else a gateway process started from this tree on the
-  node with its E2B listener on (the chart's image, the same code).
+Which gateway it talks to: the `e2b_target` fixture (tests/e2e/e2b.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from functools import partial
-from pathlib import Path
 from typing import Any
 
 import e2b
@@ -36,204 +20,10 @@ import httpx
 import pytest
 from e2b import Sandbox, SandboxQuery, SandboxState
 
-from devcluster import deploy
-from tests.e2e.conftest import E2E
+from tests.e2e.e2b_support import E2BTarget
 from tests.integration.harness import wait_for
-from tests.kube import ApiError, KubeJSON, api_path, core_path
 
 pytestmark = pytest.mark.timeout(900)
-
-URL_VARIABLE = "SANDBOX_E2E_E2B_URL"
-GATEWAY_VARIABLE = "SANDBOX_E2E_GATEWAY_URL"
-TEMPLATE_VARIABLE = "SANDBOX_E2E_E2B_TEMPLATE"
-RBAC = "rbac.authorization.k8s.io/v1"
-SANDBOXES = "/apis/sandbox.dev/v1alpha1/namespaces/{ns}/sandboxes"
-
-
-@dataclass
-class E2BTarget:
-    """A gateway's E2B listener, its main listener, and the cluster behind them."""
-
-    kube: KubeJSON
-    url: str
-    gateway: str
-    template: str
-    namespaces: list[str] = field(default_factory=list)
-
-    def namespace(self) -> str:
-        name = f"e2b-{uuid.uuid4().hex[:8]}"
-        self.kube.create(core_path("namespaces"), deploy.restricted_namespace(name))
-        wait_for(
-            lambda: self.kube.get(core_path("serviceaccounts", name, "default")) is not None,
-            30,
-            f"default ServiceAccount in {name}",
-        )
-        self.namespaces.append(name)
-        return name
-
-    def account(self, ns: str, name: str, role: str | None = "user") -> None:
-        """A ServiceAccount, bound in its namespace to the chart's `role` (or nothing)."""
-        self.kube.create(
-            core_path("serviceaccounts", ns), {"apiVersion": "v1", "metadata": {"name": name}}
-        )
-        if role:
-            self.kube.create(
-                api_path(RBAC, "rolebindings", ns),
-                {
-                    "apiVersion": RBAC,
-                    "kind": "RoleBinding",
-                    "metadata": {"name": f"{name}-{role}"},
-                    "roleRef": {
-                        "apiGroup": "rbac.authorization.k8s.io",
-                        "kind": "ClusterRole",
-                        "name": role if role in ("edit", "admin") else f"{deploy.RELEASE}-{role}",
-                    },
-                    "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
-                },
-            )
-
-    def token(self, ns: str, name: str) -> str:
-        issued = self.kube.create(
-            core_path("serviceaccounts", ns, name, "token"),
-            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}},
-        )
-        token: str = issued["status"]["token"]
-        return token
-
-    def mint(self, ns: str, account: str, minter: str) -> dict[str, str]:
-        """An `e2b_` key for `account`, minted on the main listener by `minter`'s token."""
-        answer = httpx.post(
-            f"{self.gateway}/v1/namespaces/{ns}/e2bkeys",
-            headers={"Authorization": f"Bearer {minter}"},
-            json={"serviceAccount": account},
-            timeout=30,
-        )
-        assert answer.status_code == 201, answer.text
-        minted: dict[str, str] = answer.json()
-        return minted
-
-    def opts(self, key: str) -> dict[str, Any]:
-        """The SDK's connection options: what E2B_API_KEY, E2B_API_URL and
-        E2B_SANDBOX_URL would say."""
-        return {"api_key": key, "api_url": self.url, "sandbox_url": self.url}
-
-    def sandboxes(self, ns: str) -> list[str]:
-        return [s["metadata"]["name"] for s in self.kube.list(SANDBOXES.format(ns=ns))]
-
-    def sandbox(self, ns: str, name: str) -> dict[str, Any] | None:
-        return self.kube.get(f"{SANDBOXES.format(ns=ns)}/{name}")
-
-    def cleanup(self) -> None:
-        for name in self.namespaces:
-            with contextlib.suppress(ApiError):
-                self.kube.delete(core_path("namespaces", name=name))
-        for name in self.namespaces:
-            wait_for(partial(self._gone, name), 120, f"namespace {name} deleted")
-        self.namespaces.clear()
-
-    def _gone(self, namespace: str) -> bool:
-        return self.kube.get(core_path("namespaces", name=namespace)) is None
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def _gateway_process(kubeconfig: Path, keys_namespace: str) -> Iterator[tuple[str, str]]:
-    """This tree's gateway, on the node, with its E2B listener: (main, e2b) URLs."""
-    main, e2b_port = _free_port(), _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        keys = Path(tmp, "keys")
-        keys.mkdir()
-        (keys / "k1").write_bytes(os.urandom(48).hex().encode())
-        repo = Path(__file__).resolve().parents[2]
-        env = {
-            **os.environ,
-            "KUBECONFIG": str(kubeconfig),
-            "PYTHONPATH": str(repo / "operator"),
-            "SANDBOX_GATEWAY_KEYS_DIR": str(keys),
-            "SANDBOX_GATEWAY_HOST": "127.0.0.1",
-            "SANDBOX_GATEWAY_PORT": str(main),
-            "SANDBOX_GATEWAY_E2B_PORT": str(e2b_port),
-            "SANDBOX_GATEWAY_METRICS_PORT": "0",
-            "SANDBOX_GATEWAY_E2B_KEYS_NAMESPACE": keys_namespace,
-        }
-        log = Path(tmp, "gateway.log")
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "sandbox_operator.gateway"],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        try:
-
-            def ready() -> bool:
-                if process.poll() is not None:
-                    raise AssertionError(f"the gateway exited:\n{log.read_text()[-4000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    return httpx.get(f"http://127.0.0.1:{main}/readyz").status_code == 200
-                return False
-
-            wait_for(ready, 60, "the gateway ready")
-            yield f"http://127.0.0.1:{main}", f"http://127.0.0.1:{e2b_port}"
-        finally:
-            process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(30)
-            if process.poll() is None:
-                process.kill()
-
-
-def _chart_urls(kube: KubeJSON) -> tuple[str, str] | None:
-    """(main, e2b) URLs of the chart's gateway Service by its ClusterIP (the tests
-    run on the node), when the Service has an `e2b` port."""
-    service = kube.read(core_path("services", deploy.NAMESPACE, f"{deploy.RELEASE}-gateway"))
-    ports = {p.get("name"): p["port"] for p in service["spec"]["ports"]}
-    if "e2b" not in ports:
-        return None
-    address = service["spec"]["clusterIP"]
-    return f"http://{address}:{ports['http']}", f"http://{address}:{ports['e2b']}"
-
-
-if os.environ.get(URL_VARIABLE):
-
-    @pytest.fixture
-    def e2b_target() -> Iterator[E2BTarget]:
-        gateway = os.environ.get(GATEWAY_VARIABLE)
-        assert gateway, f"{GATEWAY_VARIABLE}: the main listener of the gateway at {URL_VARIABLE}"
-        with KubeJSON(os.environ["KUBECONFIG"]) as kube:
-            target = E2BTarget(
-                kube,
-                os.environ[URL_VARIABLE].rstrip("/"),
-                gateway.rstrip("/"),
-                os.environ.get(TEMPLATE_VARIABLE, "base"),
-            )
-            try:
-                yield target
-            finally:
-                target.cleanup()
-
-else:
-
-    @pytest.fixture
-    def e2b_target(e2e: E2E) -> Iterator[E2BTarget]:
-        target = E2BTarget(e2e.kube, "", "", os.environ.get(TEMPLATE_VARIABLE, "base"))
-        try:
-            chart = _chart_urls(e2e.kube)
-            if chart is not None:
-                target.gateway, target.url = chart
-                yield target
-                return
-            with _gateway_process(e2e.cluster.kubeconfig, target.namespace()) as (main, url):
-                target.gateway, target.url = main, url
-                yield target
-        finally:
-            target.cleanup()
 
 
 @dataclass

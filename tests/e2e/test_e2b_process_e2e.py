@@ -1,10 +1,9 @@
 """E2B's commands and terminals (`process.Process`) through the gateway's E2B
 adapter, driven by the unchanged `e2b` Python SDK.
 
-Fixture `e2b_sandbox`: an `e2b.Sandbox` connected to a running sandbox through
-the chart's gateway (its E2B listener as `E2B_SANDBOX_URL`, the sandbox's
-access token as `envd_access_token`), fresh for each test or at least with
-nothing of another test's processes running in it. The sandbox's home
+Fixture `e2b_sandbox` (tests/e2e/conftest.py): an `e2b.Sandbox` of the `base`
+template made through the chart's gateway, shared by the module (each test
+ends the processes it starts); the test that kills a sandbox makes its own. The sandbox's home
 directory is its workspace; the tests learn its path from `pwd`. They need
 `bash`, `cat`, `sleep` and `tput` in the sandbox's image.
 """
@@ -287,9 +286,11 @@ def test_pty_and_command_inputs_do_not_mix(e2b_sandbox: Sandbox) -> None:
         command.kill()
 
 
-def test_sandbox_killed_during_a_command(e2b_sandbox: Sandbox) -> None:
-    handle = e2b_sandbox.commands.run("sleep 60", background=True)
-    e2b_sandbox.kill()
+def test_sandbox_killed_during_a_command(e2b_opts: dict[str, Any]) -> None:
+    # A sandbox of its own: the module's shared one lives on.
+    doomed = Sandbox.create("base", timeout=300, **e2b_opts)
+    handle = doomed.commands.run("sleep 60", background=True)
+    doomed.kill()
     with pytest.raises(TimeoutException, match="sandbox was killed or reached its end of life"):
         handle.wait()
-    assert not e2b_sandbox.is_running()
+    assert not doomed.is_running()
