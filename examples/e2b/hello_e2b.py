@@ -21,6 +21,6 @@ with Sandbox.create(timeout=300) as sandbox:  # the code-interpreter-v1 template
     print("a chart, as PNG:", len(chart.results[0].png or ""), "bytes of base64")
 
     sandbox.files.write("/home/user/hello.txt", "hello from E2B's SDK")
-    print(sandbox.commands.run("cat hello.txt && whoami && pwd").stdout)
+    print(sandbox.commands.run("cat hello.txt; echo; whoami; pwd").stdout)
     print("sandbox", sandbox.sandbox_id, "is running:", sandbox.is_running())
 # Leaving the block kills the sandbox (its Sandbox resource is deleted).

@@ -114,3 +114,25 @@ def test_connect_envelopes_and_errors() -> None:
     assert connect.ConnectError.from_http(418, "x").code == "unknown"
     assert connect.ConnectError.from_http(507, "x").code == "internal"
     assert connect.ConnectError("unauthenticated", "x").response().status == 401
+
+
+def test_the_route_knows_the_workspace_and_lease_the_sandbox_runs_with() -> None:
+    from sandbox_operator.gateway.table import route_of
+
+    body: dict[str, Any] = {
+        "metadata": {"name": "ibox", "namespace": "team-a", "uid": "u"},
+        "spec": {
+            "poolRef": {"name": "e2b-base"},
+            "lifecycle": {"expiresAt": "2030-01-01T00:00:00Z"},
+        },
+        "status": {},
+    }
+    assert route_of(body).workspace == "/workspace"
+    assert route_of(body).lease == "2030-01-01T00:00:00Z"
+    # A claim or a template use records the template's fields: the mount path is there.
+    body["status"]["template"] = {
+        "kind": "ClusterSandboxTemplate",
+        "name": "base",
+        "defaults": {"runtime": "e2b", "workspace": {"mountPath": "/home/user"}},
+    }
+    assert route_of(body).workspace == "/home/user"

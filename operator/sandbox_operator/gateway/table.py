@@ -38,6 +38,8 @@ Key = tuple[str, str]
 log = logging.getLogger("sandbox_gateway.table")
 
 RELIST_BACKOFF = (0.5, 1.0, 2.0, 5.0, 10.0)
+# Where a sandbox container sees its workspace unless its spec says otherwise.
+WORKSPACE = "/workspace"
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class Route:
     # The SandboxPool this one waits in, unclaimed, if any.
     pool: str = ""
     # Where the workspace is mounted in the sandbox container (spec.workspace.mountPath).
-    workspace: str = "/workspace"
+    workspace: str = WORKSPACE
     # The lease's end (spec.lifecycle.expiresAt), as written; "" when none.
     lease: str = ""
     # Deleted, its finalizer not yet done: its pod is going away.
@@ -91,8 +93,10 @@ def route_of(body: JSON) -> Route:
         spec = sandbox_spec(body)
         paused, by_spec = effectively_paused(body, spec), spec.paused
         ports = {p.port: Port(p.port, p.name, p.public) for p in spec.network.exposed_ports}
+        # As it runs: a template (or a pool's) may say where the workspace is.
+        home, lease = spec.workspace.mount_path or WORKSPACE, spec.lifecycle.expires_at or ""
     except ValidationError:
-        paused, by_spec, ports = False, False, {}
+        paused, by_spec, ports, home, lease = False, False, {}, WORKSPACE, ""
     pool = status.get("pool") or {}
     member = (pool["member"], pool["memberUid"]) if pool.get("memberUid") else None
     claimer = next(
@@ -120,10 +124,8 @@ def route_of(body: JSON) -> Route:
         served_by=member,
         claimed_by=claimer,
         pool=(meta.get("labels") or {}).get(LABEL_POOL, ""),
-        workspace=str(
-            ((body.get("spec") or {}).get("workspace") or {}).get("mountPath") or "/workspace"
-        ),
-        lease=str(((body.get("spec") or {}).get("lifecycle") or {}).get("expiresAt") or ""),
+        workspace=home,
+        lease=lease,
         deleting=bool(meta.get("deletionTimestamp")),
     )
 
