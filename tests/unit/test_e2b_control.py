@@ -3,6 +3,7 @@ E2B's shapes of a Sandbox, list filters and paging tokens, API keys, metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import urllib.parse
@@ -14,6 +15,7 @@ import pytest
 from sandbox_operator.api.sandbox import SandboxSpec
 from sandbox_operator.gateway.access import Caller
 from sandbox_operator.gateway.e2b import core, keys, listing, shapes, usage
+from sandbox_operator.gateway.e2b.control import ordered, warm_pool
 from sandbox_operator.gateway.e2b.core import E2BError
 from sandbox_operator.resources import LABEL_POOL, RESUME_ANNOTATION
 
@@ -409,3 +411,52 @@ def test_a_metrics_sample() -> None:
     assert usage.overlaps(100, 100, 96)
     assert not usage.overlaps(100, 101, None)
     assert not usage.overlaps(100, None, 94)
+
+
+# -- create's lookups ---------------------------------------------------------------------
+
+
+def test_the_warm_pool_of_a_template_is_the_one_with_most_ready_members() -> None:
+    def pool(name: str, template: str, ready: int, kind: str | None = None) -> JSON:
+        ref = {"name": template, **({"kind": kind} if kind else {})}
+        return {
+            "metadata": {"name": name},
+            "spec": {"templateRef": ref},
+            "status": {"ready": ready},
+        }
+
+    base = {"kind": "ClusterSandboxTemplate", "name": "base"}
+    listed = {
+        "items": [
+            pool("few", "base", 1, "ClusterSandboxTemplate"),
+            pool("many", "base", 3, "ClusterSandboxTemplate"),
+            pool("namesake", "base", 9),  # a SandboxTemplate `base` of the namespace
+            pool("other", "code-interpreter-v1", 9, "ClusterSandboxTemplate"),
+        ]
+    }
+    assert warm_pool(listed, base) == "many"
+    assert warm_pool(listed, {"kind": "SandboxTemplate", "name": "base"}) == "namesake"
+    empty = {"items": [pool("drained", "base", 0, "ClusterSandboxTemplate")]}
+    assert warm_pool(empty, base) is None  # a cold start
+    assert warm_pool(None, base) is None
+
+
+def test_lookups_run_at_once_and_fail_in_the_order_given() -> None:
+    async def answer(value: str, after: float) -> str:
+        await asyncio.sleep(after)
+        return value
+
+    async def refuse(status: int, after: float) -> str:
+        await asyncio.sleep(after)
+        raise E2BError(status, f"refused {status}")
+
+    async def scenario() -> None:
+        began = asyncio.get_running_loop().time()
+        assert await ordered(answer("a", 0.05), answer("b", 0.05)) == ["a", "b"]
+        assert asyncio.get_running_loop().time() - began < 0.09  # not one after the other
+        # The later-answered failure first in order is the one raised.
+        with pytest.raises(E2BError) as caught:
+            await ordered(refuse(403, 0.03), refuse(404, 0.0), answer("c", 0.0))
+        assert caught.value.status == 403
+
+    asyncio.run(scenario())

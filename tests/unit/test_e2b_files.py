@@ -12,7 +12,7 @@ import pytest
 from sandbox_operator.gateway.e2b import paths
 from sandbox_operator.gateway.e2b.connect import ConnectError
 from sandbox_operator.gateway.e2b.entries import entry_info, field, go_permissions, tree_order
-from sandbox_operator.gateway.e2b.files import disposition, signature, wants_gzip
+from sandbox_operator.gateway.e2b.files import disposition, media_type, signature, wants_gzip
 from sandbox_operator.gateway.e2b.watch import translate
 
 HOME = "/home/user"
@@ -303,3 +303,20 @@ def test_disposition_names_the_file_safely() -> None:
     assert disposition('a"b.txt') == "inline; filename*=utf-8''a%22b.txt"
     assert disposition("ü.txt") == "inline; filename*=utf-8''%C3%BC.txt"
     assert disposition("a\r\nb") == "inline; filename*=utf-8''a%0D%0Ab"
+
+
+@pytest.mark.parametrize(
+    ("header", "kind"),
+    [
+        (None, "application/octet-stream"),
+        ("application/octet-stream", "application/octet-stream"),
+        ("multipart/form-data; boundary=4c3e0b6ad1c4f0e1", "multipart/form-data"),
+        ('Multipart/Form-Data;boundary="a;b"', "multipart/form-data"),
+        (" application/octet-stream ; charset=utf-8", "application/octet-stream"),
+        ("text/plain", "text/plain"),
+        ("text", "text"),  # not a media type: refused as one that is not served
+        ("", ""),
+    ],
+)
+def test_upload_media_types(header: str | None, kind: str) -> None:
+    assert media_type(header) == kind

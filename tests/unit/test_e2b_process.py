@@ -5,16 +5,21 @@ Connect codec's bounds."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gzip
 import signal
 import subprocess
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from sandbox_operator.gateway.e2b import connect
 from sandbox_operator.gateway.e2b import process_wire as wire
 from sandbox_operator.gateway.e2b.connect import ConnectError
+from sandbox_operator.gateway.e2b.process_stream import Lines, give_back
 
 WS = "/home/user"
 
@@ -349,3 +354,57 @@ def test_gzip_is_bounded() -> None:
     assert code_of(connect._gunzip, bomb) == "resource_exhausted"
     assert code_of(connect._gunzip, b"not gzip") == "invalid_argument"
     assert code_of(connect._gunzip, gzip.compress(b"x" * 1000)[:20]) == "invalid_argument"
+
+
+# -- the agent's connection ------------------------------------------------------------
+
+
+def test_a_commands_stream_read_to_its_end_gives_the_connection_back() -> None:
+    """After a command's last event the rest of the agent's stream is read, so the
+    next command reuses the connection; a stream left before its end is closed."""
+    peers: list[int] = []  # the client's port of each request
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        peers.append(request.transport.get_extra_info("peername")[1])
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(b'{"type": "started"}\n{"type": "finished"}\n')
+        await asyncio.sleep(0.05)  # the end of the body comes on its own
+        with contextlib.suppress(ConnectionResetError):  # the client left before it
+            await response.write_eof()
+        return response
+
+    async def command(session: aiohttp.ClientSession, url: str, *, to_the_end: bool) -> None:
+        resp = await session.post(url)
+        try:
+            lines = Lines(resp.content)
+            assert await lines.next() == {"type": "started"}
+            assert await lines.next() == {"type": "finished"}
+            if to_the_end:
+                await give_back(resp)
+        finally:
+            resp.release()
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/executions/stream", stream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}/v1/executions/stream"
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _ in range(3):
+                    await command(session, url, to_the_end=True)
+                assert len(set(peers)) == 1, peers  # one connection for the three
+                await command(session, url, to_the_end=False)  # left early: closed
+                await command(session, url, to_the_end=True)
+                assert peers[4] != peers[3], peers  # so this one needed a new one
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())

@@ -63,6 +63,11 @@ PID_WAIT = 10.0
 # runner) may have died with its sandbox: how long to watch for the sandbox
 # going away before reporting the death as the process's own.
 LEAVING_WAIT = 2.0
+# After a command's last event, how long and how much of the rest of the
+# agent's stream (the end of its chunked body, which comes at once) is read so
+# that the connection goes back to the pool.
+DRAIN_SECONDS = 2.0
+DRAIN_BYTES = 64 << 10
 
 
 class Processes(Protocol):
@@ -143,6 +148,18 @@ def _event(line: bytes) -> JSON:
     if not isinstance(event, dict):
         raise ConnectError("internal", "the sandbox's agent sent a bad event")
     return event
+
+
+async def give_back(resp: aiohttp.ClientResponse) -> None:
+    """Read the rest of an agent stream whose last event was read: released
+    before its end, the connection would be closed, and the next command would
+    pay for a new one, in the gateway and in the agent. A stream that does not
+    end at once is left as it was (the caller's release closes it)."""
+    with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
+        async with asyncio.timeout(DRAIN_SECONDS):
+            left = DRAIN_BYTES
+            while left > 0 and (chunk := await resp.content.readany()):
+                left -= len(chunk)
 
 
 def keepalive_of(request: web.Request) -> float:
@@ -298,6 +315,7 @@ class Streams:
                 pid = await self._pid_of(out, record["id"])
             await out.send(wire.start_event(pid))
             await self._pump_command(out, lines, own_deadline=True)
+            await give_back(resp)
         finally:
             resp.release()
 
@@ -491,5 +509,6 @@ class Streams:
                 raise self._broken(out)
             await out.send(wire.start_event(proc.pid))
             await self._pump_command(out, lines, own_deadline=False)
+            await give_back(resp)
         finally:
             resp.release()
