@@ -1,7 +1,7 @@
 """Run E2B's own SDK test suites against this operator's E2B adapter.
 
-    python hack/e2b_conformance.py e2b CHECKOUT [-- PYTEST_ARGS...]
-    python hack/e2b_conformance.py code-interpreter CHECKOUT [-- PYTEST_ARGS...]
+    python hack/e2b_conformance.py e2b CHECKOUT [--select tests/sync] [-- PYTEST_ARGS...]
+    python hack/e2b_conformance.py code-interpreter CHECKOUT [--select ...] [-- PYTEST_ARGS...]
 
 CHECKOUT is a checkout of e2b-dev/E2B (its `packages/python-sdk/tests` run)
 or of e2b-dev/code-interpreter (`python/tests`), ideally at the tag of the
@@ -160,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("checkout", type=Path, help="a checkout of the suite's repository")
+    parser.add_argument(
+        "--select",
+        action="append",
+        help="a test directory or file of the suite to run (repeatable; default: all of tests/)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args(argv)
     package, packages = SUITES[args.suite]
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--junitxml={junit}",
             "-o",
             "junit_family=xunit1",
-            "tests",
+            *(args.select or ["tests"]),
             *args.pytest_args,
         ],
         cwd=root,
