@@ -165,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         help="a test directory or file of the suite to run (repeatable; default: all of tests/)",
     )
-    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # Everything after `--` goes to pytest as it is.
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     package, packages = SUITES[args.suite]
     root = args.checkout.resolve() / package
     if not (root / "tests").is_dir():
@@ -176,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, **_cluster_defaults()}
     env.setdefault("E2B_SANDBOX_URL", env["E2B_API_URL"])
     env.setdefault("E2B_DOMAIN", "e2b.local")
+    # The pinned SDK from PyPI is what is judged, not the checkout's own source
+    # next to its tests: the working directory stays off sys.path.
+    env["PYTHONSAFEPATH"] = "1"
     junit = CACHE / f"{args.suite}.xml"
     run = subprocess.run(
         [
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             "-o",
             "junit_family=xunit1",
             *(args.select or ["tests"]),
-            *args.pytest_args,
+            *extra,
         ],
         cwd=root,
         env=env,
