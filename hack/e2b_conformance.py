@@ -76,6 +76,8 @@ CATEGORIES = (
     ("test_host.py", "hosts {port}-{id}.<domain> (need a wildcard DNS name)"),
     ("stable_host_routing", "a client-side test that assumes E2B's cloud (no E2B_SANDBOX_URL)"),
     ("normalizes_unset_tokens", "a client-side test of the v1 connect (the SDK uses v2)"),
+    ("tests/charts/", "chart data from figures (a figure comes as PNG)"),
+    ("test_bash", "a bash kernel (Python and JavaScript run)"),
     ("java", "a Java kernel (not in the image)"),
     ("test_r.py", "an R kernel (not in the image)"),
     ("systemd", "systemd (no init system in a pod)"),
