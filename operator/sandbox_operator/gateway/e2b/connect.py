@@ -25,6 +25,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from sandbox_operator.gateway.e2b.core import whole
+
 JSON = dict[str, Any]
 UNARY = "application/json"
 STREAM = "application/connect+json"
@@ -211,7 +213,5 @@ async def stream_error(request: web.Request, error: ConnectError) -> web.StreamR
 
 def timeout_seconds(request: web.Request) -> float | None:
     """The call's deadline (`Connect-Timeout-Ms`), or None."""
-    value = request.headers.get("Connect-Timeout-Ms", "")
-    if not value.isdigit() or len(value) > 10:
-        return None
-    return int(value) / 1000
+    value = whole(request.headers.get("Connect-Timeout-Ms", ""), 10)
+    return None if value is None else value / 1000

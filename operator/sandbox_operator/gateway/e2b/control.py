@@ -515,9 +515,10 @@ def _epoch(query: Any, name: str) -> int | None:
     text = query.get(name)
     if text is None:
         return None
-    if not text.isdigit() or len(text) > 12:
+    number = core.whole(text, 12)
+    if number is None:
         raise E2BError(400, f"{name}: Unix time in seconds")
-    return int(text)
+    return number
 
 
 def not_found(sandbox_id: str) -> E2BError:

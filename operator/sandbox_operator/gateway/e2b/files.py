@@ -133,9 +133,11 @@ class Files:
         raw_expiration = request.query.get("signature_expiration")
         expiration = None
         if raw_expiration is not None:
-            if not raw_expiration.lstrip("-").isdigit() or len(raw_expiration) > 19:
+            negative = raw_expiration.startswith("-")
+            expiration = core.whole(raw_expiration[negative:], 18)
+            if expiration is None:
                 raise E2BError(400, "signature_expiration must be a Unix time in seconds")
-            expiration = int(raw_expiration)
+            expiration = -expiration if negative else expiration
         operation = "write" if request.method == "POST" else "read"
         path = request.query.get("path", "")
         user = request.query.get("username", "")
