@@ -205,3 +205,41 @@ def test_a_signed_urls_expiration_is_a_number_or_a_400(odd: str) -> None:
     with pytest.raises(core.E2BError) as refused:
         asyncio.run(files.signed_target(request, "ibox"))
     assert refused.value.status == 400
+
+
+def test_a_connect_body_that_does_not_come_is_a_408_not_a_hang() -> None:
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from sandbox_operator.gateway.e2b.connect import ConnectError
+
+    async def scenario(kind: str) -> ConnectError:
+        app = web.Application()
+        app[connect.BODY_SECONDS] = 0.2
+        from unittest import mock
+
+        from aiohttp.streams import StreamReader
+
+        payload = StreamReader(
+            mock.Mock(_reading_paused=False), 1 << 16, loop=asyncio.get_running_loop()
+        )
+        payload.feed_data(b"{")  # announced more, sends one byte, then nothing
+        request = make_mocked_request(
+            "POST",
+            "/filesystem.Filesystem/Stat",
+            headers={"Content-Type": kind, "Content-Length": "50"},
+            payload=payload,
+            app=app,
+        )
+        started = time.monotonic()
+        with pytest.raises(ConnectError) as refused:
+            await connect.read_request(request)
+        assert time.monotonic() - started < 2
+        return refused.value
+
+    for kind in (connect.UNARY, connect.STREAM):
+        error = asyncio.run(scenario(kind))
+        assert (error.code, error.status) == ("deadline_exceeded", 408)
+        assert error.response().status == 408

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
 
-from sandbox_operator.gateway.e2b import core
+from sandbox_operator.gateway.e2b import connect, core
 from sandbox_operator.gateway.e2b.control import Control
 from sandbox_operator.gateway.e2b.core import (
     CONTROL,
@@ -40,6 +40,7 @@ class E2BApp:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.errors], client_max_size=1 << 20)
+        app[connect.BODY_SECONDS] = self.adapter.gateway.settings.head_seconds
         app.router.add_route("*", "/{path:.*}", self.dispatch)
         return app
 
