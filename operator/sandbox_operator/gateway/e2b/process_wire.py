@@ -251,8 +251,13 @@ def parse_signal(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise invalid("signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM")
     name = SIGNALS.get(value)
+    if name is None and isinstance(value, str) and value != "SIGNAL_UNSPECIFIED":
+        # Not a name of E2B's Signal enum: its daemon's JSON decoding refuses the
+        # message, as invalid_argument (the caller's mistake, not a 501).
+        raise invalid(f"signal {value[:40]!r} is not a Signal: SIGNAL_SIGKILL or SIGNAL_SIGTERM")
     if name is None:
-        # E2B's daemon answers an unknown or unset signal with `unimplemented`.
+        # E2B's daemon answers an unset signal, or a number its enum does not
+        # name (proto3 enums are open), with `unimplemented`.
         raise ConnectError("unimplemented", f"invalid signal: {str(value)[:40]}")
     return name
 
