@@ -243,3 +243,76 @@ def test_a_connect_body_that_does_not_come_is_a_408_not_a_hang() -> None:
         error = asyncio.run(scenario(kind))
         assert (error.code, error.status) == ("deadline_exceeded", 408)
         assert error.response().status == 408
+
+
+def _broken_body() -> Any:
+    """A request whose body does not decode (a Content-Encoding: gzip that is not):
+    aiohttp raises RequestPayloadError from every read of it."""
+    import asyncio
+    from unittest import mock
+
+    from aiohttp.http_exceptions import ContentEncodingError
+    from aiohttp.streams import StreamReader
+    from aiohttp.test_utils import make_mocked_request
+    from aiohttp.web_protocol import RequestPayloadError
+
+    payload = StreamReader(
+        mock.Mock(_reading_paused=False), 1 << 16, loop=asyncio.get_running_loop()
+    )
+    error = RequestPayloadError("400, message: Can not decode content-encoding: gzip")
+    error.__cause__ = ContentEncodingError("gzip")
+    payload.set_exception(error)
+    return make_mocked_request(
+        "POST",
+        "/",
+        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+        payload=payload,
+    )
+
+
+def test_a_body_that_does_not_decode_is_a_400_everywhere_it_is_read() -> None:
+    import asyncio
+
+    from sandbox_operator.gateway.app import Gateway, Refusal
+    from sandbox_operator.gateway.e2b.control import Control
+    from sandbox_operator.gateway.e2b.interpreter import Interpreter, InterpreterError
+
+    settings = SimpleNamespace(head_seconds=5.0)
+    gateway: Any = SimpleNamespace(settings=settings, upstreams=SimpleNamespace(body_seconds=5.0))
+    adapter: Any = SimpleNamespace(gateway=gateway)
+
+    async def scenario() -> None:
+        with pytest.raises(core.E2BError) as refused:
+            await Control(adapter).body(_broken_body())
+        assert refused.value.status == 400
+        with pytest.raises(InterpreterError) as refused_here:
+            await Interpreter(adapter)._body(_broken_body(), 1 << 20)
+        assert refused_here.value.status == 400
+        with pytest.raises(Refusal) as refusal:
+            await Gateway._json(cast(Any, gateway), _broken_body())
+        assert refusal.value.status == 400
+
+    asyncio.run(scenario())
+
+
+def test_the_log_leaves_out_what_the_callers_body_did() -> None:
+    import logging
+
+    from aiohttp.web_protocol import RequestPayloadError
+
+    from sandbox_operator.gateway.__main__ import CallerErrors
+
+    def record(error: BaseException) -> logging.LogRecord:
+        return logging.LogRecord(
+            "aiohttp.server",
+            logging.ERROR,
+            "",
+            0,
+            "Unhandled exception",
+            None,
+            (type(error), error, None),
+        )
+
+    keep = CallerErrors()
+    assert not keep.filter(record(RequestPayloadError("Can not decode content-encoding: gzip")))
+    assert keep.filter(record(RuntimeError("ours")))
