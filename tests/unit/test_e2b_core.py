@@ -136,3 +136,183 @@ def test_the_route_knows_the_workspace_and_lease_the_sandbox_runs_with() -> None
         "defaults": {"runtime": "e2b", "workspace": {"mountPath": "/home/user"}},
     }
     assert route_of(body).workspace == "/home/user"
+
+
+# Numbers a caller spells: '²' and '٣' are str.isdigit() but not int()'s, and int()
+# refuses more than 4,300 digits; each must be a bad value, never an exception.
+ODD_NUMBERS = ["²", "٤٩٩٨٣", "1²", "9" * 5000, "", "-1", "+1", " 1", "1.0", "0x1"]
+
+
+def test_whole_numbers_are_ascii_digits_within_a_length() -> None:
+    assert core.whole("0", 1) == 0
+    assert core.whole("49983", 5) == 49983
+    assert core.whole("123456", 5) is None
+    for odd in ODD_NUMBERS:
+        assert core.whole(odd, 18) is None, odd
+
+
+def _headers(**headers: str) -> Any:
+    from aiohttp.test_utils import make_mocked_request
+
+    return make_mocked_request("POST", "/", headers=headers)
+
+
+@pytest.mark.parametrize("odd", ODD_NUMBERS)
+def test_numbers_in_headers_and_queries_are_refused_not_raised(odd: str) -> None:
+    from sandbox_operator.gateway.e2b import control, entries, listing, process_stream, watch
+    from sandbox_operator.gateway.e2b import process_wire as wire
+    from sandbox_operator.gateway.e2b.app import E2BApp
+    from sandbox_operator.gateway.e2b.connect import ConnectError
+
+    assert connect.timeout_seconds(_headers(**{"Connect-Timeout-Ms": odd})) is None
+    assert watch.keepalive_seconds(_headers(**{"Keepalive-Ping-Interval": odd})) == 50.0
+    assert process_stream.keepalive_of(_headers(**{"Keepalive-Ping-Interval": odd})) == 90.0
+    with pytest.raises(core.E2BError) as refused:
+        listing.parse_list({"limit": odd}, v2=True)
+    assert refused.value.status == 400
+    with pytest.raises(core.E2BError) as refused:
+        control._epoch({"start": odd}, "start")
+    assert refused.value.status == 400
+    with pytest.raises(ConnectError) as invalid:
+        entries.field({"depth": odd}, "depth", int, 0)
+    assert invalid.value.code == "invalid_argument"
+    with pytest.raises(ConnectError) as invalid:
+        wire.parse_selector({"process": {"pid": odd}})
+    assert invalid.value.code == "invalid_argument"
+    with pytest.raises(ConnectError):
+        wire.parse_signal(odd)
+    app = E2BApp(cast(Any, SimpleNamespace(gateway=SimpleNamespace())), [])
+    if odd.strip() != "1":  # the HTTP parser strips a header's spaces: " 1" is 1
+        with pytest.raises(core.E2BError) as refused:
+            app._sandbox(_headers(**{"E2b-Sandbox-Id": "ibox", "E2b-Sandbox-Port": odd}))
+        assert refused.value.status == 400
+    domain = SimpleNamespace(settings=SimpleNamespace(e2b_domain="e2b.test"))
+    by_host = E2BApp(cast(Any, SimpleNamespace(gateway=domain)), [])
+    host = f"{odd}-ibox.e2b.test".encode().decode("latin-1")
+    assert by_host._sandbox(_headers(Host=host)) is None
+
+
+@pytest.mark.parametrize("odd", ["²", "--5", "-²", "9" * 5000, "1e3"])
+def test_a_signed_urls_expiration_is_a_number_or_a_400(odd: str) -> None:
+    import asyncio
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from sandbox_operator.gateway.e2b.files import Files
+
+    files = Files(cast(Any, SimpleNamespace()))
+    request = make_mocked_request("GET", f"/files?signature=v1_x&signature_expiration={odd}")
+    with pytest.raises(core.E2BError) as refused:
+        asyncio.run(files.signed_target(request, "ibox"))
+    assert refused.value.status == 400
+
+
+def test_a_connect_body_that_does_not_come_is_a_408_not_a_hang() -> None:
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from sandbox_operator.gateway.e2b.connect import ConnectError
+
+    async def scenario(kind: str) -> ConnectError:
+        app = web.Application()
+        app[connect.BODY_SECONDS] = 0.2
+        from unittest import mock
+
+        from aiohttp.streams import StreamReader
+
+        payload = StreamReader(
+            mock.Mock(_reading_paused=False), 1 << 16, loop=asyncio.get_running_loop()
+        )
+        payload.feed_data(b"{")  # announced more, sends one byte, then nothing
+        request = make_mocked_request(
+            "POST",
+            "/filesystem.Filesystem/Stat",
+            headers={"Content-Type": kind, "Content-Length": "50"},
+            payload=payload,
+            app=app,
+        )
+        started = time.monotonic()
+        with pytest.raises(ConnectError) as refused:
+            await connect.read_request(request)
+        assert time.monotonic() - started < 2
+        return refused.value
+
+    for kind in (connect.UNARY, connect.STREAM):
+        error = asyncio.run(scenario(kind))
+        assert (error.code, error.status) == ("deadline_exceeded", 408)
+        assert error.response().status == 408
+
+
+def _broken_body() -> Any:
+    """A request whose body does not decode (a Content-Encoding: gzip that is not):
+    aiohttp raises RequestPayloadError from every read of it."""
+    import asyncio
+    from unittest import mock
+
+    from aiohttp.http_exceptions import ContentEncodingError
+    from aiohttp.streams import StreamReader
+    from aiohttp.test_utils import make_mocked_request
+    from aiohttp.web_protocol import RequestPayloadError
+
+    payload = StreamReader(
+        mock.Mock(_reading_paused=False), 1 << 16, loop=asyncio.get_running_loop()
+    )
+    error = RequestPayloadError("400, message: Can not decode content-encoding: gzip")
+    error.__cause__ = ContentEncodingError("gzip")
+    payload.set_exception(error)
+    return make_mocked_request(
+        "POST",
+        "/",
+        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+        payload=payload,
+    )
+
+
+def test_a_body_that_does_not_decode_is_a_400_everywhere_it_is_read() -> None:
+    import asyncio
+
+    from sandbox_operator.gateway.app import Gateway, Refusal
+    from sandbox_operator.gateway.e2b.control import Control
+    from sandbox_operator.gateway.e2b.interpreter import Interpreter, InterpreterError
+
+    settings = SimpleNamespace(head_seconds=5.0)
+    gateway: Any = SimpleNamespace(settings=settings, upstreams=SimpleNamespace(body_seconds=5.0))
+    adapter: Any = SimpleNamespace(gateway=gateway)
+
+    async def scenario() -> None:
+        with pytest.raises(core.E2BError) as refused:
+            await Control(adapter).body(_broken_body())
+        assert refused.value.status == 400
+        with pytest.raises(InterpreterError) as refused_here:
+            await Interpreter(adapter)._body(_broken_body(), 1 << 20)
+        assert refused_here.value.status == 400
+        with pytest.raises(Refusal) as refusal:
+            await Gateway._json(cast(Any, gateway), _broken_body())
+        assert refusal.value.status == 400
+
+    asyncio.run(scenario())
+
+
+def test_the_log_leaves_out_what_the_callers_body_did() -> None:
+    import logging
+
+    from aiohttp.web_protocol import RequestPayloadError
+
+    from sandbox_operator.gateway.__main__ import CallerErrors
+
+    def record(error: BaseException) -> logging.LogRecord:
+        return logging.LogRecord(
+            "aiohttp.server",
+            logging.ERROR,
+            "",
+            0,
+            "Unhandled exception",
+            None,
+            (type(error), error, None),
+        )
+
+    keep = CallerErrors()
+    assert not keep.filter(record(RequestPayloadError("Can not decode content-encoding: gzip")))
+    assert keep.filter(record(RuntimeError("ours")))

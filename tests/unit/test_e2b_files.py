@@ -320,3 +320,40 @@ def test_disposition_names_the_file_safely() -> None:
 )
 def test_upload_media_types(header: str | None, kind: str) -> None:
     assert media_type(header) == kind
+
+
+def test_an_upload_that_stops_arriving_is_a_408() -> None:
+    import asyncio
+    from collections.abc import AsyncIterator
+
+    from sandbox_operator.gateway.e2b import files
+    from sandbox_operator.gateway.e2b.core import E2BError
+
+    async def stalls() -> AsyncIterator[bytes]:
+        yield b"first"
+        await asyncio.Event().wait()  # and nothing more, ever
+        yield b"never"
+
+    async def scenario() -> None:
+        body = files._Body(stalls(), 0.1)
+        got: list[bytes] = []
+
+        async def read() -> None:
+            async for chunk in body:
+                got.append(chunk)
+
+        with pytest.raises(TimeoutError):
+            await read()
+        assert got == [b"first"]
+        assert isinstance(body.error, TimeoutError)
+        with pytest.raises(E2BError) as refused:
+            await files._unbroken(asyncio.Event().wait(), 0.1)
+        assert refused.value.status == 408
+
+        async def ends() -> AsyncIterator[bytes]:
+            yield b"a"
+            yield b"b"
+
+        assert [c async for c in files._Body(ends(), 0.1)] == [b"a", b"b"]
+
+    asyncio.run(scenario())

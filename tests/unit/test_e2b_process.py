@@ -139,6 +139,9 @@ def test_signals() -> None:
     assert wire.parse_signal("15") == "TERM"
     assert code_of(wire.parse_signal, "SIGNAL_UNSPECIFIED") == "unimplemented"
     assert code_of(wire.parse_signal, 2) == "unimplemented"
+    # Not a name of the enum at all: the message does not decode.
+    for name in ("SIGSTOP", "SIGNAL_SIGSTOP", "sigkill", "²", ""):
+        assert code_of(wire.parse_signal, name) == "invalid_argument", name
     assert code_of(wire.parse_signal, None) == "invalid_argument"
     assert code_of(wire.parse_signal, True) == "invalid_argument"
 

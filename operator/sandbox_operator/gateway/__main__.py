@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import start_http_server
 
 from sandbox_operator.gateway import config
@@ -48,11 +49,13 @@ class JsonFormatter(logging.Formatter):
 
 class CallerErrors(logging.Filter):
     """aiohttp logs a request it cannot parse (a header past its limit, say) as a
-    server error with a traceback; the caller got its 400, so it is not ours."""
+    server error with a traceback; the caller got its 400, so it is not ours. So
+    is a body whose Content-Encoding does not decode: aiohttp reads the rest of
+    it after the answer and logs the decoding error again."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return not isinstance(error, HttpProcessingError)
+        return not isinstance(error, HttpProcessingError | RequestPayloadError)
 
 
 async def serve(settings: config.GatewaySettings) -> None:

@@ -35,6 +35,7 @@ from urllib.parse import quote, unquote, urlencode
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import MultiDict
 
 from sandbox_operator.clock import iso, iso_precise
@@ -375,6 +376,8 @@ class Gateway:
                 body = await request.json()
         except TimeoutError as exc:
             raise Refusal(408, "body_timeout", "the body did not arrive in time") from exc
+        except RequestPayloadError as exc:  # a Content-Encoding that does not decode
+            raise Refusal(400, "invalid_request", f"the body could not be read: {exc}") from None
         except (ValueError, RecursionError) as exc:
             raise Refusal(400, "invalid_request", "the body must be a JSON object") from exc
         if not isinstance(body, dict):

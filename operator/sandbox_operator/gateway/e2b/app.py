@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
 
-from sandbox_operator.gateway.e2b import core
+from sandbox_operator.gateway.e2b import connect, core
 from sandbox_operator.gateway.e2b.control import Control
 from sandbox_operator.gateway.e2b.core import (
     CONTROL,
@@ -40,6 +40,7 @@ class E2BApp:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.errors], client_max_size=1 << 20)
+        app[connect.BODY_SECONDS] = self.adapter.gateway.settings.head_seconds
         app.router.add_route("*", "/{path:.*}", self.dispatch)
         return app
 
@@ -67,16 +68,19 @@ class E2BApp:
         """(sandbox ID, port) a data-plane request names, or None."""
         sandbox_id = request.headers.get(core.SANDBOX_ID_HEADER)
         if sandbox_id is not None:
-            port = request.headers.get(core.SANDBOX_PORT_HEADER, str(core.ENVD_PORT))
-            if not port.isdigit() or not 0 < int(port) < 65536:
+            number = core.whole(
+                request.headers.get(core.SANDBOX_PORT_HEADER, str(core.ENVD_PORT)).strip(), 5
+            )
+            if number is None or not 0 < number < 65536:
                 raise E2BError(400, f"{core.SANDBOX_PORT_HEADER} must be a port number")
-            return sandbox_id, int(port)
+            return sandbox_id, number
         domain = self.adapter.gateway.settings.e2b_domain
         host = (request.host or "").split(":", 1)[0].lower()
         if domain and host.endswith("." + domain.lower()):
             port, _, sandbox_id = host[: -len(domain) - 1].partition("-")
-            if port.isdigit() and 0 < int(port) < 65536 and sandbox_id:
-                return sandbox_id, int(port)
+            number = core.whole(port, 5)
+            if number is not None and 0 < number < 65536 and sandbox_id:
+                return sandbox_id, number
         return None
 
     async def dispatch(self, request: web.Request) -> web.StreamResponse:

@@ -25,6 +25,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from sandbox_operator.gateway.e2b.core import whole
+
 JSON = dict[str, Any]
 UNARY = "application/json"
 STREAM = "application/connect+json"
@@ -32,6 +34,11 @@ COMPRESSED = 0x01
 END_STREAM = 0x02
 # The largest request message read (file contents travel over HTTP /files).
 MAX_MESSAGE = 16 << 20
+# How long a unary or server-stream request's body may take to arrive (the
+# listener's app holds the gateway's head_seconds): a caller that announces a
+# body and sends none must not hold a connection and a handler for ever.
+BODY_SECONDS = web.AppKey("e2b_body_seconds", float)
+DEFAULT_BODY_SECONDS = 10.0
 
 # Connect's error codes and the HTTP status a unary error answers with.
 STATUS = {
@@ -74,10 +81,12 @@ FROM_HTTP = {
 class ConnectError(Exception):
     """A Connect error: `code` one of STATUS's keys."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, status: int | None = None) -> None:
         assert code in STATUS, code
         super().__init__(message)
         self.code, self.message = code, message
+        # The HTTP status of a unary answer: the code's, unless one says better.
+        self.status = status or STATUS[code]
 
     @classmethod
     def from_http(cls, status: int, message: str) -> ConnectError:
@@ -87,9 +96,7 @@ class ConnectError(Exception):
         return {"code": self.code, "message": self.message}
 
     def response(self) -> web.Response:
-        return web.Response(
-            status=STATUS[self.code], text=json.dumps(self.json()), content_type=UNARY
-        )
+        return web.Response(status=self.status, text=json.dumps(self.json()), content_type=UNARY)
 
 
 def envelope(message: JSON, flags: int = 0) -> bytes:
@@ -121,9 +128,14 @@ async def read_request(request: web.Request) -> tuple[JSON, bool]:
     try:
         # A body sent with Content-Encoding: gzip comes inflated (by the server,
         # in bounded chunks), so this bounds the message itself.
-        body = await _read_body(request, MAX_MESSAGE + 5)
+        async with asyncio.timeout(request.app.get(BODY_SECONDS, DEFAULT_BODY_SECONDS)):
+            body = await _read_body(request, MAX_MESSAGE + 5)
     except RequestPayloadError as exc:
         raise ConnectError("invalid_argument", f"the body could not be read: {exc}") from None
+    except TimeoutError:
+        # 408, as the gateway answers a body that does not come (a Connect client
+        # reads the code).
+        raise ConnectError("deadline_exceeded", "the body did not arrive in time", 408) from None
     if kind == UNARY:
         return _decode(body), False
     if len(body) < 5:
@@ -211,7 +223,5 @@ async def stream_error(request: web.Request, error: ConnectError) -> web.StreamR
 
 def timeout_seconds(request: web.Request) -> float | None:
     """The call's deadline (`Connect-Timeout-Ms`), or None."""
-    value = request.headers.get("Connect-Timeout-Ms", "")
-    if not value.isdigit() or len(value) > 10:
-        return None
-    return int(value) / 1000
+    value = whole(request.headers.get("Connect-Timeout-Ms", ""), 10)
+    return None if value is None else value / 1000

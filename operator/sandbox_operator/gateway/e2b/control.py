@@ -39,6 +39,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from sandbox_operator.api.common import DNS_SUBDOMAIN_PATTERN
 from sandbox_operator.api.sandbox import SandboxReason
@@ -162,6 +163,8 @@ class Control:
                 raw = await request.read()
         except TimeoutError as exc:
             raise E2BError(408, "the body did not arrive in time") from exc
+        except RequestPayloadError as exc:  # a Content-Encoding that does not decode
+            raise E2BError(400, f"the body could not be read: {exc}") from None
         if not raw.strip() and not required:
             return {}
         try:
@@ -516,9 +519,10 @@ def _epoch(query: Any, name: str) -> int | None:
     text = query.get(name)
     if text is None:
         return None
-    if not text.isdigit() or len(text) > 12:
+    number = core.whole(text, 12)
+    if number is None:
         raise E2BError(400, f"{name}: Unix time in seconds")
-    return int(text)
+    return number
 
 
 def not_found(sandbox_id: str) -> E2BError:

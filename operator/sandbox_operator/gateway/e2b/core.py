@@ -69,6 +69,16 @@ _TOKEN_PREFIX = "e2bat1"
 _TOKEN = re.compile(r"e2bat1\.[A-Za-z0-9_-]{1,128}\.[A-Za-z0-9_-]{1,128}\.[A-Za-z0-9_-]{43}")
 
 
+def whole(text: str, digits: int) -> int | None:
+    """The number `text` spells in at most `digits` ASCII decimal digits, else
+    None. Not `str.isdigit()` alone: it is true of other scripts' digits and of
+    superscripts ('²'), which int() refuses, and int() refuses more than 4,300
+    digits; a caller's text must fail as a bad value, never as an exception."""
+    if not 0 < len(text) <= digits or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
+
+
 def new_id() -> str:
     """A fresh sandbox ID (and Sandbox name): 20 characters, 100 bits of chance."""
     return "i" + "".join(secrets.choice(_ALPHABET) for _ in range(19))

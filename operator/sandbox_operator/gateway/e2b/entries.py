@@ -19,7 +19,7 @@ from aiohttp import web
 
 from sandbox_operator.gateway.e2b import paths
 from sandbox_operator.gateway.e2b.connect import ConnectError
-from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target
+from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target, whole
 
 JSON = dict[str, Any]
 # Owner and group names: the sandbox user (E2B's `user`) is UID and GID 1000 in
@@ -39,8 +39,8 @@ def field(message: JSON, name: str, kind: type, default: Any) -> Any:
         return default
     if kind is int:
         # proto3 JSON: a uint32 is a number or a decimal string.
-        if isinstance(value, str) and value.isdigit() and len(value) <= 10:
-            value = int(value)
+        if isinstance(value, str):
+            value = whole(value, 10)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 32:
             raise ConnectError("invalid_argument", f"{name} must be an unsigned 32-bit integer")
         return value

@@ -26,6 +26,7 @@ in constant time; only then does anything about the sandbox matter.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -127,6 +128,13 @@ class Files:
     def __init__(self, adapter: Adapter) -> None:
         self.adapter = adapter
 
+    @property
+    def _stall(self) -> float:
+        """How long an upload may go without a byte: a body that stops arriving
+        must not hold a handler and a connection to the agent for ever (the
+        connection guard's deadlines wait while a request is served)."""
+        return self.adapter.gateway.settings.idle_seconds
+
     def endpoints(self) -> list[Endpoint]:
         return [
             Endpoint(core.ENVD_PORT, "GET", "/files", self.download, signed=self.signed_target),
@@ -143,9 +151,11 @@ class Files:
         raw_expiration = request.query.get("signature_expiration")
         expiration = None
         if raw_expiration is not None:
-            if not raw_expiration.lstrip("-").isdigit() or len(raw_expiration) > 19:
+            negative = raw_expiration.startswith("-")
+            expiration = core.whole(raw_expiration[negative:], 18)
+            if expiration is None:
                 raise E2BError(400, "signature_expiration must be a Unix time in seconds")
-            expiration = int(raw_expiration)
+            expiration = -expiration if negative else expiration
         operation = "write" if request.method == "POST" else "read"
         path = request.query.get("path", "")
         user = request.query.get("username", "")
@@ -240,11 +250,11 @@ class Files:
         elif kind.startswith("multipart/"):
             reader = await _unbroken(request.multipart())
             while True:
-                part = await _unbroken(reader.next())
+                part = await _unbroken(reader.next(), self._stall)
                 if part is None:
                     break
                 if not isinstance(part, BodyPartReader) or part.name != "file":
-                    await _unbroken(part.release())
+                    await _unbroken(part.release(), self._stall)
                     continue
                 name = given if given is not None else _filename(part)
                 if name is None:
@@ -280,7 +290,7 @@ class Files:
     async def _write(
         self, target: Target, rel: str, shown: str, chunks: AsyncIterator[bytes]
     ) -> JSON:
-        body = _Body(chunks)
+        body = _Body(chunks, self._stall)
         try:
             upstream = await self.adapter.agent(
                 target,
@@ -291,6 +301,8 @@ class Files:
                 headers={"Content-Type": OCTET},
             )
         except E2BError:
+            if isinstance(body.error, TimeoutError):
+                raise E2BError(408, "the request body stopped arriving") from None
             if body.error is not None:
                 raise E2BError(400, f"the request body could not be read: {body.error}") from None
             raise
@@ -340,10 +352,14 @@ def _filename(part: BodyPartReader) -> str | None:
     return name if isinstance(name, str) else None
 
 
-async def _unbroken(step: Awaitable[T]) -> T:
-    """A step of reading a multipart body; 400 when the body is not one."""
+async def _unbroken(step: Awaitable[T], stall: float | None = None) -> T:
+    """A step of reading a multipart body; 400 when the body is not one, 408
+    when it stops arriving for `stall` seconds."""
     try:
-        return await step
+        async with asyncio.timeout(stall):
+            return await step
+    except TimeoutError:
+        raise E2BError(408, "the request body stopped arriving") from None
     except (RequestPayloadError, ValueError, AssertionError, KeyError) as exc:
         raise E2BError(400, f"the multipart body could not be read: {exc}") from None
 
@@ -353,15 +369,23 @@ class _Body:
     a body that cannot be read (a broken gzip or multipart stream) is the
     caller's fault, not the agent's being out of reach."""
 
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], stall: float | None = None) -> None:
         self.chunks = chunks
+        self.stall = stall
         self.error: Exception | None = None
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         try:
-            async for chunk in self.chunks:
+            while True:
+                # Each chunk within `stall` seconds: a body that stops arriving
+                # is the caller's (408), not the agent's being out of reach.
+                async with asyncio.timeout(self.stall):
+                    try:
+                        chunk = await anext(self.chunks)
+                    except StopAsyncIteration:
+                        return
                 yield chunk
-        except (RequestPayloadError, ValueError, AssertionError) as exc:
+        except (RequestPayloadError, ValueError, AssertionError, TimeoutError) as exc:
             self.error = exc
             raise
 

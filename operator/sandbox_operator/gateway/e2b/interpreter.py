@@ -46,6 +46,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from sandbox_operator.gateway.e2b import core
 from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Endpoint, Target, json_response
@@ -547,6 +548,8 @@ class Interpreter:
                         raise InterpreterError(413, f"the body is at most {limit} bytes")
         except TimeoutError as exc:
             raise InterpreterError(408, "the body did not arrive in time") from exc
+        except RequestPayloadError as exc:  # a Content-Encoding that does not decode
+            raise InterpreterError(400, f"the body could not be read: {exc}") from None
         if not data.strip():
             return None
         try:

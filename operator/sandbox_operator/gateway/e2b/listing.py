@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from urllib.parse import parse_qsl, unquote
 
 from sandbox_operator.clock import parse_time
+from sandbox_operator.gateway.e2b.core import whole
 from sandbox_operator.gateway.e2b.shapes import (
     E2B_LABEL,
     MAX_METADATA_ENTRIES,
@@ -124,10 +125,10 @@ def parse_list(params: Mapping[str, str], *, v2: bool) -> ListQuery:
         raise bad("template: a template name")
     limit = DEFAULT_LIMIT
     if v2 and "limit" in params:
-        text = params["limit"]
-        if not text.isdigit() or not 1 <= int(text) <= MAX_LIMIT:
+        number = whole(params["limit"], 3)
+        if number is None or not 1 <= number <= MAX_LIMIT:
             raise bad(f"limit: a whole number from 1 to {MAX_LIMIT}")
-        limit = int(text)
+        limit = number
     token = params.get("nextToken") if v2 else None
     return ListQuery(
         metadata=parse_metadata_query(params.get("metadata", "")),

@@ -34,7 +34,7 @@ from aiohttp import web
 from sandbox_operator.gateway.e2b import connect
 from sandbox_operator.gateway.e2b import process_wire as wire
 from sandbox_operator.gateway.e2b.connect import ConnectError
-from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target
+from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target, whole
 from sandbox_operator.gateway.e2b.process_wire import RUNNING, Proc
 from sandbox_operator.gateway.table import Route
 
@@ -163,10 +163,10 @@ async def give_back(resp: aiohttp.ClientResponse) -> None:
 
 
 def keepalive_of(request: web.Request) -> float:
-    value = request.headers.get("Keepalive-Ping-Interval", "")
-    if not value.isdigit() or len(value) > 6:
+    value = whole(request.headers.get("Keepalive-Ping-Interval", ""), 6)
+    if value is None:
         return DEFAULT_KEEPALIVE
-    return float(min(max(int(value), 1), 3600))
+    return float(min(max(value, 1), 3600))
 
 
 class Outbox:

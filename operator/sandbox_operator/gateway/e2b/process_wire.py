@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandbox_operator.gateway.e2b.connect import ConnectError
+from sandbox_operator.gateway.e2b.core import whole
 
 JSON = dict[str, Any]
 
@@ -148,8 +149,8 @@ def _string(value: Any, name: str, limit: int) -> str:
 
 
 def _uint32(value: Any, name: str) -> int:
-    if isinstance(value, str) and value.isdigit() and len(value) <= 10:
-        value = int(value)
+    if isinstance(value, str):
+        value = whole(value, 10)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= UINT32:
         raise invalid(f"{name} must be an unsigned 32-bit integer")
     return value
@@ -245,13 +246,18 @@ def parse_input(value: Any) -> tuple[str, bytes]:
 
 def parse_signal(value: Any) -> str:
     """The agent's name of a Signal enum value (E2B knows SIGKILL and SIGTERM)."""
-    if isinstance(value, str) and value.isdigit():
+    if isinstance(value, str) and whole(value, 10) is not None:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise invalid("signal must be SIGNAL_SIGKILL or SIGNAL_SIGTERM")
     name = SIGNALS.get(value)
+    if name is None and isinstance(value, str) and value != "SIGNAL_UNSPECIFIED":
+        # Not a name of E2B's Signal enum: its daemon's JSON decoding refuses the
+        # message, as invalid_argument (the caller's mistake, not a 501).
+        raise invalid(f"signal {value[:40]!r} is not a Signal: SIGNAL_SIGKILL or SIGNAL_SIGTERM")
     if name is None:
-        # E2B's daemon answers an unknown or unset signal with `unimplemented`.
+        # E2B's daemon answers an unset signal, or a number its enum does not
+        # name (proto3 enums are open), with `unimplemented`.
         raise ConnectError("unimplemented", f"invalid signal: {str(value)[:40]}")
     return name
 

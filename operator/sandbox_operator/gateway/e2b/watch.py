@@ -27,7 +27,7 @@ from aiohttp import web
 
 from sandbox_operator.gateway.e2b import connect, paths
 from sandbox_operator.gateway.e2b.connect import ConnectError
-from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target
+from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target, whole
 from sandbox_operator.gateway.e2b.entries import (
     agent_error,
     agent_json,
@@ -94,8 +94,8 @@ async def add_entry(adapter: Adapter, target: Target, event: JSON, top: str, hom
 
 
 def keepalive_seconds(request: web.Request) -> float:
-    value = request.headers.get(KEEPALIVE_HEADER, "")
-    if value.isdigit() and 0 < int(value) <= 3600:
+    value = whole(request.headers.get(KEEPALIVE_HEADER, ""), 4)
+    if value is not None and 0 < value <= 3600:
         return float(value)
     return DEFAULT_KEEPALIVE
 
