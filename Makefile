@@ -122,7 +122,7 @@ run: install ## Run the operator locally against the cluster-up cluster
 	$(VENV)/bin/kopf run -m sandbox_operator.main --all-namespaces --standalone
 
 .PHONY: bench
-bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under attack in a 256 MiB cgroup; 1,000, 3,000 and 10,000 Sandboxes; node cold start and exec; runc vs gVisor; Executions vs Jobs; snapshots vs tar; resume vs a pod start; pool claims vs cold starts; idle sandboxes a node holds by resource profile; gateway vs direct; the SDK vs raw HTTP; kubectl sandbox exec vs kubectl exec; a terminal's key echo vs kubectl exec -it; a file watch's event vs inotify over kubectl exec (runc, gVisor); run_code vs a command and a local kernel; MCP vs the SDK; chaos (operator kills, an API server restart) with invariants checked
+bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under attack in a 256 MiB cgroup; 1,000, 3,000 and 10,000 Sandboxes; node cold start and exec; runc vs gVisor; Executions vs Jobs; snapshots vs tar; resume vs a pod start; pool claims vs cold starts; idle sandboxes a node holds by resource profile; gateway vs direct; the SDK vs raw HTTP; kubectl sandbox exec vs kubectl exec; a terminal's key echo vs kubectl exec -it; a file watch's event vs inotify over kubectl exec (runc, gVisor); run_code vs a command and a local kernel; MCP vs the SDK; E2B's SDK vs ours on the same sandbox (commands, files, run_code, create from a warm pool); chaos (operator kills, an API server restart) with invariants checked
 	$(PY) benchmarks/agent_bench.py
 	$(PY) benchmarks/agent_memory_bench.py
 	$(PY) benchmarks/sandbox_scale.py
@@ -140,6 +140,7 @@ bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under a
 	$(PY) benchmarks/code_bench.py
 	$(PY) benchmarks/watch_bench.py
 	$(PY) benchmarks/mcp_bench.py
+	$(PY) benchmarks/e2b_bench.py
 	$(PY) benchmarks/chaos_bench.py
 
 .PHONY: clean

@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ from benchmarks.common import (  # noqa: E402
     write_results,
 )
 from devcluster import deploy  # noqa: E402
+from devcluster.cluster import LocalCluster  # noqa: E402
 from sandbox_sdk import Sandbox as OurSandbox  # noqa: E402
 from sandbox_sdk import SandboxClient  # noqa: E402
 from tests.kube import JSON, KubeJSON, api_path, core_path  # noqa: E402
@@ -202,14 +204,69 @@ def settle(kube: KubeJSON, ns: str, pools: list[str], gone: list[str]) -> None:
 # -- the measurements ----------------------------------------------------------------------
 
 
-def same_sandbox(e2b_opts: JSON, client: SandboxClient, args: argparse.Namespace) -> JSON:
+@dataclass
+class Meters:
+    """CPU seconds used so far by the gateway's pods and the sandbox's pod (their
+    cgroups: every process, short-lived ones included) and by this process (the
+    SDKs' own work)."""
+
+    cluster: LocalCluster
+    gateway_pods: list[str]
+    sandbox_pod: str
+
+    def read(self) -> dict[str, float]:
+        def pod(uid: str) -> float:
+            usage = self.cluster.pod_cgroup("cpuacct", uid) / "cpuacct.usage"
+            return int(usage.read_text()) / 1e9
+
+        return {
+            "gateway": sum(pod(uid) for uid in self.gateway_pods),
+            "sandbox pod": pod(self.sandbox_pod),
+            "client": time.process_time(),
+        }
+
+
+def meters(cluster: LocalCluster, kube: KubeJSON, ns: str, name: str) -> Meters:
+    gateways = kube.list(
+        core_path("pods", deploy.NAMESPACE), label_selector="app.kubernetes.io/name=sandbox-gateway"
+    )
+    body = kube.read(api_path(GROUP, "sandboxes", ns, name))
+    pod = kube.read(core_path("pods", ns, body["status"]["podName"]))
+    return Meters(cluster, [p["metadata"]["uid"] for p in gateways], pod["metadata"]["uid"])
+
+
+def cpu_per_call(label: str, meter: Meters, e2b: Call, ours: Call, count: int) -> JSON:
+    """CPU milliseconds per call of each path, `count` calls of one then of the other."""
+    found: JSON = {}
+    for who, call in (("E2B SDK", e2b), ("our SDK", ours)):
+        before = meter.read()
+        for _ in range(count):
+            call()
+        after = meter.read()
+        found[who] = {k: (after[k] - before[k]) * 1000 / count for k in before}
+    parts = ", ".join(
+        f"{k} {found['E2B SDK'][k]:.2f} / {found['our SDK'][k]:.2f}" for k in found["E2B SDK"]
+    )
+    print(f"  {label + ', CPU ms per call, E2B / ours:':<44} {parts}")
+    return found
+
+
+def same_sandbox(
+    cluster: LocalCluster,
+    kube: KubeJSON,
+    ns: str,
+    e2b_opts: JSON,
+    client: SandboxClient,
+    args: argparse.Namespace,
+) -> JSON:
     """Commands, files and code on one sandbox, through both SDKs."""
-    from e2b_code_interpreter import Sandbox as CodeInterpreter
+    from e2b_code_interpreter import Sandbox as CodeInterpreter  # type: ignore[import-untyped]
 
     results: JSON = {}
     sbx = CodeInterpreter.create(timeout=3600, **e2b_opts)
     try:
         ours: OurSandbox = client.connect(sbx.sandbox_id)
+        meter = meters(cluster, kube, ns, sbx.sandbox_id)
         print(f"sandbox {sbx.sandbox_id} (code-interpreter-v1, made by E2B's SDK)")
 
         def e2b_true() -> None:
@@ -220,6 +277,9 @@ def same_sandbox(e2b_opts: JSON, client: SandboxClient, args: argparse.Namespace
 
         print(f'commands.run("true") / execute, {args.runs} each, interleaved')
         results["command"] = compare("true", *interleaved(e2b_true, our_true, args.runs), 0.99)
+        results["command"]["cpu_ms"] = cpu_per_call(
+            "true", meter, e2b_true, our_true, args.cpu_runs
+        )
 
         data = os.urandom(MIB)
 
@@ -232,6 +292,9 @@ def same_sandbox(e2b_opts: JSON, client: SandboxClient, args: argparse.Namespace
         print(f"files.write of 1 MiB, {args.file_runs} each, interleaved")
         results["write_1mib"] = compare(
             "1 MiB", *interleaved(e2b_write, our_write, args.file_runs), 0.99
+        )
+        results["write_1mib"]["cpu_ms"] = cpu_per_call(
+            "1 MiB", meter, e2b_write, our_write, args.cpu_runs
         )
         assert ours.files.read_bytes("e2b-bench.bin") == data
 
@@ -248,6 +311,9 @@ def same_sandbox(e2b_opts: JSON, client: SandboxClient, args: argparse.Namespace
         print(f'run_code("x+1"), {args.code_runs} each, interleaved (kernel start:'
               f' {results["kernel_start_s"] * 1000:.0f} ms)')  # fmt: skip
         results["run_code"] = compare("x+1", *interleaved(e2b_code, our_code, args.code_runs), 0.99)
+        results["run_code"]["cpu_ms"] = cpu_per_call(
+            "x+1", meter, e2b_code, our_code, args.cpu_runs
+        )
     finally:
         sbx.kill()
     return results
@@ -307,7 +373,9 @@ def creates(
     return results
 
 
-def run(kube: KubeJSON, admin: Path, ns: str, account: str, args: argparse.Namespace) -> JSON:
+def run(
+    cluster: LocalCluster, kube: KubeJSON, ns: str, account: str, args: argparse.Namespace
+) -> JSON:
     ours_url, e2b_url = gateway_urls(kube)
     ours_url, e2b_url = args.gateway_url or ours_url, args.e2b_url or e2b_url
     token = account_token(kube, ns, account)
@@ -315,11 +383,11 @@ def run(kube: KubeJSON, admin: Path, ns: str, account: str, args: argparse.Names
     results: JSON = {"gateway": ours_url, "e2b_listener": e2b_url}
     with tempfile.TemporaryDirectory() as scratch:
         kubeconfig = Path(scratch) / "user.kubeconfig"
-        token_kubeconfig(admin, token, kubeconfig)
+        token_kubeconfig(cluster.kubeconfig, token, kubeconfig)
         with SandboxClient(
             ns, kubeconfig=kubeconfig, gateway_url=ours_url, gateway_token=token
         ) as client:
-            results["same_sandbox"] = same_sandbox(e2b_opts, client, args)
+            results["same_sandbox"] = same_sandbox(cluster, kube, ns, e2b_opts, client, args)
             if args.creates:
                 results["create"] = creates(kube, ns, e2b_opts, client, args.creates)
     return results
@@ -332,6 +400,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--file-runs", type=int, default=60)
     parser.add_argument("--code-runs", type=int, default=200)
+    parser.add_argument("--cpu-runs", type=int, default=100)
     parser.add_argument("--creates", type=int, default=10)
     parser.add_argument(
         "--cluster",
@@ -351,7 +420,7 @@ def main() -> None:
     if args.cluster:
         cluster = deploy.node_cluster(args.cluster)
         kube = KubeJSON(cluster.kubeconfig)
-        results |= run(kube, cluster.kubeconfig, LOCAL_NS, LOCAL_ACCOUNT, args)
+        results |= run(cluster, kube, LOCAL_NS, LOCAL_ACCOUNT, args)
         kube.close()
     else:
         with operator_cluster(f"bench-e2b-{os.getpid()}", ["gateway.e2b.enabled=true"]) as cluster:
@@ -360,7 +429,7 @@ def main() -> None:
             user_account(kube, NS, ACCOUNT)
             create_pools(kube, NS)
             settle(kube, NS, list(pools_of(NS).values()), [])
-            results |= run(kube, cluster.kubeconfig, NS, ACCOUNT, args)
+            results |= run(cluster, kube, NS, ACCOUNT, args)
             kube.close()
     results["load_after"] = os.getloadavg()
     write_results("e2b_bench", results)
