@@ -1,7 +1,7 @@
 """E2B's Python SDK through the E2B adapter against our own SDK, side by side in one run.
 
     python benchmarks/e2b_bench.py [--runs 200] [--file-runs 60] [--code-runs 200]
-                                   [--creates 10] [--cluster NAME]
+                                   [--cpu-runs 100] [--creates 10] [--cluster NAME]
 
 A new node cluster with the chart installed with `gateway.e2b.enabled=true`
 (the E2B listener on the gateway Service's port `e2b`), a Pod Security
@@ -10,11 +10,13 @@ A new node cluster with the chart installed with `gateway.e2b.enabled=true`
 bound to the chart's user role: its token is both SDKs' credential (E2B's
 API key, our SDK's gateway token and kubeconfig user), so RBAC sees the same
 caller on both paths. Both SDKs reach the gateway the same way, at its
-Service's ClusterIP (kube-proxy on the node): E2B's `e2b` and
-`e2b_code_interpreter` at port `e2b` (E2B_API_URL and E2B_SANDBOX_URL),
-ours at port `http` (`gateway_url`). `--cluster local` runs against a running
-cluster instead (`make up`'s: namespace `default`, ServiceAccount
-`sandbox-demo`, its pools e2b-base and e2b-code-interpreter).
+Service's ClusterIP (kube-proxy on the node), over plain HTTP/1.1: E2B's
+`e2b` and `e2b_code_interpreter` at port `e2b` (what E2B_API_URL and
+E2B_SANDBOX_URL say), ours at port `http` (`gateway_url`; its lifecycle calls
+go to the API server with the same token). `--cluster local` runs against a
+running cluster instead (`make up`'s: namespace `default`, ServiceAccount
+`sandbox-demo`, its pools e2b-base and e2b-code-interpreter; `--gateway-url`
+and `--e2b-url` point both SDKs at a gateway process run from a checkout).
 
 One sandbox, made by E2B's code interpreter `Sandbox.create()`, and our SDK's
 handle on it (`connect(sandbox_id)`: an E2B ID is the Sandbox's name). Call by
@@ -25,6 +27,11 @@ call, interleaved, after 5 warm-up calls of each:
 2. `files.write` of 1 MiB against `files.write` of the same bytes;
 3. `run_code("x+1")` against `run_code("x+1")`, both in the sandbox's default
    Python context (`x = 1` set first);
+
+each followed by `--cpu-runs` calls of one path, then of the other, for the
+CPU each costs per call: the gateway's pods and the sandbox's pod (their
+cgroups) and this process (the SDK's own work). Then:
+
 4. create -> usable, each template in turn, interleaved: E2B's
    `Sandbox.create(template)` then a first `commands.run("true")`, against our
    `create(pool=...)` then a first `execute`; each killed then, and every
