@@ -74,6 +74,7 @@ CATEGORIES = (
     ("get_info_of_", "modes and owners (group-writable files, the agent's own user)"),
     ("test_secured", "signed URLs by E2B_SANDBOX_URL (the URL names no sandbox; hosts do)"),
     ("test_host.py", "hosts {port}-{id}.<domain> (need a wildcard DNS name)"),
+    ("test_file_symlink", "a test older than the pinned SDK (2.63 reports a symlink as one)"),
     ("stable_host_routing", "a client-side test that assumes E2B's cloud (no E2B_SANDBOX_URL)"),
     ("normalizes_unset_tokens", "a client-side test of the v1 connect (the SDK uses v2)"),
     ("tests/charts/", "chart data from figures (a figure comes as PNG)"),
