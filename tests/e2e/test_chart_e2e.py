@@ -73,7 +73,8 @@ def test_upgrade_from_the_previous_chart_keeps_running_sandboxes(
     listed = {t["metadata"]["name"]: t["spec"] for t in e2e.kube.list(cluster_template_path())}
     assert listed["python"]["description"] == "Python 3"
     assert listed["python"]["sandbox"]["runtime"] == "python"
-    assert set(listed) == {"python", "node"}, listed
+    assert set(listed) == {"python", "node", "e2b", "base", "code-interpreter-v1"}, listed
+    assert listed["base"]["sandbox"]["workspace"]["mountPath"] == "/home/user"
 
     # The sandbox started under the previous chart: same pod, still Ready, its
     # workspace as it was.

@@ -110,7 +110,7 @@ def test_rendered_settings_are_valid_operator_settings(repo: Path, tmp_path: Pat
     settings = config.load({"SANDBOX_OPERATOR_CONFIG": str(settings_file)})
     assert settings.operator_namespace == "sandbox-system"
     assert settings.default_idle_timeout == "15m"
-    assert set(settings.runtimes) == {"python", "node"}
+    assert set(settings.runtimes) == {"python", "node", "e2b"}
 
 
 def test_the_gateway_is_configured_from_the_same_values(repo: Path, tmp_path: Path) -> None:
@@ -301,7 +301,7 @@ def test_admission_refuses_what_the_settings_cannot_serve(
         )
         refused = apply("Sandbox", "cobol", {"runtime": "cobol"})
         assert refused.returncode != 0
-        assert "spec.runtime: unknown runtime cobol; this cluster offers: node, python" in (
+        assert "spec.runtime: unknown runtime cobol; this cluster offers: e2b, node, python" in (
             refused.stderr
         )
         refused = apply("SandboxTemplate", "cobol", {"sandbox": {"runtime": "cobol"}})

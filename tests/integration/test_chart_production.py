@@ -180,7 +180,7 @@ def test_the_catalog_is_applied_after_the_crds(repo: Path) -> None:
     the pre-upgrade hook has applied the CRDs."""
     docs = _render(repo)
     catalog = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterSandboxTemplate"}
-    assert set(catalog) == {"python", "node"}
+    assert set(catalog) == {"python", "node", "e2b", "base", "code-interpreter-v1"}
     assert catalog["python"]["spec"] == {
         "description": "Python 3",
         "sandbox": {"runtime": "python"},

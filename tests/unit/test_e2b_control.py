@@ -77,12 +77,22 @@ def test_a_create_request_takes_e2b_s_fields() -> None:
         ({"templateID": "b", "envVars": {"A": "x" * 32769}}, "envVars"),
         ({"templateID": "b", "mcp": "server"}, "mcp"),
         ({"templateID": "b", "network": {"allowOut": ["1.1.1.1"]}}, "network"),
+        ({"templateID": "b", "network": {"allowPublicTraffic": True}}, "network"),
+        (
+            {"templateID": "b", "network": {"allowPublicTraffic": False, "denyOut": ["0.0.0.0/0"]}},
+            "network",
+        ),
         ({"templateID": "b", "autoResume": {"enabled": True}}, "autoResume"),
         ({"templateID": "b", "allow_internet_access": "no"}, "allow_internet_access"),
     ],
 )
 def test_a_bad_create_field_is_a_400_naming_it(body: JSON, says: str) -> None:
     assert says in refused(shapes.parse_create, body, 300, 3600)
+
+
+def test_private_traffic_is_what_a_sandbox_has_anyway() -> None:
+    body = {"templateID": "b", "network": {"allowPublicTraffic": False}}
+    assert shapes.parse_create(body, 300, 3600).template == "b"
 
 
 def test_the_sandbox_of_a_create_request() -> None:

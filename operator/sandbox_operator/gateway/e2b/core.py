@@ -271,6 +271,27 @@ class Adapter:
             raise not_running(sandbox_id)
         return Target(sandbox_id, current, agent_token)
 
+    async def leaving(self, target: Target, wait: float = 2.0) -> bool:
+        """Whether the sandbox is going away (deleted, paused, past its lease, no
+        longer ready), waiting up to `wait` seconds for the route table to say
+        so: a stream its pod's end broke may be read before the watch event
+        that explains it. What dies with its sandbox is the sandbox's end for
+        E2B's SDKs, not an error of the call."""
+        table = self.gateway.table
+        uid = target.route.uid
+
+        def gone(route: Route | None) -> bool:
+            return (
+                route is None
+                or route.uid != uid
+                or route.deleting
+                or route.paused
+                or not route.ready
+                or lease_ended(route)
+            )
+
+        return gone(await table.wait(target.namespace, target.id, gone, wait))
+
     async def agent(
         self,
         target: Target,

@@ -408,13 +408,25 @@ class Interpreter:
             target, "POST", "code/run", json_body=run, headers={"Accept": NDJSON}
         )
         try:
+            if upstream.status >= 500 and await self.adapter.leaving(target):
+                return self._cut(request)
             if upstream.status != 200:
                 raise await self._refusal(upstream, run.get("contextId"))
             response = web.StreamResponse(
                 status=200, headers={"Content-Type": NDJSON, "Cache-Control": "no-store"}
             )
             await response.prepare(request)
-            await self._relay(upstream, response)
+            translation = Translation()
+            why = await self._relay(upstream, response, translation)
+            if why is not None and not translation.finished and await self.adapter.leaving(target):
+                # The run died with its sandbox: the SDK hears a broken connection,
+                # asks whether the sandbox runs, and says it was killed.
+                return self._cut(request, response)
+            with contextlib.suppress(ConnectionResetError):
+                last = translation.broken(why) if why is not None else []
+                if last:
+                    await response.write(encode(last))
+                await response.write_eof()
             return response
         finally:
             # A run not read to its end (the caller left) closes the connection,
@@ -424,10 +436,15 @@ class Interpreter:
             else:
                 upstream.close()
 
-    async def _relay(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> None:
+    async def _relay(
+        self,
+        upstream: aiohttp.ClientResponse,
+        response: web.StreamResponse,
+        translation: Translation,
+    ) -> str | None:
         """The agent's events, translated as they come; the caller's departure
-        cancels this (the gateway's handler cancellation)."""
-        translation = Translation()
+        cancels this (the gateway's handler cancellation). Why the stream ended
+        short of its last events, or None when there is nobody left to tell."""
         streams = self.adapter.gateway.upstreams
         task = asyncio.current_task()
         assert task is not None
@@ -462,7 +479,7 @@ class Interpreter:
                 if lines:
                     await response.write(encode(lines))
         except ConnectionResetError:
-            return  # the caller left: nobody to tell
+            return None  # the caller left: nobody to tell
         except asyncio.CancelledError:
             if not streams.closing:
                 raise  # the caller left
@@ -471,11 +488,16 @@ class Interpreter:
             why = "the connection to the sandbox broke off"
         finally:
             streams.streams.discard(task)
-        with contextlib.suppress(ConnectionResetError):
-            last = translation.broken(why)
-            if last:
-                await response.write(encode(last))
-            await response.write_eof()
+        return why
+
+    @staticmethod
+    def _cut(
+        request: web.Request, response: web.StreamResponse | None = None
+    ) -> web.StreamResponse:
+        """End the caller's connection without an answer (or mid-answer)."""
+        if request.transport is not None:
+            request.transport.abort()
+        return response if response is not None else web.Response(status=502)
 
     # -- /contexts --------------------------------------------------------------------
 

@@ -36,7 +36,6 @@ from sandbox_operator.gateway.e2b import process_wire as wire
 from sandbox_operator.gateway.e2b.connect import ConnectError
 from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target, whole
 from sandbox_operator.gateway.e2b.process_wire import RUNNING, Proc
-from sandbox_operator.gateway.table import Route
 
 JSON = dict[str, Any]
 T = TypeVar("T")
@@ -387,22 +386,9 @@ class Streams:
                 return
 
     async def _leaving(self, out: Outbox) -> bool:
-        """Whether the sandbox is going away (deleted, paused, no longer ready):
-        its processes die with it, which E2B's SDKs must hear as the sandbox's
-        end, not as the process's."""
-        table = self.service.adapter.gateway.table
-        uid = out.target.route.uid
-
-        def gone(route: Route | None) -> bool:
-            return (
-                route is None
-                or route.uid != uid
-                or route.deleting
-                or route.paused
-                or not route.ready
-            )
-
-        return gone(await table.wait(out.target.namespace, out.target.id, gone, LEAVING_WAIT))
+        """Whether the sandbox is going away: its processes die with it, which
+        E2B's SDKs must hear as the sandbox's end, not as the process's."""
+        return await self.service.adapter.leaving(out.target, LEAVING_WAIT)
 
     @staticmethod
     def _broken(out: Outbox) -> ConnectError:

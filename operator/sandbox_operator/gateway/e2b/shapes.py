@@ -159,12 +159,26 @@ _UNSUPPORTED = {
 }
 
 
+def _private_traffic(body: JSON, name: str) -> bool:
+    """`network: {allowPublicTraffic: false}` alone: a sandbox's ports need its
+    traffic token. Here they need a credential always (the token, or RBAC on
+    `sandboxes/ports`), so that is what happens anyway; `true` (ports open to
+    anyone) cannot be granted per sandbox and stays refused."""
+    network = body.get(name)
+    return (
+        name == "network"
+        and isinstance(network, dict)
+        and set(network) == {"allowPublicTraffic"}
+        and network["allowPublicTraffic"] is False
+    )
+
+
 def parse_create(body: JSON, default_timeout: int, max_timeout: int) -> CreateRequest:
     template = body.get("templateID")
     if not isinstance(template, str) or not 1 <= len(template) <= MAX_TEMPLATE_NAME:
         raise bad(f"templateID: a template name of 1 to {MAX_TEMPLATE_NAME} characters")
     for name, why in _UNSUPPORTED.items():
-        if body.get(name) not in (None, {}, []):
+        if body.get(name) not in (None, {}, []) and not _private_traffic(body, name):
             raise bad(f"{name}: {why}")
     # `mcp` is the SDK's to act on (it starts the MCP gateway as a command in the
     # sandbox, which says so when the image has none): nothing here to do.

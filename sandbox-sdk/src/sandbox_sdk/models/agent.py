@@ -53,6 +53,7 @@ class CodeRequest(WireModel):
 
     code: str = Field(description="The code to run (a cell)")
     context_id: str | None = Field(default=None, validation_alias="contextId", serialization_alias="contextId")
+    env: dict[str, str] = Field(default_factory=dict, description="Set in the kernel's environment for this run only: the values the variables had before come back when it ends")
     language: str = Field(default='python', description="Without contextId: whose default context One of: javascript, python.")
     timeout_seconds: float = Field(default=300.0, validation_alias="timeoutSeconds", serialization_alias="timeoutSeconds", description="Past it the kernel is interrupted (KeyboardInterrupt), and restarted if that does not end the run; finished says timed_out")
 
@@ -342,6 +343,18 @@ class PatchResult(WireModel):
     files: list[PatchedFile] = Field()
 
 
+class PolledWatcher(WireModel):
+    "A directory watch the agent keeps between calls (POST /v1/files/watchers): its changes are fetched with GET .../events."
+
+    created_at: str = Field(validation_alias="createdAt", serialization_alias="createdAt")
+    id: str = Field()
+    idle_timeout_seconds: float = Field(validation_alias="idleTimeoutSeconds", serialization_alias="idleTimeoutSeconds", description="Removed when nobody fetched its events for this long")
+    mode: str = Field(description="One of: inotify, poll.")
+    path: str = Field(description="The watched directory, as named")
+    poll_interval: float | None = Field(default=None, validation_alias="pollInterval", serialization_alias="pollInterval")
+    recursive: bool = Field()
+
+
 class QuiesceRequest(WireModel):
     "QuiesceRequest"
 
@@ -563,6 +576,27 @@ class WatchEvent(WireModel):
     watches: int | None = Field(default=None, description="started: directories watched (inotify watches), or scanned (poll)")
 
 
+class WatcherEvents(WireModel):
+    "The changes a watcher saw since the previous fetch, in order: the same events as a watch stream's (no started or keepalive); `finished` once, last, when the watched directory went away."
+
+    events: list[WatchEvent] = Field()
+    finished: bool = Field(description="The watch has ended: nothing more will come")
+    path: str = Field(description="The watched directory, as named")
+
+
+class WatcherList(WireModel):
+    "WatcherList"
+
+    watchers: list[PolledWatcher] = Field()
+
+
+class WatcherRequest(WireModel):
+    "WatcherRequest"
+
+    path: str = Field(default='.', description="Path relative to the workspace root ('.' is the root). Absolute paths, '..' components and symlinks that leave the workspace are refused.")
+    recursive: bool = Field(default=False, description="Watch subdirectories too, and those made later")
+
+
 class WriteRequest(WireModel):
     "WriteRequest"
 
@@ -572,4 +606,4 @@ class WriteRequest(WireModel):
     parents: bool = Field(default=True)
     path: str = Field(description="Path relative to the workspace root ('.' is the root). Absolute paths, '..' components and symlinks that leave the workspace are refused.")
 
-__all__ = ["ArchiveResult", "CancelRequest", "CodeEvent", "CodeRequest", "Context", "ContextList", "ContextRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SandboxLimits", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "Terminal", "TerminalInput", "TerminalList", "TerminalOutput", "TerminalRequest", "TerminalResize", "WatchEvent", "WorkspaceUsage", "WriteRequest"]
+__all__ = ["ArchiveResult", "CancelRequest", "CodeEvent", "CodeRequest", "Context", "ContextList", "ContextRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "PolledWatcher", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SandboxLimits", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "Terminal", "TerminalInput", "TerminalList", "TerminalOutput", "TerminalRequest", "TerminalResize", "WatchEvent", "WatcherEvents", "WatcherList", "WatcherRequest", "WorkspaceUsage", "WriteRequest"]
