@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import cast
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -130,6 +131,13 @@ def build_app(settings: Settings, token: bytes, ops: tuple[Op, ...] = OPS) -> AS
         state.runner.start()
         state.terminals.start()
         watch = asyncio.get_running_loop().create_task(state.executions.watch_runner())
+        # A streamed answer runs in an anyio task group (Starlette under ASGI
+        # 2.3), whose first use imports anyio's asyncio backend: 11-16 ms of
+        # CPU, up to 100 ms under the sidecar's CPU limit. Paid here, before the
+        # pod is Ready, not by a sandbox's first streamed command (an E2B
+        # command is one): docs/benchmarks.md, "E2B's SDK against ours".
+        async with anyio.create_task_group():
+            pass
         yield
         watch.cancel()
         state.polled.close()
