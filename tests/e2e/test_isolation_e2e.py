@@ -234,12 +234,12 @@ def test_pid_and_cpu_limits_show_in_status_and_events(e2e: E2E) -> None:
     assert (pids["status"], pids["reason"]) == ("True", "ForkRefused"), pids
     assert (cpu["status"], cpu["reason"]) == ("True", "CpuLimit"), cpu
     assert "200m" in cpu["message"], cpu
-    refused = _sandbox_event(e2e, ns, "pressed", "PidLimitReached")
-    throttled = _sandbox_event(e2e, ns, "pressed", "CpuThrottled")
-    assert refused is not None
+    # Events are posted in the background, after the status patch that shows the
+    # condition: wait for them as for the conditions.
+    refused = _wait_event(e2e, ns, "pressed", "PidLimitReached")
+    throttled = _wait_event(e2e, ns, "pressed", "CpuThrottled")
     assert refused["type"] == "Warning", refused
     assert "refused by the pod's PID limit" in refused["message"], refused
-    assert throttled is not None
     assert "CPU periods" in throttled["message"], throttled
     assert (sandboxes.condition("pressed", "Ready") or {}).get("status") == "True"
 
@@ -253,7 +253,14 @@ def test_pid_and_cpu_limits_show_in_status_and_events(e2e: E2E) -> None:
         100,
         "both conditions gone once the limits stop biting",
     )
-    assert _sandbox_event(e2e, ns, "pressed", "CpuThrottleEnded") is not None
+    _wait_event(e2e, ns, "pressed", "CpuThrottleEnded")
+
+
+def _wait_event(e2e: E2E, ns: str, name: str, reason: str) -> JSON:
+    found: JSON = wait_for(
+        lambda: _sandbox_event(e2e, ns, name, reason), 30, f"the {reason} Event on {name}"
+    )
+    return found
 
 
 def _sandbox_event(e2e: E2E, ns: str, name: str, reason: str) -> JSON | None:
@@ -295,7 +302,7 @@ def test_a_full_workspace_says_enospc_and_the_sandbox_stays_ready(e2e: E2E) -> N
     # The operator asks the agent on its periodic pass (30 s by default, 5 s here).
     cond = wait_for(full, 120, "WorkspaceFull on the Sandbox")
     assert cond["reason"] == "NoSpaceLeft", cond
-    warning = wait_for(lambda: _sandbox_event(e2e, ns, "full", "WorkspaceFull"), 30, "the Event")
+    warning = _wait_event(e2e, ns, "full", "WorkspaceFull")
     assert warning["type"] == "Warning", warning
     print(f"condition: {cond['message']}; Event: {warning['type']} {warning['message']}")
     assert (sandboxes.condition("full", "Ready") or {}).get("status") == "True"
@@ -305,9 +312,7 @@ def test_a_full_workspace_says_enospc_and_the_sandbox_stays_ready(e2e: E2E) -> N
     wait_for(
         lambda: sandboxes.condition("full", "WorkspaceFull") is None, 120, "WorkspaceFull gone"
     )
-    freed = wait_for(
-        lambda: _sandbox_event(e2e, ns, "full", "WorkspaceSpaceFreed"), 30, "the freed Event"
-    )
+    freed = _wait_event(e2e, ns, "full", "WorkspaceSpaceFreed")
     print(f"after rm: Event {freed['reason']}: {freed['message']}")
     agent.write("more.txt", "fits again\n")
     assert _restarts(e2e.kube.read(core_path("pods", ns, "full"))) == restarts
