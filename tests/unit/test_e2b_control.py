@@ -112,7 +112,8 @@ def test_the_sandbox_of_a_create_request() -> None:
     assert "poolRef" not in spec
     assert spec["env"] == [{"name": "FOO", "value": "bar"}]
     assert spec["network"] == {"egress": "None"}
-    assert spec["lifecycle"] == {"expiresAt": "2026-01-02T03:05:05Z", "onExpiry": "Pause"}
+    # The timeout and the start's grace from now.
+    assert spec["lifecycle"] == {"expiresAt": "2026-01-02T03:05:07Z", "onExpiry": "Pause"}
     SandboxSpec.model_validate(spec)
     # From a warm pool: the pool names the template (poolRef and templateRef exclude).
     warm = shapes.sandbox_body(
@@ -123,7 +124,22 @@ def test_the_sandbox_of_a_create_request() -> None:
     assert warm["spec"]["lifecycle"]["onExpiry"] == "Delete"
     # Until it is Ready (when create writes the lease again), the start has its time.
     slow = shapes.sandbox_body("iabc", shapes.CreateRequest("base", 5, False), ref, None, NOW, 49.5)
-    assert slow["spec"]["lifecycle"]["expiresAt"] == "2026-01-02T03:05:00Z"
+    assert slow["spec"]["lifecycle"]["expiresAt"] == "2026-01-02T03:04:55Z"
+
+
+def test_a_lease_is_written_again_only_when_the_start_took_longer_than_its_grace() -> None:
+    first = shapes.first_lease(NOW, 300, 50)
+    assert first == "2026-01-02T03:09:07Z"
+    # A warm claim, Ready within the grace: the first lease stands.
+    for after in (0.1, 0.9, 1.5):
+        assert shapes.lease_after_start(first, NOW + timedelta(seconds=after), 300) is None
+    # A cold start: the timeout from Ready, to the second.
+    late = shapes.lease_after_start(first, NOW + timedelta(seconds=3.2), 300)
+    assert late == "2026-01-02T03:09:08Z"
+    # A short timeout had the whole start's wait as its first lease: cut back.
+    short = shapes.first_lease(NOW, 5, 50)
+    cut = shapes.lease_after_start(short, NOW + timedelta(seconds=0.2), 5)
+    assert cut == "2026-01-02T03:04:10Z"
 
 
 def test_new_ids_are_e2b_ids_and_dns_labels() -> None:

@@ -216,12 +216,15 @@ class Control:
         path = SANDBOXES.path(who.namespace, name)
         try:
             await self.ready(who.namespace, name, uid, starting=True)
-            # The lease runs from now, when the sandbox can first be used.
-            ready_at = datetime.now(UTC).replace(microsecond=0)
-            lease = {"expiresAt": iso(ready_at + timedelta(seconds=ask.timeout))}
-            patch = {"metadata": {"uid": uid}, "spec": {"lifecycle": lease}}
-            if await self._kube(self.gateway.kube.patch(path, patch)) is None:
-                raise not_found(name)
+            # The lease runs from now, when the sandbox can first be used; a warm
+            # claim's first one already does.
+            first = made["spec"]["lifecycle"]["expiresAt"]
+            lease = shapes.lease_after_start(first, datetime.now(UTC), ask.timeout)
+            if lease is not None:
+                patch = {"metadata": {"uid": uid}, "spec": {"lifecycle": {"expiresAt": lease}}}
+                made = await self._kube(self.gateway.kube.patch(path, patch))
+                if made is None:
+                    raise not_found(name)
         except BaseException:
             # Nothing half-made is left behind, whatever went wrong (the caller
             # leaving included).

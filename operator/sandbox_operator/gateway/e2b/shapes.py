@@ -221,6 +221,28 @@ def lease_end(now: datetime, seconds: int) -> str:
     return iso(now + timedelta(seconds=seconds))
 
 
+# A warm claim is Ready well within this: a first lease this much longer than
+# asked needs no second write once the sandbox is Ready (`lease_after_start`),
+# which keeps a round trip to the API server out of the common create.
+START_GRACE_SECONDS = 2
+
+
+def first_lease(now: datetime, timeout: int, start_seconds: float) -> str:
+    """The lease a sandbox is made with: `timeout` and the grace from now, and
+    never shorter than the longest start create waits for (`start_seconds`), so
+    no lease ends before its sandbox ever ran."""
+    return lease_end(now, max(timeout + START_GRACE_SECONDS, math.ceil(start_seconds)))
+
+
+def lease_after_start(first: str, ready_at: datetime, timeout: int) -> str | None:
+    """The lease to write once the sandbox is Ready at `ready_at` (E2B's timeout
+    runs from when a sandbox can first be used); None when the first lease
+    already ends within the grace after that."""
+    wanted = ready_at.replace(microsecond=0) + timedelta(seconds=timeout)
+    extra = (parse_time(first) - wanted).total_seconds()
+    return None if 0 <= extra <= START_GRACE_SECONDS else iso(wanted)
+
+
 def sandbox_body(
     name: str,
     ask: CreateRequest,
@@ -231,15 +253,15 @@ def sandbox_body(
 ) -> JSON:
     """The Sandbox a create request makes: from a warm member of `pool` when one
     serves its template, else from the template itself. Its lease allows
-    `start_seconds` more for the start: the lease runs from Ready (create writes
-    it again then), so a short one does not end before the sandbox ever ran."""
+    `start_seconds` for the start (`first_lease`): it runs from Ready, where
+    create writes it again when it must."""
     spec: JSON = {"poolRef": {"name": pool}} if pool else {"templateRef": template_ref}
     if ask.env:
         spec["env"] = [{"name": k, "value": v} for k, v in ask.env.items()]
     if ask.internet is False:
         spec["network"] = {"egress": "None"}
     spec["lifecycle"] = {
-        "expiresAt": lease_end(now, ask.timeout + math.ceil(start_seconds)),
+        "expiresAt": first_lease(now, ask.timeout, start_seconds),
         "onExpiry": ON_EXPIRY_PAUSE if ask.auto_pause else ON_EXPIRY_DELETE,
     }
     # Checked as the API server will, so a bad field is a 400 that names it.
