@@ -21,6 +21,7 @@ from sandbox_mcp import tools
 from sandbox_mcp.sessions import Caller, Session, identity_of
 from sandbox_mcp.settings import Settings
 from sandbox_sdk import AsyncSandbox, AsyncSandboxClient, __version__
+from sandbox_sdk.config import ConnectionOptions
 from sandbox_sdk.errors import (
     Forbidden,
     NotFound,
@@ -215,12 +216,7 @@ def build(app: App) -> Server[App]:
 async def serve_stdio(settings: Settings) -> None:
     from mcp.server.stdio import stdio_server
 
-    client = AsyncSandboxClient(
-        settings.namespace,
-        kubeconfig=settings.kubeconfig,
-        context=settings.context,
-        gateway_url=settings.gateway_url,
-    )
+    client = AsyncSandboxClient.from_options(settings.connection())
     try:
         identity = await identity_of(client)
     except SandboxError as exc:
@@ -257,8 +253,13 @@ class Callers:
 
     def __init__(self, settings: Settings, api_server: str, ca_file: str | None) -> None:
         self.settings = settings
-        self.api_server = api_server
-        self.ca_file = ca_file
+        # Each caller's client: this API server, the caller's own token.
+        self.options = ConnectionOptions(
+            namespace=settings.namespace,
+            api_server=api_server,
+            ca_file=ca_file,
+            gateway_url=settings.gateway_url,
+        )
         self.known: dict[str, tuple[float, Caller]] = {}
 
     async def get(self, token: str, namespace: str | None) -> Caller:
@@ -269,12 +270,10 @@ class Callers:
         client = (
             cached[1].client
             if cached is not None
-            else AsyncSandboxClient(
-                namespace or self.settings.namespace,
-                api_server=self.api_server,
-                ca_file=self.ca_file,
-                token=token,
-                gateway_url=self.settings.gateway_url,
+            else AsyncSandboxClient.from_options(
+                dataclasses.replace(
+                    self.options, namespace=namespace or self.options.namespace, token=token
+                )
             )
         )
         try:

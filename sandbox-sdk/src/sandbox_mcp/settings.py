@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sandbox_sdk.config import ConnectionOptions
+
 EndAction = Literal["pause", "destroy"]
 
 
@@ -41,6 +43,16 @@ class Settings:
     # (then not_ready with the Sandbox's reason; the sandbox goes on starting).
     ready_timeout: float = 60.0
     uploads: tuple[str, ...] = field(default_factory=tuple)
+
+    def connection(self) -> ConnectionOptions:
+        """The stdio server's connection: the kubeconfig's user. (`api_server` and
+        `ca_file` are the http server's, whose callers bring their own tokens.)"""
+        return ConnectionOptions(
+            namespace=self.namespace,
+            kubeconfig=self.kubeconfig,
+            context=self.context,
+            gateway_url=self.gateway_url,
+        )
 
 
 def parser() -> argparse.ArgumentParser:

@@ -14,8 +14,9 @@ import anyio
 from jsonschema import Draft202012Validator, ValidationError  # type: ignore[import-untyped]
 
 from sandbox_sdk import AsyncSandbox
-from sandbox_sdk._async.client import DEFAULT_TIMEOUT, AsyncFiles, AsyncJob
 from sandbox_sdk._async.code import DEFAULT_CODE_TIMEOUT
+from sandbox_sdk._async.executions import DEFAULT_TIMEOUT, AsyncJob
+from sandbox_sdk._async.files import AsyncFiles
 from sandbox_sdk._wire import MAX_TIMEOUT
 from sandbox_sdk.errors import (
     CommandLost,

@@ -36,28 +36,18 @@ from sandbox_sdk.errors import (
 )
 
 if TYPE_CHECKING:
-    from sandbox_sdk._async.client import (
-        AsyncFiles,
-        AsyncJob,
-        AsyncSandbox,
-        AsyncSandboxClient,
-        AsyncTerminal,
-        AsyncTerminals,
-        AsyncTerminalSession,
-        AsyncWatch,
-    )
+    from sandbox_sdk._async.client import AsyncSandboxClient
     from sandbox_sdk._async.code import AsyncContexts
-    from sandbox_sdk._sync.client import (
-        Files,
-        Job,
-        Sandbox,
-        SandboxClient,
-        Terminal,
-        Terminals,
-        TerminalSession,
-        Watch,
-    )
+    from sandbox_sdk._async.executions import AsyncJob
+    from sandbox_sdk._async.files import AsyncFiles, AsyncWatch
+    from sandbox_sdk._async.sandbox import AsyncSandbox
+    from sandbox_sdk._async.terminals import AsyncTerminal, AsyncTerminals, AsyncTerminalSession
+    from sandbox_sdk._sync.client import SandboxClient
     from sandbox_sdk._sync.code import Contexts
+    from sandbox_sdk._sync.executions import Job
+    from sandbox_sdk._sync.files import Files, Watch
+    from sandbox_sdk._sync.sandbox import Sandbox
+    from sandbox_sdk._sync.terminals import Terminal, Terminals, TerminalSession
     from sandbox_sdk.types import (
         CodeError,
         CommandResult,
@@ -75,34 +65,21 @@ if TYPE_CHECKING:
 # clients pull httpx, pydantic and every generated model (a third of a second
 # of start-up that `kubectl sandbox completion` or a usage error never needs).
 _HOMES = {
-    **dict.fromkeys(
-        (
-            "AsyncFiles",
-            "AsyncJob",
-            "AsyncSandbox",
-            "AsyncSandboxClient",
-            "AsyncTerminal",
-            "AsyncTerminals",
-            "AsyncTerminalSession",
-            "AsyncWatch",
-        ),
-        "_async.client",
-    ),
-    **dict.fromkeys(
-        (
-            "Files",
-            "Job",
-            "Sandbox",
-            "SandboxClient",
-            "Terminal",
-            "TerminalSession",
-            "Terminals",
-            "Watch",
-        ),
-        "_sync.client",
-    ),
-    **dict.fromkeys(
-        (
+    name: home
+    for home, names in {
+        "_async.client": ("AsyncSandboxClient",),
+        "_async.sandbox": ("AsyncSandbox",),
+        "_async.executions": ("AsyncJob",),
+        "_async.files": ("AsyncFiles", "AsyncWatch"),
+        "_async.terminals": ("AsyncTerminal", "AsyncTerminals", "AsyncTerminalSession"),
+        "_async.code": ("AsyncContexts",),
+        "_sync.client": ("SandboxClient",),
+        "_sync.sandbox": ("Sandbox",),
+        "_sync.executions": ("Job",),
+        "_sync.files": ("Files", "Watch"),
+        "_sync.terminals": ("Terminal", "Terminals", "TerminalSession"),
+        "_sync.code": ("Contexts",),
+        "types": (
             "CodeError",
             "CommandResult",
             "Event",
@@ -113,10 +90,8 @@ _HOMES = {
             "Runtime",
             "Template",
         ),
-        "types",
-    ),
-    **dict.fromkeys(("AsyncContexts",), "_async.code"),
-    **dict.fromkeys(("Contexts",), "_sync.code"),
+    }.items()
+    for name in names
 }
 
 __version__ = "0.1.0.dev0"

@@ -19,18 +19,18 @@ from pathlib import Path
 import sandbox_sdk
 from sandbox_sdk import config, errors, types
 from sandbox_sdk._async import gateway
-from sandbox_sdk._sync import client
+from sandbox_sdk._sync import client, executions, files, sandbox, terminals
 
 TARGET = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 CLASSES = [
     client.SandboxClient,
-    client.Sandbox,
-    client.Files,
-    client.Job,
-    client.Watch,
-    client.Terminals,
-    client.Terminal,
-    client.TerminalSession,
+    sandbox.Sandbox,
+    files.Files,
+    executions.Job,
+    files.Watch,
+    terminals.Terminals,
+    terminals.Terminal,
+    terminals.TerminalSession,
 ]
 RESULTS = [types.CommandResult, types.OutputEvent, types.Runtime, types.Event]
 ERRORS = [

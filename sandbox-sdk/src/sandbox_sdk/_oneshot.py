@@ -101,30 +101,16 @@ def _call(
         return response.status, None
 
 
-def route(
-    namespace: str | None,
-    *,
-    kubeconfig: str | None,
-    context: str | None,
-    gateway: str | None,
-    gateway_url: str | None,
-) -> Route:
+def route(options: cluster_config.ConnectionOptions) -> Route:
     """The way to the gateway and its token, as the client finds them
     (`sandbox_sdk._sync.gateway`), or Handoff."""
-    mode = gateway or os.environ.get("SANDBOX_GATEWAY_MODE") or "auto"
+    mode = options.gateway or os.environ.get("SANDBOX_GATEWAY_MODE") or "auto"
     if mode not in ("auto", "dns", "direct", "proxy"):
         raise Handoff(f"gateway mode {mode}")
     try:
-        config = cluster_config.discover(
-            namespace=namespace, kubeconfig=kubeconfig, context=context
-        )
-        ns = (
-            namespace
-            or (config.namespace if config else None)
-            or os.environ.get("SANDBOX_NAMESPACE")
-            or "default"
-        )
-        url = gateway_url or os.environ.get("SANDBOX_GATEWAY_URL")
+        config = options.cluster()
+        ns = options.namespace_in(config)
+        url = options.gateway_url or os.environ.get("SANDBOX_GATEWAY_URL")
         if config is None:
             raise Handoff("no kubeconfig")
         api, api_prefix = _connect(config.server, config.ssl_context)

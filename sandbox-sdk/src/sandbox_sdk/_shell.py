@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 from sandbox_sdk.errors import SandboxError
 
 if TYPE_CHECKING:
-    from sandbox_sdk._sync.client import Sandbox, TerminalSession
+    from sandbox_sdk._sync.sandbox import Sandbox
+    from sandbox_sdk._sync.terminals import TerminalSession
 
 # How long one read of the terminal's output waits for some (then asks again).
 READ_WAIT = 20.0

@@ -43,7 +43,9 @@ if TYPE_CHECKING:
     import http.server
 
     from sandbox_sdk import _oneshot
-    from sandbox_sdk._sync.client import Sandbox, SandboxClient
+    from sandbox_sdk._sync.client import SandboxClient
+    from sandbox_sdk._sync.sandbox import Sandbox
+    from sandbox_sdk.config import ConnectionOptions
     from sandbox_sdk.models import resources
 
 JSON = dict[str, Any]
@@ -312,13 +314,7 @@ def exec_first(args: argparse.Namespace) -> int | None:
 
     args.body = _exec_body(args)
     try:
-        way = _oneshot.route(
-            args.namespace,
-            kubeconfig=args.kubeconfig,
-            context=args.context,
-            gateway=args.gateway,
-            gateway_url=args.gateway_url,
-        )
+        way = _oneshot.route(_options(args))
         return _stream_to_terminal(_oneshot.events(way, args.name, args.body, args.timeout + 60))
     except _oneshot.Handoff as handoff:
         args.handoff = handoff
@@ -875,6 +871,20 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _options(args: argparse.Namespace) -> ConnectionOptions:
+    """The connection the global flags ask for (what they leave out is found
+    as kubectl finds it)."""
+    from sandbox_sdk.config import ConnectionOptions  # yaml: when a command connects
+
+    return ConnectionOptions(
+        namespace=args.namespace,
+        kubeconfig=args.kubeconfig,
+        context=args.context,
+        gateway=args.gateway,
+        gateway_url=args.gateway_url,
+    )
+
+
 def _client_class() -> type[SandboxClient]:
     """The sync client, imported now that a command needs it. httpx imports its
     own command line (`httpx._main`: rich, click, pygments, a third of httpx's
@@ -924,13 +934,7 @@ def _run(args: argparse.Namespace) -> int:
             return cmd_completion(None, args)
         if args.verb == "exec" and (quick := exec_first(args)) is not None:
             return quick
-        with _client_class()(
-            args.namespace,
-            kubeconfig=args.kubeconfig,
-            context=args.context,
-            gateway=args.gateway,
-            gateway_url=args.gateway_url,
-        ) as client:
+        with _client_class().from_options(_options(args)) as client:
             code: int = args.run(client, args)
             return code
     except CliError as exc:

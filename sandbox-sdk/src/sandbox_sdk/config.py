@@ -303,6 +303,85 @@ def in_cluster(
     )
 
 
+@dataclass(frozen=True)
+class ConnectionOptions:
+    """Where the cluster and the gateway are, and who we are: the client's
+    connection arguments as one value (`SandboxClient.from_options`), shared by
+    the clients, `kubectl sandbox` and `sandbox-mcp`. Every field is optional:
+    None means "find it as kubectl would" (this module's docstring) and, for
+    the gateway, as `sandbox_sdk._async.gateway` says.
+
+    Fields:
+        namespace: default namespace (else `$SANDBOX_NAMESPACE`, else the
+            kubeconfig context's, or the pod's).
+        kubeconfig, context: a kubeconfig file and context instead of kubectl's defaults.
+        api_server, token, ca_file: an explicit API server and bearer token.
+        gateway_url: the gateway's URL (else found through its Service).
+        gateway_token: the token for the gateway (else the API server's token, or a
+            ServiceAccount's for certificate-only kubeconfigs).
+        gateway: "auto" (DNS in a pod, API server proxy outside), "dns", "proxy" or
+            "port-forward".
+        service_account: the ServiceAccount whose token the gateway gets when the
+            kubeconfig has only a client certificate.
+        timeout: per-request timeout of calls that are not commands.
+    """
+
+    namespace: str | None = None
+    kubeconfig: str | os.PathLike[str] | None = None
+    context: str | None = None
+    api_server: str | None = None
+    token: str | None = None
+    ca_file: str | None = None
+    gateway_url: str | None = None
+    gateway_token: str | None = None
+    gateway: str | None = None
+    service_account: str | None = None
+    timeout: float = 60.0
+
+    def cluster(self, serviceaccount_dir: Path | None = None) -> ClusterConfig | None:
+        """The cluster to talk to (see `discover`)."""
+        namespace = self.namespace or os.environ.get("SANDBOX_NAMESPACE") or None
+        if self.api_server is not None:
+            return ClusterConfig(
+                server=self.api_server.rstrip("/"),
+                namespace=namespace or "default",
+                ssl_context=_ssl_context(self.ca_file, None, None, False)
+                if self.api_server.startswith("https")
+                else False,
+                credentials=StaticToken(self.token) if self.token else None,
+                source="explicit",
+            )
+        paths = kubeconfig_paths(self.kubeconfig)
+        if paths or self.context is not None:
+            if not paths:
+                raise ConfigError("context= given but no kubeconfig was found")
+            config = from_kubeconfig(paths, self.context, namespace)
+            if self.token is not None:
+                config.credentials, config.certificate_only = StaticToken(self.token), False
+            return config
+        pod = in_cluster(namespace, serviceaccount_dir)
+        if pod is not None and self.token is not None:
+            pod.credentials = StaticToken(self.token)
+        return pod
+
+    def namespace_in(self, cluster: ClusterConfig | None) -> str:
+        """The default namespace once the cluster is known: `namespace`, else the
+        cluster's (which `$SANDBOX_NAMESPACE` set), else the variable, else `default`."""
+        return (
+            self.namespace
+            or (cluster.namespace if cluster else None)
+            or os.environ.get("SANDBOX_NAMESPACE")
+            or "default"
+        )
+
+    def kubectl_args(self) -> list[str]:
+        """kubectl's flags for the same kubeconfig and context (`kubectl port-forward`)."""
+        args = [f"--kubeconfig={self.kubeconfig}"] if self.kubeconfig else []
+        if self.context:
+            args.append(f"--context={self.context}")
+        return args
+
+
 def discover(
     *,
     namespace: str | None = None,
@@ -316,26 +395,12 @@ def discover(
     """The cluster to talk to, by the order in the module's docstring; None when
     there is none (gateway-only use). The namespace: `namespace`, else
     `$SANDBOX_NAMESPACE`, else the context's (or the pod's) own."""
-    namespace = namespace or os.environ.get("SANDBOX_NAMESPACE") or None
-    if api_server is not None:
-        return ClusterConfig(
-            server=api_server.rstrip("/"),
-            namespace=namespace or "default",
-            ssl_context=_ssl_context(ca_file, None, None, False)
-            if api_server.startswith("https")
-            else False,
-            credentials=StaticToken(token) if token else None,
-            source="explicit",
-        )
-    paths = kubeconfig_paths(kubeconfig)
-    if paths or context is not None:
-        if not paths:
-            raise ConfigError("context= given but no kubeconfig was found")
-        config = from_kubeconfig(paths, context, namespace)
-        if token is not None:
-            config.credentials, config.certificate_only = StaticToken(token), False
-        return config
-    pod = in_cluster(namespace, serviceaccount_dir)
-    if pod is not None and token is not None:
-        pod.credentials = StaticToken(token)
-    return pod
+    options = ConnectionOptions(
+        namespace=namespace,
+        kubeconfig=kubeconfig,
+        context=context,
+        api_server=api_server,
+        token=token,
+        ca_file=ca_file,
+    )
+    return options.cluster(serviceaccount_dir)

@@ -22,7 +22,7 @@ from sandbox_sdk.types import (
 )
 
 if TYPE_CHECKING:
-    from sandbox_sdk._async.client import AsyncSandbox
+    from sandbox_sdk._async.sandbox import AsyncSandbox
     from sandbox_sdk.models import agent
 else:  # the generated models are built on first use: see sandbox_sdk._lazy
     agent = _lazy.module("sandbox_sdk.models.agent")
@@ -82,7 +82,7 @@ class AsyncContexts:
 
 
 async def run_code(
-    self: AsyncSandbox,  # a method of AsyncSandbox (client.py assigns it there)
+    self: AsyncSandbox,  # a method of AsyncSandbox (sandbox.py assigns it there)
     code: str,
     *,
     language: str = "python",

@@ -23,7 +23,7 @@ from sandbox_sdk.types import (
 )
 
 if TYPE_CHECKING:
-    from sandbox_sdk._sync.client import Sandbox
+    from sandbox_sdk._sync.sandbox import Sandbox
     from sandbox_sdk.models import agent
 else:  # the generated models are built on first use: see sandbox_sdk._lazy
     agent = _lazy.module("sandbox_sdk.models.agent")
@@ -83,7 +83,7 @@ class Contexts:
 
 
 def run_code(
-    self: Sandbox,  # a method of Sandbox (client.py assigns it there)
+    self: Sandbox,  # a method of Sandbox (sandbox.py assigns it there)
     code: str,
     *,
     language: str = "python",
