@@ -6,7 +6,8 @@
 CHECKOUT is a checkout of e2b-dev/E2B (its `packages/python-sdk/tests` run)
 or of e2b-dev/code-interpreter (`python/tests`), ideally at the tag of the
 SDK version pinned here; nothing of it is copied into this repository. The
-suites run in a virtualenv of their own under ~/.cache/sandbox-operator,
+suites run in a virtualenv of their own under the build cache
+(~/.cache/sandbox-operator, or SANDBOX_CACHE_DIR),
 with the pinned SDK from PyPI and the suites' test dependencies, against
 `E2B_API_URL` / `E2B_SANDBOX_URL` / `E2B_API_KEY` (by default: the E2B port of
 the `make up` cluster's gateway and a token of its `sandbox-demo`
@@ -33,7 +34,10 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CACHE = Path.home() / ".cache" / "sandbox-operator" / "e2b-conformance"
+sys.path.insert(0, str(REPO))
+from devcluster import build  # noqa: E402
+
+CACHE = build.cache_root() / "e2b-conformance"
 
 # The SDK versions the adapter is checked against (tests/e2e pins the same).
 E2B = "e2b==2.63.0"
@@ -117,7 +121,6 @@ def environment(venv_dir: Path, packages: tuple[str, ...]) -> Path:
 
 def _cluster_defaults() -> dict[str, str]:
     """E2B_API_URL and E2B_API_KEY of the `make up` cluster, unless already set."""
-    sys.path.insert(0, str(REPO))
     from devcluster import deploy
     from devcluster.cluster import LocalCluster
 

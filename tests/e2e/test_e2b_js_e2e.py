@@ -10,7 +10,7 @@ template to create from; default code-interpreter-v1: Python with a Jupyter
 kernel, matplotlib, and `/home/user`).
 
 The packages are installed once per package.json and lock (`npm ci`, no
-install scripts) under ~/.cache/sandbox-operator/npm-e2b/<hash>, outside the
+install scripts) under the build cache (npm-e2b/<hash>), outside the
 repository; the flow runs with node from there.
 """
 
@@ -26,10 +26,12 @@ from typing import Any
 
 import pytest
 
+from devcluster import build
+
 pytestmark = pytest.mark.timeout(900)
 
 PACKAGE = Path(__file__).resolve().parent / "e2b_js"
-CACHE = Path.home() / ".cache" / "sandbox-operator" / "npm-e2b"
+CACHE = build.cache_root() / "npm-e2b"
 MANIFESTS = ("package.json", "package-lock.json")
 
 
