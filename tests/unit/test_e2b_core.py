@@ -245,6 +245,47 @@ def test_a_connect_body_that_does_not_come_is_a_408_not_a_hang() -> None:
         assert error.response().status == 408
 
 
+def test_a_client_stream_that_goes_quiet_ends_with_deadline_exceeded() -> None:
+    """StreamInput: each message within the gateway's idle time, keepalives
+    included; a stream that sends nothing does not hold its handler for ever."""
+    import asyncio
+    from unittest import mock
+
+    from aiohttp.streams import StreamReader
+    from aiohttp.test_utils import make_mocked_request
+
+    from sandbox_operator.gateway.e2b.connect import ConnectError
+
+    async def scenario(*, then_eof: bool) -> tuple[list[Any], ConnectError | None]:
+        payload = StreamReader(
+            mock.Mock(_reading_paused=False), 1 << 16, loop=asyncio.get_running_loop()
+        )
+        payload.feed_data(connect.envelope({"event": {"keepalive": {}}}))
+        if then_eof:
+            payload.feed_data(connect.end_stream(None))
+            payload.feed_eof()
+        request = make_mocked_request(
+            "POST",
+            "/process.Process/StreamInput",
+            headers={"Content-Type": connect.STREAM},
+            payload=payload,
+        )
+        got: list[Any] = []
+        try:
+            async for message in connect.read_stream(request, idle=0.2):
+                got.append(message)
+        except ConnectError as exc:
+            return got, exc
+        return got, None
+
+    got, error = asyncio.run(scenario(then_eof=False))
+    assert got == [{"event": {"keepalive": {}}}]
+    assert error is not None
+    assert error.code == "deadline_exceeded", error
+    assert "no message for 0.2 s" in str(error.message)
+    assert asyncio.run(scenario(then_eof=True)) == ([{"event": {"keepalive": {}}}], None)
+
+
 def _broken_body() -> Any:
     """A request whose body does not decode (a Content-Encoding: gzip that is not):
     aiohttp raises RequestPayloadError from every read of it."""

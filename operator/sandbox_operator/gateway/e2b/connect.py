@@ -176,25 +176,33 @@ def _gunzip(data: bytes) -> bytes:
     return out
 
 
-async def read_stream(request: web.Request) -> AsyncIterator[JSON]:
+async def read_stream(request: web.Request, idle: float | None = None) -> AsyncIterator[JSON]:
     """The messages of a client stream, as they arrive (the request must be
-    `application/connect+json`); ends at the end of the body."""
+    `application/connect+json`); ends at the end of the body. With `idle`, each
+    message must arrive within that many seconds of the one before: a stream
+    that sends nothing must not hold a handler and its connections for ever."""
     if request.content_type != STREAM:
         raise ConnectError("invalid_argument", f"a client stream is sent as {STREAM}")
     while True:
+        head = b""
         try:
-            head = await request.content.readexactly(5)
+            async with asyncio.timeout(idle):
+                head = await request.content.readexactly(5)
+                flags, length = struct.unpack(">BI", head)
+                if length > MAX_MESSAGE:
+                    raise ConnectError(
+                        "resource_exhausted", f"a message is at most {MAX_MESSAGE} bytes"
+                    )
+                data = await request.content.readexactly(length)
         except asyncio.IncompleteReadError as exc:
-            if exc.partial:
+            if head or exc.partial:
                 raise ConnectError("invalid_argument", "the stream ends inside a message") from exc
             return
-        flags, length = struct.unpack(">BI", head)
-        if length > MAX_MESSAGE:
-            raise ConnectError("resource_exhausted", f"a message is at most {MAX_MESSAGE} bytes")
-        try:
-            data = await request.content.readexactly(length)
-        except asyncio.IncompleteReadError as exc:
-            raise ConnectError("invalid_argument", "the stream ends inside a message") from exc
+        except TimeoutError:
+            raise ConnectError(
+                "deadline_exceeded",
+                f"no message for {idle:g} s: a client stream sends keepalive events to stay open",
+            ) from None
         if flags & END_STREAM:
             return
         yield _decode(_gunzip(data) if flags & COMPRESSED else data)

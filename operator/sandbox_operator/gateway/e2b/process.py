@@ -199,7 +199,8 @@ class Processes:
         error: ConnectError | None = None
         try:
             proc: Proc | None = None
-            async for msg in connect.read_stream(request):
+            idle = self.adapter.gateway.settings.idle_seconds
+            async for msg in connect.read_stream(request, idle):
                 event = msg.get("event", msg)
                 if not isinstance(event, dict):
                     raise wire.invalid("event must be an object")
