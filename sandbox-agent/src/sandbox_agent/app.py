@@ -88,8 +88,8 @@ def websocket_endpoint(op: Op) -> list[BaseRoute]:
                 await ws.close(code=1011, reason=exc.message[:120])
 
     async def plain(request: Request) -> Response:
-        error = {"code": "websocket_required", "message": f"{op.path} is a WebSocket"}
-        return Response(encode({"error": error}), 426, {"Upgrade": "websocket"}, media_type=JSON)
+        error = errors.error_body("websocket_required", f"{op.path} is a WebSocket")
+        return Response(encode(error), 426, {"Upgrade": "websocket"}, media_type=JSON)
 
     name = op.handler.__name__
     return [WebSocketRoute(op.path, session, name=name), Route(op.path, plain, methods=["GET"])]
@@ -102,11 +102,14 @@ async def _agent_error(request: Request, exc: Exception) -> Response:
     return Response(encode(exc.body()), status_of(exc), media_type=JSON)
 
 
+_HTTP_CODES: dict[int, errors.Code] = {404: "not_found", 405: "method_not_allowed"}
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
     return Response(
-        encode({"error": {"code": code, "message": str(exc.detail)}}),
+        encode(errors.error_body(code, str(exc.detail))),
         exc.status_code,
         headers=exc.headers,
         media_type=JSON,
@@ -115,7 +118,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     return Response(
-        encode({"error": {"code": "internal_error", "message": type(exc).__name__}}),
+        encode(errors.error_body("internal_error", type(exc).__name__)),
         500,
         media_type=JSON,
     )

@@ -30,6 +30,7 @@ from . import models, tempfiles
 from .config import Settings
 from .errors import (
     AgentError,
+    Code,
     Conflict,
     Forbidden,
     Invalid,
@@ -40,7 +41,7 @@ from .errors import (
 )
 from .paths import Located, Workspace, display
 
-_ERRNO: dict[int, tuple[type[AgentError], str]] = {
+_ERRNO: dict[int, tuple[type[AgentError], Code]] = {
     errno.ENOENT: (NotFound, "not_found"),
     errno.EEXIST: (Conflict, "already_exists"),
     errno.ENOTEMPTY: (Conflict, "directory_not_empty"),

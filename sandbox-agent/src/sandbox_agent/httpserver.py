@@ -40,13 +40,21 @@ from typing import Any
 from urllib.parse import unquote
 
 import httptools
+import msgspec
 
-from . import websocket
+from . import errors, websocket
 
 log = logging.getLogger("sandbox_agent.http")
 
 ASGIApp = Callable[..., Any]
 Message = dict[str, Any]
+
+
+def _error(code: errors.Code, message: str) -> bytes:
+    return msgspec.json.encode(errors.error_body(code, message))
+
+
+_INTERNAL_ERROR = _error("internal_error", "internal error")
 
 MAX_HEADER_BYTES = 64 * 1024
 BODY_HIGH_WATER = 8 << 20  # stop reading the socket while this much body is unread
@@ -268,7 +276,7 @@ class HttpProtocol(asyncio.Protocol):
         self.transport = transport
         if not self.server.admit(self):
             # Over the cap with nothing idle to evict: refuse without reading.
-            body = b'{"error":{"code":"too_many_connections","message":"too many connections"}}'
+            body = _error("too_many_connections", "too many connections")
             transport.write(  # type: ignore[attr-defined]
                 _status_line(503)
                 + b"content-type: application/json\r\nconnection: close\r\n"
@@ -335,16 +343,16 @@ class HttpProtocol(asyncio.Protocol):
                 self.parser.feed_data(view[pos : pos + step])
             except httptools.HttpParserUpgrade as exc:
                 if self.ws is None:
-                    self._reject(400, b"upgrades other than to a WebSocket are not supported")
+                    self._reject(400, "upgrades other than to a WebSocket are not supported")
                 elif (rest := view[pos + int(exc.args[0] if exc.args else step) :]).nbytes:
                     self.ws.feed(bytes(rest))  # sent before our answer: kept for later
                 return
             except httptools.HttpParserError as exc:
                 cause = exc.__context__
                 if isinstance(cause, _TooLarge):
-                    self._reject(431, b"request headers too large")
+                    self._reject(431, "request headers too large")
                 else:
-                    self._reject(400, b"malformed HTTP request")
+                    self._reject(400, "malformed HTTP request")
                 return
             pos += step
 
@@ -483,7 +491,7 @@ class HttpProtocol(asyncio.Protocol):
         except Exception:
             log.exception("unhandled error on WebSocket %s", scope.get("path"))
             if not session.accepted and not session.finished:
-                body = b'{"error":{"code":"internal_error","message":"internal error"}}'
+                body = _INTERNAL_ERROR
                 await session.send({"type": "websocket.http.response.start", "status": 500})
                 await session.send({"type": "websocket.http.response.body", "body": body})
         if not session.finished:
@@ -537,12 +545,7 @@ class HttpProtocol(asyncio.Protocol):
                         "headers": [(b"content-type", b"application/json")],
                     }
                 )
-                await cycle.send(
-                    {
-                        "type": "http.response.body",
-                        "body": b'{"error":{"code":"internal_error","message":"internal error"}}',
-                    }
-                )
+                await cycle.send({"type": "http.response.body", "body": _INTERNAL_ERROR})
                 return
             self.close()
             return
@@ -630,9 +633,9 @@ class HttpProtocol(asyncio.Protocol):
             self.backlog = None
             self.transport.abort()
 
-    def _reject(self, status: int, message: bytes) -> None:
+    def _reject(self, status: int, message: str) -> None:
         if self.running is None or not self.running.response_started:
-            body = b'{"error":{"code":"bad_http","message":"' + message + b'"}}'
+            body = _error("bad_http", message)
             self.write(
                 _status_line(status)
                 + b"content-type: application/json\r\nconnection: close\r\n"

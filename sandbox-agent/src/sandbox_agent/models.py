@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from .errors import Code
+
 Path = Annotated[
     str,
     Meta(
@@ -63,13 +65,21 @@ class _Out(msgspec.Struct, rename="camel", kw_only=True):
 
 
 class ErrorDetail(_Out, kw_only=True):
-    code: Annotated[str, Meta(description="Stable machine-readable code, e.g. 'not_found'")]
+    code: Code  # its schema, with the codes' meanings: openapi.py
     message: str
     details: dict[str, Any] | None = None
 
 
 class ErrorBody(_Out, kw_only=True):
     error: ErrorDetail
+
+
+class Interruption(_Out, kw_only=True):
+    """Why the gateway cut an event stream short (an `interrupted` event): its
+    own code (e.g. upstream_lost), not one of the agent's."""
+
+    code: str
+    message: str
 
 
 class Health(_Out, kw_only=True):
@@ -265,7 +275,7 @@ class StreamEvent(_Out, kw_only=True, omit_defaults=True):
 
     type: Literal["started", "output", "truncated", "finished", "interrupted"]
     execution: Execution | None = None
-    error: ErrorDetail | None = None
+    error: Interruption | None = None
     stream: Literal["stdout", "stderr"] | None = None
     data: str | None = None
     data_base64: str | None = None
@@ -351,7 +361,7 @@ class WatchEvent(_Out, kw_only=True, omit_defaults=True):
             "(kernel), a new directory was not watched (watch_limit); finished: why it ended"
         ),
     ] = None
-    error: ErrorDetail | None = None
+    error: Interruption | None = None
 
 
 class WatcherRequest(_Base, kw_only=True):

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from . import __version__, models
+from . import __version__, errors, models
 from .routing import Op, Param, public_paths
 
 _REF = "#/components/schemas/{name}"
@@ -92,6 +92,21 @@ def _error(ref_of: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     return {"content": {"application/json": {"schema": ref_of[models.ErrorBody]}}}
 
 
+def _error_code() -> dict[str, Any]:
+    """The schema of ``ErrorDetail.code``: every code of ``errors.CODES`` as an
+    enum, with its status and meaning (a table for readers, x-enum-descriptions
+    in the enum's order for generators: the SDK's and the gateway's names)."""
+    listed = sorted(errors.CODES.items())
+    rows = "".join(f"\n| `{code}` | {e.status} | {e.meaning} |" for code, e in listed)
+    return {
+        "type": "string",
+        "description": "Stable machine-readable code: what went wrong. A client branches on"
+        " it, not on the message.\n\n| code | status | meaning |\n|---|---|---|" + rows,
+        "enum": [code for code, _ in listed],
+        "x-enum-descriptions": [f"{e.status}: {e.meaning}" for _, e in listed],
+    }
+
+
 def _operation(op: Op, ref_of: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "operationId": op.handler.__name__,
@@ -139,6 +154,7 @@ def document(ops: tuple[Op, ...]) -> dict[str, Any]:
     uniq = list(dict.fromkeys(types))
     refs, components = msgspec.json.schema_components(uniq, ref_template=_REF)
     ref_of = dict(zip(uniq, refs, strict=True))
+    components["ErrorDetail"]["properties"]["code"] = _error_code()
 
     paths: dict[str, dict[str, Any]] = {}
     for op in ops:

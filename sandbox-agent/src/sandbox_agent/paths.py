@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-from .errors import AgentError, Forbidden, Invalid, NotFound
+from .errors import AgentError, Code, Forbidden, Invalid, NotFound
 
 MAX_PATH = 4096
 MAX_LINKS = 40  # symlinks followed in one walk, as the kernel's ELOOP limit
@@ -34,7 +34,7 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLO
 _PATH = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _refuse(code: str, message: str, path: str) -> AgentError:
+def _refuse(code: Code, message: str, path: str) -> AgentError:
     kind = Forbidden if code == "path_escape" else Invalid
     return kind(code, message, path=display(path[:300]))
 

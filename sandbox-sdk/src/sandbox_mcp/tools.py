@@ -33,6 +33,7 @@ from sandbox_sdk.errors import (
     Unauthorized,
 )
 from sandbox_sdk.models import agent
+from sandbox_sdk.models.agent_codes import AgentErrorCode
 from sandbox_sdk.types import CommandResult
 
 JSON = dict[str, Any]
@@ -72,12 +73,12 @@ def _with_output(kind: str, message: str, result: object) -> ToolFailure:
 
 # The agent's 403s (sandbox-agent's paths.py and files.py): its file system's
 # refusals, with what the model can do instead.
-AGENT_REFUSALS = {
-    "path_escape": "it leads outside the workspace (through a symbolic link); only paths"
-    " inside the workspace can be used",
-    "permission_denied": "the file's permissions do not allow it (see `ls -l`; chmod it"
-    " with sandbox_run_command if it is yours)",
-    "read_only": "that part of the file system is read-only",
+AGENT_REFUSALS: dict[str, str] = {
+    AgentErrorCode.PATH_ESCAPE: "it leads outside the workspace (through a symbolic link);"
+    " only paths inside the workspace can be used",
+    AgentErrorCode.PERMISSION_DENIED: "the file's permissions do not allow it (see `ls -l`;"
+    " chmod it with sandbox_run_command if it is yours)",
+    AgentErrorCode.READ_ONLY: "that part of the file system is read-only",
 }
 
 
@@ -816,7 +817,8 @@ async def call(
             )
         except Invalid as exc:
             # The agent says "not a directory" for a path that is not there at all.
-            if exc.code == "not_a_directory" and not await _file_op(files.exists(path), path):
+            not_a_dir = exc.code == AgentErrorCode.NOT_A_DIRECTORY
+            if not_a_dir and not await _file_op(files.exists(path), path):
                 raise ToolFailure("not_found", f"{path} does not exist") from exc
             raise
         lines = [

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from sandbox_sdk._sync.files import Files, Watch
     from sandbox_sdk._sync.sandbox import Sandbox
     from sandbox_sdk._sync.terminals import Terminal, Terminals, TerminalSession
+    from sandbox_sdk.models.agent_codes import AgentErrorCode
     from sandbox_sdk.types import (
         CodeError,
         CommandResult,
@@ -90,6 +91,7 @@ _HOMES = {
             "Runtime",
             "Template",
         ),
+        "models.agent_codes": ("AgentErrorCode",),
     }.items()
     for name in names
 }
@@ -97,6 +99,7 @@ _HOMES = {
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AgentErrorCode",
     "AsyncContexts",
     "AsyncFiles",
     "AsyncJob",

@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sandbox_sdk.errors import SandboxError
+from sandbox_sdk.models.agent_codes import AgentErrorCode
 
 if TYPE_CHECKING:
     from sandbox_sdk._sync.sandbox import Sandbox
@@ -42,11 +43,11 @@ TICK = 0.2
 # The agent's refusals of one key or control message on an attachment: said,
 # and the session goes on (anything else read raises ends it).
 REFUSALS = {
-    "terminal_backlogged",
-    "runner_unavailable",
-    "invalid_request",
-    "invalid_signal",
-    "terminal_ended",
+    AgentErrorCode.TERMINAL_BACKLOGGED,
+    AgentErrorCode.RUNNER_UNAVAILABLE,
+    AgentErrorCode.INVALID_REQUEST,
+    AgentErrorCode.INVALID_SIGNAL,
+    AgentErrorCode.TERMINAL_ENDED,
 }
 
 
@@ -92,7 +93,7 @@ class _Output(threading.Thread):
                         raise
                     # The agent refused a key or a resize (input sent faster than
                     # the terminal takes it): said, and the session goes on.
-                    if exc.code != "terminal_ended":  # its exit follows
+                    if exc.code != AgentErrorCode.TERMINAL_ENDED:  # its exit follows
                         os.write(self.out_fd, f"\r\n[sandbox: {exc}]\r\n".encode())
                     continue
                 view = memoryview(data)

@@ -3,7 +3,9 @@
 Every failure the SDK reports is a `SandboxError` with the HTTP status, the
 server's machine-readable code (`sandbox_not_ready`, `path_traversal`, a
 Kubernetes `Status.reason` such as `AlreadyExists`...) and its message. The
-subclasses are what callers branch on.
+subclasses are what callers branch on. The sandbox agent's codes, each with
+its status and meaning, are `AgentErrorCode` (generated from the agent's
+OpenAPI document); they compare equal to the plain strings in `code`.
 """
 
 from __future__ import annotations

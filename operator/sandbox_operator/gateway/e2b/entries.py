@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from sandbox_operator.gateway.agent_table import AgentErrorCode
 from sandbox_operator.gateway.e2b import paths
 from sandbox_operator.gateway.e2b.connect import ConnectError
 from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Target, whole
@@ -187,9 +188,9 @@ def agent_error(status: int, data: bytes, shown: str) -> ConnectError:
     code, message = agent_message(data)
     sentence = message.split(": ", 1)[0] if ": " in message else message
     text = f"{sentence}: {shown}" if shown else message
-    if status == 404 and code == "not_found":
+    if status == 404 and code == AgentErrorCode.NOT_FOUND:
         return ConnectError("not_found", f"no such file or directory: {shown}")
-    if status == 409 and code != "already_exists":
+    if status == 409 and code != AgentErrorCode.ALREADY_EXISTS:
         return ConnectError("failed_precondition", text)
     if status == 507:
         return ConnectError("resource_exhausted", text)

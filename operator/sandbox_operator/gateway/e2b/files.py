@@ -42,6 +42,7 @@ from aiohttp import BodyPartReader, web
 from aiohttp.web_protocol import RequestPayloadError
 
 from sandbox_operator.effective import sandbox_spec
+from sandbox_operator.gateway.agent_table import AgentErrorCode
 from sandbox_operator.gateway.e2b import core, paths
 from sandbox_operator.gateway.e2b.core import Adapter, E2BError, Endpoint, Target
 from sandbox_operator.gateway.e2b.entries import agent_message
@@ -112,9 +113,9 @@ async def _agent_failure(response: aiohttp.ClientResponse, shown: str) -> E2BErr
     status = response.status
     if status == 404:
         return E2BError(404, f"path '{shown}' does not exist")
-    if code == "is_a_directory":
+    if code == AgentErrorCode.IS_A_DIRECTORY:
         return E2BError(400, f"path '{shown}' is a directory")
-    if code == "not_a_file":
+    if code == AgentErrorCode.NOT_A_FILE:
         return E2BError(400, f"path '{shown}' is not a regular file")
     if status == 507:
         return E2BError(507, f"not enough disk space available: {message}")

@@ -31,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 import aiohttp
 from aiohttp import web
 
+from sandbox_operator.gateway.agent_table import AgentErrorCode
 from sandbox_operator.gateway.e2b import connect
 from sandbox_operator.gateway.e2b import process_wire as wire
 from sandbox_operator.gateway.e2b.connect import ConnectError
@@ -287,7 +288,7 @@ class Streams:
             else:
                 await self._start_command(out, spec, argv, rel, outside)
         except wire.AgentError as exc:
-            if exc.agent_code == "invalid_cwd":  # say it with the caller's own path
+            if exc.agent_code == AgentErrorCode.INVALID_CWD:  # say it with the caller's own path
                 raise wire.invalid(f"cwd '{spec.cwd}' does not exist") from exc
             raise
 
@@ -331,14 +332,14 @@ class Streams:
                     target, "POST", "executions/stream", params={"encoding": "base64"}, body=body
                 )
             except wire.AgentError as exc:
-                maximum = exc.details.get("maximum")
+                maximum, code = exc.details.get("maximum"), exc.agent_code
                 if attempt == 2:
                     raise
-                if exc.agent_code == "timeout_too_large" and isinstance(maximum, int | float):
+                if code == AgentErrorCode.TIMEOUT_TOO_LARGE and isinstance(maximum, int | float):
                     if isinstance(maximum, bool) or maximum <= 0:
                         raise
                     body = {**body, "timeoutSeconds": maximum}
-                elif exc.agent_code == "path_escape" and body["cwd"] != ".":
+                elif code == AgentErrorCode.PATH_ESCAPE and body["cwd"] != ".":
                     outside = wire.absolute_cwd(body["cwd"], target.route.workspace)
                     body = {**body, "cwd": ".", "argv": wire.launch(argv, outside, tag)}
                 else:
@@ -413,7 +414,7 @@ class Streams:
         try:
             term = await self.service.call(out.target, "POST", "terminals", body=body)
         except wire.AgentError as exc:
-            if exc.agent_code != "path_escape" or rel == ".":
+            if exc.agent_code != AgentErrorCode.PATH_ESCAPE or rel == ".":
                 raise
             outside = wire.absolute_cwd(rel, out.target.route.workspace)
             body = {**body, "cwd": ".", "argv": wire.launch(argv, outside, spec.tag)}

@@ -24,6 +24,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
+from sandbox_operator.gateway.agent_table import AgentErrorCode
 from sandbox_operator.gateway.e2b.connect import ConnectError
 from sandbox_operator.gateway.e2b.core import whole
 
@@ -51,15 +52,15 @@ LAUNCHER = '[ -z "$1" ] || cd -- "$1" || exit 1; shift 2; exec "$@"'
 LAUNCHER_HEAD = ["/bin/sh", "-c", LAUNCHER, "e2b-process"]
 
 # Agent error codes whose meaning for E2B is not their HTTP status's.
-AGENT_CODES = {
-    "not_running": "not_found",
-    "terminal_ended": "not_found",
-    "terminal_not_found": "not_found",
-    "stdin_closed": "failed_precondition",
-    "invalid_cwd": "invalid_argument",
-    "path_escape": "invalid_argument",
-    "runner_unavailable": "unavailable",
-    "runtime_restarting": "unavailable",
+AGENT_CODES: dict[str, str] = {
+    AgentErrorCode.NOT_RUNNING: "not_found",
+    AgentErrorCode.TERMINAL_ENDED: "not_found",
+    AgentErrorCode.TERMINAL_NOT_FOUND: "not_found",
+    AgentErrorCode.STDIN_CLOSED: "failed_precondition",
+    AgentErrorCode.INVALID_CWD: "invalid_argument",
+    AgentErrorCode.PATH_ESCAPE: "invalid_argument",
+    AgentErrorCode.RUNNER_UNAVAILABLE: "unavailable",
+    AgentErrorCode.RUNTIME_RESTARTING: "unavailable",
 }
 
 SIGNALS = {"SIGNAL_SIGKILL": "KILL", "SIGNAL_SIGTERM": "TERM", 9: "KILL", 15: "TERM"}

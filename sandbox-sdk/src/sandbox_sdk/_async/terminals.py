@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from sandbox_sdk import _lazy
 from sandbox_sdk.errors import NotFound, SandboxError, ServerError, Timeout, from_response
+from sandbox_sdk.models.agent_codes import AgentErrorCode
 
 if TYPE_CHECKING:
     from sandbox_sdk._async.sandbox import AsyncSandbox
@@ -182,7 +183,7 @@ class AsyncTerminal:
         try:
             ws = await self.sandbox._websocket(f"{self._tail}/attach", {"cursor": str(self.cursor)})
         except SandboxError as exc:
-            if exc.code != "websocket_required":
+            if exc.code != AgentErrorCode.WEBSOCKET_REQUIRED:
                 raise
             session = AsyncTerminalSession(self, None)
             session.info = await self.info()  # NotFound here, as over the WebSocket
@@ -205,7 +206,11 @@ class AsyncTerminal:
 
 # The status the agent's HTTP operations answer with for a refusal that an
 # attachment reports as an event (which carries the code only); 400 otherwise.
-_ATTACH_REFUSALS = {"terminal_ended": 409, "terminal_backlogged": 429, "runner_unavailable": 503}
+_ATTACH_REFUSALS: dict[str, int] = {
+    AgentErrorCode.TERMINAL_ENDED: 409,
+    AgentErrorCode.TERMINAL_BACKLOGGED: 429,
+    AgentErrorCode.RUNNER_UNAVAILABLE: 503,
+}
 
 
 class AsyncTerminalSession:

@@ -63,6 +63,7 @@ from sandbox_sdk.errors import (
     ServerError,
     from_response,
 )
+from sandbox_sdk.models.agent_codes import AgentErrorCode
 
 if TYPE_CHECKING:
     from sandbox_sdk._sync.websocket import WebSocket
@@ -71,7 +72,13 @@ JSON = dict[str, Any]
 TOKEN_SECONDS = 3600
 # Answers that say "try again": nothing ran (the agent creates no record then).
 _RETRY_STATUS = {429, 502}
-_RETRY_CODES = {"runner_unavailable", "runtime_restarting", "sandbox_unreachable", "review_failed"}
+_RETRY_CODES: set[str] = {
+    AgentErrorCode.RUNNER_UNAVAILABLE,
+    AgentErrorCode.RUNTIME_RESTARTING,
+    # The gateway's own (it has no document that lists them).
+    "sandbox_unreachable",
+    "review_failed",
+}
 _BACKOFF = (0.1, 0.3, 0.7, 1.5)
 
 
@@ -429,7 +436,7 @@ class Gateway:
                     f"GET {tail}: HTTP {opened.status_code} instead of a WebSocket (something"
                     " between here and the gateway does not pass WebSocket upgrades on)",
                     status=opened.status_code,
-                    code="websocket_required",
+                    code=AgentErrorCode.WEBSOCKET_REQUIRED,
                 )
             error = _error_of(opened, self.location)
             transient = opened.status_code in _RETRY_STATUS or error.code in _RETRY_CODES

@@ -106,7 +106,7 @@ class EnvironmentView(WireModel):
 class ErrorDetail(WireModel):
     "ErrorDetail"
 
-    code: str = Field(description="Stable machine-readable code, e.g. 'not_found'")
+    code: str = Field(description="Stable machine-readable code: what went wrong. A client branches on it, not on the message. The values: AgentErrorCode (models.agent_codes).")
     details: dict[str, Any] | None = Field(default=None)
     message: str = Field()
 
@@ -281,6 +281,13 @@ class Info(WireModel):
     version: str = Field()
     workspace: str = Field()
     workspace_usage: WorkspaceUsage | None = Field(default=None, validation_alias="workspaceUsage", serialization_alias="workspaceUsage", description="null when the workspace cannot be read")
+
+
+class Interruption(WireModel):
+    "Why the gateway cut an event stream short (an `interrupted` event): its own code (e.g. upstream_lost), not one of the agent's."
+
+    code: str = Field()
+    message: str = Field()
 
 
 class MkdirRequest(WireModel):
@@ -479,7 +486,7 @@ class StreamEvent(WireModel):
     cursor: int | None = Field(default=None)
     data: str | None = Field(default=None)
     data_base64: str | None = Field(default=None, validation_alias="dataBase64", serialization_alias="dataBase64")
-    error: ErrorDetail | None = Field(default=None)
+    error: Interruption | None = Field(default=None)
     execution: Execution | None = Field(default=None)
     stream: str | None = Field(default=None)
     type: str = Field(description="One of: finished, interrupted, output, started, truncated.")
@@ -562,7 +569,7 @@ class WatchEvent(WireModel):
     "One event of a directory watch (GET /v1/files/watch). The stream opens with `started` (from then on every change is seen), then changes: `create`, `write` (content changed), `remove`, `rename`, `chmod` (mode, owner or times); `overflow` when changes were dropped (rescan what you track); `keepalive` while nothing happens. It ends with `finished` (the watched directory was removed or moved away, or timeoutSeconds passed), when the client leaves, or with `interrupted` (written by the gateway when the agent's stream broke off or the gateway shuts down: watch again)."
 
     dropped: int | None = Field(default=None, description="overflow: changes the agent dropped (the kernel's own are not counted)")
-    error: ErrorDetail | None = Field(default=None)
+    error: Interruption | None = Field(default=None)
     file_type: str | None = Field(default=None, validation_alias="fileType", serialization_alias="fileType", description="directory, or file for anything else (symlinks included)")
     mode: str | None = Field(default=None, description="started: how changes are found. inotify: as they happen; poll: by comparing scans of the tree, every pollInterval seconds (where inotify does not see the sandbox container's changes: the workspace is a separate filesystem per container, as under gVisor). A poll sees the difference between two scans: what was made and removed between them is not reported, and several writes are one")
     move: str | None = Field(default=None, description="rename: both names in the watch (within), moved in from outside it (in: path is the new name) or out of it (out: path is the old name)")
@@ -606,4 +613,4 @@ class WriteRequest(WireModel):
     parents: bool = Field(default=True)
     path: str = Field(description="Path relative to the workspace root ('.' is the root). Absolute paths, '..' components and symlinks that leave the workspace are refused.")
 
-__all__ = ["ArchiveResult", "CancelRequest", "CodeEvent", "CodeRequest", "Context", "ContextList", "ContextRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "PolledWatcher", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SandboxLimits", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "Terminal", "TerminalInput", "TerminalList", "TerminalOutput", "TerminalRequest", "TerminalResize", "WatchEvent", "WatcherEvents", "WatcherList", "WatcherRequest", "WorkspaceUsage", "WriteRequest"]
+__all__ = ["ArchiveResult", "CancelRequest", "CodeEvent", "CodeRequest", "Context", "ContextList", "ContextRequest", "EnvironmentRequest", "EnvironmentView", "ErrorBody", "ErrorDetail", "ExecRequest", "Execution", "ExecutionList", "FileInfo", "FileList", "FindRequest", "FindResult", "Health", "Info", "Interruption", "MkdirRequest", "MoveRequest", "OutputChunk", "OutputPage", "PatchRequest", "PatchResult", "PatchedFile", "PolledWatcher", "QuiesceRequest", "QuiesceResult", "Readiness", "RemoveRequest", "Removed", "ReplaceRequest", "ReplaceResult", "RunError", "RuntimeLiveness", "RuntimeRestart", "SandboxLimits", "SearchMatch", "SearchRequest", "SearchResult", "SignalRequest", "StdinRequest", "StdinResult", "StreamEvent", "SyncResult", "Terminal", "TerminalInput", "TerminalList", "TerminalOutput", "TerminalRequest", "TerminalResize", "WatchEvent", "WatcherEvents", "WatcherList", "WatcherRequest", "WorkspaceUsage", "WriteRequest"]
