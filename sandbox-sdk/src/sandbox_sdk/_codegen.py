@@ -5,11 +5,12 @@
 Two sources, both checked in and both generated from the server side's own
 code: the CustomResourceDefinitions in `crds/` (from the operator's pydantic
 models) and the agent's OpenAPI document `sandbox-agent/openapi.json` (from its
-route table). The agent's error codes (the enum of `ErrorDetail.code`) become
-`AgentErrorCode` in a module of their own, light enough for the command line. Generating from those documents, rather than importing the
+route table). Generating from those documents, rather than importing the
 operator's models, keeps the SDK free of the operator's dependencies (Kopf,
 the kubernetes package); `--check` (run by the SDK's tests) fails when a
-schema changed and the models were not regenerated.
+schema changed and the models were not regenerated. The agent's error codes
+(the enum of `ErrorDetail.code`) become `AgentErrorCode`, in a module of
+their own (`models/agent_codes.py`: no pydantic, light enough for the CLI).
 
 The models are deliberately looser than the schemas: bounds, patterns and enums
 are enforced by the API server and the agent, and a newer server may send
