@@ -22,6 +22,7 @@ from e2b import Sandbox, SandboxQuery, SandboxState
 
 from tests.e2e.e2b_support import E2BTarget
 from tests.integration.harness import wait_for
+from tests.kube import core_path
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -226,6 +227,17 @@ def test_keys_and_namespaces(e2b_target: E2BTarget) -> None:
 
     wait_for(refused, 30, "the revoked key refused")
     Sandbox.kill(sbx.sandbox_id, **e2b_target.opts(token))
+
+    # A key whose ServiceAccount is deleted never works again: the list says so.
+    e2b_target.account(team.ns, "fleeting", None)
+    e2b_target.mint(team.ns, "fleeting", minter)
+    e2b_target.kube.delete(core_path("serviceaccounts", team.ns, "fleeting"))
+    listed = httpx.get(
+        f"{e2b_target.gateway}/v1/namespaces/{team.ns}/e2bkeys",
+        headers={"Authorization": f"Bearer {minter}"},
+    ).json()["items"]
+    assert [(k["serviceAccount"], k["state"]) for k in listed] == [("fleeting", "Orphaned")]
+    assert "no longer exists" in listed[0]["reason"], listed
 
 
 def test_a_template_that_does_not_exist(e2b_target: E2BTarget) -> None:

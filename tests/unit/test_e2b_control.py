@@ -399,7 +399,19 @@ def test_keys_have_e2b_s_shape_and_are_kept_as_their_hash() -> None:
         "system:serviceaccounts:team",
         "system:authenticated",
     }
-    assert keys.described(secret, record)["serviceAccount"] == "alice"
+    shown = keys.described(secret, record, ("Active", ""))
+    assert (shown["serviceAccount"], shown["state"]) == ("alice", "Active")
+    assert "reason" not in shown
+    # The list says which keys can never work again, and why.
+    now = NOW.timestamp()
+    live = {"metadata": {"name": "alice", "uid": "sa-uid"}}
+    assert keys.key_state(record, live, now) == ("Active", "")
+    gone = keys.key_state(record, None, now)
+    assert gone == ("Orphaned", "ServiceAccount alice no longer exists")
+    again = keys.key_state(record, {"metadata": {"name": "alice", "uid": "other"}}, now)
+    assert again == ("Orphaned", "ServiceAccount alice was deleted and made again")
+    assert keys.key_state(record, live, expires.timestamp() + 1)[0] == "Expired"
+    assert keys.described(secret, record, gone)["reason"] == gone[1]
     # Anything else in the keys' namespace is not a key.
     assert keys.record_of({**secret, "type": "Opaque"}) is None
     broken = json.loads(json.dumps(secret))

@@ -642,12 +642,13 @@ def cmd_e2b_key(client: SandboxClient, args: argparse.Namespace) -> int:
     if args.output in ("json", "yaml"):
         _emit(keys, args.output, "E2BKey", True)
         return 0
-    rows = [["ID", "SERVICE ACCOUNT", "CREATED BY", "EXPIRES", "AGE"]]
+    rows = [["ID", "SERVICE ACCOUNT", "STATE", "CREATED BY", "EXPIRES", "AGE"]]
     for key in keys:
         rows.append(
             [
                 key["id"],
                 key["serviceAccount"],
+                key.get("state", ""),
                 key.get("createdBy", ""),
                 key.get("expiresAt", "never"),
                 _age(key.get("createdAt")),

@@ -170,13 +170,27 @@ def key_secret(
     }
 
 
-def described(secret: JSON, record: KeyRecord) -> JSON:
+def key_state(record: KeyRecord, account: JSON | None, now: float) -> tuple[str, str]:
+    """Whether a key still works, and why not: `Orphaned` when its ServiceAccount
+    is gone or is a namesake made after a delete (the key never works again),
+    `Expired` past its end; `Active` otherwise."""
+    if account is None:
+        return "Orphaned", f"ServiceAccount {record.service_account} no longer exists"
+    if account["metadata"].get("uid", "") != record.service_account_uid:
+        return "Orphaned", f"ServiceAccount {record.service_account} was deleted and made again"
+    if record.expires is not None and record.expires <= now:
+        return "Expired", "past its expiresAt"
+    return "Active", ""
+
+
+def described(secret: JSON, record: KeyRecord, state: tuple[str, str]) -> JSON:
     """A key as the list shows it (never the key itself)."""
     data = secret.get("data") or {}
     entry: JSON = {
         "id": record.digest,
         "namespace": record.namespace,
         "serviceAccount": record.service_account,
+        "state": state[0],
         "createdAt": _decode(data, "createdAt"),
         "createdBy": (secret["metadata"].get("annotations") or {}).get(
             f"{GROUP}/e2b-key-created-by", ""
@@ -184,6 +198,8 @@ def described(secret: JSON, record: KeyRecord) -> JSON:
     }
     if record.expires is not None:
         entry["expiresAt"] = iso(datetime.fromtimestamp(record.expires, UTC))
+    if state[1]:
+        entry["reason"] = state[1]
     return entry
 
 
@@ -357,12 +373,22 @@ class ApiKeys:
         except KubeError as exc:
             raise Refusal(503, "key_store_failed", f"could not list the keys: {exc}") from exc
         items = []
+        accounts: dict[str, JSON | None] = {}
         for secret in (listed or {}).get("items") or []:
             record = record_of(secret)
             if record is None or record.namespace != namespace:
                 continue
-            if await self._may_act_as(caller, namespace, record.service_account):
-                items.append(described(secret, record))
+            if not await self._may_act_as(caller, namespace, record.service_account):
+                continue
+            name = record.service_account
+            if name not in accounts:
+                path = SERVICE_ACCOUNTS.path(namespace, name)
+                try:
+                    accounts[name] = await self.gateway.kube.get(path)
+                except KubeError as exc:
+                    raise Refusal(503, "key_store_failed", f"could not check a key: {exc}") from exc
+            state = key_state(record, accounts[name], time.time())
+            items.append(described(secret, record, state))
         items.sort(key=lambda item: (item["createdAt"], item["id"]))
         return web.json_response({"items": items})
 
