@@ -144,7 +144,9 @@ class Gateway:
             settings.access_review_seconds,
             settings.cache_entries,
         )
-        self.upstreams = Upstreams(settings.agent_connect_seconds, settings.head_seconds)
+        self.upstreams = Upstreams(
+            settings.agent_connect_seconds, settings.head_seconds, settings.max_connections
+        )
         self.guard = Guard(
             Limits(
                 head_seconds=settings.head_seconds,

@@ -78,13 +78,19 @@ async def _body(request: web.Request) -> AsyncIterator[bytes]:
 class Upstreams:
     """One pooled HTTP client for every agent and preview port."""
 
-    def __init__(self, connect_seconds: float, body_seconds: float = 10.0) -> None:
+    def __init__(
+        self, connect_seconds: float, body_seconds: float = 10.0, total: int = 16_000
+    ) -> None:
         self.body_seconds = body_seconds
         # Event streams being passed on, so shutdown can end each with a last event.
         self.streams: set[asyncio.Task[object]] = set()
         self.closing = False
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=1024, limit_per_host=64, keepalive_timeout=30),
+            # At most 64 at once to one sandbox; in all, as many as the gateway
+            # takes client connections (`total`): a pool smaller than that would
+            # let one tenant's long streams fill it and make every other
+            # tenant's calls wait for a slot (and fail after connect_seconds).
+            connector=aiohttp.TCPConnector(limit=total, limit_per_host=64, keepalive_timeout=30),
             # Commands stream for as long as they run: no total, no read timeout.
             timeout=aiohttp.ClientTimeout(total=None, connect=connect_seconds, sock_read=None),
             auto_decompress=False,
