@@ -229,3 +229,17 @@ def test_refusals(sbx: Sandbox, home: str, workdir: str) -> None:
     # A file URL without its signature, and no token: refused before anything.
     unsigned = sbx.download_url(f"{workdir}/x").split("&signature=")[0]
     assert fetch(sbx, unsigned).status_code == 401
+    # With the token: a route is matched on the path as sent, never a decoded one.
+    base = unsigned.split("/files?")[0]
+    headers = {
+        **sbx.connection_config.sandbox_headers,
+        "E2b-Sandbox-Id": sbx.sandbox_id,
+        "E2b-Sandbox-Port": "49983",
+    }
+    sbx.files.write(f"{workdir}/plain.txt", "plain")
+    plain = httpx.get(f"{base}/files", params={"path": f"{workdir}/plain.txt"}, headers=headers)
+    assert (plain.status_code, plain.text) == (200, "plain")
+    for raw in ("/%66iles", "/files%2F%2e%2e", "/%2e%2e/files"):
+        r = httpx.get(f"{base}{raw}", params={"path": f"{workdir}/plain.txt"}, headers=headers)
+        assert r.status_code == 400, (raw, r.status_code, r.text)
+        assert "without percent-encoding" in r.json()["message"]

@@ -192,6 +192,39 @@ def test_numbers_in_headers_and_queries_are_refused_not_raised(odd: str) -> None
     assert by_host._sandbox(_headers(Host=host)) is None
 
 
+def test_a_route_is_matched_on_the_path_as_sent() -> None:
+    """Percent-encoding in a path is refused before any route is matched: no
+    E2B route needs it, and a decoded `%2F` or `%2e%2e` must not reach one."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from sandbox_operator.gateway.e2b.app import E2BApp
+
+    async def kill(request: web.Request, params: dict[str, str]) -> web.StreamResponse:
+        return web.json_response(params)
+
+    route = core.Endpoint(core.CONTROL, "DELETE", r"/sandboxes/(?P<id>[^/]+)", kill)
+    gateway = SimpleNamespace(settings=SimpleNamespace(e2b_domain=None))
+    app = E2BApp(cast(Any, SimpleNamespace(gateway=gateway)), [route])
+
+    def answer(raw: str) -> tuple[int, str]:
+        request = make_mocked_request("DELETE", raw, headers={})
+        try:
+            done = asyncio.run(app.dispatch(request))
+        except core.E2BError as exc:
+            return exc.status, exc.message
+        return done.status, cast(web.Response, done).text
+
+    assert answer("/sandboxes/ibox") == (200, '{"id": "ibox"}')
+    for raw in ("/sandboxes/%2e%2e", "/sandboxes/ibox%2Fkill", "/%73andboxes/ibox"):
+        status, message = answer(raw)
+        assert status == 400, (raw, message)
+        assert "without percent-encoding" in message
+    assert answer("/sandboxes/ibox/more")[0] == 404
+
+
 @pytest.mark.parametrize("odd", ["²", "--5", "-²", "9" * 5000, "1e3"])
 def test_a_signed_urls_expiration_is_a_number_or_a_400(odd: str) -> None:
     import asyncio

@@ -85,6 +85,10 @@ class E2BApp:
 
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         path = request.path
+        if request.raw_path.partition("?")[0] != path:
+            # Percent-encoding (or a segment it hides): no route of E2B's needs
+            # it, and a route is matched on the path as sent, or not at all.
+            raise E2BError(400, "the request path must be sent as is, without percent-encoding")
         named = self._sandbox(request)
         port = CONTROL if named is None else named[1]
         for endpoint in self.endpoints:
