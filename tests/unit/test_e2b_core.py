@@ -215,7 +215,7 @@ def test_a_route_is_matched_on_the_path_as_sent() -> None:
             done = asyncio.run(app.dispatch(request))
         except core.E2BError as exc:
             return exc.status, exc.message
-        return done.status, cast(web.Response, done).text
+        return done.status, str(cast(web.Response, done).text)
 
     assert answer("/sandboxes/ibox") == (200, '{"id": "ibox"}')
     for raw in ("/sandboxes/%2e%2e", "/sandboxes/ibox%2Fkill", "/%73andboxes/ibox"):
