@@ -11,11 +11,13 @@ CLUSTER ?= dev
 # node lanes mostly wait on pods and probes; one e2e lane alone left a core idle).
 PROCESS_TIERS ?= tests/unit tests/integration sandbox-sdk/tests
 NODE_TIERS ?= tests/devcluster tests/e2e
-# The agent's own tests need no cluster: pytest sessions of their own at the
-# end of two lanes (not first: cold, their CPU slowed the node's builds, which
-# every node test waits on). AGENT_SECOND (the hostile tier in a real 256 MiB
-# memory cgroup, root, and the longest files) ends the processes lane, the rest
-# the second node lane: each lane then ends within a minute or two of the others.
+# The agent's own tests need no cluster: two pytest sessions of their own,
+# shared jobs that whichever lane ends first takes (devcluster/lanes.py), not
+# at the start (cold, their CPU slowed the node's builds, which every node test
+# waits on). On a warm cache that is the second node lane and the processes
+# lane, on a cold one the processes lane (the node's builds hold the other two
+# back), so the lanes end close together either way. AGENT_SECOND: the hostile
+# tier in a real 256 MiB memory cgroup (root) and the longest files.
 # --rootdir=.: their test ids and rows in .ci/run's table read sandbox-agent/tests.
 AGENT_SECOND ?= sandbox-agent/tests/hostile sandbox-agent/tests/test_http_limits.py \
 	sandbox-agent/tests/test_contract.py
@@ -63,15 +65,15 @@ binaries: install ## Build (or reuse) the pinned Kubernetes, etcd, helm and goph
 # lanes meanwhile build their own (kubelet, kube-proxy...) and the images, whose
 # downloads and unpacking overlap the compiles (builds of one thing are locked,
 # so a lane needing what another builds waits for it before its first test).
-test: install ## Lint and every test tier, in three lanes side by side (node / e2e+agent / processes)
+test: install ## Lint and every test tier, in three lanes side by side (node / e2e / processes; the agent tiers go to whichever ends first)
 	$(PY) -m devcluster.lanes \
 		"node=$(PY) -m pytest -p devcluster.pytest_plugin $(NODE_TIERS) $(addprefix --ignore=,$(E2E_SECOND))" \
-		"e2e=$(PY) -m pytest -p devcluster.pytest_plugin $(E2E_SECOND); e2e=\$$?; \
-			$(PY) -m pytest -p devcluster.pytest_plugin --rootdir=. $(AGENT_TIERS) && exit \$$e2e" \
+		"e2e=$(PY) -m pytest -p devcluster.pytest_plugin $(E2E_SECOND)" \
 		"processes=make --no-print-directory binaries || exit \$$?; \
 			$(PY) -m devcluster.phases run lint -- make --no-print-directory lint; \
-			lint=\$$?; $(PY) -m pytest -p devcluster.pytest_plugin $(PROCESS_TIERS) || exit \$$?; \
-			$(PY) -m pytest -p devcluster.pytest_plugin --rootdir=. $(AGENT_SECOND) && exit \$$lint"
+			lint=\$$?; $(PY) -m pytest -p devcluster.pytest_plugin $(PROCESS_TIERS) && exit \$$lint" \
+		"+agent=$(PY) -m pytest -p devcluster.pytest_plugin --rootdir=. $(AGENT_TIERS)" \
+		"+agent-second=$(PY) -m pytest -p devcluster.pytest_plugin --rootdir=. $(AGENT_SECOND)"
 
 .PHONY: test-unit
 test-unit: install ## Fast tests: models, builders, conditions, CRD freshness

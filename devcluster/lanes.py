@@ -9,7 +9,13 @@ kubelet, the process tiers on watches and timers. So they run as two lanes,
 each its own pytest session (own clusters, own temporary directory), and the
 wall time is the longer lane's rather than the sum.
 
-    python -m devcluster.lanes NAME=COMMAND [NAME=COMMAND ...]
+    python -m devcluster.lanes NAME=COMMAND [NAME=COMMAND ...] [+JOB=COMMAND ...]
+
+A `+JOB=COMMAND` is a job no lane owns: tiers that need no cluster of their
+own. Whichever lane ends its COMMAND first takes the next one (in the order
+given), and so on until none is left, so the lanes end close together on a
+cold cache (where the node's builds hold its lanes back) as on a warm one
+(where they do not). A lane runs every job it takes even after a failure.
 
 Each COMMAND runs through the shell. Its output is written to the terminal
 line by line with a `[NAME]` prefix as it comes, and kept whole in a log
@@ -57,18 +63,39 @@ class Lane:
     ended: float = 0.0  # monotonic time its output closed: when it finished
     summary: str = ""
     counts: dict[str, int] = field(default_factory=dict)
+    jobs: list[str] = field(default_factory=list)  # the shared jobs it took, in order
+
+
+@dataclass(frozen=True)
+class Job:
+    """A `+JOB=COMMAND`: run by whichever lane is free first."""
+
+    name: str
+    command: str
 
 
 def parse_lanes(specs: Sequence[str], logs: Path) -> list[Lane]:
+    return parse(specs, logs)[0]
+
+
+def parse(specs: Sequence[str], logs: Path) -> tuple[list[Lane], list[Job]]:
+    """The lanes (NAME=COMMAND) and the shared jobs (+JOB=COMMAND) of `specs`."""
     lanes: list[Lane] = []
+    jobs: list[Job] = []
     for spec in specs:
-        name, sep, command = spec.partition("=")
+        shared = spec.startswith("+")
+        name, sep, command = spec.removeprefix("+").partition("=")
         if not sep or not name or not command.strip():
-            raise ValueError(f"a lane is NAME=COMMAND, not {spec!r}")
-        if any(lane.name == name for lane in lanes):
-            raise ValueError(f"two lanes named {name!r}")
-        lanes.append(Lane(name, command, logs / f"{name}.log"))
-    return lanes
+            raise ValueError(f"a lane is NAME=COMMAND (a shared job +NAME=COMMAND), not {spec!r}")
+        if any(name == other for other in [lane.name for lane in lanes] + [j.name for j in jobs]):
+            raise ValueError(f"two lanes or jobs named {name!r}")
+        if shared:
+            jobs.append(Job(name, command))
+        else:
+            lanes.append(Lane(name, command, logs / f"{name}.log"))
+    if jobs and not lanes:
+        raise ValueError("shared jobs need a lane to run them")
+    return lanes, jobs
 
 
 def counts_of(summary: str) -> dict[str, int]:
@@ -96,7 +123,7 @@ def closing_line(lanes: Sequence[Lane]) -> str:
 
 
 def _pump(lane: Lane, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
-    with lane.log.open("w", encoding="utf-8") as log:
+    with lane.log.open("a", encoding="utf-8") as log:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
             log.write(line + "\n")
@@ -109,46 +136,76 @@ def _pump(lane: Lane, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> 
             with lock:
                 out.write(f"[{lane.name}] {line}\n")
                 out.flush()
-    lane.ended = time.monotonic()
 
 
-def run(lanes: Sequence[Lane], out: IO[str] = sys.stdout) -> int:
-    lock = threading.Lock()
-    started: list[tuple[Lane, subprocess.Popen[bytes], threading.Thread, float]] = []
-    stopped: list[int] = []
+class _Runner:
+    """The lanes' processes: each lane's command, then the shared jobs it takes."""
 
-    def stop(signum: int, _frame: object) -> None:
-        # Each lane is a process group of its own: pass the signal on to all of
-        # it (pytest stops its clusters on SIGTERM), then wait for them below.
-        stopped.append(signum)
-        for _, proc, _, _ in started:
+    def __init__(self, jobs: Sequence[Job], out: IO[str]) -> None:
+        self.out = out
+        self.lock = threading.Lock()  # output lines, the queue, the running set
+        self.queue = list(jobs)
+        self.running: set[subprocess.Popen[bytes]] = set()
+        self.stopped: list[int] = []
+
+    def stop(self, signum: int, _frame: object) -> None:
+        # Each command is a process group of its own: pass the signal on to all
+        # of it (pytest stops its clusters on SIGTERM); no more jobs are taken.
+        self.stopped.append(signum)
+        with self.lock:
+            running = list(self.running)
+        for proc in running:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    for lane in lanes:
+    def _command(self, lane: Lane, command: str) -> int:
         env = {**os.environ, LANE_ENV: lane.name, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(
-            ["bash", "-o", "pipefail", "-c", lane.command],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
+        with self.lock:
+            if self.stopped:
+                return 128 + self.stopped[0]
+            proc = subprocess.Popen(
+                ["bash", "-o", "pipefail", "-c", command],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+            self.running.add(proc)
         assert proc.stdout is not None
-        pump = threading.Thread(target=_pump, args=(lane, proc.stdout, out, lock), daemon=True)
-        pump.start()
-        started.append((lane, proc, pump, time.monotonic()))
-    if stopped:
-        # The signal came while lanes were still being started: those started
-        # after it get it too.
-        stop(stopped[0], None)
-    for lane, proc, pump, began in started:
-        lane.status = proc.wait()
-        pump.join()
-        # Its own end, not when the lanes waited before it ended.
-        lane.seconds = (lane.ended or time.monotonic()) - began
+        _pump(lane, proc.stdout, self.out, self.lock)
+        status = proc.wait()
+        with self.lock:
+            self.running.discard(proc)
+        return status
+
+    def _next(self) -> Job | None:
+        with self.lock:
+            return None if self.stopped or not self.queue else self.queue.pop(0)
+
+    def lane(self, lane: Lane) -> None:
+        began = time.monotonic()
+        lane.status = self._command(lane, lane.command)
+        while (job := self._next()) is not None:
+            lane.jobs.append(job.name)
+            with self.lock:
+                self.out.write(f"[{lane.name}] -- taking the shared job {job.name}\n")
+            status = self._command(lane, job.command)
+            lane.status = lane.status or status
+        lane.ended = time.monotonic()
+        lane.seconds = lane.ended - began
+
+
+def run(lanes: Sequence[Lane], out: IO[str] = sys.stdout, jobs: Sequence[Job] = ()) -> int:
+    runner = _Runner(jobs, out)
+    previous = {sig: signal.signal(sig, runner.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    threads = [threading.Thread(target=runner.lane, args=(lane,)) for lane in lanes]
+    for thread in threads:
+        thread.start()
+    for lane, thread in zip(lanes, threads, strict=True):
+        # In short slices: the main thread must stay free to take a signal.
+        while thread.is_alive():
+            thread.join(0.2)
         phases.append(
             {
                 "kind": "lane",
@@ -160,31 +217,35 @@ def run(lanes: Sequence[Lane], out: IO[str] = sys.stdout) -> int:
     out.write("\n")
     for lane in lanes:
         state = "ok" if lane.status == 0 else f"exit status {lane.status}"
+        took = f", then {', '.join(lane.jobs)}" if lane.jobs else ""
         out.write(
             f"lane {lane.name}: {state} after {phases.mmss(lane.seconds)}"
-            f" ({lane.summary or 'no pytest summary'}; log: {lane.log})\n"
+            f" ({lane.summary or 'no pytest summary'}{took}; log: {lane.log})\n"
         )
     out.write(closing_line(lanes) + "\n")
     out.flush()
     for sig, handler in previous.items():
         signal.signal(sig, handler)
-    if stopped:
-        return 128 + stopped[0]
+    if runner.stopped:
+        return 128 + runner.stopped[0]
     return 0 if all(lane.status == 0 for lane in lanes) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     specs = list(sys.argv[1:] if argv is None else argv)
     if not specs:
-        print("usage: python -m devcluster.lanes NAME=COMMAND [NAME=COMMAND ...]", file=sys.stderr)
+        print(
+            "usage: python -m devcluster.lanes NAME=COMMAND [NAME=COMMAND ...] [+JOB=COMMAND ...]",
+            file=sys.stderr,
+        )
         return 2
     logs = Path(tempfile.mkdtemp(prefix="lanes-"))
     try:
-        lanes = parse_lanes(specs, logs)
+        lanes, jobs = parse(specs, logs)
     except ValueError as error:
         print(f"devcluster.lanes: {error}", file=sys.stderr)
         return 2
-    return run(lanes)
+    return run(lanes, jobs=jobs)
 
 
 if __name__ == "__main__":

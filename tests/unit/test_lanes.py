@@ -79,6 +79,50 @@ def test_each_lane_is_timed_to_its_own_end(tmp_path: Path) -> None:
     assert quick.seconds < 1.0, quick.seconds
 
 
+def test_shared_jobs_go_to_whichever_lane_is_free_first(tmp_path: Path) -> None:
+    marker = tmp_path / "jobs-done"
+    specs = [
+        # `slow` ends only once both jobs ran: `quick` must have taken them.
+        f"slow=for i in $(seq 100); do [ -e {marker} ] && break; sleep 0.1; done; [ -e {marker} ]",
+        "quick=echo '==== 2 passed in 0.10s ===='",
+        "+one=echo '==== 1 failed, 4 passed in 0.10s ===='; exit 1",
+        f"+two=echo from-two; touch {marker}",
+    ]
+    parsed, jobs = lanes.parse(specs, tmp_path)
+    assert [lane.name for lane in parsed] == ["slow", "quick"]
+    assert jobs == [lanes.Job("one", specs[2][5:]), lanes.Job("two", specs[3][5:])]
+    out = io.StringIO()
+    assert lanes.run(parsed, out, jobs) == 1
+    slow, quick = parsed
+    assert (slow.status, slow.jobs) == (0, [])
+    # A failed job fails its lane, and the lane still runs the next one.
+    assert (quick.status, quick.jobs) == (1, ["one", "two"])
+    assert quick.counts == {"passed": 6, "failed": 1}
+    assert "from-two" in (tmp_path / "quick.log").read_text()
+    text = out.getvalue()
+    assert "[quick] -- taking the shared job one" in text
+    assert "lane quick: exit status 1" in text
+    assert "then one, two; log:" in text
+    for bad in (["+job=x"], ["a=x", "+a=y"], ["a=x", "+=y"]):
+        with pytest.raises(ValueError, match="lane"):
+            lanes.parse(bad, tmp_path)
+
+
+def test_no_shared_job_starts_after_a_signal(tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    specs = [f"a=echo $$ > {marker}; sleep 60", f"+late=touch {tmp_path / 'late'}"]
+    parsed, jobs = lanes.parse(specs, tmp_path)
+
+    def kill_soon() -> None:
+        while not marker.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=kill_soon, daemon=True).start()
+    assert lanes.run(parsed, io.StringIO(), jobs) == 128 + signal.SIGTERM
+    assert not (tmp_path / "late").exists()
+
+
 def test_a_lane_that_dies_before_pytest_counts_as_failed(tmp_path: Path) -> None:
     parsed = lanes.parse_lanes(["a=exit 3"], tmp_path)
     assert lanes.run(parsed, io.StringIO()) == 1
