@@ -8,9 +8,10 @@ from typing import Any
 
 from sandbox_operator import envvars, identity, metrics
 from sandbox_operator.agent_client import AgentError, environment_hash
-from sandbox_operator.api.sandbox import SandboxSpec, SandboxStatus
+from sandbox_operator.api.sandbox import SandboxStatus
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.context import OperatorContext
+from sandbox_operator.handlers.sandbox.view import SandboxView
 
 JSON = dict[str, Any]
 
@@ -25,7 +26,7 @@ def _pod_env(pod: JSON) -> list[JSON]:
 
 
 async def sync_environment(
-    ctx: OperatorContext, body: JSON, spec: SandboxSpec, pod: JSON | None, endpoint: str | None
+    ctx: OperatorContext, view: SandboxView, pod: JSON | None, endpoint: str | None
 ) -> None:
     """Give commands started from now on the spec's env, without a new pod.
 
@@ -33,9 +34,10 @@ async def sync_environment(
     gets an overlay (the whole env, and the names to drop) that it applies to
     each new command. What the agent holds is compared by digest; a spec back at
     the pod's env means no overlay, and one given earlier is taken back."""
+    body, spec = view.body, view.valid_spec
     if pod is None or not endpoint:
         return
-    key = (body["metadata"]["namespace"], body["metadata"]["uid"])
+    key = (view.ref.namespace, view.ref.uid)
     wanted = [var.to_wire() for var in spec.env]
     base = _pod_env(pod)
     # Secrets are read once per change of the spec's env, like the kubelet reads
@@ -47,7 +49,7 @@ async def sync_environment(
     unset: list[str] = []
     if wanted != base:
         try:
-            env = await envvars.resolve(ctx.kube, body["metadata"]["namespace"], spec.env)
+            env = await envvars.resolve(ctx.kube, view.ref.namespace, spec.env)
         except envvars.MissingSecret as exc:
             ctx.event(body, "warn", reason="EnvironmentPending", message=str(exc))
             return
@@ -75,13 +77,14 @@ async def sync_environment(
 
 
 async def sync_files(
-    ctx: OperatorContext, body: JSON, spec: SandboxSpec, status: SandboxStatus
+    ctx: OperatorContext, view: SandboxView, status: SandboxStatus
 ) -> tuple[str | None, str | None]:
     """Write spec.files into the workspace unless `status` says they are there:
     (the digest now written, None) or (the one before, why writing failed).
 
     Written before the Sandbox is Ready, so the first command finds them; a
     claimed pool member gets its claimer's files this way too."""
+    body, spec = view.body, view.valid_spec
     wanted = build.files_digest(spec, status.pod_uid)
     if wanted is None:
         return None, None  # no files (or no longer any: the written ones stay)

@@ -27,6 +27,7 @@ from sandbox_operator.clock import iso, parse_time
 from sandbox_operator.config import Settings
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers.sandbox.status import write_status
+from sandbox_operator.handlers.sandbox.view import SandboxView
 from sandbox_operator.resources import (
     RESUME_ANNOTATION,
     SANDBOXES,
@@ -171,15 +172,16 @@ async def _paused_too_long(
 
 async def lifecycle(
     ctx: OperatorContext,
-    body: JSON,
-    spec: SandboxSpec,
+    view: SandboxView,
     status: SandboxStatus,
     now: datetime,
     logger: kopf.Logger,
 ) -> JSON | None:
-    """Idle timeout, paused timeout and max lifetime. Returns status fields to set,
-    or None when it deleted the sandbox: whatever it had to say is written, and
-    a write after the delete would race the finalizer's own patch."""
+    """Idle timeout, paused timeout and max lifetime, for `status` (what the pass
+    arrived at so far). Returns status fields to set, or None when it deleted
+    the sandbox: whatever it had to say is written, and a write after the
+    delete would race the finalizer's own patch."""
+    body, spec = view.body, view.valid_spec
     meta = body["metadata"]
     if status.paused_deadline and now >= parse_time(status.paused_deadline):
         await _paused_too_long(ctx, body, spec, status, now)

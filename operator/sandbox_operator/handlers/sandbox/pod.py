@@ -20,7 +20,7 @@ from sandbox_operator.builders import sandbox_status
 from sandbox_operator.builders.conditions import FALSE, find
 from sandbox_operator.clock import parse_time
 from sandbox_operator.context import OperatorContext
-from sandbox_operator.effective import effectively_paused
+from sandbox_operator.handlers.sandbox.view import SandboxView
 from sandbox_operator.handlers.sandbox.workspace import ClaimState, ours_or_refuse
 from sandbox_operator.indexes import pod_essentials
 from sandbox_operator.kube import newest_warning
@@ -123,14 +123,14 @@ def agent_stalled(
 
 async def ensure_pod(
     ctx: OperatorContext,
-    body: JSON,
-    spec: SandboxSpec,
+    view: SandboxView,
     pod: JSON | None,
     decision: PodDecision,
     logger: kopf.Logger,
 ) -> JSON | None:
-    """Carry out `decision`. Returns the pod as it now stands (None if absent)."""
-    ref = identity.children_ref(body)
+    """Carry out `decision` (for a runnable view: its spec is valid). Returns the
+    pod as it now stands (None if absent)."""
+    body, spec, ref = view.body, view.valid_spec, view.served_by
     path = PODS.path(ref.namespace)
     action = decision.action
     if pod is not None and _must_be_ours(pod, ref):
@@ -154,7 +154,7 @@ async def ensure_pod(
         return await ctx.kube.patch(f"{path}/{name}", {"metadata": {"annotations": annotations}})
     await ctx.kube.delete(f"{path}/{name}", uid=pod["metadata"]["uid"])
     if action is PodAction.DELETE:
-        if effectively_paused(body, spec):
+        if view.paused:
             ctx.event(body, "info", reason="Paused", message="pod deleted, workspace kept")
         else:
             ctx.event(body, "info", reason="Restoring", message="pod stopped for a rollback")

@@ -16,24 +16,19 @@ from enum import Enum
 from typing import Any
 
 import kopf
-from pydantic import ValidationError
 
 from sandbox_operator import identity, metrics
-from sandbox_operator.api.common import parse_duration, readable
+from sandbox_operator.api.common import parse_duration
 from sandbox_operator.api.sandbox import (
     PoolOutcome,
     SandboxPhase,
     SandboxReason,
-    SandboxSpec,
 )
-from sandbox_operator.builders import sandbox as build
 from sandbox_operator.builders import sandbox_status
 from sandbox_operator.builders.pool import claimed, claimed_by
 from sandbox_operator.builders.sandbox_status import Observed
 from sandbox_operator.clock import now_utc, parse_time
-from sandbox_operator.config import Settings
 from sandbox_operator.context import OperatorContext
-from sandbox_operator.effective import effectively_paused, sandbox_spec
 from sandbox_operator.handlers.sandbox.admission import SandboxIndex, admit, waiting
 from sandbox_operator.handlers.sandbox.environment import sync_environment, sync_files
 from sandbox_operator.handlers.sandbox.lifecycle import (
@@ -51,6 +46,7 @@ from sandbox_operator.handlers.sandbox.status import (
     write_status,
 )
 from sandbox_operator.handlers.sandbox.template_use import pin_template
+from sandbox_operator.handlers.sandbox.view import SandboxView, parse_spec, read
 from sandbox_operator.handlers.sandbox.workspace import (
     ClaimState,
     PredecessorDeleting,
@@ -90,15 +86,6 @@ class Children(Enum):
     CREATE = "create"
     # Also bring drifted children back to the spec (spec updates).
     CONVERGE = "converge"
-
-
-def parse_spec(body: JSON, settings: Settings) -> tuple[SandboxSpec | None, str | None]:
-    """(spec, None), or (spec or None, why it cannot run)."""
-    try:
-        spec = sandbox_spec(body)
-    except ValidationError as exc:
-        return None, readable(exc)
-    return spec, build.settings_problem(spec, settings)
 
 
 def refused(ctx: OperatorContext, body: JSON) -> Any:
@@ -163,11 +150,15 @@ async def reconcile(
             indexed = next(iter(indexes.pods.get((kids.namespace, kids.name), [])), None)
             pod = ctx.known_pod(kids.namespace, kids.name, indexed)
         claim = next(iter(indexes.claims.get((kids.namespace, kids.name), [])), None)
+        # A protocol step: the template is read once and recorded (written) before
+        # the spec is, which takes its defaults from the record.
         body = await pin_template(ctx, body)
-        spec, invalid = parse_spec(body, ctx.settings)
+        # From here on the pass works on this object: read it once.
+        view = read(body, ctx.settings, pod=pod, claim=claim)
+        spec = view.spec
         if (
             spec is not None
-            and invalid is None
+            and view.invalid is None
             and kids.uid == meta["uid"]  # a claimed member keeps the share it was admitted with
             and not await admit(ctx, body, spec, indexes.sandboxes, indexes.quotas)
         ):
@@ -176,9 +167,7 @@ async def reconcile(
         if (wait := ctx.backoffs.remaining(body)) > 0:
             raise kopf.TemporaryError(f"refused before; next try in {wait:.1f}s", delay=wait)
         try:
-            await _reconcile(
-                ctx, body, logger, children=children, pod=pod, claim=claim, status_into=status_into
-            )
+            await _reconcile(ctx, view, logger, children=children, status_into=status_into)
         except Refused as exc:
             if not exc.permanent:
                 ctx.backoffs.refused(body)
@@ -188,6 +177,7 @@ async def reconcile(
             await report_blocked(ctx, body, spec, held=held)
             raise kopf.TemporaryError(str(exc), delay=PREDECESSOR_RETRY_SECONDS) from exc
         ctx.backoffs.clear(body)
+        # The status this pass arrived at: its writes keep the body's current.
         status: JSON = body.get("status") or {}
         use = status.get("pool") or {}
         if use != (recorded or {}) and use.get("outcome") == PoolOutcome.CLAIMED:
@@ -206,24 +196,18 @@ def _present(sandboxes: SandboxIndex, ref: identity.SandboxRef) -> bool:
 
 async def _reconcile(
     ctx: OperatorContext,
-    body: JSON,
+    view: SandboxView,
     logger: kopf.Logger,
     *,
     children: Children,
-    pod: JSON | None,
-    claim: JSON | None,
     status_into: kopf.Patch | None = None,
 ) -> None:
-    meta = body["metadata"]
-    spec, invalid = parse_spec(body, ctx.settings)
     now = now_utc()
-    old = status_of(body)
-    generation = meta.get("generation", 0)
-    if invalid is not None:
-        await report_blocked(ctx, body, spec, invalid=invalid)
-        raise kopf.PermanentError(invalid)
-    assert spec is not None
-    ref = identity.children_ref(body)
+    if view.invalid is not None:
+        await report_blocked(ctx, view.body, view.spec, invalid=view.invalid)
+        raise kopf.PermanentError(view.invalid)
+    body, spec, old, pod = view.body, view.valid_spec, view.old, view.pod
+    ref = view.served_by
     if children is Children.CREATE:
         children = Children.POD if pod is not None else Children.ENSURE
     workspace = await plan_workspace(ctx, body, spec)
@@ -232,14 +216,13 @@ async def _reconcile(
         created_claim = await ensure_children(
             ctx, ref, spec, converge=children is Children.CONVERGE, workspace=workspace
         )
-    paused = effectively_paused(body, spec)
-    if pod is None and children is Children.POD and not paused:
+    if pod is None and children is Children.POD and not view.paused:
         # The pod is gone (evicted, deleted): its siblings may be too.
         created_claim = await ensure_children(ctx, ref, spec, converge=False, workspace=workspace)
     await roll_back(ctx, body, workspace, pod)
     if workspace.refused and workspace.condition is not None:
         ctx.event(body, "warn", reason="RestoreRefused", message=workspace.condition.message)
-    claims = ClaimState()
+    claim, claims = view.claim, ClaimState()
     if not spec.workspace.ephemeral and not workspace.hold:
         if claim is None or not identity.controlled_by(claim, ref):
             # Not in the index yet (or only an earlier namesake's is): the one this
@@ -253,28 +236,28 @@ async def _reconcile(
     decision = decide_pod(
         pod,
         spec,
-        paused=paused,
+        paused=view.paused,
         hold=workspace.hold,
         claim=claims,
         status=old,
         now=now,
         agent_patience=parse_duration(ctx.settings.agent_unready_patience),
     )
-    pod = await ensure_pod(ctx, body, spec, pod, decision, logger)
+    pod = await ensure_pod(ctx, view, pod, decision, logger)
 
     fields: JSON = {**workspace.fields, **spec_fields(body, spec, ctx.settings)}
-    if not meta.get("deletionTimestamp"):
+    if not view.deleting:
         fields["admitted"] = True  # admit() let it through: it holds its share from now on
-    fields.update(paused_fields(old, spec, paused and pod is None, now))
-    if not paused:
+    fields.update(paused_fields(old, spec, view.paused and pod is None, now))
+    if not view.paused:
         fields["idle_paused_at"] = None
         if old.idle_paused_at:
             # Resumed: the next idle period takes a snapshot of its own.
             fields.update(idle_snapshot=None, idle_snapshot_started_at=None)
     observed = Observed(
-        generation=generation,
-        paused=paused,
-        deleting=bool(meta.get("deletionTimestamp")),
+        generation=view.generation,
+        paused=view.paused,
+        deleting=view.deleting,
         ephemeral=spec.workspace.ephemeral,
         pod=pod,
         claim=claims.claim,
@@ -285,32 +268,26 @@ async def _reconcile(
     )
     status = sandbox_status.build_status(old, observed, ctx.settings.agent_port, now, **fields)
     if status.phase == SandboxPhase.RUNNING:
-        await sync_environment(ctx, body, spec, pod, status.agent_endpoint)
-        written, problem = await sync_files(ctx, body, spec, status)
+        await sync_environment(ctx, view, pod, status.agent_endpoint)
+        written, problem = await sync_files(ctx, view, status)
         if problem is not None:
             observed = replace(observed, files_problem=problem)
             status = sandbox_status.build_status(
                 old, observed, ctx.settings.agent_port, now, **fields
             )
         status = status.evolve(ready_pod_uid=status.pod_uid, files_written=written)
-    if old.phase == SandboxPhase.PAUSED and not paused:
+    if old.phase == SandboxPhase.PAUSED and not view.paused:
         ctx.event(body, "info", reason="Resumed", message="starting the pod on the kept workspace")
     if not observed.deleting:
-        changes = await lifecycle(ctx, body, spec, status, now, logger)
+        changes = await lifecycle(ctx, view, status, now, logger)
         if changes is None:
             return  # deleted: the finalizer takes it from here
         if changes.get("idle_paused_at"):
-            # Paused by the idle policy just now: converge again as a paused sandbox.
+            # Paused by the idle policy just now: converge again as a paused sandbox,
+            # from the object as this pass leaves it (read again: its status changed).
             body["status"] = status.evolve(**changes).to_wire()
-            await _reconcile(
-                ctx,
-                body,
-                logger,
-                children=Children.POD,
-                pod=pod,
-                claim=claim,
-                status_into=status_into,
-            )
+            again = read(body, ctx.settings, pod=pod, claim=claim)
+            await _reconcile(ctx, again, logger, children=Children.POD, status_into=status_into)
             return
         status = status.evolve(**changes)
     await write_status(ctx, body, status, into=status_into)
