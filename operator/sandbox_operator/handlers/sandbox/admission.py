@@ -14,13 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import kopf
-
 from sandbox_operator.api.quota import SandboxQuotaSpec
-from sandbox_operator.api.sandbox import SandboxSpec
+from sandbox_operator.api.sandbox import SandboxReason
 from sandbox_operator.builders import quota as arithmetic
 from sandbox_operator.context import OperatorContext
-from sandbox_operator.handlers.sandbox.status import report_blocked, status_of, write_status
+from sandbox_operator.handlers.sandbox.status import Blocked, write_status
+from sandbox_operator.handlers.sandbox.view import SandboxView
 
 JSON = dict[str, Any]
 Key = tuple[str, str]
@@ -36,36 +35,33 @@ def quotas_of(quotas: QuotaIndex, namespace: str) -> dict[str, SandboxQuotaSpec]
 
 async def admit(
     ctx: OperatorContext,
-    body: JSON,
-    spec: SandboxSpec,
+    view: SandboxView,
     sandboxes: SandboxIndex,
     quotas: QuotaIndex,
-) -> bool:
-    """Whether the Sandbox may go on. Already admitted (or older than quotas: it
-    has had a pod) is yes at once; otherwise it is checked against every quota
-    and either recorded as admitted or given Ready=False, QuotaExceeded."""
-    old = status_of(body)
-    if old.admitted or old.pod_uid or body["metadata"].get("deletionTimestamp"):
-        return True
-    namespace = body["metadata"]["namespace"]
+) -> None:
+    """Let the Sandbox go on, or stop the pass (Blocked: Ready=False,
+    QuotaExceeded, looked at again after a while; its timer may look again
+    sooner, and each look reads only memory). Already admitted (or older than
+    quotas: it has had a pod) goes on at once; otherwise it is checked against
+    every quota and recorded as admitted."""
+    old, spec = view.old, view.valid_spec
+    if old.admitted or old.pod_uid or view.deleting:
+        return
+    namespace = view.ref.namespace
     limits = quotas_of(quotas, namespace)
     if not limits:
-        return True  # recorded with the next status write (see reconcile)
+        return  # recorded with the next status write (see reconcile)
     async with ctx.namespace_lock(namespace):
         used = arithmetic.namespace_usage(ctx.sandboxes_in(sandboxes, namespace), ctx.settings)
         why = arithmetic.refusal(limits, used, arithmetic.sandbox_usage(spec, ctx.settings))
         if why is None:
-            # Recorded before the lock is released: the next admission counts it.
-            await write_status(ctx, body, old.evolve(admitted=True))
-            return True
-    await report_blocked(ctx, body, spec, quota=why)
-    return False
-
-
-def waiting(ctx: OperatorContext, namespace: str) -> kopf.TemporaryError:
-    """The error that sends a refused Sandbox's handler back after a while (its
-    timer may look again sooner); each look reads only memory."""
-    return kopf.TemporaryError(
-        f"waiting for room in the SandboxQuotas of {namespace}",
-        delay=ctx.settings.quota_retry_seconds,
+            # Written at once, before the lock is released: the next admission
+            # counts it (the pass's own status write comes too late for that).
+            await write_status(ctx, view.body, old.evolve(admitted=True))
+            return
+    raise Blocked(
+        SandboxReason.QUOTA_EXCEEDED.value,
+        why,
+        retry=ctx.settings.quota_retry_seconds,
+        retry_message=f"waiting for room in the SandboxQuotas of {namespace}",
     )

@@ -16,7 +16,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import kopf
 from pydantic import ValidationError
 
 from sandbox_operator import metrics
@@ -32,7 +31,7 @@ from sandbox_operator.builders import pool as pools
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.effective import sandbox_spec
-from sandbox_operator.handlers.sandbox.status import report_blocked
+from sandbox_operator.handlers.sandbox.status import Blocked
 from sandbox_operator.indexes import Indexes
 from sandbox_operator.kube import KubeError
 from sandbox_operator.resources import PODS, SANDBOX_POOLS, SANDBOX_TEMPLATES, SANDBOXES
@@ -137,7 +136,7 @@ async def take_member(
     indexes: Indexes,
 ) -> JSON:
     """`body` with `status.pool` decided when it names a pool: a member claimed, a
-    cold start, or (raised) a wait. Sandboxes without a pool, and ones whose
+    cold start, or (Blocked) a wait. Sandboxes without a pool, and ones whose
     outcome is recorded, come back as they are."""
     ns = body["metadata"]["namespace"]
     body = with_decision(ctx.pool_decisions, body)
@@ -172,10 +171,9 @@ async def take_member(
         why = f"SandboxPool {use.name} has no ready member; waiting for one (whenEmpty: Wait)"
         waiting = use.model_copy(update={"outcome": PoolOutcome.WAITING})
         # As a field: the status written builds on the one this process last wrote.
-        await report_blocked(
-            ctx, body, None, held=(SandboxReason.POOL_EMPTY.value, why), fields={"pool": waiting}
+        raise Blocked(
+            SandboxReason.POOL_EMPTY.value, why, retry=POOL_RETRY_SECONDS, fields={"pool": waiting}
         )
-        raise kopf.TemporaryError(why, delay=POOL_RETRY_SECONDS)
     return await _cold(ctx, body, use, f"SandboxPool {use.name} had no ready member", pool)
 
 
@@ -200,8 +198,7 @@ async def _pool_of(
         if not explicit:
             return None  # a template's default pool that this namespace lacks: start cold
         why = f"SandboxPool {name} does not exist in namespace {namespace}"
-        await report_blocked(ctx, body, None, held=(SandboxReason.POOL_NOT_FOUND.value, why))
-        raise kopf.TemporaryError(why, delay=POOL_RETRY_SECONDS)
+        raise Blocked(SandboxReason.POOL_NOT_FOUND.value, why, retry=POOL_RETRY_SECONDS)
     spec = SandboxPoolSpec.model_validate(pool.get("spec") or {})
     if not explicit and (body.get("spec") or {}).get("templateRef") != spec.template_ref.to_wire():
         return None  # a pool of another template under the default's name

@@ -29,7 +29,7 @@ from sandbox_operator.builders.pool import claimed, claimed_by
 from sandbox_operator.builders.sandbox_status import Observed
 from sandbox_operator.clock import now_utc, parse_time
 from sandbox_operator.context import OperatorContext
-from sandbox_operator.handlers.sandbox.admission import SandboxIndex, admit, waiting
+from sandbox_operator.handlers.sandbox.admission import SandboxIndex, admit
 from sandbox_operator.handlers.sandbox.environment import sync_environment, sync_files
 from sandbox_operator.handlers.sandbox.lifecycle import (
     idle_snapshot_settled,
@@ -39,7 +39,9 @@ from sandbox_operator.handlers.sandbox.lifecycle import (
 from sandbox_operator.handlers.sandbox.pod import decide_pod, ensure_pod, with_eviction
 from sandbox_operator.handlers.sandbox.pool_claim import take_member
 from sandbox_operator.handlers.sandbox.status import (
+    Blocked,
     current,
+    report,
     report_blocked,
     spec_fields,
     status_of,
@@ -49,7 +51,6 @@ from sandbox_operator.handlers.sandbox.template_use import pin_template
 from sandbox_operator.handlers.sandbox.view import SandboxView, parse_spec, read
 from sandbox_operator.handlers.sandbox.workspace import (
     ClaimState,
-    PredecessorDeleting,
     claim_state,
     ensure_children,
     plan_workspace,
@@ -68,8 +69,6 @@ Key = tuple[str, str]
 
 # How long teardown waits for a graceful pod exit before forcing it.
 POD_DELETE_PATIENCE = timedelta(seconds=60)
-# The garbage collector removes an earlier namesake's children within seconds.
-PREDECESSOR_RETRY_SECONDS = 2.0
 
 
 class Children(Enum):
@@ -127,55 +126,53 @@ async def reconcile(
         if claimed_by(body) is not None:
             return None  # a pool member another Sandbox claimed: that one looks after it now
         recorded = (body.get("status") or {}).get("pool")
-        body = await take_member(ctx, body, indexes)
-        kids = identity.children_ref(body)
-        if kids.uid != meta["uid"] and not _present(indexes.sandboxes, kids):
-            # Its children went with the member: nothing to rebuild them from.
-            why = (
-                f"the pool member {kids.name} that served this Sandbox was deleted, with its"
-                " pod and workspace; delete this Sandbox and create it again"
-            )
-            await report_blocked(ctx, body, None, held=(SandboxReason.POOL_MEMBER_LOST.value, why))
-            return None
-        if kids.uid != meta["uid"] and children is not Children.CONVERGE:
-            # Served by a claimed member, whose children exist, converged to the
-            # pool's template: only a network of this Sandbox's own changes them,
-            # once, when just claimed (later spec updates converge as usual).
-            just_claimed = (body.get("status") or {}).get("pool") != recorded
-            own_network = bool((body.get("spec") or {}).get("network"))
-            children = Children.CONVERGE if just_claimed and own_network else Children.POD
-        if pod_known:
-            ctx.created_pods.pop((kids.namespace, kids.name), None)  # the event is newer
-        else:
-            indexed = next(iter(indexes.pods.get((kids.namespace, kids.name), [])), None)
-            pod = ctx.known_pod(kids.namespace, kids.name, indexed)
-        claim = next(iter(indexes.claims.get((kids.namespace, kids.name), [])), None)
-        # A protocol step: the template is read once and recorded (written) before
-        # the spec is, which takes its defaults from the record.
-        body = await pin_template(ctx, body)
-        # From here on the pass works on this object: read it once.
-        view = read(body, ctx.settings, pod=pod, claim=claim)
-        spec = view.spec
-        if (
-            spec is not None
-            and view.invalid is None
-            and kids.uid == meta["uid"]  # a claimed member keeps the share it was admitted with
-            and not await admit(ctx, body, spec, indexes.sandboxes, indexes.quotas)
-        ):
-            raise waiting(ctx, meta["namespace"])
-        # Under the object's lock, so that racing triggers see each other's refusals.
-        if (wait := ctx.backoffs.remaining(body)) > 0:
-            raise kopf.TemporaryError(f"refused before; next try in {wait:.1f}s", delay=wait)
+        view: SandboxView | None = None
         try:
-            await _reconcile(ctx, view, logger, children=children, status_into=status_into)
-        except Refused as exc:
-            if not exc.permanent:
-                ctx.backoffs.refused(body)
-            raise
-        except PredecessorDeleting as exc:
-            held = (SandboxReason.PREDECESSOR_DELETING.value, str(exc))
-            await report_blocked(ctx, body, spec, held=held)
-            raise kopf.TemporaryError(str(exc), delay=PREDECESSOR_RETRY_SECONDS) from exc
+            # A protocol step: a pool claim is written (the member's owner) before
+            # anything of this Sandbox (see pool_claim).
+            body = await take_member(ctx, body, indexes)
+            kids = identity.children_ref(body)
+            if kids.uid != meta["uid"] and not _present(indexes.sandboxes, kids):
+                # Its children went with the member: nothing to rebuild them from.
+                why = (
+                    f"the pool member {kids.name} that served this Sandbox was deleted, with"
+                    " its pod and workspace; delete this Sandbox and create it again"
+                )
+                raise Blocked(SandboxReason.POOL_MEMBER_LOST.value, why)
+            if kids.uid != meta["uid"]:
+                children = _on_member(body, recorded, children)
+            if pod_known:
+                ctx.created_pods.pop((kids.namespace, kids.name), None)  # the event is newer
+            else:
+                indexed = next(iter(indexes.pods.get((kids.namespace, kids.name), [])), None)
+                pod = ctx.known_pod(kids.namespace, kids.name, indexed)
+            claim = next(iter(indexes.claims.get((kids.namespace, kids.name), [])), None)
+            # A protocol step: the template is read once and recorded (written)
+            # before the spec is, which takes its defaults from the record.
+            body = await pin_template(ctx, body)
+            # From here on the pass works on this object: read it once.
+            view = read(body, ctx.settings, pod=pod, claim=claim)
+            if view.spec is not None and view.invalid is None and kids.uid == meta["uid"]:
+                # A protocol step, under the namespace's lock (see admission). A
+                # claimed member keeps the share it was admitted with.
+                await admit(ctx, view, indexes.sandboxes, indexes.quotas)
+            # Under the object's lock, so that racing triggers see each other's refusals.
+            if (wait := ctx.backoffs.remaining(body)) > 0:
+                raise kopf.TemporaryError(f"refused before; next try in {wait:.1f}s", delay=wait)
+            try:
+                await _reconcile(ctx, view, logger, children=children, status_into=status_into)
+            except Refused as exc:
+                if not exc.permanent:
+                    ctx.backoffs.refused(body)
+                raise
+        except Blocked as blocked:
+            # Every pass that stops short ends here: the status says why, written
+            # once, with the spec when the pass had read it.
+            await report(ctx, body, view.spec if view is not None else None, blocked)
+            error = blocked.error()
+            if error is None:
+                return None
+            raise error from blocked
         ctx.backoffs.clear(body)
         # The status this pass arrived at: its writes keep the body's current.
         status: JSON = body.get("status") or {}
@@ -185,6 +182,18 @@ async def reconcile(
             # members from their status: a pass after the status is written does.)
             ctx.wake_pool(meta["namespace"], use["name"])
         return status
+
+
+def _on_member(body: JSON, recorded: JSON | None, children: Children) -> Children:
+    """How far a pass looks beyond the pod of a Sandbox served by a claimed member,
+    whose children exist, converged to the pool's template: only a network of
+    this Sandbox's own changes them, once, when just claimed (later spec updates
+    converge as usual). Pure."""
+    if children is Children.CONVERGE:
+        return children
+    just_claimed = (body.get("status") or {}).get("pool") != recorded
+    own_network = bool((body.get("spec") or {}).get("network"))
+    return Children.CONVERGE if just_claimed and own_network else Children.POD
 
 
 def _present(sandboxes: SandboxIndex, ref: identity.SandboxRef) -> bool:
@@ -204,8 +213,7 @@ async def _reconcile(
 ) -> None:
     now = now_utc()
     if view.invalid is not None:
-        await report_blocked(ctx, view.body, view.spec, invalid=view.invalid)
-        raise kopf.PermanentError(view.invalid)
+        raise Blocked(SandboxReason.INVALID_SPEC.value, view.invalid, permanent=True)
     body, spec, old, pod = view.body, view.valid_spec, view.old, view.pod
     ref = view.served_by
     if children is Children.CREATE:

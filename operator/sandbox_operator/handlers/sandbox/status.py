@@ -1,4 +1,5 @@
-"""A Sandbox's status: built through the model, written only when it changed."""
+"""A Sandbox's status: built through the model, written only when it changed,
+and what it says when a pass cannot go on (Blocked)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,55 @@ from sandbox_operator.resources import (
 
 JSON = dict[str, Any]
 R_QUOTA = SandboxReason.QUOTA_EXCEEDED
+
+
+class Blocked(Exception):
+    """A pass that cannot go on, raised where that is found: `reason` and
+    `message` are what its Ready condition says. `reconcile` catches it, writes
+    the status once (`report`) and ends the pass with Kopf's error for it
+    (`error`): tried again in `retry` seconds, never (`permanent`, until the
+    spec changes), or, with neither, not by this handler (the status says
+    what to do)."""
+
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        *,
+        retry: float | None = None,
+        permanent: bool = False,
+        fields: JSON | None = None,
+        retry_message: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.retry = retry
+        self.permanent = permanent
+        # Status fields to set as well (by model field name).
+        self.fields = fields
+        # What the retry is logged as, when that is not the message.
+        self.retry_message = retry_message or message
+
+    def error(self) -> kopf.TemporaryError | kopf.PermanentError | None:
+        if self.permanent:
+            return kopf.PermanentError(self.message)
+        if self.retry is None:
+            return None
+        return kopf.TemporaryError(self.retry_message, delay=self.retry)
+
+
+async def report(
+    ctx: OperatorContext, body: JSON, spec: SandboxSpec | None, blocked: Blocked
+) -> None:
+    """`blocked` in the status (and an Event): see `report_blocked`."""
+    if blocked.reason == SandboxReason.INVALID_SPEC:
+        await report_blocked(ctx, body, spec, invalid=blocked.message, fields=blocked.fields)
+    elif blocked.reason == R_QUOTA:
+        await report_blocked(ctx, body, spec, quota=blocked.message, fields=blocked.fields)
+    else:
+        held = (blocked.reason, blocked.message)
+        await report_blocked(ctx, body, spec, held=held, fields=blocked.fields)
 
 
 def status_of(body: JSON) -> SandboxStatus:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import kopf
 from pydantic import ValidationError
 
 from sandbox_operator.api.common import readable
@@ -24,8 +23,8 @@ from sandbox_operator.builders.conditions import TRUE, find
 from sandbox_operator.builders.template import describe, setup_hash, template_path
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.handlers.sandbox.status import (
+    Blocked,
     current,
-    report_blocked,
     status_of,
     write_status,
 )
@@ -64,8 +63,8 @@ def use_of(ref: TemplateRef, template: JSON) -> tuple[TemplateUse | None, str]:
 
 async def pin_template(ctx: OperatorContext, body: JSON) -> JSON:
     """`body` with `status.template` recorded; a Sandbox without a template as it is.
-    Until its template exists (and its base snapshot is built) the Sandbox waits,
-    with a status that says for what."""
+    Until its template exists (and its base snapshot is built) the Sandbox waits
+    (Blocked), with a status that says for what."""
     status = body.get("status") or {}
     # Named in the spec, or the template of the pool the Sandbox could not claim from.
     raw_ref = (body.get("spec") or {}).get("templateRef") or (status.get("pool") or {}).get(
@@ -87,9 +86,10 @@ async def pin_template(ctx: OperatorContext, body: JSON) -> JSON:
     else:
         use, why = use_of(ref, template)
         if use is not None:
+            # Written at once, not with the pass's status: from now on the
+            # Sandbox runs with what it took, whatever happens to the template.
             fresh = current(ctx, body)
             await write_status(ctx, fresh, status_of(fresh).evolve(template=use))
             return fresh
         held = (SandboxReason.TEMPLATE_NOT_READY.value, f"{describe(ref, namespace)}: {why}")
-    await report_blocked(ctx, body, None, held=held)
-    raise kopf.TemporaryError(held[1], delay=TEMPLATE_RETRY_SECONDS)
+    raise Blocked(*held, retry=TEMPLATE_RETRY_SECONDS)

@@ -67,11 +67,6 @@ class SandboxView:
         assert self.spec is not None
         return self.spec
 
-    @property
-    def on_member(self) -> bool:
-        """Served by a claimed pool member's children, not its own."""
-        return self.served_by.uid != self.ref.uid
-
 
 def read(body: JSON, settings: Settings, *, pod: JSON | None, claim: JSON | None) -> SandboxView:
     """The view of `body` with the pod and claim found for it. Pure."""

@@ -21,6 +21,7 @@ from sandbox_operator.builders import snapshot as snapshot_build
 from sandbox_operator.builders.conditions import FALSE, TRUE, Cond
 from sandbox_operator.clock import parse_time
 from sandbox_operator.context import OperatorContext
+from sandbox_operator.handlers.sandbox.status import Blocked
 from sandbox_operator.kube import KubeError, Refused, newest_warning
 from sandbox_operator.resources import (
     CLAIMS,
@@ -40,14 +41,20 @@ CLAIM_PROBLEM_PATIENCE = timedelta(seconds=10)
 WAIT_FOR_FIRST_CONSUMER = "WaitForFirstConsumer"
 
 
-class PredecessorDeleting(Exception):
+# The garbage collector removes an earlier namesake's children within seconds.
+PREDECESSOR_RETRY_SECONDS = 2.0
+
+
+class PredecessorDeleting(Blocked):
     """A child's name is held by the object of an earlier Sandbox of the same name,
     which the garbage collector is removing (see identity.left_by_namesake)."""
 
     def __init__(self, kind: str, name: str, sandbox: str) -> None:
         super().__init__(
+            SandboxReason.PREDECESSOR_DELETING.value,
             f"{kind} {name} of an earlier Sandbox named {sandbox} is still being deleted;"
-            " this Sandbox starts when it is gone"
+            " this Sandbox starts when it is gone",
+            retry=PREDECESSOR_RETRY_SECONDS,
         )
 
 
