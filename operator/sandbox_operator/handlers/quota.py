@@ -19,6 +19,7 @@ from sandbox_operator.api.quota import SandboxQuotaSpec, SandboxQuotaStatus
 from sandbox_operator.api.sandbox import SandboxCondition, SandboxReason, SandboxStatus
 from sandbox_operator.builders import quota as arithmetic
 from sandbox_operator.builders.conditions import find
+from sandbox_operator.config import Settings
 from sandbox_operator.context import OperatorContext
 from sandbox_operator.indexes import Indexes
 from sandbox_operator.kube import MERGE_PATCH, status_patch
@@ -51,11 +52,11 @@ def usage_status(
     slots: Mapping[Key, Any],
     claimed: Mapping[Key, set[str]],
     namespace: str,
-    ctx: OperatorContext,
+    settings: Settings,
 ) -> tuple[SandboxQuotaStatus, dict[str, tuple[float, float]]]:
-    """The status and the metric values (hard, used) by limit. Pure but for settings."""
+    """The status and the metric values (hard, used) by limit. Pure."""
     running = arithmetic.running_executions(slots, claimed, namespace)
-    used = arithmetic.namespace_usage(sandboxes, ctx.settings, running_executions=running)
+    used = arithmetic.namespace_usage(sandboxes, settings, running_executions=running)
     waiting = sum(1 for body in sandboxes if _quota_waiting(body))
     waiting += arithmetic.waiting_executions(slots, namespace)
     status = SandboxQuotaStatus(
@@ -74,7 +75,7 @@ async def observe(
     indexes: Indexes,
     claimed: Mapping[Key, set[str]],
 ) -> None:
-    """Write the namespace's usage into the quota's status (when it changed)."""
+    """Write the namespace's usage into the quota's status (once, when it changed)."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     sandboxes = ctx.sandboxes_in(indexes.sandboxes, namespace)
@@ -84,7 +85,7 @@ async def observe(
         ctx.event(body, "warn", reason="InvalidSpec", message=readable(exc))
         return
     status, values = usage_status(
-        spec, meta.get("generation", 0), sandboxes, indexes.slots, claimed, namespace, ctx
+        spec, meta.get("generation", 0), sandboxes, indexes.slots, claimed, namespace, ctx.settings
     )
     metrics.QUOTAS.set(namespace, name, values)
     patch = status_patch(body.get("status") or {}, status.to_wire())

@@ -4,12 +4,14 @@ workspace becomes the template's base snapshot.
 Level-based: every pass looks at what exists for the current setup digest
 (the Snapshot, the build Sandbox, the step Executions, all named after the
 digest) and takes the next step, so an operator restart resumes a build where
-it stood. A build that failed stays failed until the setup changes.
+it stood. A build that failed stays failed until the setup changes. A pass
+ends where it finds its outcome (Settled); the status is written once, there.
 """
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from dataclasses import dataclass, field
+from typing import Any
 
 import kopf
 from pydantic import ValidationError
@@ -49,6 +51,55 @@ _FAILED = {R.SETUP_FAILED, R.SNAPSHOT_FAILED}
 _RUNNING = {None, ExecutionPhase.QUEUED.value, ExecutionPhase.RUNNING.value}
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """Where a pass leaves a template: its Ready condition and status fields (by
+    model field name), and how the pass ends."""
+
+    cond: Cond
+    fields: JSON = field(default_factory=dict)
+    # A build under way: looked at again in this many seconds.
+    retry: float | None = None
+    # Failed until the spec changes.
+    permanent: bool = False
+    # A build Sandbox to delete once the status says why (a failed build: a
+    # restart between the two finds the failure recorded, not a build to start).
+    remove: str | None = None
+
+
+class Settled(Exception):
+    """A pass's end, raised where it is found: `Build.run` writes its status
+    (once) and ends the pass as the outcome says."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.cond.message)
+        self.outcome = outcome
+
+
+def building(message: str, **fields: Any) -> Settled:
+    """A build under way."""
+    return Settled(Outcome(Cond(READY, FALSE, R.BUILDING, message), fields, BUILD_POLL_SECONDS))
+
+
+def failed(digest: str, names: dict[str, str], message: str, **fields: Any) -> Settled:
+    """A setup that failed: final until the setup changes."""
+    metrics.TEMPLATE_BUILDS.labels("failed").inc()
+    fields = {"setup_hash": digest, "build_sandbox": None, **fields}
+    cond = Cond(READY, FALSE, R.SETUP_FAILED, message)
+    return Settled(Outcome(cond, fields, permanent=True, remove=names["sandbox"]))
+
+
+def template_status(
+    old: SandboxTemplateStatus, outcome: Outcome, generation: int, now: str
+) -> SandboxTemplateStatus:
+    """The status `outcome` gives a template whose status was `old`. Pure."""
+    return old.evolve(
+        observed_generation=generation,
+        conditions=merge(old.conditions, {READY: outcome.cond}, generation, now),
+        **outcome.fields,
+    )
+
+
 class Build:
     """One pass over one template."""
 
@@ -63,15 +114,12 @@ class Build:
         self.resource = SANDBOX_TEMPLATES if self.namespace else CLUSTER_SANDBOX_TEMPLATES
         self.old = SandboxTemplateStatus.model_validate(body.get("status") or {})
 
-    async def write(self, cond: Cond, **fields: Any) -> None:
-        """Status with Ready = `cond` and `fields`, patched only when it changed; an
-        Event when Ready's reason changes to a final one."""
+    async def write(self, outcome: Outcome) -> None:
+        """The status `outcome` gives, patched only when it changed; an Event when
+        Ready's reason changes to a final one."""
+        cond = outcome.cond
         generation = self.body["metadata"].get("generation", 0)
-        status = self.old.evolve(
-            observed_generation=generation,
-            conditions=merge(self.old.conditions, {READY: cond}, generation, iso(now_utc())),
-            **fields,
-        )
+        status = template_status(self.old, outcome, generation, iso(now_utc()))
         before = find(self.old.conditions, READY)
         patch = status_patch(self.body.get("status") or {}, status.to_wire())
         if patch is not None:
@@ -86,43 +134,45 @@ class Build:
             elif cond.reason == R.READY:
                 self.ctx.event(self.body, "info", reason="BaseReady", message=cond.message)
 
-    async def building(self, message: str, **fields: Any) -> NoReturn:
-        await self.write(Cond(READY, FALSE, R.BUILDING, message), **fields)
-        raise kopf.TemporaryError(message, delay=BUILD_POLL_SECONDS)
-
     async def run(self) -> None:
+        """One pass: its status is written once, where it ended."""
+        try:
+            await self.converge()
+            return  # nothing to write (a failed build stays as its status says)
+        except Settled as settled:
+            outcome = settled.outcome
+        await self.write(outcome)
+        if outcome.remove is not None:
+            await self.remove_build_sandbox(outcome.remove)
+        if outcome.permanent:
+            raise kopf.PermanentError(outcome.cond.message)
+        if outcome.retry is not None:
+            raise kopf.TemporaryError(outcome.cond.message, delay=outcome.retry)
+
+    async def converge(self) -> None:
+        """Take the next step of the build: Settled with where the pass ends, or
+        nothing when there is nothing to write."""
         try:
             spec = SandboxTemplateSpec.model_validate(self.body.get("spec") or {})
         except ValidationError as exc:
-            await self.write(Cond(READY, FALSE, R.INVALID_SPEC, readable(exc)))
-            raise kopf.PermanentError(readable(exc)) from exc
+            invalid = Cond(READY, FALSE, R.INVALID_SPEC, readable(exc))
+            raise Settled(Outcome(invalid, permanent=True)) from exc
         # What no Sandbox of this template could run here: said now, not by each
         # Sandbox (or pool member) that fails on it.
         problem = settings_problem(spec.sandbox, self.ctx.settings, at="spec.sandbox")
         if problem is not None:
-            await self.write(Cond(READY, FALSE, R.INVALID_SPEC, problem))
-            raise kopf.PermanentError(problem)
+            raise Settled(Outcome(Cond(READY, FALSE, R.INVALID_SPEC, problem), permanent=True))
         digest = build.setup_hash(spec)
         if digest is None:
-            await self.write(
-                Cond(
-                    READY,
-                    TRUE,
-                    R.NO_SETUP,
-                    "no setup steps: sandboxes start with an empty workspace",
-                ),
-                setup_hash=None,
-                base_snapshot=None,
-                build_sandbox=None,
-            )
-            return
+            empty = "no setup steps: sandboxes start with an empty workspace"
+            fields = {"setup_hash": None, "base_snapshot": None, "build_sandbox": None}
+            raise Settled(Outcome(Cond(READY, TRUE, R.NO_SETUP, empty), fields))
         names = build.build_names(self.name, digest)
         ready = find(self.old.conditions, READY)
         if self.old.setup_hash == digest and ready is not None and ready.reason in _FAILED:
             await self.remove_build_sandbox(names["sandbox"])
             return
-        if await self.snapshot_settled(spec, digest, names):
-            return
+        await self.snapshot_settled(digest, names)
         sandbox = await self.ctx.kube.get(SANDBOXES.path(self.namespace, names["sandbox"]))
         if sandbox is None:
             await self.ctx.kube.create(
@@ -130,24 +180,21 @@ class Build:
                 build.build_sandbox(self.body, spec, names["sandbox"]),
             )
             metrics.TEMPLATE_BUILDS.labels("started").inc()
-            await self.building(
-                f"starting build sandbox {names['sandbox']}", build_sandbox=names["sandbox"]
-            )
-        log = await self.run_steps(spec, digest, names, sandbox or {})
+            starting = f"starting build sandbox {names['sandbox']}"
+            raise building(starting, build_sandbox=names["sandbox"])
+        log = await self.run_steps(spec, digest, names, sandbox)
         await self.ctx.kube.create(
             SNAPSHOTS.path(self.namespace),
             build.build_base_snapshot(self.body, names["sandbox"], names["snapshot"]),
         )
-        await self.building(f"taking base snapshot {names['snapshot']}", build_log=log)
+        raise building(f"taking base snapshot {names['snapshot']}", build_log=log)
 
-    async def snapshot_settled(
-        self, spec: SandboxTemplateSpec, digest: str, names: dict[str, str]
-    ) -> bool:
-        """Done with this digest's build (its snapshot is ready or failed)? Raises
-        TemporaryError while the snapshot is being taken."""
+    async def snapshot_settled(self, digest: str, names: dict[str, str]) -> None:
+        """Settled once this digest's snapshot exists (ready, failed, or being
+        taken); nothing while there is none."""
         snapshot = await self.ctx.kube.get(SNAPSHOTS.path(self.namespace, names["snapshot"]))
         if snapshot is None:
-            return False
+            return
         status = snapshot.get("status") or {}
         phase = status.get("phase")
         if phase == SnapshotPhase.READY:
@@ -158,38 +205,31 @@ class Build:
             await self.prune(names["snapshot"], names["sandbox"])
             if finished:
                 metrics.TEMPLATE_BUILDS.labels("succeeded").inc()
-            await self.write(
-                Cond(READY, TRUE, R.READY, f"base snapshot {names['snapshot']} is ready"),
-                setup_hash=digest,
-                base_snapshot=names["snapshot"],
-                build_sandbox=None,
-            )
-            return True
+            done = Cond(READY, TRUE, R.READY, f"base snapshot {names['snapshot']} is ready")
+            fields = {"setup_hash": digest, "base_snapshot": names["snapshot"]}
+            raise Settled(Outcome(done, {**fields, "build_sandbox": None}))
         if phase == SnapshotPhase.FAILED:
             why = next(
                 (c.get("message") for c in status.get("conditions") or [] if c["type"] == "Ready"),
                 "",
             )
             metrics.TEMPLATE_BUILDS.labels("failed").inc()
-            await self.write(
-                Cond(READY, FALSE, R.SNAPSHOT_FAILED, f"base snapshot {names['snapshot']}: {why}"),
-                setup_hash=digest,
-            )
-            await self.remove_build_sandbox(names["sandbox"])
-            return True
-        await self.building(f"taking base snapshot {names['snapshot']}")
-        return False
+            lost = f"base snapshot {names['snapshot']}: {why}"
+            cond = Cond(READY, FALSE, R.SNAPSHOT_FAILED, lost)
+            raise Settled(Outcome(cond, {"setup_hash": digest}, remove=names["sandbox"]))
+        raise building(f"taking base snapshot {names['snapshot']}")
 
     async def run_steps(
         self, spec: SandboxTemplateSpec, digest: str, names: dict[str, str], sandbox: JSON
     ) -> str | None:
-        """The build log once every step succeeded; raises TemporaryError while they run."""
+        """The build log once every step succeeded; Settled while they run, or when
+        one failed."""
         sandbox_status = sandbox.get("status") or {}
         ready: JSON = next(
             (c for c in sandbox_status.get("conditions") or [] if c.get("type") == "Ready"), {}
         )
         if sandbox_status.get("phase") == SandboxPhase.FAILED:
-            await self.fail(
+            raise failed(
                 digest,
                 names,
                 f"build sandbox {names['sandbox']} failed ({ready.get('reason')}):"
@@ -197,7 +237,7 @@ class Build:
             )
         if ready.get("status") != TRUE:
             why = ready.get("message") or "starting"
-            await self.building(f"waiting for build sandbox {names['sandbox']}: {why}")
+            raise building(f"waiting for build sandbox {names['sandbox']}: {why}")
         executions: list[JSON | None] = []
         for index, step in enumerate(spec.setup):
             name = build.step_execution_name(names["sandbox"], index)
@@ -210,34 +250,21 @@ class Build:
                     EXECUTIONS.path(self.namespace),
                     build.build_step(self.body, names["sandbox"], index, step),
                 )
-                await self.building(f"{where} queued", build_log=log)
+                raise building(f"{where} queued", build_log=log)
             status = execution.get("status") or {}
             phase: str | None = status.get("phase")
             if phase is None or phase in _RUNNING:
-                await self.building(f"{where} {(phase or 'queued').lower()}", build_log=log)
+                raise building(f"{where} {(phase or 'queued').lower()}", build_log=log)
             if phase != ExecutionPhase.SUCCEEDED:
                 code = status.get("exitCode")
                 detail = f"exit code {code}" if code is not None else status.get("message")
-                await self.fail(
+                raise failed(
                     digest,
                     names,
                     f"{where} {phase.lower()} ({detail}); see status.buildLog",
                     build_log=log,
                 )
         return build.build_log(spec.setup, executions)
-
-    async def fail(
-        self, digest: str, names: dict[str, str], message: str, **fields: Any
-    ) -> NoReturn:
-        metrics.TEMPLATE_BUILDS.labels("failed").inc()
-        await self.write(
-            Cond(READY, FALSE, R.SETUP_FAILED, message),
-            setup_hash=digest,
-            build_sandbox=None,
-            **fields,
-        )
-        await self.remove_build_sandbox(names["sandbox"])
-        raise kopf.PermanentError(message)
 
     async def observe_duration(self, build_sandbox: str) -> None:
         """A finished build's duration, from its build Sandbox's creation (gone after a
