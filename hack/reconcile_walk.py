@@ -59,6 +59,7 @@ sys.path.insert(0, str(REPO))
 from devcluster.controlplane import ControlPlane  # noqa: E402
 from tests.integration.conftest import OPERATOR_ENV  # noqa: E402
 from tests.integration.harness import (  # noqa: E402
+    OPERATOR_NAMESPACE,
     AgentProcess,
     Node,
     next_pod_ip,
@@ -66,11 +67,14 @@ from tests.integration.harness import (  # noqa: E402
     secret_token,
     wait_for,
 )
-from tests.kube import KubeJSON, core_path  # noqa: E402
+from tests.kube import ApiError, KubeJSON, api_path, core_path  # noqa: E402
 from tests.sandboxes import Sandboxes  # noqa: E402
 
 JSON = dict[str, Any]
 SANDBOX = "walk"
+# The operator's ServiceAccount and ClusterRole (tests.integration.harness).
+OPERATOR = "sandbox-operator"
+RBAC = "rbac.authorization.k8s.io/v1"
 # Not stops: the parts of one expression.
 _EXPRESSIONS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}
 _RESUMABLE = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
@@ -243,6 +247,14 @@ async def walk_sandbox(cp: ControlPlane, work: Path) -> dict[str, Walk]:
     # The package as imported (PYTHONPATH): another checkout's is walked just as well.
     package = str(Path(sandbox_operator.__file__).parent)
     with KubeJSON(cp.kubeconfig) as kube:
+        # A cluster used before (--cluster) has the operator's account: made again.
+        for path in (
+            core_path("serviceaccounts", OPERATOR_NAMESPACE, OPERATOR),
+            api_path(RBAC, "clusterroles", name=OPERATOR),
+            api_path(RBAC, "clusterrolebindings", name=OPERATOR),
+        ):
+            with suppress(ApiError):
+                kube.delete(path)
         kubeconfig = operator_credentials(cp, kube, REPO, work / "operator-kubeconfig")
         namespace = f"walk-{uuid.uuid4().hex[:8]}"
         kube.create(
