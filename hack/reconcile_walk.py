@@ -23,7 +23,9 @@ for the pod, with a real agent process, as the integration tier's
 Two passes are measured:
 - "create": the creation handler of the new Sandbox (its children made);
 - "periodic": the timer's pass over the Sandbox once it is Running (the
-  steady state: the operator already knows its token and environment).
+  steady state: the operator already knows its token and environment, and
+  the pass comes as long after the one before as the idle and limit checks
+  need to do their work).
 
 A stop is one call of a function defined in the `sandbox_operator` package
 (`sys.setprofile`), in the handler's own task: a coroutine counts once
@@ -243,6 +245,7 @@ async def walk_sandbox(cp: ControlPlane, work: Path) -> dict[str, Walk]:
     """Create a Sandbox, walk its creation, play the node, walk a periodic pass."""
     walks: dict[str, Walk] = {}
     import sandbox_operator
+    from sandbox_operator.handlers.sandbox.lifecycle import LIMITS_MIN_INTERVAL_SECONDS
 
     # The package as imported (PYTHONPATH): another checkout's is walked just as well.
     package = str(Path(sandbox_operator.__file__).parent)
@@ -291,6 +294,10 @@ async def walk_sandbox(cp: ControlPlane, work: Path) -> dict[str, Walk]:
                     break
                 await asyncio.sleep(0.5)
             await operator.tick(body(), await operator.indexes(kube, namespace))
+            # As far apart as periodic passes are: Ready is older than this pass
+            # (timestamps are in seconds), and the cgroup counters are compared
+            # with the last look's (at most every LIMITS_MIN_INTERVAL_SECONDS).
+            await asyncio.sleep(LIMITS_MIN_INTERVAL_SECONDS + 1)
             running = body()
             phase = (running.get("status") or {}).get("phase")
             if phase != "Running":

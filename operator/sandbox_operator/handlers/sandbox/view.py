@@ -52,13 +52,10 @@ class SandboxView:
     # Paused by the user or by the idle policy, and not resumed since.
     paused: bool
     deleting: bool
+    generation: int
     # The pod and the workspace claim as the indexes (or this process) know them.
     pod: JSON | None
     claim: JSON | None
-
-    @property
-    def generation(self) -> int:
-        return int(self.body["metadata"].get("generation", 0))
 
     @property
     def valid_spec(self) -> SandboxSpec:
@@ -80,6 +77,7 @@ def read(body: JSON, settings: Settings, *, pod: JSON | None, claim: JSON | None
         old=SandboxStatus.model_validate(body.get("status") or {}),
         paused=spec is not None and effectively_paused(body, spec),
         deleting=bool(body["metadata"].get("deletionTimestamp")),
+        generation=body["metadata"].get("generation", 0),
         pod=pod,
         claim=claim,
     )
