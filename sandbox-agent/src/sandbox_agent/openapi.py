@@ -8,6 +8,7 @@ refreshes the checked-in copy from ``routes.OPS``; a test fails when it is stale
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from typing import Any
@@ -144,6 +145,22 @@ def _operation(op: Op, ref_of: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     return entry
 
 
+def _clean_descriptions(node: Any) -> Any:
+    """Every `description` taken from a docstring, with its indentation removed
+    (inspect.cleandoc): msgspec 0.23 does this itself and 0.22 did not, so the
+    document is the same whichever one is installed."""
+    if isinstance(node, dict):
+        return {
+            key: inspect.cleandoc(value)
+            if key == "description" and isinstance(value, str)
+            else _clean_descriptions(value)
+            for key, value in node.items()
+        }
+    if isinstance(node, list):
+        return [_clean_descriptions(item) for item in node]
+    return node
+
+
 def document(ops: tuple[Op, ...]) -> dict[str, Any]:
     """The OpenAPI document of ``ops`` (pure: same table, same document)."""
     types: list[Any] = [models.ErrorBody, *_STREAMS.values()]
@@ -153,6 +170,7 @@ def document(ops: tuple[Op, ...]) -> dict[str, Any]:
         types.extend(t for t in op.responses().values() if isinstance(t, type))
     uniq = list(dict.fromkeys(types))
     refs, components = msgspec.json.schema_components(uniq, ref_template=_REF)
+    components = _clean_descriptions(components)
     ref_of = dict(zip(uniq, refs, strict=True))
     components["ErrorDetail"]["properties"]["code"] = _error_code()
 
