@@ -13,12 +13,12 @@ What it does: starts a control plane as the integration tier does (etcd,
 kube-apiserver, kube-controller-manager; `devcluster`), applies the CRDs,
 and creates one Sandbox (`runtime: python`) in a fresh namespace. The
 operator's own Kopf handlers (`sandbox_operator.main.sandbox_changed` and
-`sandbox_tick`) are then called in this process, with the chart's RBAC
-rules as the operator's credentials and with indexes built by the
-operator's own index functions from what the API server lists (what Kopf
-would hold), the way Kopf calls them. No kubelet: the tool plays the node
-for the pod, with a real agent process, as the integration tier's
-`live_sandbox` fixture does.
+`sandbox_due`, the pass its daemon runs when its time comes) are then called
+in this process, with the chart's RBAC rules as the operator's credentials
+and with indexes built by the operator's own index functions from what the
+API server lists (what Kopf would hold), the way Kopf calls them. No
+kubelet: the tool plays the node for the pod, with a real agent process, as
+the integration tier's `live_sandbox` fixture does.
 
 Two passes are measured:
 - "create": the creation handler of the new Sandbox (its children made);
@@ -238,7 +238,7 @@ class Operator:
         )
 
     async def tick(self, body: JSON, indexes: JSON) -> None:
-        await self.main.sandbox_tick(body=body, memo=self.memo, logger=self.logger, **indexes)
+        await self.main.sandbox_due(body, self.memo, self.logger, **indexes)
 
 
 async def walk_sandbox(cp: ControlPlane, work: Path) -> dict[str, Walk]:

@@ -177,8 +177,15 @@ class Settings(BaseModel):
     # ResourceQuota) looks again for room; a look costs no API request.
     quota_retry_seconds: Annotated[float, Field(gt=0, le=600)] = 5.0
 
-    # Reconciliation.
-    reconcile_interval_seconds: float = 30.0
+    # Reconciliation. A Sandbox is looked at when something happens to it and when
+    # one of its deadlines comes (handlers.sandbox.deadlines); besides, a running
+    # sandbox's agent is asked for its report this often (activity, workspace
+    # usage, PID and CPU limits), which is also the period of the other kinds'
+    # timers and of the retries that name no delay of their own.
+    reconcile_interval_seconds: float = Field(default=30.0, gt=0)
+    # The longest a Sandbox goes without a pass when nothing is due: a safety net
+    # against a change no watch reports, not a poll (+-10 %, spread by UID).
+    resync_interval_seconds: float = Field(default=600.0, gt=0)
     # Requests in flight to the API server, for each of the operator's two
     # clients (its own, and Kopf's for finalizers and bookkeeping); the rest
     # wait in this process for a connection, not in the API server's queues.

@@ -22,6 +22,7 @@ from sandbox_operator.errors import Backoffs
 from sandbox_operator.identity import TOKEN_KEY, children_ref, names
 from sandbox_operator.kube import Api
 from sandbox_operator.resources import SECRETS
+from sandbox_operator.timetable import Timetable
 
 JSON = dict[str, Any]
 Key = tuple[str, str]
@@ -77,11 +78,17 @@ class OperatorContext:
     pool_wakeups: dict[Key, asyncio.Event] = field(default_factory=dict)
     # Refusal streaks by object, shared by all of an object's triggers (errors.py).
     backoffs: Backoffs = field(default_factory=Backoffs)
+    # When each Sandbox needs its next pass, by (namespace, UID): its daemon sleeps
+    # until then (handlers.sandbox.deadlines). Made in __post_init__ (the settings).
+    timetable: Timetable = field(init=False)
     # Where Events go: the EventRecorder (events.py) in the operator, a list in unit
     # tests; Kopf's own poster (one Event per call) when nothing else is given.
     post: Callable[[JSON, str, str, str], None] = field(default_factory=lambda: post_event)
     # Events of what happens once in an object's life (None: `post`).
     post_once: Callable[[JSON, str, str, str, str], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.timetable = Timetable(self.settings.resync_interval_seconds)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -130,6 +137,7 @@ class OperatorContext:
             self.pool_decisions.pop((namespace, uid), None)
             self.environments.pop((namespace, uid), None)
             self.backoffs.streaks.pop(uid, None)
+            self.timetable.drop((namespace, uid))
 
     async def agent_token(self, sandbox: JSON) -> str | None:
         """The bearer token of a sandbox's agent, read from its Secret once (a pool

@@ -1,6 +1,6 @@
 """What the operator logs: per-pass lines are left out.
 
-Kopf logs "Timer 'sandbox_tick' succeeded." on every timer pass and "Handler
+Kopf logs "Timer 'quota_tick' succeeded." on every timer pass and "Handler
 'x' succeeded." on every event handled, and httpx one line per request to an
 agent (every running sandbox's /v1/info on every pass): at 10,000 Sandboxes,
 hundreds of lines a second from an operator with nothing to do. Failures,

@@ -61,6 +61,8 @@ OWN = {LABEL_MANAGED_BY: MANAGED_BY}
 # See configure(): how Kopf waits for a timer pass in flight when its object is deleted.
 TIMER_EXIT_WAIT_SECONDS = 1.0
 TIMER_EXIT_POLL_SECONDS = 1.0
+# How long Kopf waits for a Sandbox's daemon to end by itself before it cancels it.
+DAEMON_EXIT_WAIT_SECONDS = 5.0
 
 
 @kopf.on.startup()
@@ -159,6 +161,9 @@ async def sandbox_bodies(
     scheduler = getattr(memo, "scheduler", None)
     if scheduler is not None and namespace:
         scheduler.sandbox_changed(namespace, name)
+    if body["metadata"].get("deletionTimestamp") and namespace:
+        # Its daemon stops now: end its sleep rather than have Kopf cancel it.
+        _ctx(memo).timetable.drop((namespace, body["metadata"]["uid"]))
     return {(namespace, name): trim(body)}
 
 
@@ -211,20 +216,38 @@ async def sandbox_changed(
         )
 
 
-# The change handlers just reconciled a new object: the first tick can wait a full interval.
-@kopf.timer(
+# Each Sandbox's pass when nothing happens to it: at the time its last pass
+# worked out (handlers.sandbox.deadlines), not on a fixed timer, so a Sandbox
+# that waits for nothing costs nothing. Kopf stops the daemon when the Sandbox
+# is marked for deletion; the index above ends its sleep at that very event.
+@kopf.daemon(
     *SANDBOX,
-    interval=SETTINGS.reconcile_interval_seconds,
-    initial_delay=SETTINGS.reconcile_interval_seconds,
+    # Only when a deletion came between the index and the daemon's next sleep.
+    cancellation_timeout=DAEMON_EXIT_WAIT_SECONDS,
+    backoff=SETTINGS.reconcile_interval_seconds,
 )
-async def sandbox_tick(
-    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
+async def sandbox_clock(
+    body: kopf.Body,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    stopped: kopf.DaemonStopped,
+    **kwargs: Any,
 ) -> None:
+    key = (body["metadata"]["namespace"], body["metadata"]["uid"])
+    while not stopped and not body["metadata"].get("deletionTimestamp"):
+        if not await _ctx(memo).timetable.sleep(key) or stopped:
+            return
+        await sandbox_due(body, memo, logger, **kwargs)
+
+
+async def sandbox_due(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any) -> None:
+    """The pass of a Sandbox whose time came."""
     if body["metadata"].get("deletionTimestamp"):
         return
     ctx = _ctx(memo)
-    # A bad spec was already reported in status by the change handler.
-    with suppress(kopf.PermanentError):
+    # A pass that fails has set the time of its retry (reconcile); a bad spec
+    # was reported in status by the change handler.
+    with suppress(kopf.PermanentError, kopf.TemporaryError):
         backoff = (ctx.backoffs, dict(body))
         report = sandbox.refused(ctx, dict(body))
         async with errors.policy("Sandbox", "timer", report, backoff=backoff):

@@ -84,18 +84,24 @@ def pod_ended(pod: JSON) -> bool:
     return pod.get("status", {}).get("phase") in ("Failed", "Succeeded")
 
 
-def stuck_on_unbound_claim(pod: JSON, now: datetime, patience: timedelta) -> bool:
-    """The scheduler gave up on the pod because its claim was not bound yet, longer
-    than `patience` ago. The scheduler requeues such pods when the claim binds,
+def unbound_claim_since(pod: JSON) -> datetime | None:
+    """Since when the scheduler has left the pod waiting for its claim to be bound
+    (None: it is not). The scheduler requeues such pods when the claim binds,
     but can miss that event (the binder writes volumeName and the Bound phase in
-    two updates) and then waits up to five minutes before it looks again. Only
-    worth acting on once the claim is in fact bound (the controller checks)."""
+    two updates) and then waits up to five minutes before it looks again."""
     scheduled = pod_condition(pod, "PodScheduled") or {}
     message = str(scheduled.get("message", ""))
     since = scheduled.get("lastTransitionTime")
     if scheduled.get("status") != "False" or UNBOUND_CLAIM_MESSAGE not in message or not since:
-        return False
-    return now - parse_time(str(since)) > patience
+        return None
+    return parse_time(str(since))
+
+
+def stuck_on_unbound_claim(pod: JSON, now: datetime, patience: timedelta) -> bool:
+    """The pod has waited for its claim longer than `patience` (`unbound_claim_since`).
+    Only worth acting on once the claim is in fact bound (the controller checks)."""
+    since = unbound_claim_since(pod)
+    return since is not None and now - since > patience
 
 
 def claim_phase(claim: JSON | None) -> str | None:

@@ -96,13 +96,10 @@ def decide_pod(
     return PodDecision(PodAction.KEEP)
 
 
-def agent_stalled(
-    pod: JSON, status: SandboxStatus, now: datetime, patience: timedelta
-) -> str | None:
-    """Why a pod that was serving must be replaced: its agent has not been ready for
-    longer than `patience` while the runtime container runs (a wedged agent or
-    runner that the kubelet's probes did not cure). Only for a pod that was
-    Ready before, so a pod that never gets ready is not replaced in a loop."""
+def agent_unready_since(pod: JSON, status: SandboxStatus) -> datetime | None:
+    """Since when the agent of a pod that was serving has not been ready while its
+    runtime container runs (None: it is ready, or the pod never served, or the
+    runtime container is not running)."""
     if status.ready_pod_uid != pod["metadata"].get("uid"):
         return None
     agent = sandbox_status.container_status(pod, identity.AGENT_CONTAINER) or {}
@@ -112,9 +109,20 @@ def agent_stalled(
     cond = find(status.conditions, SandboxCondition.AGENT_READY)
     if cond is None or cond.status != FALSE or not cond.last_transition_time:
         return None
-    stalled = now - parse_time(cond.last_transition_time)
-    if stalled <= patience:
+    return parse_time(cond.last_transition_time)
+
+
+def agent_stalled(
+    pod: JSON, status: SandboxStatus, now: datetime, patience: timedelta
+) -> str | None:
+    """Why a pod that was serving must be replaced: its agent has not been ready for
+    longer than `patience` while the runtime container runs (a wedged agent or
+    runner that the kubelet's probes did not cure). Only for a pod that was
+    Ready before, so a pod that never gets ready is not replaced in a loop."""
+    since = agent_unready_since(pod, status)
+    if since is None or now - since <= patience:
         return None
+    stalled = now - since
     return (
         f"the agent has not been ready for {int(stalled.total_seconds())}s"
         " (commands cannot be run or stopped); the workspace is kept"

@@ -17,7 +17,7 @@ from typing import Any
 
 import kopf
 
-from sandbox_operator import identity, metrics
+from sandbox_operator import errors, identity, metrics
 from sandbox_operator.api.common import parse_duration
 from sandbox_operator.api.sandbox import (
     PoolOutcome,
@@ -29,6 +29,7 @@ from sandbox_operator.builders.pool import claimed, claimed_by
 from sandbox_operator.builders.sandbox_status import Observed
 from sandbox_operator.clock import now_utc, parse_time
 from sandbox_operator.context import OperatorContext
+from sandbox_operator.handlers.sandbox import deadlines
 from sandbox_operator.handlers.sandbox.admission import SandboxIndex, admit
 from sandbox_operator.handlers.sandbox.environment import sync_environment, sync_files
 from sandbox_operator.handlers.sandbox.lifecycle import (
@@ -119,6 +120,41 @@ async def reconcile(
     when given (see `write_status`). Returns the status a full pass arrived at
     (None when it stopped early)."""
     meta = body["metadata"]
+    key = (meta["namespace"], meta["uid"])
+    try:
+        return await _pass(ctx, body, logger, children, indexes, pod, pod_known, status_into, key)
+    except Exception as exc:
+        # Whatever ended this pass early, a later one tries again, whichever
+        # trigger this was (Kopf retries change handlers, not event handlers).
+        ctx.timetable.sooner(key, _retry_in(ctx, body, exc))
+        raise
+
+
+def _retry_in(ctx: OperatorContext, body: JSON, exc: Exception) -> float:
+    """Seconds until a pass that ended in `exc` is tried again."""
+    if isinstance(exc, kopf.TemporaryError) and exc.delay is not None:
+        return float(exc.delay)
+    if isinstance(exc, kopf.PermanentError):
+        return deadlines.resync_after(body["metadata"]["uid"], ctx.settings).total_seconds()
+    if (refused := ctx.backoffs.remaining(body)) > 0:
+        return refused
+    if errors.transient(exc):
+        return errors.TRANSIENT_RETRY_SECONDS
+    return ctx.settings.reconcile_interval_seconds
+
+
+async def _pass(
+    ctx: OperatorContext,
+    body: JSON,
+    logger: kopf.Logger,
+    children: Children,
+    indexes: Indexes,
+    pod: JSON | None,
+    pod_known: bool,
+    status_into: kopf.Patch | None,
+    key: tuple[str, str],
+) -> JSON | None:
+    meta = body["metadata"]
     async with ctx.lock(meta["namespace"], meta["name"]):
         if not _present(indexes.sandboxes, identity.ref_of(body)):
             return None  # gone since this pass was scheduled (a timer of a deleted Sandbox)
@@ -169,6 +205,10 @@ async def reconcile(
             # Every pass that stops short ends here: the status says why, written
             # once, with the spec when the pass had read it.
             await report(ctx, body, view.spec if view is not None else None, blocked)
+            retry = blocked.retry
+            if retry is None:  # for the user to fix (or never): the status says so
+                retry = deadlines.resync_after(meta["uid"], ctx.settings).total_seconds()
+            ctx.timetable.set(key, retry)
             error = blocked.error()
             if error is None:
                 return None
@@ -298,6 +338,16 @@ async def _reconcile(
             await _reconcile(ctx, again, logger, children=Children.POD, status_into=status_into)
             return
         status = status.evolve(**changes)
+        look = deadlines.next_pass(
+            status,
+            pod,
+            uid=view.ref.uid,
+            claim_wait=claims.wait,
+            restoring=workspace.busy,
+            now=now,
+            settings=ctx.settings,
+        )
+        ctx.timetable.set((view.ref.namespace, view.ref.uid), look.seconds_from(now))
     await write_status(ctx, body, status, into=status_into)
     if workspace.busy and children is not Children.POD:
         # Change handlers retry; timers and pod events come back by themselves.
