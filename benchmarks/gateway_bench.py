@@ -16,6 +16,8 @@ JSON answer parsed:
   p50/p99;
 - the same with 10 threads: requests/s over a fixed count;
 - a 100 MiB file in the agent's workspace, downloaded with GET files/content;
+- `true` while the same gateway streams a 1 GiB download to another reader,
+  against `true` with nothing beside it (blocks: quiet, busy, quiet);
 - the API requests the gateway's ServiceAccount made while the measured calls
   ran (caches warmed first), from the API server's audit log;
 - the gateway's RSS once `--sandboxes` more Sandboxes are in its route table
@@ -23,7 +25,8 @@ JSON answer parsed:
   pods, as in a cluster; their pods stay Pending, as nothing plays them).
 
 Targets: <= 1 ms added at p50 for `true`, <= 2 ms for 1 MiB; >= 70 % of the
-direct 10-way throughput; no API request per proxied call once warm; gateway
+direct 10-way throughput; `true` beside the download <= 2x its quiet
+latency through the gateway; no API request per proxied call once warm; gateway
 RSS <= 150 MB with 1,000 Sandboxes. A missed target is reported, not an error.
 """
 
@@ -41,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -390,6 +394,62 @@ class Bench:
             "ratio": g_mbs / d_mbs, "gateway_cpu_s_per_download": gateway_cpu,
         }  # fmt: skip
 
+    def beside_download(self) -> None:
+        """`true`, direct and through the gateway, with nothing else going on and
+        while the same gateway replica streams a download of `--bulk-mib` to a
+        reader that takes it as fast as it comes; in blocks (quiet, busy, quiet)
+        of the same run."""
+        assert self.setup.agent is not None
+        size = self.args.bulk_mib * MiB
+        with (self.setup.agent.workspace / "bulk.bin").open("wb") as out:
+            out.truncate(size)  # sparse: read from memory, as a cached file is
+        direct, gateway = self.setup.direct(), self.setup.via_gateway()
+        n = max(20, self.args.iterations // 2)
+        interleaved(lambda: direct.exec(TRUE), lambda: gateway.exec(TRUE), 10)  # warm
+        quiet_d, quiet_g = interleaved(lambda: direct.exec(TRUE), lambda: gateway.exec(TRUE), n)
+
+        stop, moved = threading.Event(), [0, 0.0]
+
+        def downloads() -> None:
+            reader = self.setup.via_gateway()
+            started = time.perf_counter()
+            while not stop.is_set():
+                moved[0] += reader.download("bulk.bin")
+            moved[1] = time.perf_counter() - started
+            reader.close()
+
+        thread = threading.Thread(target=downloads, daemon=True)
+        thread.start()
+        time.sleep(0.5)  # the download is flowing
+        busy_d, busy_g = interleaved(lambda: direct.exec(TRUE), lambda: gateway.exec(TRUE), 2 * n)
+        stop.set()
+        thread.join()
+        more_d, more_g = interleaved(lambda: direct.exec(TRUE), lambda: gateway.exec(TRUE), n)
+        direct.close()
+        gateway.close()
+        quiet_d += more_d
+        quiet_g += more_g
+        qd, qg = statistics.median(quiet_d) * 1e3, statistics.median(quiet_g) * 1e3
+        bd, bg = statistics.median(busy_d) * 1e3, statistics.median(busy_g) * 1e3
+        ratio = bg / qg
+        rate = moved[0] / moved[1] / 1e6 if moved[1] else 0.0
+        self.rows.append(
+            (
+                f"true beside a {self.args.bulk_mib} MiB download x {2 * n}",
+                f"p50 {qd:.2f} -> {bd:.2f} ms ({bd / qd:.1f}x)",
+                f"p50 {qg:.2f} -> {bg:.2f} ms ({ratio:.1f}x)",
+                f"download {rate:.0f} MB/s meanwhile",
+                f"<= 2x quiet: {verdict(ratio <= 2.0)}",
+            )
+        )
+        self.results["true_beside_download"] = {
+            "bulk_bytes": size, "samples": 2 * n,
+            "direct_quiet_p50_ms": qd, "direct_busy_p50_ms": bd,
+            "gateway_quiet_p50_ms": qg, "gateway_busy_p50_ms": bg,
+            "gateway_busy_p99_ms": percentile(busy_g, 0.99) * 1e3,
+            "ratio": ratio, "download_mb_s": rate, "met": ratio <= 2.0,
+        }  # fmt: skip
+
     def api_requests(self) -> None:
         """What the gateway asked the API server while the measured calls ran."""
         time.sleep(2)  # the audit backend writes behind
@@ -507,6 +567,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="10-way rounds each (median)")
     parser.add_argument("--file-mib", type=int, default=100)
     parser.add_argument("--file-reps", type=int, default=5)
+    parser.add_argument("--bulk-mib", type=int, default=1024, help="the download beside `true`")
     parser.add_argument("--timeout", type=float, default=600, help="for the Sandboxes to settle")
     args = parser.parse_args()
 
@@ -521,6 +582,7 @@ def main() -> int:
         bench.throughput("true", TRUE, args.per_thread)
         bench.throughput("1 MiB output", ONE_MIB, max(10, args.per_thread // 4))
         bench.download()
+        bench.beside_download()
         bench.api_requests()
         bench.rss()
         assert setup.gateway is not None

@@ -1,10 +1,11 @@
 """The gateway's pure parts: which agent operations it forwards with which
 permission (generated from the agent's document), canonical paths, scoped
 tokens and signed URLs (with key rotation and their minter's lifetime),
-bounded caches, preview hosts."""
+bounded caches, preview hosts, bulk copies giving way to short calls."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -21,6 +22,7 @@ from sandbox_operator.gateway.app import (
     preview_host,
     workspace_path_problem,
 )
+from sandbox_operator.gateway.proxy import SHORT_SECONDS, YIELD_SECONDS, Fairness
 from sandbox_operator.gateway.signing import Claims, Keys, SigningError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -351,5 +353,42 @@ def test_concurrent_misses_ask_once_and_warm_answers_refresh_ahead() -> None:
         with pytest.raises(RuntimeError):
             await cache.fetch("other", broken, lambda _: 1)
         assert cache.get("other") is None  # failures are not remembered
+
+    asyncio.run(scenario())
+
+
+# -- bulk copies give way to short calls (proxy.Fairness; a real event loop) -------------
+
+
+def test_a_bulk_copy_waits_for_short_calls_a_moment_at_most() -> None:
+    async def scenario() -> None:
+        fair = Fairness()
+        loop = asyncio.get_running_loop()
+        await fair.turn()  # nothing short in flight: no wait at all
+        assert fair.short == 0
+        end = fair.begin()
+        assert fair.short == 1
+        waited = loop.time()
+        await asyncio.wait_for(fair.turn(), 30)  # bounded by YIELD_SECONDS, not by the call
+        assert loop.time() - waited >= YIELD_SECONDS * 0.9
+        # The short call ends: a waiting copy goes on at once.
+        waiter = asyncio.create_task(fair.turn())
+        await asyncio.sleep(0)
+        end()
+        end()  # twice: counted once
+        await asyncio.wait_for(waiter, 30)
+        assert fair.short == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_call_stops_counting_as_short_after_short_seconds() -> None:
+    async def scenario() -> None:
+        fair = Fairness()
+        end = fair.begin()
+        await asyncio.sleep(SHORT_SECONDS * 2)
+        assert fair.short == 0  # a long command no longer holds bulk copies back
+        end()
+        assert fair.short == 0
 
     asyncio.run(scenario())

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -57,8 +57,54 @@ SSE = "text/event-stream"
 MAX_EVENT = 16 << 20
 
 
+# Bulk bodies give way to short calls: while one is between its request and
+# its answer, a bulk copy waits before each chunk (up to YIELD_SECONDS) so that
+# this process and the agent spend the CPU on the short call. A call is short
+# for its first SHORT_SECONDS; one that waits longer (a command that runs for
+# a minute) no longer holds bulk copies back.
+YIELD_SECONDS = 0.002
+SHORT_SECONDS = 0.25
+
+
 class UpstreamError(Exception):
     """The agent or the preview port could not be reached."""
+
+
+class Fairness:
+    """Short calls in flight, and the wait a bulk copy makes for them. On 2 cores a
+    1 GiB download through a replica multiplied a `true`'s latency through it by
+    7.6; the copy is what has to yield (the event loop is fair, the CPU is not)."""
+
+    def __init__(self) -> None:
+        self.short = 0
+        self._clear = asyncio.Event()
+        self._clear.set()
+
+    def begin(self) -> Callable[[], None]:
+        """A short call starts; the function returned ends it (again: nothing)."""
+        self.short += 1
+        self._clear.clear()
+        handle = asyncio.get_running_loop().call_later(SHORT_SECONDS, lambda: end())
+        done = False
+
+        def end() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            handle.cancel()
+            self.short -= 1
+            if not self.short:
+                self._clear.set()
+
+        return end
+
+    async def turn(self) -> None:
+        """Before a bulk chunk: let short calls in flight go first, for a moment."""
+        if self.short:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(YIELD_SECONDS):
+                    await self._clear.wait()
 
 
 def forwarded_headers(headers: Mapping[str, str], drop: Iterable[str] = ()) -> CIMultiDict[str]:
@@ -70,8 +116,9 @@ def forwarded_headers(headers: Mapping[str, str], drop: Iterable[str] = ()) -> C
     return out
 
 
-async def _body(request: web.Request) -> AsyncIterator[bytes]:
+async def _body(request: web.Request, fair: Fairness) -> AsyncIterator[bytes]:
     async for chunk in request.content.iter_chunked(CHUNK):
+        await fair.turn()
         yield chunk
 
 
@@ -85,6 +132,7 @@ class Upstreams:
         # Event streams being passed on, so shutdown can end each with a last event.
         self.streams: set[asyncio.Task[object]] = set()
         self.closing = False
+        self.fair = Fairness()
         self.session = aiohttp.ClientSession(
             # At most 64 at once to one sandbox; in all, as many as the gateway
             # takes client connections (`total`): a pool smaller than that would
@@ -122,6 +170,28 @@ class Upstreams:
         `events`: the answer is an execution's event stream (see `_events`)."""
         outgoing = headers if headers is not None else forwarded_headers(request.headers)
         length = request.content_length
+        short = not request.body_exists or (length is not None and length <= SMALL)
+        # Ends when the answer turns out to be a stream, or with this call.
+        end_short = self.fair.begin() if short else _nothing
+        try:
+            return await self._forward(
+                request, url, query, outgoing, method, extra_response_headers, events, end_short
+            )
+        finally:
+            end_short()
+
+    async def _forward(
+        self,
+        request: web.Request,
+        url: str,
+        query: Mapping[str, str] | None,
+        outgoing: CIMultiDict[str],
+        method: str | None,
+        extra_response_headers: Mapping[str, str] | None,
+        events: bool,
+        end_short: Callable[[], None],
+    ) -> web.StreamResponse:
+        length = request.content_length
         data: bytes | AsyncIterator[bytes] | None = None
         if request.body_exists:
             if length is not None and length <= SMALL:
@@ -133,7 +203,7 @@ class Upstreams:
                 except TimeoutError as exc:
                     raise web.HTTPRequestTimeout(reason="the body did not arrive in time") from exc
             else:
-                data = _body(request)
+                data = _body(request, self.fair)
                 if length is not None:
                     outgoing["Content-Length"] = str(length)
         try:
@@ -155,6 +225,7 @@ class Upstreams:
             if upstream.content_length is not None and upstream.content_length <= SMALL:
                 body = await upstream.read()
                 return web.Response(status=upstream.status, headers=answer_headers, body=body)
+            end_short()  # a stream: bulk, or as long as a command runs
             response = web.StreamResponse(status=upstream.status, headers=answer_headers)
             if upstream.content_length is not None:
                 response.content_length = upstream.content_length
@@ -168,6 +239,7 @@ class Upstreams:
             if events and upstream.status == 200 and kind in (NDJSON, SSE):
                 return await self._events(upstream, response, sse=kind == SSE)
             async for chunk in upstream.content.iter_any():
+                await self.fair.turn()
                 try:
                     await response.write(chunk)
                 except ConnectionResetError:
@@ -215,6 +287,7 @@ class Upstreams:
                     continue
                 end = cut + len(separator) if cut >= 0 else len(pending)
                 whole, pending = pending[:end], pending[end:]
+                await self.fair.turn()
                 last = whole.rstrip(b"\n").rsplit(separator, 1)[-1]
                 try:
                     await response.write(whole)
@@ -318,6 +391,10 @@ class Upstreams:
             await upstream.close()
             await downstream.close()
         return downstream
+
+
+def _nothing() -> None:
+    pass
 
 
 def _event_type(event: bytes, sse: bool) -> str | None:
