@@ -11,9 +11,15 @@ pod start and little more. Three timings, interleaved, `--count` each:
 2. auto-resume -> Execution done: an Execution (`echo hi`) created for an
    idle-paused Sandbox, until it has Succeeded;
 3. baseline, a pod start: the pod the operator would build, created directly on
-   an existing bound claim, until the pod is Ready.
+   an existing bound claim, until the pod is Ready;
+4. floor, a minimal pod: the same runtime image, one container, no probes, no
+   volumes, until it is Ready.
 
 Timed from just before the request to the first watch event showing the end.
+For the resumes, the pod's own milestones are timed the same way (from its
+watch events: scheduled, agent running, agent started, sandbox container
+running, agent ready, pod Ready), then the Sandbox's Ready: where the time
+between the request and Ready goes.
 """
 
 from __future__ import annotations
@@ -74,6 +80,53 @@ def pod_state(obj: JSON) -> str | None:
     return "ready" if _ready(obj) else None
 
 
+# A resumed sandbox's pod, in the order its watch events show them.
+STAGES = (
+    "scheduled",
+    "agent running",
+    "agent started",
+    "sandbox running",
+    "agent ready",
+    "pod ready",
+)
+
+
+def _container(obj: JSON, key: str, name: str) -> JSON:
+    found = ((obj.get("status") or {}).get(key)) or []
+    return next((c for c in found if c.get("name") == name), {})
+
+
+def pod_stage(obj: JSON) -> str | None:
+    """The furthest of STAGES a sandbox pod has reached (the Watcher notes when
+    each was first seen; a stage passed within one event gets the next one's time)."""
+    agent = _container(obj, "initContainerStatuses", identity.AGENT_CONTAINER)
+    sandbox = _container(obj, "containerStatuses", identity.SANDBOX_CONTAINER)
+    reached = [
+        bool(obj.get("spec", {}).get("nodeName")),
+        "running" in (agent.get("state") or {}),
+        bool(agent.get("started")),
+        "running" in (sandbox.get("state") or {}),
+        bool(agent.get("ready")),
+        _ready(obj),
+    ]
+    furthest = None
+    for stage, done in zip(STAGES, reached, strict=True):
+        if done:
+            furthest = stage
+    return furthest
+
+
+def timeline(stages: Watcher, pod: str, started: float, end: float) -> list[float]:
+    """Seconds from `started` to each of STAGES for `pod`, then `end` (a stage not
+    seen by itself takes the time of the next one seen)."""
+    seen = stages.seen.get(pod, {})
+    times = [seen.get(stage) for stage in STAGES] + [end]
+    for i in range(len(times) - 2, -1, -1):
+        if times[i] is None:
+            times[i] = times[i + 1]
+    return [float(t) - started for t in times if t is not None]
+
+
 def idle_paused(kube: KubeJSON, sandboxes: Watcher, name: str) -> None:
     """A new Sandbox, Ready once, then paused by its idle policy (pod gone)."""
     kube.create(
@@ -90,16 +143,23 @@ def idle_paused(kube: KubeJSON, sandboxes: Watcher, name: str) -> None:
     wait_until(lambda: kube.get(PODS.path(NS, name)) is None)
 
 
-def resume(kube: KubeJSON, sandboxes: Watcher, name: str) -> float:
+def resume(
+    kube: KubeJSON, sandboxes: Watcher, stages: Watcher, name: str
+) -> tuple[float, list[float]]:
+    pod = identity.names(name)["pod"]
+    with stages.changed:
+        stages.seen.pop(pod, None)  # the stages of its first start
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 1))
     started = time.monotonic()
     kube.patch(SANDBOXES.path(NS, name), {"metadata": {"annotations": {RESUME_ANNOTATION: stamp}}})
     _, seen = sandboxes.wait(name, {"resumed"})
-    return seen - started
+    return seen - started, timeline(stages, pod, started, seen)
 
 
-def auto_resume(kube: KubeJSON, executions: Watcher, sandbox: str) -> float:
+def auto_resume(kube: KubeJSON, executions: Watcher, stages: Watcher, sandbox: str) -> float:
     name = f"{sandbox}-run"
+    with stages.changed:
+        stages.seen.pop(identity.names(sandbox)["pod"], None)
     started = time.monotonic()
     kube.create(
         EXECUTIONS.path(NS),
@@ -153,6 +213,36 @@ def pod_start(kube: KubeJSON, pods: Watcher, ref: identity.SandboxRef, i: int) -
     return seen - started
 
 
+def minimal_start(kube: KubeJSON, pods: Watcher, settings: Settings, i: int) -> float:
+    """The floor: a pod of the same runtime image, one container, no probes or volumes."""
+    name = f"minimal-{i}"
+    image = settings.runtimes[settings.default_runtime].image
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"bench": "minimal"}},
+        "spec": {
+            "containers": [
+                {
+                    "name": "main",
+                    "image": image,
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": ["python3", "-c", "import time; time.sleep(3600)"],
+                }
+            ],
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+        },
+    }
+    started = time.monotonic()
+    kube.create(core_path("pods", NS), pod)
+    _, seen = pods.wait(name, {"ready"})
+    kube.delete(core_path("pods", NS, name))
+    wait_until(lambda: kube.get(core_path("pods", NS, name)) is None)
+    return seen - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -163,29 +253,49 @@ def main() -> None:
         kube = KubeJSON(cluster.kubeconfig)
         create_namespace(kube, NS)
         ref = bare_claim(kube, Settings())
-        results: dict[str, list[float]] = {"resume": [], "auto_resume": [], "pod_start": []}
+        settings = Settings()
+        results: dict[str, list[float]] = {
+            "resume": [],
+            "auto_resume": [],
+            "pod_start": [],
+            "minimal_pod": [],
+        }
+        timelines: list[list[float]] = []
         with (
             Watcher(cluster.kubeconfig, SANDBOXES.path(NS), sandbox_state) as sandboxes,
             Watcher(cluster.kubeconfig, EXECUTIONS.path(NS), execution_state) as executions,
             Watcher(cluster.kubeconfig, core_path("pods", NS), pod_state) as pods,
+            Watcher(cluster.kubeconfig, core_path("pods", NS), pod_stage) as stages,
         ):
+            minimal_start(kube, pods, settings, -1)  # the image in the node's cache, warm
             for i in range(args.count):
                 idle_paused(kube, sandboxes, f"r{i}")
-                results["resume"].append(resume(kube, sandboxes, f"r{i}"))
+                took, stamps = resume(kube, sandboxes, stages, f"r{i}")
+                results["resume"].append(took)
+                timelines.append(stamps)
                 idle_paused(kube, sandboxes, f"e{i}")
-                results["auto_resume"].append(auto_resume(kube, executions, f"e{i}"))
+                results["auto_resume"].append(auto_resume(kube, executions, stages, f"e{i}"))
                 results["pod_start"].append(pod_start(kube, pods, ref, i))
+                results["minimal_pod"].append(minimal_start(kube, pods, settings, i))
                 for name in (f"r{i}", f"e{i}"):
                     kube.delete(SANDBOXES.path(NS, name))
         print(f"\nIdle-paused sandbox back at work, {args.count} each, interleaved:")
         print(latency_row("resume annotation -> Ready", results["resume"]))
         print(latency_row("Execution -> Succeeded (auto-resume)", results["auto_resume"]))
         print(latency_row("baseline: pod on a bound claim", results["pod_start"]))
-        base = statistics.median(results["pod_start"])
-        for key in ("resume", "auto_resume"):
-            extra = (statistics.median(results[key]) - base) * 1000
-            print(f"  {key}: p50 {extra:+.0f} ms over a pod start")
-        write_results("resume_bench", results)
+        print(latency_row("floor: minimal pod, same image", results["minimal_pod"]))
+        floor = statistics.median(results["minimal_pod"])
+        for key in ("resume", "auto_resume", "pod_start"):
+            p50 = statistics.median(results[key])
+            print(f"  {key}: p50 {p50 / floor:.2f}x the minimal pod")
+        print("\nWhere a resume's time goes (p50 of the time since the request):")
+        marks = [*STAGES, "Sandbox Ready"]
+        previous = 0.0
+        for k, mark in enumerate(marks):
+            at = statistics.median(t[k] for t in timelines) * 1000
+            print(f"  {mark:<16} {at:8.0f} ms   (+{at - previous:6.0f} ms)")
+            previous = at
+        write_results("resume_bench", {**results, "timelines": timelines, "stages": marks})
 
 
 if __name__ == "__main__":
