@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -60,8 +63,10 @@ def test_pod_isolation_choices() -> None:
     # Only the agent sees the token.
     assert any(m["name"] == "agent-token" for m in agent["volumeMounts"])
     assert not any(m["name"] == "agent-token" for m in sandbox["volumeMounts"])
-    # The runner is what the sandbox container runs.
-    assert sandbox["command"] == ["python3", "/sandbox/run/runner.py"]
+    # The runner is what the sandbox container runs (test_runner_bootstrap below),
+    # started beside the agent: no startup probe holds it back.
+    assert sandbox["command"] == ["python3", "-c", build.RUNNER_BOOTSTRAP]
+    assert "startupProbe" not in agent
     # Memory and ephemeral storage: requests equal limits; CPU: a small request.
     for container in (agent, sandbox):
         requests, limits = container["resources"]["requests"], container["resources"]["limits"]
@@ -392,3 +397,25 @@ def test_preview_urls_are_on_the_gateways_external_url() -> None:
     assert build.preview_url(REF, 3000, by_host) == "https://3000-demo-team-a.preview.example.com/"
     assert build.preview_url(REF, 3000, SETTINGS) is None
     assert build.port_statuses(REF, spec, SETTINGS)[0]["url"] is None
+
+
+def test_runner_bootstrap_waits_for_the_runner_then_becomes_it(tmp_path: Path) -> None:
+    """The sandbox container's entrypoint, run for real: it waits for runner.py,
+    then execs it as `python3 runner.py` would run, never importing from the
+    working directory (the user's workspace, where anything may be planted)."""
+    run_dir, workspace = tmp_path / "run", tmp_path / "workspace"
+    run_dir.mkdir()
+    workspace.mkdir()
+    (workspace / "json.py").write_text("raise SystemExit('imported from the workspace')\n")
+    code = build.RUNNER_BOOTSTRAP.replace(build.RUNTIME_DIR, str(run_dir))
+    proc = subprocess.Popen(
+        ["python3", "-c", code], cwd=workspace, stdout=subprocess.PIPE, text=True
+    )
+    time.sleep(0.2)
+    assert proc.poll() is None  # waiting for the runner
+    runner = "import json, sys; print(json.dumps([sys.argv[0], sys.path[0]]))\n"
+    (run_dir / ".runner.py.tmp").write_text(runner)
+    (run_dir / ".runner.py.tmp").rename(run_dir / "runner.py")  # atomically, as the agent does
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert json.loads(out) == [str(run_dir / "runner.py"), str(run_dir)]

@@ -44,6 +44,24 @@ READINESS_PATH = "/readyz?waitSeconds=2"
 # command that would not die); the kubelet then kills every process in it.
 RUNTIME_LIVENESS_PATH = "/livez/runtime"
 
+# The sandbox container's entrypoint: wait for the agent to place the runner
+# (it places runner.py last, each file atomically), then become it, with the
+# argv and sys.path it would have had as `python3 /sandbox/run/runner.py`.
+# sys.path is set first: with -c, its first entry is the working directory,
+# the user's workspace, from which no module may be imported.
+RUNNER_PATH = f"{RUNTIME_DIR}/runner.py"
+RUNNER_WAIT_SECONDS = 300
+RUNNER_BOOTSTRAP = f"""import sys
+sys.path[0] = {RUNTIME_DIR!r}
+import os, time
+deadline = time.monotonic() + {RUNNER_WAIT_SECONDS}
+while not os.path.exists({RUNNER_PATH!r}):
+    if time.monotonic() > deadline:
+        sys.exit("sandbox: the agent did not place its runner in {RUNNER_WAIT_SECONDS} s")
+    time.sleep(0.02)
+os.execvp("python3", ["python3", {RUNNER_PATH!r}])
+"""
+
 # The runtime directory holds only the runner script and its socket.
 _RUNTIME_DIR_LIMIT = "16Mi"
 _AGENT_LOG_LIMIT = "256Mi"
@@ -224,17 +242,11 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
             {"name": "SANDBOX_AGENT_MAX_LOG_DIR_BYTES", "value": str(_AGENT_LOG_BUDGET)},
         ],
         "ports": [{"name": "agent", "containerPort": settings.agent_port, "protocol": "TCP"}],
-        # The sandbox container starts only once this probe passes, so the
-        # runner script is in place by then.
-        "startupProbe": {
-            "httpGet": {"path": "/healthz", "port": "agent"},
-            "periodSeconds": 1,
-            # The agent listens first thing: an early probe waits in the
-            # backlog for the rest of its start rather than failing with an
-            # Unhealthy warning (a loaded node's cold start can take seconds).
-            "timeoutSeconds": 5,
-            "failureThreshold": 60,
-        },
+        # No startup probe: the sandbox container starts beside the agent and
+        # waits for the runner itself (RUNNER_BOOTSTRAP). A startup probe held it
+        # back until the probe's next one-second tick, on every start and resume.
+        # The readiness probe waits (up to 2 s) for the runner to connect, so the
+        # pod is Ready about when the runner is, not at a later tick.
         "readinessProbe": {
             "httpGet": agent_http,
             "periodSeconds": 2,
@@ -271,7 +283,7 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
         "image": image,
         "imagePullPolicy": pull_policy,
         # The runner is placed by the agent; the image only needs python3 >= 3.9.
-        "command": ["python3", f"{RUNTIME_DIR}/runner.py"],
+        "command": ["python3", "-c", RUNNER_BOOTSTRAP],
         "workingDir": home,
         "env": [
             {"name": "HOME", "value": home},

@@ -33,9 +33,10 @@ def read_token(path: str) -> bytes:
     return token
 
 
-# What the sandbox container runs from the shared directory: the runner (its
-# entrypoint) and the code-context bridges (started through the runner).
-PLACED = ("runner.py", "kernel.py", "kernel.js")
+# What the sandbox container runs from the shared directory: the code-context
+# bridges (started through the runner) and the runner, its entrypoint, last:
+# the container starts it as soon as it exists (builders.sandbox RUNNER_BOOTSTRAP).
+PLACED = ("kernel.py", "kernel.js", "runner.py")
 
 
 def place_runner(runtime_dir: str) -> str:
@@ -44,7 +45,7 @@ def place_runner(runtime_dir: str) -> str:
     os.makedirs(runtime_dir, exist_ok=True)
     for name in PLACED:
         _place(Path(__file__).with_name(name).read_bytes(), runtime_dir, name)
-    return os.path.join(runtime_dir, PLACED[0])
+    return os.path.join(runtime_dir, PLACED[-1])
 
 
 def _place(src: bytes, runtime_dir: str, name: str) -> None:
