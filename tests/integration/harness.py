@@ -133,8 +133,11 @@ class OperatorProcess:
         env: dict[str, str],
         peering: str | None = None,
         name: str = "operator",
+        kopf: Sequence[str] = (),
     ) -> None:
         self.kubeconfig = kubeconfig
+        # How Kopf's command line is run (a tool may wrap it); default: the venv's `kopf`.
+        self.kopf = list(kopf) or [str(VENV_BIN / "kopf")]
         self.log_dir = log_dir
         self.env = env
         # A replica among peers in this ClusterKopfPeering; None: --standalone.
@@ -162,7 +165,7 @@ class OperatorProcess:
             "POD_ID": self.name,
         }
         argv = [
-            str(VENV_BIN / "kopf"),
+            *self.kopf,
             "run",
             "-m",
             "sandbox_operator.main",

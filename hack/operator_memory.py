@@ -1,0 +1,121 @@
+"""Where the operator's memory goes with N Sandboxes: a tracemalloc census.
+
+    PYTHONPATH=sandbox-agent/src:operator:sandbox-sdk/src:. \\
+        .venv/bin/python hack/operator_memory.py [--count 2000] [--top 40]
+
+Starts a private control plane (etcd, kube-apiserver, controller-manager, as
+the integration tier does), applies the CRDs and runs the operator as in
+production (`kopf run -m sandbox_operator.main`, the chart's RBAC) but under
+tracemalloc; creates `--count` Sandboxes and waits until every one has its
+pod and a written status (no kubelet: pods stay Pending), lets it settle,
+then has the operator write its census: the live allocations grouped by the
+line that made them, largest first, and the total. tracemalloc slows the
+operator down several times and adds its own bookkeeping to RSS: compare the
+shares, not the absolute figures, with `benchmarks/sandbox_scale.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CENSUS_ENV = "OPERATOR_MEMORY_CENSUS"
+
+
+def child(argv: list[str]) -> None:
+    """Run Kopf's command line under tracemalloc; SIGUSR1 writes the census."""
+    import tracemalloc
+
+    tracemalloc.start(1)
+    out = Path(os.environ[CENSUS_ENV])
+    top = int(os.environ.get("OPERATOR_MEMORY_TOP", "40"))
+
+    def census(signum: int, frame: object) -> None:
+        snapshot = tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.Filter(False, tracemalloc.__file__)]
+        )
+        stats = snapshot.statistics("lineno")
+        total = sum(s.size for s in stats)
+        lines = [f"total traced: {total / 2**20:.1f} MiB in {sum(s.count for s in stats)} blocks"]
+        for stat in stats[:top]:
+            frame_ = stat.traceback[0]
+            where = f"{frame_.filename.replace(str(REPO) + '/', '')}:{frame_.lineno}"
+            lines.append(f"{stat.size / 2**20:8.1f} MiB {stat.count:9d}  {where}")
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(out)
+
+    signal.signal(signal.SIGUSR1, census)
+    from kopf.cli import main as kopf_main
+
+    sys.argv = ["kopf", *argv]
+    kopf_main()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--count", type=int, default=2000)
+    parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--settle", type=float, default=20, help="seconds after the last status")
+    args = parser.parse_args()
+
+    from benchmarks.common import Watcher
+    from benchmarks.sandbox_scale import NAMESPACE, _crds, create_all, rss_mib, written
+    from devcluster.controlplane import ControlPlane
+    from sandbox_operator.resources import SANDBOXES
+    from tests.integration.harness import OperatorProcess, operator_credentials
+    from tests.kube import KubeJSON
+
+    work = Path(tempfile.mkdtemp(prefix="operator-memory-"))
+    census = work / "census.txt"
+    cp = ControlPlane(f"memory-{os.getpid()}")
+    cp.start()
+    operator = None
+    try:
+        admin = KubeJSON(cp.kubeconfig)
+        for crd in _crds():
+            admin.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+        time.sleep(2)  # CRDs established
+        creds = operator_credentials(cp, admin, REPO, work / "operator.kubeconfig")
+        admin.create("/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
+        env = {CENSUS_ENV: str(census), "OPERATOR_MEMORY_TOP": str(args.top)}
+        operator = OperatorProcess(creds, work, env, kopf=[sys.executable, __file__, "--child"])
+        operator.start()
+        assert operator.proc is not None
+        sandboxes = Watcher(cp.kubeconfig, SANDBOXES.path(NAMESPACE), written)
+        import asyncio
+
+        started = time.monotonic()
+        asyncio.run(create_all(cp.kubeconfig, args.count, 20))
+        if not sandboxes.until(lambda: sandboxes.counts["written"] == args.count, 1800):
+            raise SystemExit(f"only {sandboxes.counts['written']} statuses written")
+        print(f"{args.count} Sandboxes written in {time.monotonic() - started:.0f} s", flush=True)
+        time.sleep(args.settle)
+        sandboxes.close()
+        print(f"operator RSS {rss_mib(operator.proc.pid, 'VmRSS'):.0f} MiB", flush=True)
+        os.kill(operator.proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 600
+        while not census.exists():
+            if time.monotonic() > deadline:
+                raise SystemExit("no census from the operator")
+            time.sleep(1)
+        print(census.read_text())
+    finally:
+        if operator is not None:
+            operator.stop()
+        cp.stop(remove_state=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child(sys.argv[2:])
+    else:
+        main()
