@@ -134,7 +134,8 @@ def _retry_in(ctx: OperatorContext, body: JSON, exc: Exception) -> float:
     """Seconds until a pass that ended in `exc` is tried again."""
     if isinstance(exc, kopf.TemporaryError) and exc.delay is not None:
         return float(exc.delay)
-    if isinstance(exc, kopf.PermanentError):
+    if isinstance(exc, kopf.PermanentError) or (isinstance(exc, Refused) and exc.permanent):
+        # Not before the spec changes, which starts a pass by itself.
         return deadlines.resync_after(body["metadata"]["uid"], ctx.settings).total_seconds()
     if (refused := ctx.backoffs.remaining(body)) > 0:
         return refused
