@@ -28,6 +28,7 @@ from sandbox_operator.handlers import pool as pool_controller
 from sandbox_operator.handlers import quota as quotas
 from sandbox_operator.handlers import snapshot as snapshots
 from sandbox_operator.handlers import template as templates
+from sandbox_operator.handlers.sandbox import deadlines
 from sandbox_operator.indexes import Indexes, pod_essentials, trim
 from sandbox_operator.kube import Kube
 from sandbox_operator.resources import (
@@ -233,10 +234,14 @@ async def sandbox_clock(
     stopped: kopf.DaemonStopped,
     **kwargs: Any,
 ) -> None:
+    ctx = _ctx(memo)
     key = (body["metadata"]["namespace"], body["metadata"]["uid"])
     while not stopped and not body["metadata"].get("deletionTimestamp"):
-        if not await _ctx(memo).timetable.sleep(key) or stopped:
+        if not await ctx.timetable.sleep(key) or stopped:
             return
+        # The pass sets its own next time; one that ends early without (a claimed
+        # pool member's, served by its claimer) leaves this one, never a past time.
+        ctx.timetable.set(key, deadlines.resync_after(key[1], ctx.settings).total_seconds())
         await sandbox_due(body, memo, logger, **kwargs)
 
 

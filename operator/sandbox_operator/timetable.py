@@ -78,6 +78,11 @@ class Timetable:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry(loop.time() + self.default_seconds)
+        # Always a turn of the event loop, even when already due: a caller that
+        # loops on this must never hold the loop.
+        await asyncio.sleep(0)
+        if self._entries.get(key) is not entry:
+            return False
         while entry.due > loop.time():
             waiter: asyncio.Future[bool] = loop.create_future()
             entry.waiter = waiter

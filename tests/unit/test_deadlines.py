@@ -241,3 +241,28 @@ def test_a_cancelled_sleeper_leaves_no_timer_behind() -> None:
         assert await table.sleep(key)
 
     asyncio.run(scenario())
+
+
+def test_a_sleep_already_due_still_yields_to_the_event_loop() -> None:
+    """A daemon that loops on a key whose time is past (a pass that set none)
+    must not hold the event loop: every other task of the operator would stop."""
+
+    async def scenario() -> int:
+        table = Timetable(default_seconds=60)
+        key = ("ns", "a")
+        table.set(key, -1)
+        others = 0
+
+        async def other() -> None:
+            nonlocal others
+            while True:
+                others += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(other())
+        for _ in range(100):
+            assert await table.sleep(key)
+        task.cancel()
+        return others
+
+    assert asyncio.run(scenario()) >= 50
