@@ -203,8 +203,14 @@ def pod_start(kube: KubeJSON, pods: Watcher, ref: identity.SandboxRef, i: int) -
     """The operator's pod for `ref`, on its bound claim, created directly."""
     pod = build.build_pod(ref, SandboxSpec(), Settings())
     pod["metadata"].pop("ownerReferences")
-    pod["metadata"]["name"] = name = f"bare-{i}"
+    pod["metadata"]["name"] = f"bare-{i}"
     pod["metadata"]["labels"] = {"bench": "bare"}
+    return timed_pod(kube, pods, pod)
+
+
+def timed_pod(kube: KubeJSON, pods: Watcher, pod: JSON) -> float:
+    """Seconds from creating `pod` to seeing it Ready; then it is removed."""
+    name = pod["metadata"]["name"]
     started = time.monotonic()
     kube.create(core_path("pods", NS), pod)
     _, seen = pods.wait(name, {"ready"})
@@ -235,12 +241,7 @@ def minimal_start(kube: KubeJSON, pods: Watcher, settings: Settings, i: int) -> 
             "enableServiceLinks": False,
         },
     }
-    started = time.monotonic()
-    kube.create(core_path("pods", NS), pod)
-    _, seen = pods.wait(name, {"ready"})
-    kube.delete(core_path("pods", NS, name))
-    wait_until(lambda: kube.get(core_path("pods", NS, name)) is None)
-    return seen - started
+    return timed_pod(kube, pods, pod)
 
 
 def main() -> None:

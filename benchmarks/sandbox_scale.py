@@ -114,6 +114,17 @@ class Result:
     tracebacks: int = 0
 
 
+def prepare(cp: ControlPlane, admin: KubeJSON, work: Path) -> Path:
+    """The CRDs, the operator's credentials (the chart's RBAC; their kubeconfig is
+    returned) and the namespace the Sandboxes go in."""
+    for crd in _crds():
+        admin.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+    time.sleep(2)  # CRDs established
+    creds = operator_credentials(cp, admin, REPO, work / "operator.kubeconfig")
+    admin.create("/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
+    return creds
+
+
 def run_size(count: int, args: argparse.Namespace) -> Result:
     result = Result(count)
     work = Path(tempfile.mkdtemp(prefix=f"sandbox-scale-{count}-"))
@@ -124,11 +135,7 @@ def run_size(count: int, args: argparse.Namespace) -> Result:
     watches: list[Watcher] = []
     try:
         admin = KubeJSON(cp.kubeconfig)
-        for crd in _crds():
-            admin.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
-        time.sleep(2)  # CRDs established
-        creds = operator_credentials(cp, admin, REPO, work / "operator.kubeconfig")
-        admin.create("/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
+        creds = prepare(cp, admin, work)
         operator = OperatorProcess(creds, work, {})
         operator.start()
         assert operator.proc is not None

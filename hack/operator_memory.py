@@ -68,10 +68,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks.common import Watcher
-    from benchmarks.sandbox_scale import NAMESPACE, _crds, create_all, rss_mib, written
+    from benchmarks.sandbox_scale import NAMESPACE, create_all, prepare, rss_mib, written
     from devcluster.controlplane import ControlPlane
     from sandbox_operator.resources import SANDBOXES
-    from tests.integration.harness import OperatorProcess, operator_credentials
+    from tests.integration.harness import OperatorProcess
     from tests.kube import KubeJSON
 
     work = Path(tempfile.mkdtemp(prefix="operator-memory-"))
@@ -80,12 +80,7 @@ def main() -> None:
     cp.start()
     operator = None
     try:
-        admin = KubeJSON(cp.kubeconfig)
-        for crd in _crds():
-            admin.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
-        time.sleep(2)  # CRDs established
-        creds = operator_credentials(cp, admin, REPO, work / "operator.kubeconfig")
-        admin.create("/api/v1/namespaces", {"metadata": {"name": NAMESPACE}})
+        creds = prepare(cp, KubeJSON(cp.kubeconfig), work)
         env = {CENSUS_ENV: str(census), "OPERATOR_MEMORY_TOP": str(args.top)}
         operator = OperatorProcess(creds, work, env, kopf=[sys.executable, __file__, "--child"])
         operator.start()
