@@ -241,7 +241,7 @@ async def sandbox_clock(
             return
         # The pass sets its own next time; one that ends early without (a claimed
         # pool member's, served by its claimer) leaves this one, never a past time.
-        ctx.timetable.set(key, deadlines.resync_after(key[1], ctx.settings).total_seconds())
+        ctx.timetable.set(key, deadlines.resync_seconds(key[1], ctx.settings))
         await sandbox_due(body, memo, logger, **kwargs)
 
 

@@ -101,3 +101,8 @@ def resync_after(uid: str, settings: Settings) -> timedelta:
     share = (zlib.crc32(uid.encode()) % 1000) / 1000  # 0 <= share < 1
     factor = 1 - RESYNC_SPREAD / 2 + RESYNC_SPREAD * share
     return timedelta(seconds=settings.resync_interval_seconds * factor)
+
+
+def resync_seconds(uid: str, settings: Settings) -> float:
+    """`resync_after` in seconds: the time a pass sets when nothing else is due."""
+    return resync_after(uid, settings).total_seconds()

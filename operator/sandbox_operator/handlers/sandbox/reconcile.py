@@ -136,7 +136,7 @@ def _retry_in(ctx: OperatorContext, body: JSON, exc: Exception) -> float:
         return float(exc.delay)
     if isinstance(exc, kopf.PermanentError) or (isinstance(exc, Refused) and exc.permanent):
         # Not before the spec changes, which starts a pass by itself.
-        return deadlines.resync_after(body["metadata"]["uid"], ctx.settings).total_seconds()
+        return deadlines.resync_seconds(body["metadata"]["uid"], ctx.settings)
     if (refused := ctx.backoffs.remaining(body)) > 0:
         return refused
     if errors.transient(exc):
@@ -208,7 +208,7 @@ async def _pass(
             await report(ctx, body, view.spec if view is not None else None, blocked)
             retry = blocked.retry
             if retry is None:  # for the user to fix (or never): the status says so
-                retry = deadlines.resync_after(meta["uid"], ctx.settings).total_seconds()
+                retry = deadlines.resync_seconds(meta["uid"], ctx.settings)
             ctx.timetable.set(key, retry)
             error = blocked.error()
             if error is None:
