@@ -227,6 +227,16 @@ def ready_sandbox(kube: KubeJSON, namespace: str, name: str) -> str:
     return str((body.get("status") or {}).get("podName") or name)
 
 
+def gateway_pod_url(kube: KubeJSON) -> str:
+    """A gateway replica at its pod IP: the route a client in the cluster has
+    (the gateway Service's name), without the API server's service proxy."""
+    pods = kube.list(
+        core_path("pods", deploy.NAMESPACE), label_selector="app.kubernetes.io/name=sandbox-gateway"
+    )
+    ready = [p for p in pods if (p.get("status") or {}).get("podIP")]
+    return f"http://{ready[0]['status']['podIP']}:8080"
+
+
 def agent_client(
     kube: KubeJSON, namespace: str, name: str, timeout: float | None = 120
 ) -> httpx.Client:

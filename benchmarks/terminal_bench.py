@@ -48,16 +48,16 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import (  # noqa: E402
     agent_client,
     create_namespace,
+    gateway_pod_url,
     operator_cluster,
     percentile,
     ready_sandbox,
     token_kubeconfig,
     write_results,
 )
-from devcluster import deploy  # noqa: E402
 from sandbox_sdk import SandboxClient, Terminal, TerminalSession  # noqa: E402
 from sandbox_sdk._sync.websocket import WebSocket, handshake  # noqa: E402
-from tests.kube import KubeJSON, core_path  # noqa: E402
+from tests.kube import KubeJSON  # noqa: E402
 
 NS = "bench-terminal"
 BOX = "box"
@@ -133,14 +133,6 @@ def _exec_key(master: int, key: bytes) -> float:
             return time.perf_counter() - began
 
 
-def _gateway_pod(kube: KubeJSON) -> str:
-    pods = kube.list(
-        core_path("pods", deploy.NAMESPACE), label_selector="app.kubernetes.io/name=sandbox-gateway"
-    )
-    ready = [p for p in pods if (p.get("status") or {}).get("podIP")]
-    return f"http://{ready[0]['status']['podIP']}:8080"
-
-
 def _row(label: str, values: list[float]) -> str:
     p50, p90, p99 = (percentile(values, q) * 1000 for q in (0.5, 0.9, 0.99))
     return f"  {label:<28} p50 {p50:6.2f} ms   p90 {p90:6.2f} ms   p99 {p99:6.2f} ms"
@@ -172,7 +164,7 @@ def main() -> None:
         os.environ["KUBECONFIG"] = str(kubeconfig)
         with (
             SandboxClient(NS, gateway="proxy") as via_proxy,
-            SandboxClient(NS, gateway_url=_gateway_pod(kube)) as via_pod,
+            SandboxClient(NS, gateway_url=gateway_pod_url(kube)) as via_pod,
         ):
             proxied = via_proxy.connect(BOX).terminals.create(argv=["cat"])
             direct = via_pod.connect(BOX).terminals.create(argv=["cat"])

@@ -220,13 +220,20 @@ def loopback_controller(
     certs: pki.PKI,
     state_dir: Path,
     flags: Sequence[str],
+    started_check: str | None = None,
 ) -> Component:
     """kube-controller-manager or kube-scheduler: a client of the API server
     (`kubeconfig`) that serves HTTPS on 127.0.0.1:`port`, ready once its
-    /healthz says ok. The same kubeconfig serves the delegated authentication
-    and authorization of that port (healthz is always allowed; metrics need a
-    permitted client); leader election is off (one replica)."""
+    /healthz says ok, or, with `started_check`, once its verbose /healthz lists
+    that check as passing. The same kubeconfig serves the delegated
+    authentication and authorization of that port (healthz is always allowed;
+    metrics need a permitted client); leader election is off (one replica)."""
     ca = ssl.create_default_context(cafile=str(certs.ca.cert))
+    path, body = (
+        ("/healthz", probes.says_ok)
+        if started_check is None
+        else ("/healthz?verbose", probes.passes_check(started_check))
+    )
     return Component(
         name=name,
         argv=[
@@ -244,7 +251,7 @@ def loopback_controller(
             "--leader-elect=false",
             *flags,
         ],
-        ready=lambda: probes.http_ok(port, "/healthz", tls=ca, body=probes.says_ok),
+        ready=lambda: probes.http_ok(port, path, tls=ca, body=body),
         ports=[port],
         ready_timeout=120.0,
     )
@@ -498,6 +505,10 @@ class ControlPlane:
                     f"--cluster-signing-cert-file={certs.ca.cert}",
                     f"--cluster-signing-key-file={certs.ca.key}",
                 ],
+                # Its /healthz says ok from the first moment, while it still waits
+                # (10 s at most, then exits) for the API server's: ready means its
+                # controllers started, which registers this check.
+                started_check="serviceaccount-token-controller",
             ),
         ]
 

@@ -99,6 +99,8 @@ class PipProject:
     """(command, "module:function") written as /usr/local/bin/<command>."""
     extras: tuple[str, ...] = ()
     """Optional dependency groups installed with it."""
+    prelude: str = ""
+    """Standard-library code each launcher runs before it imports the project."""
 
 
 @dataclass(frozen=True)
@@ -144,11 +146,34 @@ def reference(name: str) -> str:
     return f"docker.io/{name}"
 
 
-_AGENT = PipProject(
+# The agent's launcher listens on the agent's port before it imports the agent
+# (tens of milliseconds of imports, ten times that on a loaded node): the
+# kubelet probes the agent as soon as it sees the container running, and a
+# probe refused in that window is an Unhealthy warning on a normal start. It
+# reads the variables the agent's configuration reads; the agent takes the
+# socket over (sandbox_agent.server LISTEN_FD_ENV) and checks its port.
+AGENT_LISTEN_FD_ENV = "SANDBOX_AGENT_LISTEN_FD"
+AGENT_LISTEN_FIRST = f"""import os
+import socket
+
+_host = os.environ.get("SANDBOX_AGENT_HOST", "0.0.0.0")
+_family = socket.AF_INET6 if ":" in _host else socket.AF_INET
+if os.environ.get("SANDBOX_AGENT_SERVER", "builtin") == "builtin":
+    try:
+        _port = int(os.environ.get("SANDBOX_AGENT_PORT", "8080"))
+        _listener = socket.create_server((_host, _port), family=_family, backlog=1024)
+    except (OSError, ValueError, OverflowError):
+        pass  # the agent's own start reports it, with its configuration's words
+    else:
+        os.environ["{AGENT_LISTEN_FD_ENV}"] = str(_listener.detach())
+"""
+
+AGENT = PipProject(
     "sandbox-agent",
     "sandbox-agent",
     ("pyproject.toml", "src"),
     (("sandbox-agent", "sandbox_agent.server:main"),),
+    prelude=AGENT_LISTEN_FIRST,
 )
 
 
@@ -230,7 +255,7 @@ IMAGES: dict[str, ImageSpec] = {
         ImageSpec(
             "sandbox-agent:dev",
             packages=("python3",),
-            pip=(_AGENT,),
+            pip=(AGENT,),
             entrypoint=("/usr/local/bin/sandbox-agent",),
             user="65532:65532",
         ),
@@ -546,17 +571,24 @@ def _stage_pip_project(project: PipProject, stage: Path, work: Path) -> None:
     bin_dir = stage / "usr" / "local" / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     for command, entry in project.launchers:
-        module, function = entry.split(":")
         launcher = bin_dir / command
-        launcher.write_text(
-            "#!/usr/bin/python3\n"
-            f"# {command}: {project.name} in /opt/{project.name}, by devcluster/images.py\n"
-            "import sys\n\n"
-            f'sys.path.insert(0, "/opt/{project.name}")\n'
-            f"from {module} import {function}\n\n"
-            f"sys.exit({function}())\n"
-        )
+        launcher.write_text(launcher_script(project, command, entry))
         launcher.chmod(0o755)
+
+
+def launcher_script(project: PipProject, command: str, entry: str) -> str:
+    """/usr/local/bin/<command>: the project's `entry` ("module:function") with
+    /opt/<project> on sys.path, after the project's prelude. Pure."""
+    module, function = entry.split(":")
+    prelude = f"\n{project.prelude}" if project.prelude else ""
+    return (
+        "#!/usr/bin/python3\n"
+        f"# {command}: {project.name} in /opt/{project.name}, by devcluster/images.py\n"
+        f"import sys\n{prelude}\n"
+        f'sys.path.insert(0, "/opt/{project.name}")\n'
+        f"from {module} import {function}\n\n"
+        f"sys.exit({function}())\n"
+    )
 
 
 def _shell(spec: ImageSpec) -> str:

@@ -1,8 +1,11 @@
 """Readiness probes of the cluster's components: one quick check, never raising.
 
 A `Component.ready` is called every 200 ms while the component starts and by
-`status()`, so a probe answers within a couple of seconds and turns every
-failure (refused, reset, timeout, TLS, garbage) into False.
+`status()`, so a probe answers within a few seconds and turns every failure
+(refused, reset, timeout, TLS, garbage) into False. A few, not one or two: on
+a node loaded far beyond its cores, an API server's /readyz (a TLS handshake
+and its etcd check) took longer than 2 s, and `status` called a working
+cluster not ready.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
-_TIMEOUT = 2.0
+_TIMEOUT = 5.0
 
 
 def any_body(body: bytes) -> bool:
@@ -26,6 +29,14 @@ def any_body(body: bytes) -> bool:
 def says_ok(body: bytes) -> bool:
     """The body of a Kubernetes health endpoint (/healthz, /readyz) that passes."""
     return body.strip() == b"ok"
+
+
+def passes_check(name: str) -> Callable[[bytes], bool]:
+    """The body of a verbose health endpoint (`/healthz?verbose`) lists the
+    named check as passing: a check registered only once the component did
+    something (a controller manager's controllers started)."""
+    line = f"[+]{name} ok".encode()
+    return lambda body: line in body.splitlines()
 
 
 def json_body(check: Callable[[object], bool]) -> Callable[[bytes], bool]:

@@ -114,6 +114,43 @@ def prepare(settings: Settings) -> bytes:
     return token
 
 
+# A listening socket made before the agent started (the pod's entrypoint,
+# operator builders.sandbox AGENT_BOOTSTRAP, listens before any import).
+LISTEN_FD_ENV = "SANDBOX_AGENT_LISTEN_FD"
+
+
+def _listener(settings: Settings, builtin: bool) -> socket.socket | None:
+    """The socket the built-in server answers on: the one handed over in
+    LISTEN_FD_ENV if it is on the configured port, else a new one. Listening
+    comes before the slow part of the start (imports, the runner's placement):
+    a probe that comes early waits in the backlog for its answer instead of
+    being refused (which the kubelet reports as an Unhealthy warning)."""
+    inherited = os.environ.pop(LISTEN_FD_ENV, None)
+    handed: socket.socket | None = None
+    if inherited is not None:
+        try:
+            handed = socket.socket(fileno=int(inherited))
+            port = handed.getsockname()[1]
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"{LISTEN_FD_ENV}={inherited!r} is not a socket: {exc}") from None
+        if port != settings.port:
+            handed.close()
+            raise StartupError(
+                f"the socket in {LISTEN_FD_ENV} listens on port {port}, not on {settings.port}"
+            )
+    if not builtin:
+        if handed is not None:
+            handed.close()  # uvicorn listens itself
+        return None
+    if handed is not None:
+        return handed
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    try:
+        return socket.create_server((settings.host, settings.port), family=family, backlog=1024)
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from None
+
+
 def main() -> int:
     logging.basicConfig(
         level=os.environ.get("SANDBOX_AGENT_LOG_LEVEL", "INFO").upper(),
@@ -125,23 +162,11 @@ def main() -> int:
         print(f"sandbox-agent: {exc}", file=sys.stderr)
         return 2
     builtin = os.environ.get("SANDBOX_AGENT_SERVER", "builtin") != "uvicorn"
-    listener: socket.socket | None = None
-    if builtin:
-        # Listen before the slow part of the start (imports, the runner's
-        # placement): a probe that comes early waits in the backlog for its
-        # answer instead of being refused (which the kubelet reports as an
-        # Unhealthy warning on every cold start it catches).
-        family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-        try:
-            listener = socket.create_server(
-                (settings.host, settings.port), family=family, backlog=1024
-            )
-        except OSError as exc:
-            print(
-                f"sandbox-agent: cannot listen on {settings.host}:{settings.port}: {exc}",
-                file=sys.stderr,
-            )
-            return 1
+    try:
+        listener = _listener(settings, builtin)
+    except StartupError as exc:
+        print(f"sandbox-agent: {exc}", file=sys.stderr)
+        return 1
     try:
         token = prepare(settings)
     except (ConfigError, StartupError) as exc:
