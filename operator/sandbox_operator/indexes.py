@@ -40,6 +40,21 @@ class Indexes:
     slots: Mapping[Key, Collection[JSON]]
 
 
+def drop_managed_fields(body: Mapping[str, Any]) -> None:
+    """Remove managedFields from the object Kopf received, in place.
+
+    Kopf keeps the latest body of every object that has a daemon (each Sandbox
+    and Execution) for as long as the object exists, and hands that same
+    parsed event to every handler and index function. managedFields are
+    nearly half of a Sandbox's parsed size (7 of 16 KiB) and nothing reads
+    them, Kopf included: removed from the event by the first index function
+    that sees it, they are never kept. `body["metadata"]` is the event's own
+    dict, not a copy."""
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict):
+        metadata.pop("managedFields", None)
+
+
 def trim(body: Mapping[str, Any]) -> JSON:
     """A body to keep in an index: managedFields are most of its size and never read."""
     meta = {k: v for k, v in body["metadata"].items() if k != "managedFields"}

@@ -29,7 +29,7 @@ from sandbox_operator.handlers import quota as quotas
 from sandbox_operator.handlers import snapshot as snapshots
 from sandbox_operator.handlers import template as templates
 from sandbox_operator.handlers.sandbox import deadlines
-from sandbox_operator.indexes import Indexes, pod_essentials, trim
+from sandbox_operator.indexes import Indexes, drop_managed_fields, pod_essentials, trim
 from sandbox_operator.kube import Kube
 from sandbox_operator.resources import (
     CLAIMS,
@@ -159,6 +159,7 @@ async def sandbox_bodies(
 
     Executions waiting for this sandbox look again as soon as the index holds
     the new body (they wake after this function returns), not at their next poll."""
+    drop_managed_fields(body)
     scheduler = getattr(memo, "scheduler", None)
     if scheduler is not None and namespace:
         scheduler.sandbox_changed(namespace, name)
@@ -340,6 +341,7 @@ async def claim_event(
 @kopf.index(*EXECUTION)
 async def execution_slots(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     """Executions by (namespace, sandbox): the per-sandbox queue, read without a GET."""
+    drop_managed_fields(body)
     return {(namespace, execution.sandbox_of(dict(body))): execution.slot_entry(dict(body))}
 
 

@@ -351,6 +351,30 @@ def test_agent_budgets_come_from_its_limits() -> None:
     assert 0 < budget <= _quantity_bytes(logs["emptyDir"]["sizeLimit"]) * 3 // 4
 
 
+def test_managed_fields_leave_the_event_kopf_keeps_and_nothing_else_does() -> None:
+    """Kopf keeps the event it hands the index functions (a Sandbox's latest
+    body, for as long as its daemon lives): the fields go from that very
+    object, seen through Kopf's own read-only view of it."""
+    import kopf
+
+    raw: dict[str, Any] = {
+        "metadata": {
+            "name": "box",
+            "labels": {"a": "b"},
+            "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}],
+        },
+        "spec": {"image": "python"},
+        "status": {"phase": "Running"},
+    }
+    indexes.drop_managed_fields(kopf.Body(raw))
+    assert raw == {
+        "metadata": {"name": "box", "labels": {"a": "b"}},
+        "spec": {"image": "python"},
+        "status": {"phase": "Running"},
+    }
+    indexes.drop_managed_fields(kopf.Body(raw))  # an event without them: nothing to do
+
+
 def test_pod_essentials_keep_what_reconciliation_reads_and_little_else() -> None:
     spec = {"env": [{"name": "GREETING", "value": "hi"}]}
     pod = build.desired_pod(REF, SandboxSpec.model_validate(spec), SETTINGS)
