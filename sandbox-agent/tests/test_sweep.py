@@ -189,7 +189,11 @@ def test_term_reaches_them_and_the_end_takes_the_rest_along(
         "while :; do sleep 1; done' </dev/null >/dev/null 2>&1 &\n"
         'setsid sh -c \'trap "echo got-term > polite.out; exit 0" TERM; echo $$ > polite.pid; '
         "sleep 300 & wait' </dev/null >/dev/null 2>&1 &\n"
-        "trap 'exit 0' TERM\n"
+        # The command's own process ends once the polite one has answered TERM
+        # (both get it at once; on a loaded machine the polite one's trap could
+        # otherwise still be on its way when the end takes it along).
+        "trap 'n=0; while [ ! -s polite.out ] && [ $n -lt 600 ]; do sleep 0.05; n=$((n+1));"
+        " done; exit 0' TERM\n"
         "while [ ! -s ignores.pid ] || [ ! -s polite.pid ]; do sleep 0.05; done\n"
         "echo ready; sleep 300 & wait",
         cwd=wsdir,
