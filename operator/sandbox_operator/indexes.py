@@ -23,7 +23,7 @@ LinkKey = tuple[str, str, str]
 
 @dataclass(frozen=True)
 class Indexes:
-    # Sandboxes by (namespace, name), trimmed (`trim`).
+    # Sandboxes by (namespace, name), without managedFields (`drop_managed_fields`).
     sandboxes: Mapping[Key, Collection[JSON]]
     # Sandbox names by pool link (`builders.pool.pool_links`).
     links: Mapping[LinkKey, Collection[str]]

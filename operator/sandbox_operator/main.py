@@ -166,7 +166,8 @@ async def sandbox_bodies(
     if body["metadata"].get("deletionTimestamp") and namespace:
         # Its daemon stops now: end its sleep rather than have Kopf cancel it.
         _ctx(memo).timetable.drop((namespace, body["metadata"]["uid"]))
-    return {(namespace, name): trim(body)}
+    # Without managedFields already (above): kept as the event is, no trimmed copy.
+    return {(namespace, name): dict(body)}
 
 
 @kopf.index(*SANDBOX)

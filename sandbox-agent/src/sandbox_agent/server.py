@@ -114,8 +114,9 @@ def prepare(settings: Settings) -> bytes:
     return token
 
 
-# A listening socket made before the agent started (the pod's entrypoint,
-# operator builders.sandbox AGENT_BOOTSTRAP, listens before any import).
+# A listening socket made before the agent started: the agent image's launcher
+# listens before any import (devcluster/images.py AGENT_LISTEN_FIRST, which
+# names this variable again: it runs before this package can be imported).
 LISTEN_FD_ENV = "SANDBOX_AGENT_LISTEN_FD"
 
 
