@@ -35,8 +35,10 @@ CSI_SPEC = "v1.12.0"
 CSI_GRPC = "v1.72.1"
 CSI_PROTOBUF = "v1.36.5"
 # The CSI conformance suite (csi-sanity), run against the in-repo driver.
+# v5.5.0 or later: before it, the suite's own connect loop could miss the
+# channel's change to READY and wait its full minute ("Connection timed out").
 CSI_TEST_MODULE = "github.com/kubernetes-csi/csi-test/v5"
-CSI_TEST = "v5.3.1"
+CSI_TEST = "v5.5.0"
 # ---- end CSI storage ------------------------------------------------------------
 
 # ---- node tier (devcluster.cluster.LocalCluster) -------------------------------
