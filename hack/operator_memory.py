@@ -49,6 +49,8 @@ def child(argv: list[str]) -> None:
             frame_ = stat.traceback[0]
             where = f"{frame_.filename.replace(str(REPO) + '/', '')}:{frame_.lineno}"
             lines.append(f"{stat.size / 2**20:8.1f} MiB {stat.count:9d}  {where}")
+        lines.append("held by (each object counted once, by the first holder listed):")
+        lines.extend(f"{size / 2**20:8.1f} MiB  {name}" for name, size in holders())
         tmp = out.with_suffix(".tmp")
         tmp.write_text("\n".join(lines) + "\n")
         tmp.replace(out)
@@ -58,6 +60,51 @@ def child(argv: list[str]) -> None:
 
     sys.argv = ["kopf", *argv]
     kopf_main()
+
+
+def holders() -> list[tuple[str, int]]:
+    """Deep sizes of what the operator keeps per object: each of Kopf's indexes,
+    Kopf's per-object memories, and each field of the operator's context."""
+    import gc
+
+    from kopf._core.engines.indexing import OperatorIndexers
+    from kopf._core.reactor.inventory import ResourceMemories
+
+    from sandbox_operator.context import OperatorContext
+
+    roots: list[tuple[str, object]] = []
+    for obj in gc.get_objects():
+        if isinstance(obj, OperatorIndexers):
+            roots.extend((f"index {name}", index) for name, index in obj.indices.items())
+        elif isinstance(obj, ResourceMemories):
+            roots.append(("Kopf's per-object memories", obj))
+        elif isinstance(obj, OperatorContext):
+            roots.extend((f"ctx.{name}", value) for name, value in vars(obj).items())
+    seen: set[int] = set()
+    return [(name, _deep_size(root, seen)) for name, root in roots]
+
+
+def _deep_size(root: object, seen: set[int]) -> int:
+    """Bytes of `root` and what it reaches through containers and the attributes
+    of Kopf's and the operator's own objects (not modules, classes or code)."""
+    total = 0
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, type | type(sys) | type(len)):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        if isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, list | tuple | set | frozenset):
+            stack.extend(obj)
+        elif type(obj).__module__.split(".")[0] in ("kopf", "sandbox_operator"):
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            for slot in getattr(type(obj), "__slots__", ()):
+                stack.extend([getattr(obj, slot)] if hasattr(obj, slot) else [])
+    return total
 
 
 def main() -> None:

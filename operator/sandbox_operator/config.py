@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sandbox_operator.api.common import Duration, Quantity
 
 M = TypeVar("M", bound=BaseModel)
+NonNegative = Annotated[int, Field(ge=0)]
 
 
 class Runtime(BaseModel):
@@ -196,6 +197,14 @@ class Settings(BaseModel):
     # How long Kopf gathers an object's events before handling them (its default
     # is 0.1 s): every event round of a claim or a start waits this long.
     batch_window_seconds: float = Field(default=0.01, ge=0.0, le=1.0)
+    # Python's cycle collector (gc.set_threshold): allocations between young
+    # collections, then young collections per middle one, middle per full. The
+    # interpreter's (700, 10, 10) suit a short script; here nearly every
+    # object parsed from a watch event survives (the indexes keep it), so each
+    # collection walks objects that are not garbage: a quarter of the
+    # operator's CPU at 1,000 Sandboxes (docs/benchmarks.md). Cycles still go,
+    # only later; most of what the operator frees goes by reference counting.
+    gc_thresholds: tuple[NonNegative, NonNegative, NonNegative] = (20_000, 20, 50)
 
     # High availability (Kopf peering; docs/operations.md, "High availability"). A replica
     # whose keep-alive is older than this is presumed dead and a standby takes

@@ -17,7 +17,7 @@ from typing import Any
 import kopf
 from prometheus_client import start_http_server
 
-from sandbox_operator import bookkeeping, config, errors, logs, peering
+from sandbox_operator import bookkeeping, collector, config, errors, logs, peering
 from sandbox_operator import login as kopf_login
 from sandbox_operator.agent_client import AgentClient
 from sandbox_operator.builders import pool as pools
@@ -88,6 +88,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.posting.level = logging.WARNING
     settings.networking.connect_timeout = 10
     logs.configure()
+    collector.configure(SETTINGS.gc_thresholds)
     kube = Kube.from_environment(connections=SETTINGS.api_connections)
     memo.events = EventRecorder(kube)
     memo.ctx = OperatorContext(
