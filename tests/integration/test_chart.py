@@ -203,6 +203,22 @@ def test_operator_and_gateway_pods_are_restricted(repo: Path) -> None:
         assert container["capabilities"] == {"drop": ["ALL"]}
 
 
+def test_no_probe_keeps_the_kubelets_one_second_timeout(repo: Path) -> None:
+    """A busy node or a busy event loop fails a 1 s probe of a healthy process."""
+    docs = render(repo, "mcp.enabled=true")
+    probes = [
+        (doc["metadata"]["name"], kind, container[kind])
+        for doc in docs
+        if doc["kind"] == "Deployment"
+        for container in doc["spec"]["template"]["spec"]["containers"]
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+        if kind in container
+    ]
+    assert len(probes) >= 5
+    for name, kind, probe in probes:
+        assert probe.get("timeoutSeconds", 1) >= 3, (name, kind, probe)
+
+
 def test_the_mcp_server_is_optional_and_holds_no_credentials(repo: Path) -> None:
     assert not [d for d in render(repo) if "mcp" in d["metadata"]["name"]]
     docs = render(repo, "mcp.enabled=true", "mcp.runtime=node", "mcp.onEnd=destroy")

@@ -445,3 +445,17 @@ def test_runner_bootstrap_waits_for_the_runner_then_becomes_it(tmp_path: Path) -
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0
     assert json.loads(out) == [str(run_dir / "runner.py"), str(run_dir)]
+
+
+def test_every_probe_outwaits_a_busy_node() -> None:
+    """No probe keeps the kubelet's 1 s timeout: on a busy node that fails
+    probes of a healthy agent and posts a Warning Event for each."""
+    probes = [
+        (container["name"], kind, container[kind])
+        for container in _containers(_pod())
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+        if kind in container
+    ]
+    assert len(probes) >= 3
+    for name, kind, probe in probes:
+        assert probe.get("timeoutSeconds", 1) >= 3, (name, kind, probe)

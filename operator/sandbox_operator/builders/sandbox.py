@@ -253,9 +253,13 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
             "timeoutSeconds": 3,
             "failureThreshold": 2,
         },
+        # The kubelet's default timeout (1 s) fails probes of a healthy agent on
+        # a node busy enough: a Warning Event each time, though six in a row
+        # are needed to restart it.
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": "agent"},
             "periodSeconds": 10,
+            "timeoutSeconds": 5,
             "failureThreshold": 6,
         },
         "securityContext": {
