@@ -72,16 +72,27 @@ def holders() -> list[tuple[str, int]]:
 
     from sandbox_operator.context import OperatorContext
 
-    roots: list[tuple[str, object]] = []
+    indexes: list[tuple[str, object]] = []
+    memories: list[tuple[str, object]] = []
+    context: list[tuple[str, object]] = []
     for obj in gc.get_objects():
         if isinstance(obj, OperatorIndexers):
-            roots.extend((f"index {name}", index) for name, index in obj.indices.items())
+            indexes.extend((f"index {name}", index) for name, index in obj.indices.items())
         elif isinstance(obj, ResourceMemories):
-            roots.append(("Kopf's per-object memories", obj))
+            # Field by field across every object's memory: which of Kopf's
+            # per-object records costs what (the daemons' live bodies first).
+            fields: dict[str, list[object]] = {}
+            for memory in obj.iter_all_memories():
+                fields.setdefault("daemons' live bodies", []).append(
+                    memory.daemons_memory.live_fresh_body
+                )
+                for name, value in vars(memory).items():
+                    fields.setdefault(f"memories: {name}", []).append(value)
+            memories.extend(fields.items())
         elif isinstance(obj, OperatorContext):
-            roots.extend((f"ctx.{name}", value) for name, value in vars(obj).items())
+            context.extend((f"ctx.{name}", value) for name, value in vars(obj).items())
     seen: set[int] = set()
-    return [(name, _deep_size(root, seen)) for name, root in roots]
+    return [(name, _deep_size(root, seen)) for name, root in [*memories, *indexes, *context]]
 
 
 def _deep_size(root: object, seen: set[int]) -> int:
