@@ -75,6 +75,9 @@ def holders() -> list[tuple[str, int]]:
     indexes: list[tuple[str, object]] = []
     memories: list[tuple[str, object]] = []
     context: list[tuple[str, object]] = []
+    # Kopf's indexers and memories exist before the operator's startup handler
+    # freezes what exists (collector.py): get_objects() skips frozen objects.
+    gc.unfreeze()
     for obj in gc.get_objects():
         if isinstance(obj, OperatorIndexers):
             indexes.extend((f"index {name}", index) for name, index in obj.indices.items())
