@@ -534,6 +534,14 @@ def test_holders_of_edit_or_view_reach_the_gateway_through_the_service_proxy(
         assert applied.returncode == 0, applied.stderr
 
         gateway = "http:sbx-gateway:80"
+        # The authorizer reads Roles and bindings from the API server's caches,
+        # which follow a new binding within moments (longer on a busy machine).
+        for role in ("edit", "view"):
+            wait_for(
+                lambda: can_i(role, "get", "services/proxy", gateway),  # noqa: B023
+                30,
+                f"the chart's proxy grant in force for {role}",
+            )
         for role in ("edit", "view"):
             for verb in ("get", "create", "update", "patch", "delete"):
                 assert can_i(role, verb, "services/proxy", gateway), (role, verb)
@@ -565,7 +573,7 @@ def test_holders_of_edit_or_view_reach_the_gateway_through_the_service_proxy(
             ) as http:
                 return http.request(method, url, headers={"Authorization": f"Bearer {token}"})
 
-        def allowed() -> bool:  # RBAC's caches follow the new binding within moments
+        def allowed() -> bool:  # as above: the caches may lag the binding
             return proxied(tokens["view"], gateway, "GET").status_code != 403
 
         wait_for(allowed, 30, "the binding in force")
