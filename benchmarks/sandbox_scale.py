@@ -406,15 +406,25 @@ def main() -> None:
     parser.add_argument("--no-floor", action="store_true", help="leave out the API floor")
     args = parser.parse_args()
     results = []
+    failed = None
     for count in (int(size) for size in args.sizes.split(",")):
         print(f"== {count:,} Sandboxes", flush=True)
-        result = run_size(count, args)
-        if not args.no_floor:
-            print(f"== {count:,} Sandboxes: the floor", flush=True)
-            run_floor(count, args, result)
+        try:
+            result = run_size(count, args)
+            if not args.no_floor:
+                print(f"== {count:,} Sandboxes: the floor", flush=True)
+                run_floor(count, args, result)
+        except SystemExit as exc:
+            # The sizes measured before stay reported; the run still fails.
+            failed = exc
+            break
         results.append(result)
-    report(results, args.concurrency)
-    write_results("scale", {"concurrency": args.concurrency, "sizes": [asdict(r) for r in results]})
+    if results:
+        report(results, args.concurrency)
+        sizes = [asdict(r) for r in results]
+        write_results("scale", {"concurrency": args.concurrency, "sizes": sizes})
+    if failed is not None:
+        raise failed
 
 
 def _crds() -> list[dict[str, Any]]:
