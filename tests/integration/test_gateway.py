@@ -298,8 +298,9 @@ def _serve_preview(ip: str, port: int) -> Callable[[], None]:
         "async def page(request):\n"
         "    return web.Response(text=f'preview {request.path} {request.query_string}')\n"
         "async def echo(request):\n"
-        "    ws = web.WebSocketResponse()\n"
+        "    ws = web.WebSocketResponse(protocols=('chat.v1',))\n"
         "    await ws.prepare(request)\n"
+        "    await ws.send_str('hello ' + request.rel_url.raw_query_string)\n"
         "    async for message in ws:\n"
         "        await ws.send_str('echo:' + message.data)\n"
         "    return ws\n"
@@ -378,27 +379,43 @@ def test_preview_ports_serve_http_and_websockets(
             "status.ports",
         )
         assert [p["port"] for p in status] == [17000, 17001]
-        _websocket_echo(f"{base}/17000/ws".replace("http://", "ws://"), alice)
+        ws_base = base.replace("http://", "ws://")
+        _websocket_echo(f"{ws_base}/17000/ws", alice, "room=a%20b&x=1", "room=a%20b&x=1")
+        _websocket_echo(f"{ws_base}/17001/ws", None, "token=sbxt1.x.y&x=%2F", "x=%2F")
     finally:
         for stop in stops:
             stop()
 
 
-def _websocket_echo(url: str, token: str) -> None:
+def _websocket_echo(url: str, token: str | None, query: str, seen: str) -> None:
+    """The handshake goes through whole: the query (`seen` by the app: without a
+    link's token), the subprotocol and compression are the app's and the
+    client's to agree on."""
     import asyncio
 
     import aiohttp
 
-    async def talk() -> str:
+    big = "x" * 300_000 + "end"
+
+    async def talk() -> tuple[list[str], str | None, int]:
         async with (
             aiohttp.ClientSession() as session,
-            session.ws_connect(url, headers={"Authorization": f"Bearer {token}"}) as ws,
+            session.ws_connect(
+                f"{url}?{query}",
+                headers={"Authorization": f"Bearer {token}"} if token else {},
+                protocols=("chat.v1",),
+                compress=15,
+            ) as ws,
         ):
-            await ws.send_str("ping")
-            message = await ws.receive(timeout=10)
-            return str(message.data)
+            said = [str((await ws.receive(timeout=10)).data)]
+            for text in ("ping", big):
+                await ws.send_str(text)
+                said.append(str((await ws.receive(timeout=10)).data))
+            return said, ws.protocol, ws.compress
 
-    assert asyncio.run(talk()) == "echo:ping"
+    said, protocol, compress = asyncio.run(talk())
+    assert said == [f"hello {seen}", "echo:ping", "echo:" + big]
+    assert (protocol, compress) == ("chat.v1", 15)
 
 
 def test_a_warm_gateway_asks_the_api_server_nothing_per_call(

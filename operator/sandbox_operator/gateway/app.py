@@ -364,8 +364,8 @@ class Gateway:
         if found.websocket:
             if request.headers.get("Upgrade", "").lower() != "websocket":
                 raise Refusal(426, "websocket_required", f"{tail} is a WebSocket")
-            query = f"?{request.query_string}" if request.query_string else ""
-            return await self.upstreams.websocket(request, url + query, headers)
+            raw = request.rel_url.raw_query_string  # as sent: it goes on a request line
+            return await self.upstreams.websocket(request, f"{url}?{raw}" if raw else url, headers)
         return await self.upstreams.forward(request, url, headers=headers, events=found.streams)
 
     # -- scoped tokens and signed URLs -------------------------------------------------
@@ -589,7 +589,14 @@ class Gateway:
         if request.remote:
             headers["X-Forwarded-For"] = request.remote
         if request.headers.get("Upgrade", "").lower() == "websocket":
-            return await self.upstreams.websocket(request, url, headers)
+            # Its query too (a socket.io client's `?EIO=4&transport=websocket`), but a token.
+            if token is None:
+                wanted = request.rel_url.raw_query_string
+            else:
+                wanted = urlencode(list(query.items()), quote_via=quote)
+            return await self.upstreams.websocket(
+                request, f"{url}?{wanted}" if wanted else url, headers
+            )
         return await self.upstreams.forward(request, url, query=query, headers=headers)
 
     def _cookie(self, request: web.Request, token: str, path: str) -> str:

@@ -25,7 +25,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from sandbox_operator.gateway import metrics
+from sandbox_operator.gateway import metrics, tunnel
 
 log = logging.getLogger("sandbox_gateway.proxy")
 
@@ -128,6 +128,7 @@ class Upstreams:
     def __init__(
         self, connect_seconds: float, body_seconds: float = 10.0, total: int = 16_000
     ) -> None:
+        self.connect_seconds = connect_seconds
         self.body_seconds = body_seconds
         # Event streams being passed on, so shutdown can end each with a last event.
         self.streams: set[asyncio.Task[object]] = set()
@@ -226,7 +227,12 @@ class Upstreams:
                 body = await upstream.read()
                 return web.Response(status=upstream.status, headers=answer_headers, body=body)
             end_short()  # a stream: bulk, or as long as a command runs
-            response = web.StreamResponse(status=upstream.status, headers=answer_headers)
+            kind = upstream.headers.get("Content-Type", "").split(";")[0].strip()
+            events = events and upstream.status == 200 and kind in (NDJSON, SSE)
+            if events and request.method != "HEAD":
+                response = _HeadersWithFirstEvent(status=upstream.status, headers=answer_headers)
+            else:
+                response = web.StreamResponse(status=upstream.status, headers=answer_headers)
             if upstream.content_length is not None:
                 response.content_length = upstream.content_length
             await response.prepare(request)
@@ -235,8 +241,7 @@ class Upstreams:
                 with contextlib.suppress(ConnectionResetError):
                     await response.write_eof()
                 return response
-            kind = upstream.headers.get("Content-Type", "").split(";")[0].strip()
-            if events and upstream.status == 200 and kind in (NDJSON, SSE):
+            if events:
                 return await self._events(upstream, response, sse=kind == SSE)
             async for chunk in upstream.content.iter_any():
                 await self.fair.turn()
@@ -290,6 +295,14 @@ class Upstreams:
                 await self.fair.turn()
                 last = whole.rstrip(b"\n").rsplit(separator, 1)[-1]
                 try:
+                    if (
+                        upstream.content.at_eof()
+                        and not pending
+                        and _event_type(last, sse) == ("finished")
+                    ):
+                        # The last event and the end came together: passed on together.
+                        await response.write_eof(whole)
+                        return response
                     await response.write(whole)
                 except ConnectionResetError:
                     return response  # the caller left: nothing to tell
@@ -330,67 +343,42 @@ class Upstreams:
     async def websocket(
         self, request: web.Request, url: str, headers: CIMultiDict[str]
     ) -> web.StreamResponse:
-        """Join the caller's WebSocket to one opened to `url`, message for message."""
-        protocols = [
-            p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p
-        ]
-        for name in ("Sec-WebSocket-Key", "Sec-WebSocket-Version", "Sec-WebSocket-Extensions"):
-            headers.popall(name, None)
+        """Open the caller's WebSocket to `url` and join the two (tunnel.py)."""
         try:
-            upstream = await self.session.ws_connect(
-                url, headers=headers, protocols=protocols, autoping=False
+            reader, writer, answer = await tunnel.open_upstream(
+                url,
+                request,
+                headers,
+                connect_seconds=self.connect_seconds,
+                answer_seconds=self.body_seconds,
             )
-        except aiohttp.WSServerHandshakeError as exc:
+        except tunnel.Refused as exc:
             if not 400 <= exc.status < 500:
                 metrics.UPSTREAM_ERRORS.inc()
                 raise UpstreamError(f"{url} refused the WebSocket: {exc.status}") from exc
             # The upstream said no (a terminal that does not exist, say): its
-            # status, not a gateway error; aiohttp does not keep its body.
+            # status and its own words when it gave them.
+            if exc.body and exc.content_type:
+                return web.Response(
+                    status=exc.status, body=exc.body, headers={"Content-Type": exc.content_type}
+                )
             error = {
                 "code": "websocket_refused",
                 "message": f"the sandbox answered {exc.status} to the WebSocket handshake",
             }
             return web.json_response({"error": error}, status=exc.status)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, ValueError, EOFError, asyncio.LimitOverrunError) as exc:
             metrics.UPSTREAM_ERRORS.inc()
-            raise UpstreamError(f"{url} could not be reached: {exc}") from exc
-        downstream = web.WebSocketResponse(
-            protocols=[upstream.protocol] if upstream.protocol else (), autoping=False
-        )
-        await downstream.prepare(request)
+            raise UpstreamError(f"{url.split('?')[0]} could not be reached: {exc}") from exc
+        return await tunnel.join(request, reader, writer, answer)
 
-        async def pump(
-            source: aiohttp.ClientWebSocketResponse | web.WebSocketResponse,
-            sink: aiohttp.ClientWebSocketResponse | web.WebSocketResponse,
-        ) -> None:
-            async for message in source:
-                if message.type == aiohttp.WSMsgType.TEXT:
-                    await sink.send_str(message.data)
-                elif message.type == aiohttp.WSMsgType.BINARY:
-                    await sink.send_bytes(message.data)
-                elif message.type == aiohttp.WSMsgType.PING:
-                    await sink.ping(message.data)
-                elif message.type == aiohttp.WSMsgType.PONG:
-                    await sink.pong(message.data)
-                else:
-                    break
-            await sink.close()
 
-        tasks = [
-            asyncio.create_task(pump(upstream, downstream)),
-            asyncio.create_task(pump(downstream, upstream)),
-        ]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-            await upstream.close()
-            await downstream.close()
-        return downstream
+class _HeadersWithFirstEvent(web.StreamResponse):
+    """An event stream's answer whose headers go out with its first event, in one
+    write (the agent sends them so too): a write and a wake-up of the caller less
+    per call. aiohttp's plain Response does the same for its body."""
+
+    _send_headers_immediately = False
 
 
 def _nothing() -> None:

@@ -62,6 +62,8 @@ IDLE_TIMEOUT = 75.0  # keep-alive connections with no request in flight
 HEADER_TIMEOUT = 30.0  # a started request must finish its headers in this time
 SEND_TIMEOUT = 120.0  # a client that reads nothing of its answers this long is dropped
 MAX_DISCARD = 16 << 20  # unread request body we drain to keep a connection alive
+# Streamed body bytes held for the end of a loop turn before they are written anyway.
+PENDING_MAX = 64 << 10
 # The same before authentication: a refused caller's body is drained briefly
 # (closing at once could reset the connection before the 401 is read).
 PRE_AUTH_MAX_DISCARD = 1 << 20
@@ -219,7 +221,13 @@ class _Cycle:
         if len(body) <= 65536:
             # One write (one syscall) for the common small response.
             out = bytes(head) + body + tail if head or tail else body
-            if out:
+            if out and more:
+                # A piece of a stream goes out at the end of this loop turn, with
+                # what else the app sends in it: an event stream's last event and
+                # its end in one write, which the client reads at once (and the
+                # gateway passes on as one).
+                proto.write_soon(out)
+            elif out:
                 proto.write(out)
         else:
             if head:
@@ -258,6 +266,10 @@ class HttpProtocol(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.send_timer: asyncio.TimerHandle | None = None
         self.discarding: _Cycle | None = None
+        # Pieces of a streamed body waiting for the end of the loop turn (write_soon).
+        self.pending: list[bytes] = []
+        self.pending_size = 0
+        self.flush_handle: asyncio.Handle | None = None
         self.discarded = 0
         self.closed = False
         self.last_active = self.opened = self.loop.time()
@@ -600,8 +612,36 @@ class HttpProtocol(asyncio.Protocol):
         return self.writing_paused or self.backlog is not None
 
     def write(self, data: bytes | bytearray) -> None:
+        """Write now, after what `write_soon` holds."""
+        if self.pending:
+            data = self._take_pending() + data
         if not self.closed and self.transport is not None:
             self.transport.write(data)
+
+    def write_soon(self, data: bytes) -> None:
+        """Write at the end of this loop turn, with what follows in the same turn
+        (at once past PENDING_MAX: the transport's flow control must see it, or
+        an app that sends without yielding would buffer without bound)."""
+        self.pending.append(data)
+        self.pending_size += len(data)
+        if self.pending_size > PENDING_MAX:
+            self.write(b"")
+        elif self.flush_handle is None:
+            self.flush_handle = self.loop.call_soon(self._flush)
+
+    def _take_pending(self) -> bytes:
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+            self.flush_handle = None
+        data = b"".join(self.pending)
+        self.pending.clear()
+        self.pending_size = 0
+        return data
+
+    def _flush(self) -> None:
+        self.flush_handle = None
+        if self.pending:
+            self.write(b"")
 
     async def drain(self) -> None:
         if self.writing_paused and not self.closed:
@@ -620,6 +660,8 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.resume_reading()
 
     def close(self) -> None:
+        if self.pending:
+            self.write(b"")
         if not self.closed and self.transport is not None:
             self.closed = True
             self.backlog = None

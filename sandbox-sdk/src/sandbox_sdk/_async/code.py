@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from sandbox_sdk import _lazy
+from sandbox_sdk._async.gateway import read_to_end
 from sandbox_sdk.errors import NotFound, NotReady, ServerError
 from sandbox_sdk.types import (
     CodeError,
@@ -123,7 +124,8 @@ async def run_code(
                 json_body=body,
                 read_timeout=timeout + 60,
             ) as response:
-                async for line in response.aiter_lines():
+                lines = response.aiter_lines()
+                async for line in lines:
                     if not line:
                         continue
                     event = json.loads(line)
@@ -153,6 +155,7 @@ async def run_code(
                         if on_error is not None:
                             on_error(error)
                     elif kind == "finished":
+                        await read_to_end(lines)
                         return Execution(
                             results=results,
                             logs=logs,

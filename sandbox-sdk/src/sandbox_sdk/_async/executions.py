@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from sandbox_sdk import _lazy
+from sandbox_sdk._async.gateway import read_to_end
 from sandbox_sdk._async_io import sleep
 from sandbox_sdk._wire import MAX_TIMEOUT, FileContent, event_of, exec_body, timeout_seconds
 from sandbox_sdk.errors import (
@@ -146,7 +147,8 @@ async def _events(
                 read_timeout=read_timeout,
             ) as response:
                 execution_id = response.headers.get("X-Execution-Id") or execution_id
-                async for line in response.aiter_lines():
+                lines = response.aiter_lines()
+                async for line in lines:
                     if not line:
                         continue
                     kind, event, named = event_of(json.loads(line))
@@ -159,6 +161,9 @@ async def _events(
                             seen[event.kind].add(event.data)
                         elif event.result is not None:
                             event = _with_output(event, seen)
+                    if kind == "finished":
+                        await read_to_end(lines)  # first: the caller may stop at this event
+                    if event is not None:
                         yield event
                     if kind == "finished":
                         return

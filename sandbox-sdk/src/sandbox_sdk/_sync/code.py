@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from sandbox_sdk import _lazy
+from sandbox_sdk._sync.gateway import read_to_end
 from sandbox_sdk.errors import NotFound, NotReady, ServerError
 from sandbox_sdk.types import (
     CodeError,
@@ -124,7 +125,8 @@ def run_code(
                 json_body=body,
                 read_timeout=timeout + 60,
             ) as response:
-                for line in response.iter_lines():
+                lines = response.iter_lines()
+                for line in lines:
                     if not line:
                         continue
                     event = json.loads(line)
@@ -154,6 +156,7 @@ def run_code(
                         if on_error is not None:
                             on_error(error)
                     elif kind == "finished":
+                        read_to_end(lines)
                         return Execution(
                             results=results,
                             logs=logs,

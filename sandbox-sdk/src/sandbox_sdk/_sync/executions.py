@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from sandbox_sdk import _lazy
+from sandbox_sdk._sync.gateway import read_to_end
 from sandbox_sdk._sync_io import sleep
 from sandbox_sdk._wire import MAX_TIMEOUT, FileContent, event_of, exec_body, timeout_seconds
 from sandbox_sdk.errors import (
@@ -147,7 +148,8 @@ def _events(
                 read_timeout=read_timeout,
             ) as response:
                 execution_id = response.headers.get("X-Execution-Id") or execution_id
-                for line in response.iter_lines():
+                lines = response.iter_lines()
+                for line in lines:
                     if not line:
                         continue
                     kind, event, named = event_of(json.loads(line))
@@ -160,6 +162,9 @@ def _events(
                             seen[event.kind].add(event.data)
                         elif event.result is not None:
                             event = _with_output(event, seen)
+                    if kind == "finished":
+                        read_to_end(lines)  # first: the caller may stop at this event
+                    if event is not None:
                         yield event
                     if kind == "finished":
                         return

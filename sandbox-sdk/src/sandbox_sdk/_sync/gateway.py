@@ -82,6 +82,17 @@ _RETRY_CODES: set[str] = {
 _BACKOFF = (0.1, 0.3, 0.7, 1.5)
 
 
+def read_to_end(lines: Iterator[str]) -> None:
+    """Read a streamed answer to its end once its last event has come (the end
+    follows at once): httpx closes a connection left mid-answer instead of
+    using it again, which would cost the next call a new connection (a TLS
+    handshake, through the API server). A failure here loses nothing: the last
+    event is in hand."""
+    with contextlib.suppress(httpx.TransportError, httpx.StreamError):
+        for _ in lines:
+            pass
+
+
 @dataclass
 class Location:
     """How requests reach the gateway: `base` is a URL prefix before `/v1/...`;
