@@ -20,7 +20,11 @@ back:
   where no WebSocket passes, and the only way before `attach()`): a POST of
   the key, the echo from a long-poll read that was waiting;
 - kubectl exec -it: `kubectl exec -i -t box -c sandbox -- cat` on a local
-  pty (the API server's stream to the kubelet and the container runtime).
+  pty (the API server's stream to the kubelet and the container runtime);
+- WebSocket echo, API proxy (floor): a WebSocket through the API server's
+  proxy to a pod whose only work is to send each message back (a few lines
+  of Python's standard library, no pty): what any route from a kubeconfig
+  through the API server to a WebSocket in the cluster costs at least.
 
 Keys go round the routes, one at a time. Target (issue): the terminal's p50
 within 0.5x of kubectl exec's.
@@ -53,15 +57,51 @@ from benchmarks.common import (  # noqa: E402
     percentile,
     ready_sandbox,
     token_kubeconfig,
+    wait_until,
     write_results,
 )
 from sandbox_sdk import SandboxClient, Terminal, TerminalSession  # noqa: E402
 from sandbox_sdk._sync.websocket import WebSocket, handshake  # noqa: E402
-from tests.kube import KubeJSON  # noqa: E402
+from tests.kube import KubeJSON, core_path  # noqa: E402
 
 NS = "bench-terminal"
 BOX = "box"
 KEYS = b"abcdefghijklmnopqrstuvwxyz"
+ECHO_PORT = 9000
+# The floor's server: RFC 6455's handshake and unfragmented frames, each message
+# sent back as it came; one thread per connection.
+ECHO_SERVER = (
+    f"PORT = {ECHO_PORT}\n"
+    + """
+import base64, hashlib, socket, threading
+GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+def serve(conn):
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    stream = conn.makefile("rb")
+    key = b""
+    while (line := stream.readline()) not in (b"", b"\\r\\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"sec-websocket-key":
+            key = value.strip()
+    accept = base64.b64encode(hashlib.sha1(key + GUID).digest())
+    conn.sendall(b"HTTP/1.1 101 Switching Protocols\\r\\nUpgrade: websocket\\r\\n"
+                 b"Connection: Upgrade\\r\\nSec-WebSocket-Accept: " + accept + b"\\r\\n\\r\\n")
+    while len(head := stream.read(2)) == 2:
+        op, size = head[0] & 15, head[1] & 127
+        if size >= 126:
+            size = int.from_bytes(stream.read(2 if size == 126 else 8), "big")
+        mask = stream.read(4) if head[1] & 128 else bytes(4)
+        data = bytes(b ^ mask[i % 4] for i, b in enumerate(stream.read(size)))
+        if op == 8:
+            conn.sendall(b"\\x88\\x00")
+            return
+        if op in (1, 2) and size < 126:
+            conn.sendall(bytes([128 | op, size]) + data)
+listener = socket.create_server(("", PORT), reuse_port=True)
+while True:
+    threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
+"""
+)
 
 
 class Echoes(threading.Thread):
@@ -133,6 +173,40 @@ def _exec_key(master: int, key: bytes) -> float:
             return time.perf_counter() - began
 
 
+def _echo_pod(kube: KubeJSON, image: str) -> str:
+    """The floor's pod (no probes but a TCP readiness check): its name, once Ready."""
+    name = "ws-echo"
+    kube.create(
+        core_path("pods", NS),
+        {
+            "metadata": {"name": name, "labels": {"bench": "ws-echo"}},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "echo",
+                        "image": image,
+                        "imagePullPolicy": "IfNotPresent",
+                        "command": ["python3", "-c", ECHO_SERVER],
+                        "readinessProbe": {
+                            "tcpSocket": {"port": ECHO_PORT},
+                            "periodSeconds": 1,
+                        },
+                    }
+                ],
+                "terminationGracePeriodSeconds": 0,
+            },
+        },
+    )
+
+    def ready() -> bool:
+        pod = kube.get(core_path("pods", NS, name)) or {}
+        conditions = (pod.get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    wait_until(ready, 120)
+    return name
+
+
 def _row(label: str, values: list[float]) -> str:
     p50, p90, p99 = (percentile(values, q) * 1000 for q in (0.5, 0.9, 0.99))
     return f"  {label:<28} p50 {p50:6.2f} ms   p90 {p90:6.2f} ms   p99 {p99:6.2f} ms"
@@ -151,6 +225,9 @@ def main() -> None:
         kubeconfig = cluster.kubeconfig.parent / "bench-terminal.kubeconfig"
         token_kubeconfig(kube, NS, "bench-terminal", cluster.kubeconfig, kubeconfig)
         pod = ready_sandbox(kube, NS, BOX)
+        box_pod = kube.read(core_path("pods", NS, pod))
+        image = next(c["image"] for c in box_pod["spec"]["containers"] if c["name"] == "sandbox")
+        echo_pod = _echo_pod(kube, image)
         env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
         master, slave = pty.openpty()
         kubectl = subprocess.Popen(
@@ -176,11 +253,17 @@ def main() -> None:
             ws_agent = handshake(agent, f"/v1/terminals/{raw.id}/attach", params={"cursor": "0"})
             assert isinstance(ws_agent, WebSocket), ws_agent
             assert "attached" in str(ws_agent.receive(timeout=10))
+            assert via_proxy.kube is not None
+            ws_echo = handshake(
+                via_proxy.kube.http, f"/api/v1/namespaces/{NS}/pods/{echo_pod}:{ECHO_PORT}/proxy/"
+            )
+            assert isinstance(ws_echo, WebSocket), ws_echo
             with (
                 proxied.attach() as ws_proxy,
                 direct.attach() as ws_pod,
                 contextlib.closing(agent),
                 contextlib.closing(ws_agent),
+                contextlib.closing(ws_echo),
             ):
                 assert (ws_proxy.transport, ws_pod.transport) == ("websocket", "websocket")
                 routes: dict[str, Callable[[bytes], float]] = {
@@ -189,6 +272,7 @@ def main() -> None:
                     "WebSocket, agent pod": lambda key: _raw_key(ws_agent, key),
                     "HTTP, API proxy": lambda key: _http_key(polled, echoes, key),
                     "kubectl exec -it": lambda key: _exec_key(master, key),
+                    "WebSocket echo, API proxy (floor)": lambda key: _raw_key(ws_echo, key),
                 }
                 times: dict[str, list[float]] = {name: [] for name in routes}
                 for warm in KEYS[:5]:  # warm all: connections, the kubelet's stream
