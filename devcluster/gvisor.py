@@ -19,8 +19,10 @@ newer kernels (this one is 6.18) show in every namespace. The patched
 test compares it with the namespace runsc started in (init's is not
 readable to runsc).
 
-Platform: systrap, gVisor's default at this commit; it runs here (ptrace
-does too, KVM is not available). Networking: gVisor's own network stack
+Platform: systrap, gVisor's default at this commit and the only one that
+runs on this machine: the KVM platform hangs at boot on its paravirtual KVM
+(kvm-pvm, no hardware virtualization) and ptrace panics on its kernel
+(`benchmarks/gvisor_platforms.py` shows both). Networking: gVisor's own network stack
 inside the pod's network namespace, so CNI, NetworkPolicy and Services work
 as for runc pods.
 
