@@ -152,6 +152,28 @@ def test_client_disconnect_mid_stream_keeps_execution(sandbox: Sandbox) -> None:
     assert done["status"] == "completed" and done["stdout"] == "done\n"
 
 
+def test_a_streams_last_event_and_its_end_arrive_together(sandbox: Sandbox) -> None:
+    """The events of one loop turn go out in one write: a client (the gateway)
+    that has read `finished` has the end of the answer with it, and its
+    connection is ready for the next call without another wait."""
+    s = _conn(sandbox)
+    body = b'{"command":"echo hi"}'
+    s.sendall(
+        b"POST /v1/executions/stream HTTP/1.1\r\nHost: x\r\n"
+        + _auth(sandbox)
+        + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    received = b""
+    while b'"finished"' not in received:
+        chunk = s.recv(65536)
+        assert chunk, received
+        received += chunk
+    # The read that brought `finished` brought the terminating chunk too.
+    assert received.endswith(b"\r\n0\r\n\r\n"), received[-200:]
+    s.close()
+
+
 def test_uvicorn_fallback_serves_the_same_app(
     tmp_path: object, fresh: Callable[..., Sandbox]
 ) -> None:

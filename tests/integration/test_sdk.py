@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import io
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -102,7 +103,15 @@ def _start(live_sandbox: LiveSandbox, name: str) -> AgentProcess:
     return live_sandbox(name, create=False)
 
 
-def test_commands_stream_and_jobs(client: SandboxClient, live_sandbox: LiveSandbox) -> None:
+def _connections_opened(gateway: GatewayProcess) -> float:
+    found = re.search(r"^sandbox_gateway_connections_opened_total (\S+)$", gateway.metrics(), re.M)
+    assert found, "the gateway exports sandbox_gateway_connections_opened_total"
+    return float(found.group(1))
+
+
+def test_commands_stream_and_jobs(
+    client: SandboxClient, gateway: GatewayProcess, live_sandbox: LiveSandbox
+) -> None:
     sandbox = client.create("python", name="box", wait=False)
     # The handle is usable at once: the first call waits for the sandbox.
     node = threading.Thread(target=_start, args=(live_sandbox, "box"))
@@ -135,6 +144,13 @@ def test_commands_stream_and_jobs(client: SandboxClient, live_sandbox: LiveSandb
     assert events[-1].kind == "exit"
     assert events[-1].result is not None
     assert events[-1].result.exit_code == 4
+    # A streamed call reads its answer to the end after `finished`: the next call
+    # goes on the same connection (httpx closes one left mid-answer).
+    opened = _connections_opened(gateway)
+    for _ in range(3):
+        assert sandbox.execute("echo again", stdout=out.append).ok
+        assert list(sandbox.stream("true"))[-1].kind == "exit"
+    assert _connections_opened(gateway) == opened
 
     # A command past its timeout is stopped; the sandbox stays usable.
     began = time.monotonic()

@@ -77,6 +77,7 @@ class Guard:
         self.per_client[client] += 1
         connection = _Connection(transport, client)
         self.connections[inner] = connection
+        metrics.CONNECTIONS_OPENED.inc()
         metrics.CONNECTIONS.set(len(self.connections))
         self._arm(connection, self.limits.head_seconds)
         return True

@@ -35,6 +35,11 @@ UPSTREAM_ERRORS = Counter(
 )
 ROUTES = Gauge("sandbox_gateway_routes", "Sandboxes in the route table.")
 CONNECTIONS = Gauge("sandbox_gateway_connections", "Client connections open now.")
+CONNECTIONS_OPENED = Counter(
+    "sandbox_gateway_connections_opened_total",
+    "Client connections accepted. Growing as fast as the requests: clients that do"
+    " not keep their connections (each new one is a TCP, often a TLS, handshake).",
+)
 CONNECTIONS_CLOSED = Counter(
     "sandbox_gateway_connections_closed_total",
     "Client connections the gateway closed itself: a request head or the next request"

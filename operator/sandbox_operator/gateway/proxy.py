@@ -295,11 +295,8 @@ class Upstreams:
                 await self.fair.turn()
                 last = whole.rstrip(b"\n").rsplit(separator, 1)[-1]
                 try:
-                    if (
-                        upstream.content.at_eof()
-                        and not pending
-                        and _event_type(last, sse) == ("finished")
-                    ):
+                    together = upstream.content.at_eof() and not pending
+                    if together and _event_type(last, sse) == "finished":
                         # The last event and the end came together: passed on together.
                         await response.write_eof(whole)
                         return response
