@@ -51,8 +51,9 @@ class OperatorContext:
     # Volume binding mode by StorageClass name: classes are immutable in that field.
     binding_modes: dict[str, str] = field(default_factory=dict)
     # The spec env (as JSON) the agent of a Sandbox's current pod was given, by
-    # (namespace, Sandbox UID), with that pod's UID: a new pod is given it again,
-    # and forget() drops it with the Sandbox (keyed by pod UID, it grew for ever).
+    # (namespace, UID of the Sandbox that owns the pod: a claimer shares its
+    # member's), with that pod's UID: a new pod is given it again, and forget()
+    # drops it with the Sandbox (keyed by pod UID, it grew for ever).
     environments: dict[Key, tuple[str, str]] = field(default_factory=dict)
     # Pods this process created, by (namespace, Sandbox name), until the pod index
     # shows them: a pass that runs in between (the claim's ADDED event, a retried

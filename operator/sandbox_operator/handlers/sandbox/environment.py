@@ -37,7 +37,10 @@ async def sync_environment(
     body, spec = view.body, view.valid_spec
     if pod is None or not endpoint:
         return
-    key = (view.ref.namespace, view.ref.uid)
+    # By the Sandbox that owns the pod: a claimer starts from what its pool
+    # member's passes gave that agent, and asks the agent only if its env differs
+    # (a claim without env of its own makes no agent call before it is Ready).
+    key = (view.served_by.namespace, view.served_by.uid)
     wanted = [var.to_wire() for var in spec.env]
     base = _pod_env(pod)
     # Secrets are read once per change of the spec's env, like the kubelet reads
