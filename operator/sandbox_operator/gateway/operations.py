@@ -53,8 +53,8 @@ class AgentOperation:
     # Answers with an event stream (ndjson or SSE: an execution's, a watch's):
     # passed on event by event, and never ended silently (proxy.py).
     streams: bool = False
-    # A GET that upgrades to a WebSocket (a terminal's attachment): joined
-    # message for message (proxy.py).
+    # A GET that upgrades to a WebSocket (a terminal's attachment): tunnelled
+    # after the handshake (tunnel.py).
     websocket: bool = False
 
     @property
