@@ -23,9 +23,11 @@ from sandbox_operator.handlers import execution
 from sandbox_operator.handlers.sandbox import lifecycle as idle
 from sandbox_operator.handlers.sandbox import pod as pods
 from sandbox_operator.handlers.sandbox import workspace
+from sandbox_operator.handlers.sandbox.environment import sync_environment
 from sandbox_operator.handlers.sandbox.lifecycle import IdleAction
 from sandbox_operator.handlers.sandbox.pod import PodAction
 from sandbox_operator.handlers.sandbox.status import spec_fields
+from sandbox_operator.handlers.sandbox.view import read
 from sandbox_operator.handlers.sandbox.workspace import ClaimState
 from sandbox_operator.resources import (
     CLAIM_FROM_SNAPSHOT,
@@ -572,3 +574,37 @@ def test_what_the_operator_remembers_of_a_sandbox_goes_with_it() -> None:
     ctx.forget("ns", "box", "sandbox-uid")
     assert ctx.environments == {("ns", "other-uid"): ("pod-2", "[]")}
     assert ctx.pool_decisions == {}
+
+
+def test_a_claimer_starts_from_its_members_record_of_the_agents_env() -> None:
+    """What the operator gave a pod's agent is kept by the Sandbox that owns the
+    pod: a claimer without env of its own finds its member's record and asks
+    neither the API server (the agent's token) nor the agent before it is Ready."""
+    kube = MemoryKube()
+    ctx = context(kube)
+    member = identity.SandboxRef(name="member", namespace="ns", uid="member-uid")
+    pod = build.desired_pod(member, SPEC, SETTINGS)
+    pod["metadata"]["uid"] = "pod-uid"
+    ctx.environments[("ns", "member-uid")] = ("pod-uid", "[]")
+    pool = {
+        "name": "warm",
+        "outcome": "Claimed",
+        "templateRef": {"name": "python"},
+        "member": "member",
+        "memberUid": "member-uid",
+    }
+    claimer = sandbox_body({"runtime": "python"}, {"pool": pool})
+    view = read(claimer, SETTINGS, pod=pod, claim=None)
+    assert view.served_by == member
+    run(sync_environment(ctx, view, pod, "http://127.0.0.1:9"))
+    assert kube.calls == []
+    # A claimer with env of its own is not what the member's agent was given.
+    with_env = sandbox_body(
+        {"runtime": "python", "env": [{"name": "TASK", "value": "x"}]}, {"pool": pool}
+    )
+    run(
+        sync_environment(
+            ctx, read(with_env, SETTINGS, pod=pod, claim=None), pod, "http://127.0.0.1:9"
+        )
+    )
+    assert ("GET", "/api/v1/namespaces/ns/secrets/member-agent-token") in kube.calls
