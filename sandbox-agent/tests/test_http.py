@@ -136,15 +136,20 @@ def test_head_and_unknown_routes(sandbox: Sandbox) -> None:
     assert sandbox.error(r, 405) == "method_not_allowed"
 
 
-def test_client_disconnect_mid_stream_keeps_execution(sandbox: Sandbox) -> None:
-    s = _conn(sandbox)
-    body = b'{"command":"sleep 0.5; echo done"}'
+def _post_stream(s: socket.socket, sandbox: Sandbox, body: bytes) -> None:
+    """Start a command whose output is streamed back on `s`."""
     s.sendall(
         b"POST /v1/executions/stream HTTP/1.1\r\nHost: x\r\n"
         + _auth(sandbox)
         + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
+
+
+def test_client_disconnect_mid_stream_keeps_execution(sandbox: Sandbox) -> None:
+    s = _conn(sandbox)
+    body = b'{"command":"sleep 0.5; echo done"}'
+    _post_stream(s, sandbox, body)
     _status, headers, _ = _recv_response(s)
     ex_id = headers["x-execution-id"]
     s.close()  # go away mid-stream
@@ -158,12 +163,7 @@ def test_a_streams_last_event_and_its_end_arrive_together(sandbox: Sandbox) -> N
     connection is ready for the next call without another wait."""
     s = _conn(sandbox)
     body = b'{"command":"echo hi"}'
-    s.sendall(
-        b"POST /v1/executions/stream HTTP/1.1\r\nHost: x\r\n"
-        + _auth(sandbox)
-        + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    _post_stream(s, sandbox, body)
     received = b""
     while b'"finished"' not in received:
         chunk = s.recv(65536)
