@@ -338,3 +338,33 @@ def test_a_run_in_progress_counts_as_activity(fresh: Callable[..., Sandbox]) -> 
         assert sb.client.get("/v1/info").json()["activeExecutions"] == 1
         assert json.loads([line for line in lines if line][-1])["status"] == "ok"
     assert sb.client.get("/v1/info").json()["activeExecutions"] == 0
+
+
+def test_output_comes_while_the_cell_still_runs(fresh: Callable[..., Sandbox]) -> None:
+    """The bridge holds output only while the kernel keeps producing it: what a
+    cell printed and displayed reaches the client before the cell ends. The
+    cell waits for a file that the test writes once it has seen both."""
+    sb = fresh()
+    code = (
+        "import pathlib, time\n"
+        "from IPython.display import display\n"
+        "print('early', flush=True)\n"
+        "display({'shown': 1}, raw=True)\n"
+        "while not pathlib.Path('go').exists():\n"
+        "    time.sleep(0.02)\n"
+        "'late'"
+    )
+    seen: list[dict[str, Any]] = []
+    with sb.client.stream("POST", "/v1/code/run", json={"code": code, "timeoutSeconds": 30}) as r:
+        for line in r.iter_lines():
+            if not line:
+                continue
+            seen.append(json.loads(line))
+            early = [e.get("text") for e in kinds(seen, "stdout")] == ["early\n"]
+            if early and kinds(seen, "result") and not (sb.workspace / "go").exists():
+                assert seen[-1]["type"] != "finished"
+                (sb.workspace / "go").write_text("")
+    assert (sb.workspace / "go").exists(), seen  # else the cell timed out first
+    assert seen[-1]["status"] == "ok", seen
+    assert main_result(seen)["data"]["text/plain"] == "'late'"
+    assert kinds(seen, "result")[0]["data"] == {"shown": 1}

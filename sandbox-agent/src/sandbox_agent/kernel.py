@@ -34,14 +34,15 @@ Out (one JSON object per line on stdout):
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import os
-import queue
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
+import time
+from collections import deque
 from typing import Any
 
 # How long the kernel may take to start (an import of IPython under gVisor on a
@@ -49,19 +50,32 @@ from typing import Any
 START_TIMEOUT = 120.0
 # How often a wait for the kernel's messages looks whether the kernel still lives.
 POLL = 0.5
-# Stream text is sent on when this much is pending or the kernel pauses, in
-# lines of at most CHUNK characters (the agent bounds a line).
+# Output (stream text and display data) is held while the kernel keeps
+# producing it and sent on, in one write, when the kernel pauses this long,
+# when COALESCE bytes are pending, or with the run's end: the value of a short
+# cell and its `finished` leave together, one pass through the agent instead
+# of two. Text goes in lines of at most CHUNK characters (the agent bounds a line).
+PAUSE = 0.02
 COALESCE = 64 << 10
 CHUNK = 1 << 20
+# Where Jupyter's wire format puts the identities' end.
+DELIM = b"<IDS|MSG>"
 
-_out_lock = threading.Lock()
+STDIN = 0
 
 
 def emit(obj: dict[str, Any]) -> None:
-    line = json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n"
-    with _out_lock:
-        sys.stdout.buffer.write(line.encode("utf-8", "replace"))
-        sys.stdout.buffer.flush()
+    _write([obj])
+
+
+def _write(objs: list[dict[str, Any]]) -> None:
+    out = b"".join(
+        (json.dumps(o, separators=(",", ":"), ensure_ascii=False) + "\n").encode("utf-8", "replace")
+        for o in objs
+    )
+    view = memoryview(out)
+    while view:  # stdout is a blocking pipe: a full one waits for the agent
+        view = view[os.write(1, view) :]
 
 
 def _scratch() -> str:
@@ -70,22 +84,117 @@ def _scratch() -> str:
     return tempfile.mkdtemp(prefix="sandbox-context-")  # private: 0700, a new name
 
 
+class Wire:
+    """The kernel's shell and IOPub sockets, spoken to directly with pyzmq.
+
+    Not jupyter_client's blocking client: in jupyter_client 7 (Debian 12's)
+    each of its calls runs an asyncio loop, which cost more CPU per run than
+    the agent, the runner and the gateway together. Here one thread polls the
+    two sockets and the agent's pipe.
+    """
+
+    def __init__(self, km: Any) -> None:
+        import zmq
+
+        self.zmq = zmq
+        self.session = km.session
+        self.shell = km.connect_shell()
+        self.iopub = km.connect_iopub()
+        self.poller = zmq.Poller()
+        self.poller.register(self.shell, zmq.POLLIN)
+        self.poller.register(self.iopub, zmq.POLLIN)
+        self.poller.register(STDIN, zmq.POLLIN)
+        self.stdin_open = True
+
+    def send(self, msg_type: str, content: dict[str, Any]) -> str:
+        return str(self.session.send(self.shell, msg_type, content)["header"]["msg_id"])
+
+    def poll(self, seconds: float) -> tuple[bool, bool, bool]:
+        """Which of shell, IOPub and stdin have something, within `seconds`."""
+        ready = dict(self.poller.poll(int(max(seconds, 0.0) * 1000)))
+        return self.shell in ready, self.iopub in ready, STDIN in ready
+
+    def recv(self, sock: Any) -> tuple[str, str, dict[str, Any]] | None:
+        """(msg_type, parent msg_id, content) of one waiting message,
+        None for one that is not well-formed or not signed with the session's key."""
+        frames = sock.recv_multipart(self.zmq.NOBLOCK)
+        try:
+            at = frames.index(DELIM)
+            sig, parts = frames[at + 1], frames[at + 2 : at + 6]
+        except ValueError:
+            return None
+        if len(parts) != 4:
+            return None
+        if self.session.auth is not None and not hmac.compare_digest(sig, self.session.sign(parts)):
+            return None
+        try:
+            header, parent, content = (json.loads(parts[i]) for i in (0, 1, 3))
+        except ValueError:
+            return None
+        if not all(isinstance(x, dict) for x in (header, parent, content)):
+            return None
+        return str(header.get("msg_type", "")), str(parent.get("msg_id", "")), content
+
+    def drain(self, sock: Any) -> None:
+        while sock.poll(0):
+            sock.recv_multipart()
+
+    def close(self) -> None:
+        self.shell.close(linger=0)
+        self.iopub.close(linger=0)
+
+
+def wait_ready(km: Any, wire: Wire, timeout: float) -> None:
+    """The kernel answers on its shell socket and our IOPub subscription is in
+    place (a SUB socket drops what is published before it joins)."""
+    deadline = time.monotonic() + timeout
+    asked = wire.send("kernel_info_request", {})
+    while True:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no answer in {timeout:g}s")
+        shell, _, _ = wire.poll(POLL)
+        if shell:
+            msg = wire.recv(wire.shell)
+            if msg is not None and msg[0] == "kernel_info_reply" and msg[1] == asked:
+                break
+        elif not km.is_alive():
+            raise RuntimeError(_died(km))
+    while True:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"IOPub said nothing in {timeout:g}s")
+        wire.send("kernel_info_request", {})  # its busy/idle come on IOPub
+        _, iopub, _ = wire.poll(0.2)
+        if iopub:
+            break
+    time.sleep(0.05)  # the status messages of the last request
+    wire.drain(wire.iopub)
+    wire.drain(wire.shell)
+
+
 class Bridge:
-    def __init__(self, km: Any, kc: Any) -> None:
+    def __init__(self, km: Any, wire: Wire) -> None:
         self.km = km
-        self.kc = kc
-        self.ops: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.wire = wire
+        self.inbuf = b""
+        self.ops: deque[dict[str, Any]] = deque()
         # An interrupt names its run. The kernel only turns SIGINT into
         # KeyboardInterrupt while it executes, so one that comes before the
         # kernel said it is busy with that run waits until it does.
-        self.lock = threading.Lock()
         self.current = ""
         self.busy = False
         self.interrupts = set()  # type: set[str]
 
+    # -- the agent's side ---------------------------------------------------------
+
     def read_stdin(self) -> None:
         """Requests from the agent; an interrupt acts at once on its run."""
-        for raw in sys.stdin.buffer:
+        data = os.read(STDIN, 1 << 20)
+        if not data:  # the agent went away
+            self.wire.poller.unregister(STDIN)
+            self.wire.stdin_open = False
+            return
+        *lines, self.inbuf = (self.inbuf + data).split(b"\n")
+        for raw in lines:
             try:
                 op = json.loads(raw)
             except ValueError:
@@ -93,14 +202,12 @@ class Bridge:
             if not isinstance(op, dict):
                 continue
             if op.get("op") == "interrupt":
-                with self.lock:
-                    rid = str(op.get("id", ""))
-                    self.interrupts.add(rid)
-                    if rid == self.current and self.busy:
-                        self.interrupt()
+                rid = str(op.get("id", ""))
+                self.interrupts.add(rid)
+                if rid == self.current and self.busy:
+                    self.interrupt()
             else:
-                self.ops.put(op)
-        self.ops.put(None)  # the agent went away
+                self.ops.append(op)
 
     def interrupt(self) -> None:
         try:
@@ -109,46 +216,39 @@ class Bridge:
             sys.stderr.write(f"interrupt failed: {exc}\n")
 
     def began(self, rid: str) -> None:
-        with self.lock:
-            self.busy = True
-            if rid in self.interrupts:
-                self.interrupt()
+        self.busy = True
+        if rid in self.interrupts:
+            self.interrupt()
 
     def run(self) -> int:
-        threading.Thread(target=self.read_stdin, daemon=True).start()
         while True:
-            op = self.ops.get()
-            if op is None:
-                return 0
+            while not self.ops:
+                if not self.wire.stdin_open:
+                    return 0
+                shell, iopub, stdin = self.wire.poll(POLL)
+                if stdin:
+                    self.read_stdin()
+                # What a background thread of an earlier run prints goes nowhere.
+                if iopub:
+                    self.wire.drain(self.wire.iopub)
+                if shell:
+                    self.wire.drain(self.wire.shell)
+            op = self.ops.popleft()
             if op.get("op") == "execute" and isinstance(op.get("code"), str):
                 rid = str(op.get("id", ""))
                 env = _env(op.get("env"))
-                with self.lock:
-                    self.current, self.busy = rid, False
+                self.current, self.busy = rid, False
                 if env:
                     self.silent(ENV_SET % (env,))
                 alive = self.execute(rid, op["code"])
-                with self.lock:
-                    self.current, self.busy = "", False
-                    self.interrupts.discard(rid)
+                self.current, self.busy = "", False
+                self.interrupts.discard(rid)
                 if alive and env:
                     alive = self.silent(ENV_RESTORE)
                 if not alive:
                     return 4
 
-    def silent(self, code: str) -> bool:
-        """Run code the user does not see (no output, no history, no execution
-        count) and wait for its end; False when the kernel died."""
-        msg_id = self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
-        while True:
-            try:
-                reply = self.kc.get_shell_msg(timeout=POLL)
-            except queue.Empty:
-                if not self.alive():
-                    return False
-                continue
-            if reply.get("parent_header", {}).get("msg_id") == msg_id:
-                return True
+    # -- the kernel's side --------------------------------------------------------
 
     def alive(self) -> bool:
         try:
@@ -156,89 +256,142 @@ class Bridge:
         except Exception:
             return False
 
+    def silent(self, code: str) -> bool:
+        """Run code the user does not see (no output, no history, no execution
+        count) and wait for its end; False when the kernel died."""
+        msg_id = self.wire.send("execute_request", _execute(code, silent=True, store_history=False))
+        while True:
+            shell, iopub, stdin = self.wire.poll(POLL)
+            if stdin:
+                self.read_stdin()
+            if iopub:
+                self.wire.drain(self.wire.iopub)
+            if shell:
+                msg = self.wire.recv(self.wire.shell)
+                if msg is not None and msg[1] == msg_id:
+                    return True
+            elif not (iopub or stdin) and not self.alive():
+                return False
+
     def execute(self, rid: str, code: str) -> bool:
         """Run one cell and report it; False when the kernel died under it."""
-        msg_id = self.kc.execute(code, store_history=True, allow_stdin=False, stop_on_error=False)
-        pending = {"stdout": [], "stderr": []}  # type: dict[str, list[str]]
-        sizes = {"stdout": 0, "stderr": 0}
-
-        def flush(name: str | None = None) -> None:
-            for stream in (name,) if name else ("stdout", "stderr"):
-                if pending[stream]:
-                    text = "".join(pending[stream])
-                    for at in range(0, len(text), CHUNK):  # the kernel's may be huge
-                        emit({"id": rid, "type": stream, "text": text[at : at + CHUNK]})
-                    pending[stream], sizes[stream] = [], 0
-
+        msg_id = self.wire.send("execute_request", _execute(code, silent=False, store_history=True))
+        out = Output(rid)
         count = None
+        status = None  # from the execute reply
+        idle_at = None  # when the kernel said it is idle: the reply follows soon
         while True:
-            try:
-                msg = self.kc.get_iopub_msg(timeout=POLL)
-            except queue.Empty:
-                flush()
-                if not self.alive():
+            if idle_at is not None and (status is not None or time.monotonic() - idle_at > 5):
+                break
+            wait = PAUSE if out.events else POLL
+            if idle_at is not None:
+                wait = max(0.0, idle_at + 5 - time.monotonic())
+            shell, iopub, stdin = self.wire.poll(wait)
+            if stdin:
+                self.read_stdin()
+            if shell:
+                msg = self.wire.recv(self.wire.shell)
+                if msg is not None and msg[1] == msg_id and msg[0] == "execute_reply":
+                    status = str(msg[2].get("status", "ok"))
+                    count = msg[2].get("execution_count", count)
+            if not (shell or iopub or stdin):
+                out.flush()
+                if idle_at is None and not self.alive():
                     # First: the agent ends the run with the reason.
                     emit({"type": "died", "message": _died(self.km)})
                     emit({"id": rid, "type": "finished", "status": "error", "executionCount": None})
                     return False
                 continue
-            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+            if not iopub:
                 continue
-            kind = msg.get("msg_type")
-            content = msg.get("content") or {}
+            msg = self.wire.recv(self.wire.iopub)
+            if msg is None or msg[1] != msg_id:
+                continue
+            kind, _, content = msg
             if kind == "stream":
-                stream = "stderr" if content.get("name") == "stderr" else "stdout"
-                other = "stdout" if stream == "stderr" else "stderr"
-                flush(other)  # keep the order between the two streams
-                text = str(content.get("text", ""))
-                pending[stream].append(text)
-                sizes[stream] += len(text)
-                if sizes[stream] >= COALESCE:
-                    flush(stream)
-                continue
-            flush()
-            if kind in ("execute_result", "display_data", "update_display_data"):
+                name = "stderr" if content.get("name") == "stderr" else "stdout"
+                out.text(name, str(content.get("text", "")))
+            elif kind in ("execute_result", "display_data", "update_display_data"):
                 main = kind == "execute_result"
                 if main:
                     count = content.get("execution_count")
-                emit(
+                data = content.get("data")
+                out.add(
                     {
                         "id": rid,
                         "type": "result",
-                        "data": content.get("data") or {},
+                        "data": data if isinstance(data, dict) else {},
                         "metadata": content.get("metadata") or {},
                         "isMain": main,
                         "executionCount": count if main else None,
-                    }
+                    },
+                    sum(len(str(v)) for v in data.values()) if isinstance(data, dict) else 0,
                 )
             elif kind == "error":
-                emit(
+                out.add(
                     {
                         "id": rid,
                         "type": "error",
                         "name": str(content.get("ename", "")),
                         "value": str(content.get("evalue", "")),
                         "traceback": [str(t) for t in content.get("traceback") or []],
-                    }
+                    },
+                    0,
                 )
             elif kind == "execute_input":
                 count = content.get("execution_count")
             elif kind == "status" and content.get("execution_state") == "busy":
                 self.began(rid)
             elif kind == "status" and content.get("execution_state") == "idle":
-                break
-        status = "ok"
-        try:
-            while True:  # replies to earlier requests (kernel_info) come first
-                reply = self.kc.get_shell_msg(timeout=5)
-                if reply.get("parent_header", {}).get("msg_id") == msg_id:
-                    status = str(reply.get("content", {}).get("status", "ok"))
-                    count = reply.get("content", {}).get("execution_count", count)
-                    break
-        except queue.Empty:
-            pass
-        emit({"id": rid, "type": "finished", "status": status, "executionCount": count})
+                idle_at = time.monotonic()
+        out.add(
+            {"id": rid, "type": "finished", "status": status or "ok", "executionCount": count}, 0
+        )
+        out.flush()
         return True
+
+
+class Output:
+    """A run's events not yet written, in order; a stream's consecutive pieces
+    of text are joined."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.events: list[dict[str, Any]] = []
+        self.size = 0
+
+    def text(self, stream: str, text: str) -> None:
+        last = self.events[-1] if self.events else None
+        if last is not None and last["type"] == stream and len(last["text"]) + len(text) <= CHUNK:
+            last["text"] += text
+        else:
+            for at in range(0, len(text), CHUNK):  # the kernel's may be huge
+                self.events.append({"id": self.rid, "type": stream, "text": text[at : at + CHUNK]})
+        self.size += len(text)
+        if self.size >= COALESCE:
+            self.flush()
+
+    def add(self, event: dict[str, Any], size: int) -> None:
+        self.events.append(event)
+        self.size += size
+        if self.size >= COALESCE:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.events:
+            _write(self.events)
+            self.events, self.size = [], 0
+
+
+def _execute(code: str, silent: bool, store_history: bool) -> dict[str, Any]:
+    return {
+        "code": code,
+        "silent": silent,
+        "store_history": store_history,
+        "user_expressions": {},
+        "allow_stdin": False,
+        "stop_on_error": False,
+    }
 
 
 # A run's variables (op "env"): set in the kernel's os.environ before the run,
@@ -294,13 +447,15 @@ def main() -> int:
     # Unix sockets in the private scratch directory, not TCP ports that any
     # process of the sandbox could reach.
     km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(scratch, "kernel"))
+    wire = None
     try:
         km.start_kernel(cwd=os.getcwd(), stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        kc = km.client()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=START_TIMEOUT)
+        wire = Wire(km)
+        wait_ready(km, wire, START_TIMEOUT)
     except Exception as exc:
         emit({"type": "unavailable", "message": f"the Python kernel did not start: {exc}"})
+        with contextlib.suppress(Exception):
+            km.shutdown_kernel(now=True)
         return 3
     emit(
         {
@@ -310,13 +465,11 @@ def main() -> int:
         }
     )
     try:
-        return Bridge(km, kc).run()
+        return Bridge(km, wire).run()
     finally:
-        try:
-            kc.stop_channels()
+        with contextlib.suppress(Exception):
+            wire.close()
             km.shutdown_kernel(now=True)
-        except Exception:
-            pass
         shutil.rmtree(scratch, ignore_errors=True)
 
 
