@@ -17,7 +17,13 @@ One python sandbox on the real local node, its default context warmed up
   API proxy, what an agent without contexts does (a new interpreter each time);
 - local kernel: the same cell sent with `jupyter_client` to an IPython kernel
   on this machine, waiting for its reply and its idle status (the floor: what
-  a kernel costs without any of our layers).
+  a kernel costs without any of our layers);
+- HTTP echo, pod / API proxy: a POST answered at once with two ndjson lines by
+  a do-nothing server in a pod of the sandbox's image, straight to the pod and
+  through the API server's service proxy (as the SDK reaches the gateway) with
+  the same kubeconfig: the difference is
+  what the API server's proxy adds to any request, which no gateway can take
+  back (the API proxy route is reported with and without it).
 
 Target (issue): run_code's p50 through the gateway within the floor's + 3 ms.
 """
@@ -41,6 +47,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import (  # noqa: E402
     agent_client,
     create_namespace,
+    echo_pod,
     gateway_pod_url,
     latency_row,
     operator_cluster,
@@ -50,10 +57,39 @@ from benchmarks.common import (  # noqa: E402
     write_results,
 )
 from sandbox_sdk import SandboxClient  # noqa: E402
-from tests.kube import KubeJSON  # noqa: E402
+from sandbox_sdk.config import from_kubeconfig  # noqa: E402
+from tests.kube import KubeJSON, core_path  # noqa: E402
 
 NS = "bench-code"
 BOX = "box"
+ECHO_PORT = 8090
+# Answers every POST with a streamed two-line ndjson body, keeping the connection.
+HTTP_ECHO = (
+    f"PORT = {ECHO_PORT}\n"
+    + """
+import socket, threading
+BODY = b'{"type":"started"}\\n{"type":"finished","status":"ok"}\\n'
+HEAD = b"HTTP/1.1 200 OK\\r\\ncontent-type: application/x-ndjson\\r\\n"
+ANSWER = HEAD + b"transfer-encoding: chunked\\r\\n\\r\\n%x\\r\\n%s\\r\\n0\\r\\n\\r\\n" % (
+    len(BODY), BODY)
+def serve(conn):
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    stream = conn.makefile("rb")
+    while True:
+        length = 0
+        while (line := stream.readline()) not in (b"", b"\\r\\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        if not line:
+            return
+        stream.read(length)
+        conn.sendall(ANSWER)
+listener = socket.create_server(("", PORT), reuse_port=True)
+while True:
+    threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
+"""
+)
 
 
 class LocalKernel:
@@ -105,6 +141,25 @@ def _agent_run(agent: httpx.Client, code: str) -> None:
     assert b'"ok"' in last, last
 
 
+def _echo_run(client: httpx.Client, path: str) -> None:
+    with client.stream("POST", path, json={"code": "x + 1"}) as response:
+        response.raise_for_status()
+        lines = list(response.iter_lines())
+    assert any('"finished"' in line for line in lines), lines
+
+
+def _proxy_client(kubeconfig: Path) -> httpx.Client:
+    """An HTTP client for the API server as the SDK makes one from a kubeconfig."""
+    cluster = from_kubeconfig([kubeconfig])
+    token = cluster.credentials.token() if cluster.credentials else None
+    return httpx.Client(
+        base_url=cluster.server,
+        verify=cluster.ssl_context,
+        headers={"Authorization": f"Bearer {token}"} if token else {},
+        timeout=30,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -119,12 +174,21 @@ def main() -> None:
             create_namespace(kube, NS)
             kubeconfig = cluster.kubeconfig.parent / "bench-code.kubeconfig"
             token_kubeconfig(kube, NS, "bench-code", cluster.kubeconfig, kubeconfig)
-            ready_sandbox(kube, NS, BOX)
+            pod = kube.read(core_path("pods", NS, ready_sandbox(kube, NS, BOX)))
+            image = next(c["image"] for c in pod["spec"]["containers"] if c["name"] == "sandbox")
+            echo = echo_pod(kube, NS, "http-echo", image, HTTP_ECHO, ECHO_PORT)
+            echo_proxy_path = (
+                f"/api/v1/namespaces/{NS}/services/http:http-echo:{ECHO_PORT}/proxy/run"
+            )
             os.environ["KUBECONFIG"] = str(kubeconfig)
             with (
                 SandboxClient(NS, gateway="proxy") as via_proxy,
                 SandboxClient(NS, gateway_url=gateway_pod_url(kube)) as via_pod,
                 agent_client(kube, NS, BOX) as agent,
+                httpx.Client(
+                    base_url=f"http://{echo['status']['podIP']}:{ECHO_PORT}"
+                ) as echo_pod_client,
+                _proxy_client(kubeconfig) as echo_proxy_client,
             ):
                 proxied, direct = via_proxy.connect(BOX), via_pod.connect(BOX)
                 began = time.perf_counter()
@@ -139,6 +203,8 @@ def main() -> None:
                         ["python3", "-c", "print(1 + 1)"]
                     ),
                     "local kernel (floor)": lambda: local.run("x + 1"),
+                    "HTTP echo, pod": lambda: _echo_run(echo_pod_client, "/run"),
+                    "HTTP echo, API proxy": lambda: _echo_run(echo_proxy_client, echo_proxy_path),
                 }
                 for _ in range(5):  # warm every route
                     for call in routes.values():
@@ -158,9 +224,16 @@ def main() -> None:
     over = {name: (statistics.median(times[name]) - floor) * 1000 for name in routes}
     for name in ("run_code, gateway pod", "run_code, API proxy", "run_code, agent pod"):
         print(f"  {name} over the floor, p50: {over[name]:.1f} ms")
+    api_server = over["HTTP echo, API proxy"] - over["HTTP echo, pod"]
+    print(f"  the API server's proxy, p50 (echo through it - echo straight): {api_server:.1f} ms")
+    print(
+        "  run_code, API proxy over the floor less the API server's proxy, p50:"
+        f" {over['run_code, API proxy'] - api_server:.1f} ms"
+    )
     print("  (target: the gateway's routes within the floor + 3 ms)")
     results["x_plus_1"] = {
         "first_run_s": first,
+        "api_server_proxy_p50_ms": api_server,
         **{
             name: {
                 "p50_s": statistics.median(values),

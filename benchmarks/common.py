@@ -227,6 +227,49 @@ def ready_sandbox(kube: KubeJSON, namespace: str, name: str) -> str:
     return str((body.get("status") or {}).get("podName") or name)
 
 
+def echo_pod(
+    kube: KubeJSON, namespace: str, name: str, image: str, program: str, port: int
+) -> JSON:
+    """A floor's pod: `python3 -c program` listening on `port`, with no probe but a
+    TCP readiness check, and a Service of the same name in front of it (the
+    gateway's route shape: the API server's service proxy); the pod, once Ready."""
+    kube.create(
+        core_path("services", namespace),
+        {
+            "metadata": {"name": name},
+            "spec": {"selector": {"bench": name}, "ports": [{"port": port, "targetPort": port}]},
+        },
+    )
+    kube.create(
+        core_path("pods", namespace),
+        {
+            "metadata": {"name": name, "labels": {"bench": name}},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "echo",
+                        "image": image,
+                        "imagePullPolicy": "IfNotPresent",
+                        "command": ["python3", "-c", program],
+                        "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 1},
+                    }
+                ],
+                "terminationGracePeriodSeconds": 0,
+            },
+        },
+    )
+
+    def ready() -> JSON | None:
+        pod = kube.get(core_path("pods", namespace, name)) or {}
+        conditions = (pod.get("status") or {}).get("conditions") or []
+        return (
+            pod if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions) else None
+        )
+
+    wait_until(ready, 120)
+    return kube.read(core_path("pods", namespace, name))
+
+
 def gateway_pod_url(kube: KubeJSON) -> str:
     """A gateway replica at its pod IP: the route a client in the cluster has
     (the gateway Service's name), without the API server's service proxy."""

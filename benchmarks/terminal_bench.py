@@ -22,9 +22,10 @@ back:
 - kubectl exec -it: `kubectl exec -i -t box -c sandbox -- cat` on a local
   pty (the API server's stream to the kubelet and the container runtime);
 - WebSocket echo, API proxy (floor): a WebSocket through the API server's
-  proxy to a pod whose only work is to send each message back (a few lines
-  of Python's standard library, no pty): what any route from a kubeconfig
-  through the API server to a WebSocket in the cluster costs at least.
+  service proxy (the gateway's route) to a pod whose only work is to send
+  each message back (a few lines of Python's standard library, no pty): what
+  any route from a kubeconfig through the API server to a WebSocket in the
+  cluster costs at least.
 
 Keys go round the routes, one at a time. Target (issue): the terminal's p50
 within 0.5x of kubectl exec's.
@@ -52,12 +53,12 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import (  # noqa: E402
     agent_client,
     create_namespace,
+    echo_pod,
     gateway_pod_url,
     operator_cluster,
     percentile,
     ready_sandbox,
     token_kubeconfig,
-    wait_until,
     write_results,
 )
 from sandbox_sdk import SandboxClient, Terminal, TerminalSession  # noqa: E402
@@ -173,40 +174,6 @@ def _exec_key(master: int, key: bytes) -> float:
             return time.perf_counter() - began
 
 
-def _echo_pod(kube: KubeJSON, image: str) -> str:
-    """The floor's pod (no probes but a TCP readiness check): its name, once Ready."""
-    name = "ws-echo"
-    kube.create(
-        core_path("pods", NS),
-        {
-            "metadata": {"name": name, "labels": {"bench": "ws-echo"}},
-            "spec": {
-                "containers": [
-                    {
-                        "name": "echo",
-                        "image": image,
-                        "imagePullPolicy": "IfNotPresent",
-                        "command": ["python3", "-c", ECHO_SERVER],
-                        "readinessProbe": {
-                            "tcpSocket": {"port": ECHO_PORT},
-                            "periodSeconds": 1,
-                        },
-                    }
-                ],
-                "terminationGracePeriodSeconds": 0,
-            },
-        },
-    )
-
-    def ready() -> bool:
-        pod = kube.get(core_path("pods", NS, name)) or {}
-        conditions = (pod.get("status") or {}).get("conditions") or []
-        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-    wait_until(ready, 120)
-    return name
-
-
 def _row(label: str, values: list[float]) -> str:
     p50, p90, p99 = (percentile(values, q) * 1000 for q in (0.5, 0.9, 0.99))
     return f"  {label:<28} p50 {p50:6.2f} ms   p90 {p90:6.2f} ms   p99 {p99:6.2f} ms"
@@ -227,7 +194,7 @@ def main() -> None:
         pod = ready_sandbox(kube, NS, BOX)
         box_pod = kube.read(core_path("pods", NS, pod))
         image = next(c["image"] for c in box_pod["spec"]["containers"] if c["name"] == "sandbox")
-        echo_pod = _echo_pod(kube, image)
+        echo_name = echo_pod(kube, NS, "ws-echo", image, ECHO_SERVER, ECHO_PORT)["metadata"]["name"]
         env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
         master, slave = pty.openpty()
         kubectl = subprocess.Popen(
@@ -254,9 +221,8 @@ def main() -> None:
             assert isinstance(ws_agent, WebSocket), ws_agent
             assert "attached" in str(ws_agent.receive(timeout=10))
             assert via_proxy.kube is not None
-            ws_echo = handshake(
-                via_proxy.kube.http, f"/api/v1/namespaces/{NS}/pods/{echo_pod}:{ECHO_PORT}/proxy/"
-            )
+            echo_path = f"/api/v1/namespaces/{NS}/services/http:{echo_name}:{ECHO_PORT}/proxy/"
+            ws_echo = handshake(via_proxy.kube.http, echo_path)
             assert isinstance(ws_echo, WebSocket), ws_echo
             with (
                 proxied.attach() as ws_proxy,

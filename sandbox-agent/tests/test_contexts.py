@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -368,3 +369,29 @@ def test_output_comes_while_the_cell_still_runs(fresh: Callable[..., Sandbox]) -
     assert seen[-1]["status"] == "ok", seen
     assert main_result(seen)["data"]["text/plain"] == "'late'"
     assert kinds(seen, "result")[0]["data"] == {"shown": 1}
+
+
+def test_clients_that_leave_at_once_never_cost_the_kernel_its_state(
+    fresh: Callable[..., Sandbox],
+) -> None:
+    """A client that leaves right after `started`: its run, over a moment later,
+    must not be interrupted then, since SIGINT that reaches IPython between two
+    cells can end the kernel (its loop does not catch it) or leave a request
+    without a reply. The variables stay (before: a new kernel 6 times in 200)."""
+    sb = fresh()
+    run(sb, "x = 1")
+    host, port = sb.base_url.split("//")[1].rsplit(":", 1)
+    body = json.dumps({"code": "x + 1"}).encode()
+    request = (
+        b"POST /v1/code/run HTTP/1.1\r\nHost: agent\r\nAuthorization: Bearer "
+        + sb.token.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
+    for _ in range(100):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(request)
+            assert b'"started"' in s.recv(4096)
+        events = run(sb, "x")
+        assert "restarted" not in events[0], events
+        assert main_result(events)["data"]["text/plain"] == "1", events

@@ -116,20 +116,28 @@ def test_code_interpreter_in_a_real_pod(user_env: dict[str, str]) -> None:
 
 
 def test_javascript_context_in_the_node_runtime(user_env: dict[str, str]) -> None:
-    """The node runtime's own `node` runs a JavaScript context: state across runs."""
+    """The node runtime's own `node` runs a JavaScript context: state across runs.
+    Code runs and commands go through the API server over HTTP/2 (over HTTP/1.1
+    its proxy now and then cuts an event stream that answers a POST)."""
     env = {**os.environ, **user_env}
     script = (
         "from sandbox_sdk import SandboxClient\n"
         "with SandboxClient() as c, c.create('node') as sb:\n"
+        "    seen = set()\n"
+        "    hooks = c.gateway.kube.events.event_hooks['response']\n"
+        "    hooks.append(lambda r: seen.add((r.url.path.split('/')[-1], r.http_version)))\n"
         "    sb.run_code('let n = 6; console.log(process.version)', language='javascript')\n"
         "    r = sb.run_code('n * 7', language='javascript')\n"
-        "    print(r.status, r.text, r.context_id)\n"
+        "    sb.execute('echo streamed', stdout=lambda text: None)\n"
+        "    print(r.status, r.text, r.context_id, sorted(seen))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok 42 default-javascript", done.stdout
+    assert done.stdout.strip() == (
+        "ok 42 default-javascript [('run', 'HTTP/2'), ('stream', 'HTTP/2')]"
+    ), done.stdout
 
 
 def test_one_shot(user_env: dict[str, str]) -> None:

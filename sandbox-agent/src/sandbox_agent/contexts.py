@@ -50,6 +50,8 @@ PENDING_CAP = 16 << 20
 # After an interrupt, how long a run may take to end before its kernel is
 # started again.
 INTERRUPT_GRACE = 5.0
+# A run whose client left is interrupted if it has not ended this much later.
+ABANDON_WAIT = 0.5
 # Runs waiting for their turn in one context.
 MAX_WAITING = 16
 # Context ids the agent makes itself: one default context per language.
@@ -88,12 +90,17 @@ class _Run:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def next(self, seconds: float) -> models.CodeEvent | None:
-        """The next event, or None when `seconds` passed without one."""
+    async def wait(self, seconds: float) -> None:
+        """Until an event is queued, or `seconds` passed."""
         if not self.events:
             self._waiter = asyncio.get_running_loop().create_future()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._waiter), max(seconds, 0.0))
+                async with asyncio.timeout(max(seconds, 0.0)):
+                    await self._waiter
+
+    async def next(self, seconds: float) -> models.CodeEvent | None:
+        """The next event, or None when `seconds` passed without one."""
+        await self.wait(seconds)
         if not self.events:
             return None
         event = self.events.popleft()
@@ -605,6 +612,13 @@ class ContextManager:
 
     async def _abandon(self, ctx: Context, run: _Run) -> None:
         try:
+            # A short run ends on its own: an interrupt that reaches the kernel
+            # just after a cell can end the kernel.
+            deadline = time.monotonic() + ABANDON_WAIT
+            while not run.done and time.monotonic() < deadline:
+                await run.next(deadline - time.monotonic())
+            if run.done:
+                return
             with contextlib.suppress(Unavailable):
                 self.interrupt(ctx)
             deadline = time.monotonic() + INTERRUPT_GRACE

@@ -58,6 +58,18 @@ POLL = 0.5
 PAUSE = 0.02
 COALESCE = 64 << 10
 CHUNK = 1 << 20
+# The kernel sends a run's reply before it says it is idle; a reply that has
+# not come this long after is lost: an interrupt that reached the kernel
+# between two cells is caught there ("KeyboardInterrupt caught in kernel"),
+# and the request it was starting has no reply. The run ends then, and the
+# kernel with its state stays (the agent would start it again after its own
+# grace).
+REPLY_AFTER_IDLE = 1.0
+# SIGINT can also land where the kernel says neither reply nor idle. So once
+# an interrupt had this long to act, the bridge sends a later request: the
+# kernel answers requests in order, so its answer means the run is over. (A
+# cell deaf to SIGINT still runs: the answer waits, and the agent decides.)
+PROBE_AFTER = 0.5
 # Where Jupyter's wire format puts the identities' end.
 DELIM = b"<IDS|MSG>"
 
@@ -179,15 +191,17 @@ class Bridge:
         self.ops: deque[dict[str, Any]] = deque()
         # An interrupt names its run. The kernel only turns SIGINT into
         # KeyboardInterrupt while it executes, so one that comes before the
-        # kernel said it is busy with that run waits until it does.
+        # kernel said it is busy with that run waits until it does, and one
+        # for a run the kernel already finished is not sent.
         self.current = ""
         self.busy = False
         self.interrupts = set()  # type: set[str]
+        self.interrupted_at: float | None = None  # when the current run got SIGINT
 
     # -- the agent's side ---------------------------------------------------------
 
     def read_stdin(self) -> None:
-        """Requests from the agent; an interrupt acts at once on its run."""
+        """Requests from the agent: runs queued, interrupts noted."""
         data = os.read(STDIN, 1 << 20)
         if not data:  # the agent went away
             self.wire.poller.unregister(STDIN)
@@ -202,23 +216,16 @@ class Bridge:
             if not isinstance(op, dict):
                 continue
             if op.get("op") == "interrupt":
-                rid = str(op.get("id", ""))
-                self.interrupts.add(rid)
-                if rid == self.current and self.busy:
-                    self.interrupt()
+                self.interrupts.add(str(op.get("id", "")))  # acted on in execute()
             else:
                 self.ops.append(op)
 
     def interrupt(self) -> None:
+        self.interrupted_at = time.monotonic()
         try:
             self.km.interrupt_kernel()
         except Exception as exc:  # a dead kernel: the execute loop says so
             sys.stderr.write(f"interrupt failed: {exc}\n")
-
-    def began(self, rid: str) -> None:
-        self.busy = True
-        if rid in self.interrupts:
-            self.interrupt()
 
     def run(self) -> int:
         while True:
@@ -276,79 +283,123 @@ class Bridge:
     def execute(self, rid: str, code: str) -> bool:
         """Run one cell and report it; False when the kernel died under it."""
         msg_id = self.wire.send("execute_request", _execute(code, silent=False, store_history=True))
-        out = Output(rid)
-        count = None
-        status = None  # from the execute reply
-        idle_at = None  # when the kernel said it is idle: the reply follows soon
+        cell = Cell(rid, msg_id)
+        self.interrupted_at = None
+        probe = None  # a later request, sent once an interrupt had time to act
         while True:
-            if idle_at is not None and (status is not None or time.monotonic() - idle_at > 5):
+            now = time.monotonic()
+            if cell.over_at is not None and (
+                cell.status is not None or now - cell.over_at > REPLY_AFTER_IDLE
+            ):
                 break
-            wait = PAUSE if out.events else POLL
-            if idle_at is not None:
-                wait = max(0.0, idle_at + 5 - time.monotonic())
-            shell, iopub, stdin = self.wire.poll(wait)
+            interrupted = self.interrupted_at
+            if probe is None and interrupted is not None and now - interrupted > PROBE_AFTER:
+                probe = self.wire.send("kernel_info_request", {})
+            shell, iopub, stdin = self.wire.poll(
+                cell.wait(now, None if probe else self.interrupted_at)
+            )
             if stdin:
                 self.read_stdin()
             if shell:
                 msg = self.wire.recv(self.wire.shell)
                 if msg is not None and msg[1] == msg_id and msg[0] == "execute_reply":
-                    status = str(msg[2].get("status", "ok"))
-                    count = msg[2].get("execution_count", count)
+                    cell.status = str(msg[2].get("status", "ok"))
+                    cell.count = msg[2].get("execution_count", cell.count)
+                elif msg is not None and probe is not None and msg[1] == probe:
+                    # The kernel answered a request sent after this one: this
+                    # one is over, idle said or not (see REPLY_AFTER_IDLE).
+                    while self.wire.iopub.poll(0):
+                        self.take(cell, self.wire.recv(self.wire.iopub))
+                    cell.over_at = cell.over_at or now
+                    cell.status = cell.status or "error"
+            if iopub:
+                self.take(cell, self.wire.recv(self.wire.iopub))
+            if rid in self.interrupts and self.busy and self.interrupted_at is None:
+                # SIGINT outside a cell can end the kernel (its loop does not
+                # catch it): not when what it already said shows the run over.
+                while self.wire.iopub.poll(0):
+                    self.take(cell, self.wire.recv(self.wire.iopub))
+                if cell.over_at is None and cell.status is None:
+                    self.interrupt()
             if not (shell or iopub or stdin):
-                out.flush()
-                if idle_at is None and not self.alive():
+                cell.out.flush()
+                if cell.over_at is None and not self.alive():
                     # First: the agent ends the run with the reason.
                     emit({"type": "died", "message": _died(self.km)})
                     emit({"id": rid, "type": "finished", "status": "error", "executionCount": None})
                     return False
-                continue
-            if not iopub:
-                continue
-            msg = self.wire.recv(self.wire.iopub)
-            if msg is None or msg[1] != msg_id:
-                continue
-            kind, _, content = msg
-            if kind == "stream":
-                name = "stderr" if content.get("name") == "stderr" else "stdout"
-                out.text(name, str(content.get("text", "")))
-            elif kind in ("execute_result", "display_data", "update_display_data"):
-                main = kind == "execute_result"
-                if main:
-                    count = content.get("execution_count")
-                data = content.get("data")
-                out.add(
-                    {
-                        "id": rid,
-                        "type": "result",
-                        "data": data if isinstance(data, dict) else {},
-                        "metadata": content.get("metadata") or {},
-                        "isMain": main,
-                        "executionCount": count if main else None,
-                    },
-                    sum(len(str(v)) for v in data.values()) if isinstance(data, dict) else 0,
-                )
-            elif kind == "error":
-                out.add(
-                    {
-                        "id": rid,
-                        "type": "error",
-                        "name": str(content.get("ename", "")),
-                        "value": str(content.get("evalue", "")),
-                        "traceback": [str(t) for t in content.get("traceback") or []],
-                    },
-                    0,
-                )
-            elif kind == "execute_input":
-                count = content.get("execution_count")
-            elif kind == "status" and content.get("execution_state") == "busy":
-                self.began(rid)
-            elif kind == "status" and content.get("execution_state") == "idle":
-                idle_at = time.monotonic()
-        out.add(
-            {"id": rid, "type": "finished", "status": status or "ok", "executionCount": count}, 0
+        if cell.status is None:  # see REPLY_AFTER_IDLE
+            cell.status = "error" if rid in self.interrupts else "ok"
+        cell.out.add(
+            {"id": rid, "type": "finished", "status": cell.status, "executionCount": cell.count}, 0
         )
-        out.flush()
+        cell.out.flush()
         return True
+
+    def take(self, cell: Cell, msg: tuple[str, str, dict[str, Any]] | None) -> None:
+        """One IOPub message: the cell's output, its count, its start and end."""
+        if msg is None or msg[1] != cell.msg_id:
+            return
+        kind, _, content = msg
+        out = cell.out
+        if kind == "stream":
+            name = "stderr" if content.get("name") == "stderr" else "stdout"
+            out.text(name, str(content.get("text", "")))
+        elif kind in ("execute_result", "display_data", "update_display_data"):
+            main = kind == "execute_result"
+            if main:
+                cell.count = content.get("execution_count")
+            data = content.get("data")
+            out.add(
+                {
+                    "id": cell.rid,
+                    "type": "result",
+                    "data": data if isinstance(data, dict) else {},
+                    "metadata": content.get("metadata") or {},
+                    "isMain": main,
+                    "executionCount": cell.count if main else None,
+                },
+                sum(len(str(v)) for v in data.values()) if isinstance(data, dict) else 0,
+            )
+        elif kind == "error":
+            out.add(
+                {
+                    "id": cell.rid,
+                    "type": "error",
+                    "name": str(content.get("ename", "")),
+                    "value": str(content.get("evalue", "")),
+                    "traceback": [str(t) for t in content.get("traceback") or []],
+                },
+                0,
+            )
+        elif kind == "execute_input":
+            cell.count = content.get("execution_count")
+        elif kind == "status" and content.get("execution_state") == "busy":
+            self.busy = True
+        elif kind == "status" and content.get("execution_state") == "idle":
+            cell.over_at = time.monotonic()
+
+
+class Cell:
+    """A run's state while the kernel executes it."""
+
+    def __init__(self, rid: str, msg_id: str) -> None:
+        self.rid = rid
+        self.msg_id = msg_id
+        self.out = Output(rid)
+        self.count: Any = None
+        self.status: str | None = None  # from the execute reply
+        self.over_at: float | None = None  # idle said, or a later request answered
+
+    def wait(self, now: float, interrupted_at: float | None) -> float:
+        """How long the next poll may wait: until output is due, the reply is
+        given up on, or the interrupt is probed."""
+        wait = PAUSE if self.out.events else POLL
+        if self.over_at is not None:
+            wait = min(wait, self.over_at + REPLY_AFTER_IDLE - now)
+        if interrupted_at is not None:
+            wait = min(wait, interrupted_at + PROBE_AFTER - now)
+        return max(wait, 0.0)
 
 
 class Output:

@@ -296,13 +296,19 @@ class AsyncGateway:
     # -- requests ---------------------------------------------------------------
 
     async def _prepare(
-        self, namespace: str, name: str, tail: str, headers: dict[str, str] | None
+        self,
+        namespace: str,
+        name: str,
+        tail: str,
+        headers: dict[str, str] | None,
+        *,
+        events: bool = False,
     ) -> tuple[httpx.AsyncClient, str, dict[str, str]]:
         path = f"/v1/namespaces/{namespace}/sandboxes/{name}/{tail}"
-        return await self._prepare_path(namespace, path, headers)
+        return await self._prepare_path(namespace, path, headers, events=events)
 
     async def _prepare_path(
-        self, namespace: str, path: str, headers: dict[str, str] | None
+        self, namespace: str, path: str, headers: dict[str, str] | None, *, events: bool = False
     ) -> tuple[httpx.AsyncClient, str, dict[str, str]]:
         location = await self.locate()
         token = await self.token(namespace)
@@ -311,7 +317,7 @@ class AsyncGateway:
         if location.via_api_server:
             assert self.kube is not None
             out[PROXIED_AUTHORIZATION] = f"Bearer {token}"
-            return self.kube.http, url, out
+            return self.kube.events if events else self.kube.http, url, out
         assert self.direct is not None
         out["Authorization"] = f"Bearer {token}"
         return self.direct, url, out
@@ -396,8 +402,11 @@ class AsyncGateway:
         headers: dict[str, str] | None = None,
         read_timeout: float | None = None,
     ) -> AsyncIterator[httpx.Response]:
-        """A streamed call: the response is open inside the `with`; errors raised."""
-        http, url, hdrs = await self._prepare(namespace, name, tail, headers)
+        """A streamed call: the response is open inside the `with`; errors raised.
+        A JSON body asks for an event stream: HTTP/2 through the API server."""
+        http, url, hdrs = await self._prepare(
+            namespace, name, tail, headers, events=json_body is not None
+        )
         body = content
         if json_body is not None:
             body = json.dumps(json_body).encode()

@@ -295,13 +295,19 @@ class Gateway:
     # -- requests ---------------------------------------------------------------
 
     def _prepare(
-        self, namespace: str, name: str, tail: str, headers: dict[str, str] | None
+        self,
+        namespace: str,
+        name: str,
+        tail: str,
+        headers: dict[str, str] | None,
+        *,
+        events: bool = False,
     ) -> tuple[httpx.Client, str, dict[str, str]]:
         path = f"/v1/namespaces/{namespace}/sandboxes/{name}/{tail}"
-        return self._prepare_path(namespace, path, headers)
+        return self._prepare_path(namespace, path, headers, events=events)
 
     def _prepare_path(
-        self, namespace: str, path: str, headers: dict[str, str] | None
+        self, namespace: str, path: str, headers: dict[str, str] | None, *, events: bool = False
     ) -> tuple[httpx.Client, str, dict[str, str]]:
         location = self.locate()
         token = self.token(namespace)
@@ -310,7 +316,7 @@ class Gateway:
         if location.via_api_server:
             assert self.kube is not None
             out[PROXIED_AUTHORIZATION] = f"Bearer {token}"
-            return self.kube.http, url, out
+            return self.kube.events if events else self.kube.http, url, out
         assert self.direct is not None
         out["Authorization"] = f"Bearer {token}"
         return self.direct, url, out
@@ -395,8 +401,11 @@ class Gateway:
         headers: dict[str, str] | None = None,
         read_timeout: float | None = None,
     ) -> Iterator[httpx.Response]:
-        """A streamed call: the response is open inside the `with`; errors raised."""
-        http, url, hdrs = self._prepare(namespace, name, tail, headers)
+        """A streamed call: the response is open inside the `with`; errors raised.
+        A JSON body asks for an event stream: HTTP/2 through the API server."""
+        http, url, hdrs = self._prepare(
+            namespace, name, tail, headers, events=json_body is not None
+        )
         body = content
         if json_body is not None:
             body = json.dumps(json_body).encode()
