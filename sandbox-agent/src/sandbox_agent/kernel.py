@@ -164,8 +164,8 @@ def wait_ready(km: Any, wire: Wire, timeout: float) -> None:
     while True:
         if time.monotonic() > deadline:
             raise RuntimeError(f"no answer in {timeout:g}s")
-        shell, _, _ = wire.poll(POLL)
-        if shell:
+        # The sockets alone: nothing the agent says matters before `ready`.
+        if wire.shell.poll(int(POLL * 1000)):
             msg = wire.recv(wire.shell)
             if msg is not None and msg[0] == "kernel_info_reply" and msg[1] == asked:
                 break
@@ -175,8 +175,7 @@ def wait_ready(km: Any, wire: Wire, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"IOPub said nothing in {timeout:g}s")
         wire.send("kernel_info_request", {})  # its busy/idle come on IOPub
-        _, iopub, _ = wire.poll(0.2)
-        if iopub:
+        if wire.iopub.poll(200):
             break
     time.sleep(0.05)  # the status messages of the last request
     wire.drain(wire.iopub)
