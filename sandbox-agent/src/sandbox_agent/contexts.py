@@ -90,22 +90,26 @@ class _Run:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def wait(self, seconds: float) -> None:
-        """Until an event is queued, or `seconds` passed."""
+    async def next(self, seconds: float) -> models.CodeEvent | None:
+        """The next event, or None when `seconds` passed without one."""
         if not self.events:
             self._waiter = asyncio.get_running_loop().create_future()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(seconds, 0.0)):
-                    await self._waiter
-
-    async def next(self, seconds: float) -> models.CodeEvent | None:
-        """The next event, or None when `seconds` passed without one."""
-        await self.wait(seconds)
+                await asyncio.wait_for(asyncio.shield(self._waiter), max(seconds, 0.0))
         if not self.events:
             return None
         event = self.events.popleft()
         self.pending -= _size(event)
         return event
+
+
+async def _ends_within(run: _Run, seconds: float) -> bool:
+    """Whether `run` ends within `seconds` (its events are read and dropped:
+    nobody is there to get them)."""
+    deadline = time.monotonic() + seconds
+    while not run.done and time.monotonic() < deadline:
+        await run.next(deadline - time.monotonic())
+    return run.done
 
 
 def _size(event: models.CodeEvent) -> int:
@@ -614,17 +618,11 @@ class ContextManager:
         try:
             # A short run ends on its own: an interrupt that reaches the kernel
             # just after a cell can end the kernel.
-            deadline = time.monotonic() + ABANDON_WAIT
-            while not run.done and time.monotonic() < deadline:
-                await run.next(deadline - time.monotonic())
-            if run.done:
+            if await _ends_within(run, ABANDON_WAIT):
                 return
             with contextlib.suppress(Unavailable):
                 self.interrupt(ctx)
-            deadline = time.monotonic() + INTERRUPT_GRACE
-            while not run.done and time.monotonic() < deadline:
-                await run.next(deadline - time.monotonic())
-            if not run.done:
+            if not await _ends_within(run, INTERRUPT_GRACE):
                 with contextlib.suppress(Unavailable):
                     await self._restart_for(ctx, run)
                 ctx.unannounced_restart = True

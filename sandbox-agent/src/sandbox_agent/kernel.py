@@ -192,7 +192,6 @@ class Bridge:
         # KeyboardInterrupt while it executes, so one that comes before the
         # kernel said it is busy with that run waits until it does, and one
         # for a run the kernel already finished is not sent.
-        self.current = ""
         self.busy = False
         self.interrupts = set()  # type: set[str]
         self.interrupted_at: float | None = None  # when the current run got SIGINT
@@ -243,11 +242,11 @@ class Bridge:
             if op.get("op") == "execute" and isinstance(op.get("code"), str):
                 rid = str(op.get("id", ""))
                 env = _env(op.get("env"))
-                self.current, self.busy = rid, False
+                self.busy = False
                 if env:
                     self.silent(ENV_SET % (env,))
                 alive = self.execute(rid, op["code"])
-                self.current, self.busy = "", False
+                self.busy = False
                 self.interrupts.discard(rid)
                 if alive and env:
                     alive = self.silent(ENV_RESTORE)
