@@ -342,7 +342,7 @@ class Upstreams:
     ) -> web.StreamResponse:
         """Open the caller's WebSocket to `url` and join the two (tunnel.py)."""
         try:
-            reader, writer, answer = await tunnel.open_upstream(
+            upstream, answer = await tunnel.open_upstream(
                 url,
                 request,
                 headers,
@@ -364,10 +364,10 @@ class Upstreams:
                 "message": f"the sandbox answered {exc.status} to the WebSocket handshake",
             }
             return web.json_response({"error": error}, status=exc.status)
-        except (OSError, TimeoutError, ValueError, EOFError, asyncio.LimitOverrunError) as exc:
+        except (OSError, TimeoutError, ValueError, EOFError) as exc:
             metrics.UPSTREAM_ERRORS.inc()
             raise UpstreamError(f"{url.split('?')[0]} could not be reached: {exc}") from exc
-        return await tunnel.join(request, reader, writer, answer)
+        return await tunnel.join(request, upstream, answer)
 
 
 class _HeadersWithFirstEvent(web.StreamResponse):

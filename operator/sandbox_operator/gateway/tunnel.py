@@ -38,10 +38,13 @@ ANSWER = ("Sec-WebSocket-Accept", "Sec-WebSocket-Protocol", "Sec-WebSocket-Exten
 # The upstream's answer head (status line and headers), and the body of a refusal.
 MAX_HEAD = 64 << 10
 MAX_REFUSAL = 64 << 10
-CHUNK = 1 << 16
 # The caller's bytes waiting for the upstream to take them: past HIGH the caller
 # is not read until they are down to the transport's own low-water mark.
 HIGH = 1 << 20
+# The upstream's bytes waiting for the caller: past HIGH the upstream is not read
+# until the caller's buffer is down to LOW (looked at every RESUME_POLL seconds).
+LOW = 1 << 16
+RESUME_POLL = 0.005
 # A request target as it may appear in a request line: the gateway built it from
 # a checked path and the raw query the caller sent, but a line is a line.
 _TARGET = re.compile(r"/[\x21-\x7e]*")
@@ -61,25 +64,25 @@ class _Inbound:
     written to the upstream, and the caller's reading pauses while the upstream
     is behind."""
 
-    def __init__(self, upstream: asyncio.StreamWriter, caller: asyncio.BaseTransport) -> None:
+    def __init__(self, upstream: Upstream, caller: asyncio.BaseTransport) -> None:
         self.upstream = upstream
         self.caller = caller
         self.ended = asyncio.Event()
         self._resuming: asyncio.Task[None] | None = None
 
     def feed_data(self, data: bytes) -> tuple[bool, bytes]:
-        if self.upstream.is_closing():
+        transport = self.upstream.transport
+        if transport is None or transport.is_closing():
             self.ended.set()
             return True, b""
-        self.upstream.write(data)
-        if self._resuming is None and self.upstream.transport.get_write_buffer_size() > HIGH:
+        transport.write(data)
+        if self._resuming is None and transport.get_write_buffer_size() > HIGH:
             self.caller.pause_reading()  # type: ignore[attr-defined]
             self._resuming = asyncio.get_running_loop().create_task(self._resume())
         return False, b""
 
     async def _resume(self) -> None:
-        with contextlib.suppress(ConnectionError):
-            await self.upstream.drain()
+        await self.upstream.drained()
         self._resuming = None
         if not self.caller.is_closing():
             self.caller.resume_reading()  # type: ignore[attr-defined]
@@ -92,6 +95,128 @@ class _Inbound:
             self._resuming.cancel()
 
 
+class Upstream(asyncio.Protocol):
+    """The connection to the upstream: its answer to the handshake is read here,
+    then (`relay`) every byte it sends is written to the caller's transport from
+    this callback, with no task, buffer or response object between them (a
+    keystroke's echo crosses here once per key). Reading pauses while the
+    caller is behind."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.received = bytearray()  # before the relay starts
+        self.eof = False
+        self.ended = asyncio.Event()  # the upstream closed
+        self.caller: asyncio.Transport | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False  # the upstream's writing, by its transport
+        self._drain: asyncio.Future[None] | None = None
+        self._resuming: asyncio.Task[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.caller is not None:
+            self._relay(data)
+            return
+        self.received += data
+        if len(self.received) > MAX_HEAD + MAX_REFUSAL and self.transport is not None:
+            self.transport.pause_reading()  # more than a handshake answer can be
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return False  # close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        self._wake()
+        self.ended.set()
+        self._paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    async def drained(self) -> None:
+        """Once what the caller sent has gone to the upstream, down to its low mark."""
+        if self._paused:
+            self._drain = asyncio.get_running_loop().create_future()
+            await self._drain
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _more(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        await self._waiter
+
+    async def head(self) -> bytes:
+        """The answer's status line and headers (ValueError past MAX_HEAD, EOFError
+        when the upstream closes first)."""
+        while (end := self.received.find(b"\r\n\r\n")) < 0:
+            if len(self.received) > MAX_HEAD:
+                raise ValueError(f"the upstream's answer head is longer than {MAX_HEAD} bytes")
+            if self.eof:
+                raise EOFError("the upstream closed before it answered")
+            await self._more()
+        head = bytes(self.received[: end + 4])
+        del self.received[: end + 4]
+        return head
+
+    async def exactly(self, size: int) -> bytes:
+        """The next `size` bytes, or what came before the upstream closed."""
+        while len(self.received) < size and not self.eof:
+            await self._more()
+        data = bytes(self.received[:size])
+        del self.received[:size]
+        return data
+
+    def relay(self, caller: asyncio.Transport) -> None:
+        """From now on the upstream's bytes go to `caller` as they come."""
+        self.caller = caller
+        if self.received:
+            data = bytes(self.received)
+            self.received.clear()
+            self._relay(data)
+
+    def _relay(self, data: bytes) -> None:
+        caller = self.caller
+        assert caller is not None
+        if caller.is_closing():
+            return
+        caller.write(data)
+        if self._resuming is None and caller.get_write_buffer_size() > HIGH:
+            assert self.transport is not None
+            self.transport.pause_reading()
+            self._resuming = asyncio.get_running_loop().create_task(self._resume(caller))
+
+    async def _resume(self, caller: asyncio.Transport) -> None:
+        # The caller's transport belongs to aiohttp's protocol, whose drain
+        # signal is not ours to take: its buffer is looked at until it is low
+        # (only while a caller is more than HIGH behind).
+        while caller.get_write_buffer_size() > LOW and not caller.is_closing():  # noqa: ASYNC110
+            await asyncio.sleep(RESUME_POLL)
+        self._resuming = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self._resuming is not None:
+            self._resuming.cancel()
+        if self.transport is not None:
+            self.transport.close()
+
+
 async def open_upstream(
     url: str,
     request: web.Request,
@@ -99,11 +224,11 @@ async def open_upstream(
     *,
     connect_seconds: float,
     answer_seconds: float,
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, CIMultiDict[str]]:
+) -> tuple[Upstream, CIMultiDict[str]]:
     """Send the caller's upgrade to `url` (http only: agents and preview ports are
     plain HTTP inside the cluster) with `headers`; the connection and the 101's
-    headers. Refused when the answer is not a 101; OSError/TimeoutError/ValueError
-    when nothing usable came back."""
+    headers. Refused when the answer is not a 101; OSError/TimeoutError/ValueError/
+    EOFError when nothing usable came back."""
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"not an http URL: {url}")
@@ -118,22 +243,21 @@ async def open_upstream(
     lines = [f"GET {target} HTTP/1.1", f"Host: {parts.netloc}"]
     lines += ["Connection: Upgrade", "Upgrade: websocket"]
     lines += [f"{name}: {value}" for name, value in outgoing.items()]
+    loop = asyncio.get_running_loop()
     async with asyncio.timeout(connect_seconds):
-        reader, writer = await asyncio.open_connection(
-            parts.hostname, parts.port or 80, limit=MAX_HEAD
-        )
+        _, upstream = await loop.create_connection(Upstream, parts.hostname, parts.port or 80)
     try:
-        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        assert upstream.transport is not None
+        upstream.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
         async with asyncio.timeout(answer_seconds):
-            head = await reader.readuntil(b"\r\n\r\n")
-            status, answer = _parse_head(head)
+            status, answer = _parse_head(await upstream.head())
             if status != 101:
-                raise Refused(status, answer.get("Content-Type"), await _refusal(reader, answer))
+                raise Refused(status, answer.get("Content-Type"), await _refusal(upstream, answer))
         if answer.get("Upgrade", "").lower() != "websocket":
             raise ValueError("the upstream's 101 does not upgrade to websocket")
-        return reader, writer, answer
+        return upstream, answer
     except BaseException:
-        writer.close()
+        upstream.close()
         raise
 
 
@@ -153,21 +277,17 @@ def _parse_head(head: bytes) -> tuple[int, CIMultiDict[str]]:
     return int(code), answer
 
 
-async def _refusal(reader: asyncio.StreamReader, answer: CIMultiDict[str]) -> bytes:
+async def _refusal(upstream: Upstream, answer: CIMultiDict[str]) -> bytes:
     """A refusal's body when it says its length and that is small; else nothing."""
     length = answer.get("Content-Length", "")
     if not length.isdigit() or int(length) > MAX_REFUSAL:
         return b""
-    with contextlib.suppress(asyncio.IncompleteReadError):
-        return await reader.readexactly(int(length))
-    return b""
+    body = await upstream.exactly(int(length))
+    return body if len(body) == int(length) else b""
 
 
 async def join(
-    request: web.Request,
-    reader: asyncio.StreamReader,
-    writer: asyncio.StreamWriter,
-    answer: CIMultiDict[str],
+    request: web.Request, upstream: Upstream, answer: CIMultiDict[str]
 ) -> web.StreamResponse:
     """Answer the caller's handshake with the upstream's 101, then pass bytes
     both ways until either side ends; the other is closed then."""
@@ -182,25 +302,20 @@ async def join(
         await response.prepare(request)
         if caller is None or caller.is_closing():
             return response
-        inbound = _Inbound(writer, caller)
+        inbound = _Inbound(upstream, caller)
         request.protocol.set_parser(inbound)  # type: ignore[arg-type]
-        outbound = asyncio.get_running_loop().create_task(_outbound(reader, response))
-        left = asyncio.get_running_loop().create_task(inbound.ended.wait())
+        upstream.relay(caller)
+        loop = asyncio.get_running_loop()
+        ended = (loop.create_task(upstream.ended.wait()), loop.create_task(inbound.ended.wait()))
         try:
-            await asyncio.wait((outbound, left), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(ended, return_when=asyncio.FIRST_COMPLETED)
         finally:
             inbound.close()
-            for task in (outbound, left):
+            for task in ended:
                 task.cancel()
-            for task in (outbound, left):
-                with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+            for task in ended:
+                with contextlib.suppress(asyncio.CancelledError):
                     await task
         return response
     finally:
-        writer.close()
-
-
-async def _outbound(reader: asyncio.StreamReader, response: web.StreamResponse) -> None:
-    """The upstream's bytes to the caller, waiting for the caller to take them."""
-    while data := await reader.read(CHUNK):
-        await response.write(data)
+        upstream.close()

@@ -106,6 +106,7 @@ class _Cycle:
         "response_started",
         "scope",
         "status",
+        "task",
         "waiter",
     )
 
@@ -128,6 +129,7 @@ class _Cycle:
         self.complete = False
         self.status = 0
         self.resp_headers: list[tuple[bytes, bytes]] = []
+        self.task: asyncio.Task[None] | None = None  # the app's, once it runs
 
     def wake(self) -> None:
         w = self.waiter
@@ -321,6 +323,12 @@ class HttpProtocol(asyncio.Protocol):
             if cycle is not None:
                 cycle.disconnected = True
                 cycle.wake()
+        cycle = self.running
+        if cycle is not None and cycle.task is not None and cycle.response_started:
+            # A streamed answer whose client left: its producer stops now, not
+            # at its next event (a command can be silent for an hour). This is
+            # how apps learn of it (ASGI 2.4: nobody waits on receive() for it).
+            cycle.task.cancel()
         if self.ws is not None:
             self.ws.disconnected()
         w = self.drain_waiter
@@ -440,7 +448,10 @@ class HttpProtocol(asyncio.Protocol):
             return
         scope: Message = {
             "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            # 2.4: a streamed answer needs no task of its own listening for the
+            # disconnect (Starlette's StreamingResponse spawns one below 2.4);
+            # connection_lost cancels the app instead.
+            "asgi": {"version": "3.0", "spec_version": "2.4"},
             "http_version": self.parser.get_http_version(),
             "server": self.local,
             "client": self.client,
@@ -535,11 +546,14 @@ class HttpProtocol(asyncio.Protocol):
 
     def _start(self, cycle: _Cycle) -> None:
         self.running = cycle
-        self.loop.create_task(self._run(cycle))
+        cycle.task = self.loop.create_task(self._run(cycle))
 
     async def _run(self, cycle: _Cycle) -> None:
         try:
             await self.app(cycle.scope, cycle.receive, cycle.send)
+        except asyncio.CancelledError:
+            if not cycle.disconnected:
+                raise  # the server is stopping
         except Exception:
             if cycle.response_done:
                 # The app's error handler answered (a 500) and then re-raised,
