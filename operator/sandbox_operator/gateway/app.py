@@ -366,7 +366,9 @@ class Gateway:
                 raise Refusal(426, "websocket_required", f"{tail} is a WebSocket")
             raw = request.rel_url.raw_query_string  # as sent: it goes on a request line
             return await self.upstreams.websocket(request, f"{url}?{raw}" if raw else url, headers)
-        return await self.upstreams.forward(request, url, headers=headers, events=found.streams)
+        return await self.upstreams.forward(
+            request, url, headers=headers, events=found.streams, agent=True
+        )
 
     # -- scoped tokens and signed URLs -------------------------------------------------
 
@@ -507,6 +509,7 @@ class Gateway:
             query={"path": path},
             headers=headers,
             extra_response_headers={"Content-Disposition": attachment(filename)},
+            agent=True,
         )
 
     # -- preview ports ----------------------------------------------------------------

@@ -25,7 +25,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from sandbox_operator.gateway import metrics, tunnel
+from sandbox_operator.gateway import metrics, tunnel, upstream
 
 log = logging.getLogger("sandbox_gateway.proxy")
 
@@ -64,6 +64,11 @@ MAX_EVENT = 16 << 20
 # a minute) no longer holds bulk copies back.
 YIELD_SECONDS = 0.002
 SHORT_SECONDS = 0.25
+
+
+# An upstream's answer: aiohttp's, or the lean client's (upstream.py) for calls
+# to agents whose body is in hand.
+Answer = aiohttp.ClientResponse | upstream.Answer
 
 
 class UpstreamError(Exception):
@@ -145,8 +150,10 @@ class Upstreams:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
+        self.lean = upstream.Pool(connect_seconds)
 
     async def close(self) -> None:
+        self.lean.close()
         await self.session.close()
 
     def interrupt_streams(self) -> None:
@@ -165,10 +172,13 @@ class Upstreams:
         method: str | None = None,
         extra_response_headers: Mapping[str, str] | None = None,
         events: bool = False,
+        agent: bool = False,
     ) -> web.StreamResponse:
         """Send `request` (its method, headers and streamed body) to `url`, and
         stream the answer back. UpstreamError when the upstream cannot be reached.
-        `events`: the answer is an execution's event stream (see `_events`)."""
+        `events`: the answer is an execution's event stream (see `_events`).
+        `agent`: `url` is a sandbox's agent, whose answers the lean client reads
+        (a preview port's server may answer in ways only aiohttp's client takes)."""
         outgoing = headers if headers is not None else forwarded_headers(request.headers)
         length = request.content_length
         short = not request.body_exists or (length is not None and length <= SMALL)
@@ -176,7 +186,15 @@ class Upstreams:
         end_short = self.fair.begin() if short else _nothing
         try:
             return await self._forward(
-                request, url, query, outgoing, method, extra_response_headers, events, end_short
+                request,
+                url,
+                query,
+                outgoing,
+                method,
+                extra_response_headers,
+                events,
+                agent,
+                end_short,
             )
         finally:
             end_short()
@@ -190,6 +208,7 @@ class Upstreams:
         method: str | None,
         extra_response_headers: Mapping[str, str] | None,
         events: bool,
+        agent: bool,
         end_short: Callable[[], None],
     ) -> web.StreamResponse:
         length = request.content_length
@@ -207,15 +226,16 @@ class Upstreams:
                 data = _body(request, self.fair)
                 if length is not None:
                     outgoing["Content-Length"] = str(length)
+        method = method or request.method
+        params = query if query is not None else request.query
+        upstream: Answer
         try:
-            upstream = await self.session.request(
-                method or request.method,
-                url,
-                params=query if query is not None else request.query,
-                headers=outgoing,
-                data=data,
-                allow_redirects=False,
-            )
+            if agent and method != "HEAD" and (data is None or isinstance(data, bytes)):
+                upstream = await self.lean.request(method, url, params, outgoing, data)
+            else:
+                upstream = await self.session.request(
+                    method, url, params=params, headers=outgoing, data=data, allow_redirects=False
+                )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             metrics.UPSTREAM_ERRORS.inc()
             raise UpstreamError(f"{url.split('?')[0]} could not be reached: {exc}") from exc
@@ -272,7 +292,7 @@ class Upstreams:
                 upstream.close()
 
     async def _events(
-        self, upstream: aiohttp.ClientResponse, response: web.StreamResponse, *, sse: bool
+        self, upstream: Answer, response: web.StreamResponse, *, sse: bool
     ) -> web.StreamResponse:
         """Pass whole events on; end with `interrupted` unless the last was `finished`."""
         separator = b"\n\n" if sse else b"\n"
