@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from sandbox_operator.gateway import upstream
 from sandbox_operator.gateway.upstream import MAX_HEAD, BrokenAnswer, Pool
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -88,8 +89,10 @@ def test_a_request_is_one_write_and_its_connection_is_kept() -> None:
             lines = head.split(b"\r\n")
             assert lines[0] == b"POST /v1/code/run?path=a+b/%C3%BC%26x HTTP/1.1"
             assert f"Host: {up.url[7:]}".encode() in lines
-            assert b"Authorization: Bearer t" in lines and b"X-A: b" in lines
-            assert b"Content-Length: 10" in lines and body == b'{"code":1}'
+            assert b"Authorization: Bearer t" in lines
+            assert b"X-A: b" in lines
+            assert b"Content-Length: 10" in lines
+            assert body == b'{"code":1}'
             # The body is whole: nothing may wait for a 100 Continue.
             assert not any(line.lower().startswith(b"expect") for line in lines)
             pool.close()
@@ -145,13 +148,15 @@ def test_informational_answers_are_passed_over() -> None:
     async def test() -> None:
         async def hints(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await up.request(reader)
-            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n")
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n")
             writer.write(OK)
 
         async with Upstream(hints) as up:
             pool = Pool(5.0)
             answer = await pool.request("POST", f"{up.url}/v1/x", None, {}, b"{}")
-            assert answer.status == 200 and "link" not in answer.headers
+            assert answer.status == 200
+            assert "link" not in answer.headers
             assert await answer.read() == b"{}"
             answer.release()
             pool.close()
@@ -176,9 +181,8 @@ def test_what_is_not_an_answer_is_refused(reply: bytes) -> None:
 
         async with Upstream(bad) as up:
             pool = Pool(5.0)
-            with pytest.raises(OSError):
-                answer = await pool.request("GET", f"{up.url}/v1/x", None, {}, None)
-                await answer.read()
+            with pytest.raises(BrokenAnswer, match=r"not valid HTTP/1\.1|longer than"):
+                await pool.request("GET", f"{up.url}/v1/x", None, {}, None)
             pool.close()
 
     run(test)
@@ -195,11 +199,10 @@ def test_an_answer_cut_off_is_an_error_after_what_came() -> None:
         async with Upstream(cut) as up:
             pool = Pool(5.0)
             answer = await pool.request("GET", f"{up.url}/v1/x", None, {}, None)
-            got = b""
+            pieces = answer.content.iter_any()
+            assert await anext(pieces) == b"part"
             with pytest.raises(BrokenAnswer, match="before its answer ended"):
-                async for piece in answer.content.iter_any():
-                    got += piece
-            assert got == b"part"
+                await anext(pieces)
             answer.close()
             pool.close()
 
@@ -222,7 +225,8 @@ def test_a_caller_that_leaves_closes_the_upstream_connection() -> None:
             up.closed.clear()
             waiting = asyncio.create_task(pool.request("GET", f"{up.url}/v1/x", None, {}, None))
             await asyncio.sleep(0.2)
-            assert up.connections == 2 and not waiting.done()
+            assert up.connections == 2
+            assert not waiting.done()
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiting
@@ -244,7 +248,8 @@ def test_calls_to_one_upstream_wait_for_a_slot() -> None:
             first = await pool.request("GET", f"{up.url}/v1/x", None, {}, None)
             second = asyncio.create_task(pool.request("GET", f"{up.url}/v1/y", None, {}, None))
             await asyncio.sleep(0.2)
-            assert not second.done() and len(up.requests) == 1
+            assert not second.done()
+            assert len(up.requests) == 1
             assert await first.read() == b"{}"
             first.release()
             answer = await second
@@ -274,6 +279,42 @@ def test_a_kept_connection_that_speaks_unasked_is_not_used_again() -> None:
             answer = await pool.request("GET", f"{up.url}/v1/x", None, {}, None)
             assert await answer.read() == b"{}"
             answer.release()
+            assert up.connections == 2
+            pool.close()
+
+    run(test)
+
+
+def test_kept_connections_are_let_go_when_they_close_or_wait_too_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pod that goes away leaves nothing in the pool: its connections end at
+    the upstream's close, or after KEEP_SECONDS when nothing says so."""
+    monkeypatch.setattr(upstream, "KEEP_SECONDS", 0.3)
+
+    async def test() -> None:
+        async def once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await up.request(reader)
+            writer.write(OK)
+            if up.connections == 1:
+                await asyncio.sleep(0.05)
+                writer.close()  # the agent's own idle timeout, say
+
+        async with Upstream(once) as up:
+            pool = Pool(5.0)
+            for _ in range(2):
+                answer = await pool.request("GET", f"{up.url}/v1/x", None, {}, None)
+                assert await answer.read() == b"{}"
+                answer.release()
+                assert pool.idle() == 1
+                up.closed.clear()
+                # the first: closed by the upstream; the second: by the pool, later
+                for _ in range(40):
+                    if not pool.idle():
+                        break
+                    await asyncio.sleep(0.05)
+                assert pool.idle() == 0
+            await asyncio.wait_for(up.closed.wait(), 5)
             assert up.connections == 2
             pool.close()
 

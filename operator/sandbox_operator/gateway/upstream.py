@@ -27,8 +27,7 @@ import asyncio
 import collections
 import contextlib
 import socket
-import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import httptools
 from multidict import CIMultiDict
@@ -69,7 +68,10 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.error: Exception | None = None  # lost, or an answer we cannot read
-        self.idle_since = 0.0
+        # While kept idle: its pool's way to let go of it when it closes or
+        # has waited KEEP_SECONDS (a pod that went away never says so).
+        self.expiry: asyncio.TimerHandle | None = None
+        self.on_idle_end: Callable[[_Connection], None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
 
@@ -107,6 +109,8 @@ class _Connection(asyncio.Protocol):
         if self.head is not None and not self.head.done():
             self.head.set_exception(self.error)
         self._wake()
+        if self.on_idle_end is not None:
+            self.on_idle_end(self)
 
     # -- httptools callbacks ---------------------------------------------------------
 
@@ -228,8 +232,9 @@ class Answer:
         self._upstream = upstream
         self._done = False
         self.status = connection.status
+        # As aiohttp's parser decodes them, so both clients pass on the same text.
         self.headers: CIMultiDict[str] = CIMultiDict(
-            (name.decode("latin-1"), value.decode("latin-1"))
+            (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
             for name, value in connection.header_list
         )
         self.content = _Body(connection)
@@ -321,10 +326,10 @@ class Pool:
             raise
 
     async def _connection(self, key: tuple[str, int], upstream: _Upstream) -> _Connection:
-        now = time.monotonic()
         while upstream.idle:
             connection = upstream.idle.pop()
-            if connection.usable and now - connection.idle_since < KEEP_SECONDS:
+            self._unpark(connection)
+            if connection.usable:
                 return connection
             connection.close()
         loop = asyncio.get_running_loop()
@@ -342,11 +347,30 @@ class Pool:
             and self._upstreams.get(connection.key) is upstream
         ):
             connection.parser = None
-            connection.idle_since = time.monotonic()
             upstream.idle.append(connection)
+            connection.on_idle_end = lambda c: self._let_go(c, upstream)
+            connection.expiry = asyncio.get_running_loop().call_later(
+                KEEP_SECONDS, connection.close
+            )
         else:
             connection.close()
         self._leave(connection.key, upstream)
+
+    def _unpark(self, connection: _Connection) -> None:
+        connection.on_idle_end = None
+        if connection.expiry is not None:
+            connection.expiry.cancel()
+            connection.expiry = None
+
+    def _let_go(self, connection: _Connection, upstream: _Upstream) -> None:
+        """An idle connection closed: out of its pool, and the pool's entry for
+        its upstream with it when nothing else is left there."""
+        self._unpark(connection)
+        with contextlib.suppress(ValueError):
+            upstream.idle.remove(connection)
+        key = connection.key
+        if not upstream.users and not upstream.idle and self._upstreams.get(key) is upstream:
+            del self._upstreams[key]
 
     def drop(self, connection: _Connection, upstream: _Upstream) -> None:
         connection.close()
@@ -359,8 +383,11 @@ class Pool:
         if not upstream.users and not upstream.idle and self._upstreams.get(key) is upstream:
             del self._upstreams[key]
 
+    def idle(self) -> int:
+        """Connections kept for the next call, to all upstreams."""
+        return sum(len(upstream.idle) for upstream in self._upstreams.values())
+
     def close(self) -> None:
-        for upstream in self._upstreams.values():
-            for connection in upstream.idle:
+        for upstream in list(self._upstreams.values()):
+            for connection in list(upstream.idle):
                 connection.close()
-            upstream.idle.clear()
