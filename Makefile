@@ -25,7 +25,7 @@ AGENT_TIERS ?= sandbox-agent/tests $(addprefix --ignore=,$(AGENT_SECOND))
 # The e2e files of the second node lane; every other e2e file runs in the first.
 E2E_SECOND ?= tests/e2e/test_isolation_e2e.py tests/e2e/test_sandbox_e2e.py \
 	tests/e2e/test_snapshot_e2e.py tests/e2e/test_running_sandbox_e2e.py \
-	tests/e2e/test_sdk_e2e.py tests/e2e/test_quota_e2e.py
+	tests/e2e/test_sdk_e2e.py tests/e2e/test_quota_e2e.py tests/e2e/test_mcp_e2e.py
 TEST_TIERS ?= $(PROCESS_TIERS) $(AGENT_TIERS) $(NODE_TIERS)
 
 .DEFAULT_GOAL := help
