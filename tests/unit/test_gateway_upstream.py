@@ -319,3 +319,27 @@ def test_kept_connections_are_let_go_when_they_close_or_wait_too_long(
             pool.close()
 
     run(test)
+
+
+def test_a_large_body_is_handed_on_in_pieces() -> None:
+    """A bulk copy yields to short calls per piece: a piece is never more than
+    PIECE bytes, however much one read brought."""
+
+    async def test() -> None:
+        body = bytes(range(256)) * 2000  # 512,000 bytes
+
+        async def large(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await up.request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+
+        async with Upstream(large) as up:
+            pool = Pool(5.0)
+            answer = await pool.request("GET", f"{up.url}/v1/files/content", None, {}, None)
+            await asyncio.sleep(0.2)  # all of it in, in few reads
+            pieces = [piece async for piece in answer.content.iter_any()]
+            assert max(len(piece) for piece in pieces) <= upstream.PIECE
+            assert b"".join(pieces) == body
+            answer.release()
+            pool.close()
+
+    run(test)

@@ -38,6 +38,10 @@ MAX_HEAD = 64 << 10
 # Body bytes received and not yet taken: past this the connection is not read
 # until they are (a caller that reads slowly slows its upstream, not our memory).
 HIGH = 1 << 20
+# The most handed on at once: a bulk copy takes its turn (proxy.Fairness) per
+# piece, so a piece is what it may send while a short call waits (aiohttp's
+# reader hands on what one read brought: up to 256 KiB with uvloop).
+PIECE = 1 << 18
 # Idle connections to one upstream kept, and for how long: under the agent's
 # own idle timeout (75 s), so the gateway never writes to one the agent closed.
 KEEP = 16
@@ -64,6 +68,7 @@ class _Connection(asyncio.Protocol):
         self.header_list: list[tuple[bytes, bytes]] = []
         self.head_bytes = 0
         self.body: collections.deque[bytes] = collections.deque()
+        self.offset = 0  # into body[0]: what of it was handed on
         self.buffered = 0
         self.complete = False
         self.keep_alive = False
@@ -160,18 +165,41 @@ class _Connection(asyncio.Protocol):
         self.informational = False
         self.header_list = []
         self.body.clear()
+        self.offset = 0
         self.complete = self.keep_alive = False
         self.transport.write(request)
         return self.head
 
     def take(self) -> bytes:
-        data = b"".join(self.body) if len(self.body) > 1 else self.body[0]
-        self.body.clear()
-        self.buffered = 0
-        if self._paused and self.transport is not None and not self.transport.is_closing():
+        """What has arrived, up to PIECE bytes (a long read is handed on in
+        pieces from an offset into it, never copied again for each)."""
+        first = self.body[0]
+        if not self.offset and len(first) >= PIECE // 2 and len(first) <= PIECE:
+            # A long read as it came: no copy (the common case of a download).
+            self.body.popleft()
+            self._taken(len(first))
+            return first
+        pieces: list[memoryview] = []
+        size = 0
+        while self.body and size < PIECE:
+            view = memoryview(self.body[0])[self.offset :]
+            n = min(len(view), PIECE - size)
+            pieces.append(view[:n])
+            size += n
+            if n == len(view):
+                self.body.popleft()
+                self.offset = 0
+            else:
+                self.offset += n
+        self._taken(size)
+        return b"".join(pieces)
+
+    def _taken(self, size: int) -> None:
+        self.buffered -= size
+        if self._paused and self.buffered <= HIGH // 2 and self.transport is not None:
             self._paused = False
-            self.transport.resume_reading()
-        return data
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
 
     async def more(self) -> None:
         self._waiter = asyncio.get_running_loop().create_future()
