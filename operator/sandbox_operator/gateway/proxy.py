@@ -25,7 +25,8 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from sandbox_operator.gateway import metrics, tunnel, upstream
+from sandbox_operator.gateway import metrics, tunnel
+from sandbox_operator.gateway import upstream as lean
 
 log = logging.getLogger("sandbox_gateway.proxy")
 
@@ -68,7 +69,7 @@ SHORT_SECONDS = 0.25
 
 # An upstream's answer: aiohttp's, or the lean client's (upstream.py) for calls
 # to agents whose body is in hand.
-Answer = aiohttp.ClientResponse | upstream.Answer
+Answer = aiohttp.ClientResponse | lean.Answer
 
 
 class UpstreamError(Exception):
@@ -150,7 +151,7 @@ class Upstreams:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
-        self.lean = upstream.Pool(connect_seconds)
+        self.lean = lean.Pool(connect_seconds)
 
     async def close(self) -> None:
         self.lean.close()

@@ -128,9 +128,10 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         assert self.parser is not None
         self.status = self.parser.get_status_code()
+        if self.status == 101:
+            raise BrokenAnswer("the upstream switched protocols unasked")
         if 100 <= self.status < 200:
-            # 100 Continue, 103 Early Hints: the answer is still to come. (101
-            # is an upgrade nobody asked for: the parser refuses what follows.)
+            # 100 Continue, 103 Early Hints: the answer is still to come.
             self.informational = True
             self.header_list, self.head_bytes = [], 0
             return
