@@ -110,6 +110,7 @@ class Upstream(asyncio.Protocol):
         self.caller: asyncio.Transport | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False  # the upstream's writing, by its transport
+        self._held = False  # reading paused before the relay began
         self._drain: asyncio.Future[None] | None = None
         self._resuming: asyncio.Task[None] | None = None
 
@@ -122,7 +123,10 @@ class Upstream(asyncio.Protocol):
             return
         self.received += data
         if len(self.received) > MAX_HEAD + MAX_REFUSAL and self.transport is not None:
-            self.transport.pause_reading()  # more than a handshake answer can be
+            # More than a handshake's answer: the rest waits for the relay (a
+            # terminal's replay can come right behind the 101).
+            self._held = True
+            self.transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -188,6 +192,10 @@ class Upstream(asyncio.Protocol):
             data = bytes(self.received)
             self.received.clear()
             self._relay(data)
+        if self._held:
+            self._held = False
+            if self._resuming is None and self.transport is not None:
+                self.transport.resume_reading()  # else _resume does, once the caller took it
 
     def _relay(self, data: bytes) -> None:
         caller = self.caller
