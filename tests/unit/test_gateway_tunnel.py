@@ -20,7 +20,7 @@ def test_what_comes_right_behind_the_101_is_relayed_whole() -> None:
         replay, later = b"r" * (1 << 20), b"and then some"
         go_on = asyncio.Event()
 
-        async def upstream_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await reader.readuntil(b"\r\n\r\n")
             writer.write(SWITCH + replay)
             await go_on.wait()
@@ -36,7 +36,7 @@ def test_what_comes_right_behind_the_101_is_relayed_whole() -> None:
                 if len(received) == len(replay) + len(later):
                     whole.set()
 
-        up_server = await asyncio.start_server(upstream_server, "127.0.0.1", 0)
+        up_server = await asyncio.start_server(answer, "127.0.0.1", 0)
         sink_server = await asyncio.start_server(sink, "127.0.0.1", 0)
         loop = asyncio.get_running_loop()
         _, upstream = await loop.create_connection(
@@ -49,7 +49,7 @@ def test_what_comes_right_behind_the_101_is_relayed_whole() -> None:
         caller, _ = await loop.create_connection(
             asyncio.Protocol, "127.0.0.1", sink_server.sockets[0].getsockname()[1]
         )
-        upstream.relay(caller)  # type: ignore[arg-type]
+        upstream.relay(caller)
         go_on.set()
         await asyncio.wait_for(whole.wait(), 10)
         assert bytes(received) == replay + later
