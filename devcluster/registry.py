@@ -13,6 +13,7 @@ control plane knows no subclass of itself).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from devcluster import state
@@ -42,7 +43,10 @@ def sweep_orphans(prefix: str) -> list[str]:
     """Stop and remove clusters named `prefix*` whose starting process is gone.
 
     For test runs: a pytest killed with SIGKILL leaves its state dir behind
-    (its processes die with it). Clusters of live processes are left alone.
+    (its processes die with it). Clusters of live processes are left alone,
+    and so are those named `<prefix><pid>-...` while that PID runs: a test
+    session's cluster started through the CLI is owned by the CLI process,
+    which has exited, yet the session still uses it.
     """
     root = state.clusters_root()
     removed: list[str] = []
@@ -50,6 +54,8 @@ def sweep_orphans(prefix: str) -> list[str]:
         return removed
     for state_dir in sorted(root.iterdir()):
         if not state_dir.is_dir() or not state_dir.name.startswith(prefix):
+            continue
+        if _named_for_a_live_process(state_dir.name.removeprefix(prefix)):
             continue
         cluster = open_cluster(state_dir.name, state_dir=state_dir)
         if cluster.owner_alive():
@@ -69,3 +75,17 @@ def sweep_orphans(prefix: str) -> list[str]:
         if not (root / lock.name[1:].removesuffix(".lock")).exists():
             lock.unlink(missing_ok=True)
     return removed
+
+
+def _named_for_a_live_process(rest: str) -> bool:
+    """Whether a name's first part is the PID of a process that runs."""
+    pid = rest.partition("-")[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
