@@ -4,28 +4,33 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CLUSTER ?= dev
-# The tiers `make test` runs, in three lanes at the same time (devcluster/lanes.py),
-# each its own pytest session with its own clusters: the plain processes' (a
-# control plane, agents on loopback), and two of the node's (kubelet,
-# containerd, images), the end-to-end tier split between them by file (the
-# node lanes mostly wait on pods and probes; one e2e lane alone left a core idle).
+# The tiers `make test` runs, in five lanes at the same time (devcluster/lanes.py),
+# each its own pytest session with its own clusters: two of plain processes (a
+# control plane, agents on loopback: the integration tier split between them by
+# file), the node's own tier, and two lanes of end-to-end files (kubelet,
+# containerd, images). They mostly wait on pods, probes, watches and timers:
+# three lanes left a third of both cores idle over a 26-minute run.
 PROCESS_TIERS ?= tests/unit tests/integration sandbox-sdk/tests
 NODE_TIERS ?= tests/devcluster tests/e2e
 # The agent's own tests need no cluster: two pytest sessions of their own,
 # shared jobs that whichever lane ends first takes (devcluster/lanes.py), not
 # at the start (cold, their CPU slowed the node's builds, which every node test
-# waits on). On a warm cache that is the second node lane and the processes
-# lane, on a cold one the processes lane (the node's builds hold the other two
-# back), so the lanes end close together either way. AGENT_SECOND: the hostile
-# tier in a real 256 MiB memory cgroup (root) and the longest files.
+# waits on), so the lanes end close together on a cold cache as on a warm one.
+# AGENT_SECOND: the hostile tier in a real 256 MiB memory cgroup (root) and the
+# longest files.
 # --rootdir=.: their test ids and rows in .ci/run's table read sandbox-agent/tests.
 AGENT_SECOND ?= sandbox-agent/tests/hostile sandbox-agent/tests/test_http_limits.py \
 	sandbox-agent/tests/test_contract.py
 AGENT_TIERS ?= sandbox-agent/tests $(addprefix --ignore=,$(AGENT_SECOND))
-# The e2e files of the second node lane; every other e2e file runs in the first.
+# The e2e files of the second e2e lane; every other e2e file runs in the first.
 E2E_SECOND ?= tests/e2e/test_isolation_e2e.py tests/e2e/test_sandbox_e2e.py \
 	tests/e2e/test_snapshot_e2e.py tests/e2e/test_running_sandbox_e2e.py \
 	tests/e2e/test_sdk_e2e.py tests/e2e/test_quota_e2e.py tests/e2e/test_mcp_e2e.py
+# The integration files of the second processes lane (about half the tier's
+# time); the first runs lint, the unit tier and the rest.
+INTEGRATION_SECOND ?= tests/integration/test_gateway.py tests/integration/test_mcp.py \
+	tests/integration/test_sdk.py tests/integration/test_gateway_access.py \
+	tests/integration/test_ha.py tests/integration/test_pools.py
 TEST_TIERS ?= $(PROCESS_TIERS) $(AGENT_TIERS) $(NODE_TIERS)
 
 .DEFAULT_GOAL := help
@@ -65,13 +70,16 @@ binaries: install ## Build (or reuse) the pinned Kubernetes, etcd, helm and goph
 # lanes meanwhile build their own (kubelet, kube-proxy...) and the images, whose
 # downloads and unpacking overlap the compiles (builds of one thing are locked,
 # so a lane needing what another builds waits for it before its first test).
-test: install ## Lint and every test tier, in three lanes side by side (node / e2e / processes; the agent tiers go to whichever ends first)
+test: install ## Lint and every test tier, in five lanes side by side (e2e / e2e-second / node / processes / integration; the agent tiers go to whichever ends first)
 	$(PY) -m devcluster.lanes \
-		"node=$(PY) -m pytest -p devcluster.pytest_plugin $(NODE_TIERS) $(addprefix --ignore=,$(E2E_SECOND))" \
-		"e2e=$(PY) -m pytest -p devcluster.pytest_plugin $(E2E_SECOND)" \
+		"e2e=$(PY) -m pytest -p devcluster.pytest_plugin tests/e2e $(addprefix --ignore=,$(E2E_SECOND))" \
+		"e2e-second=$(PY) -m pytest -p devcluster.pytest_plugin $(E2E_SECOND)" \
+		"node=$(PY) -m pytest -p devcluster.pytest_plugin tests/devcluster" \
 		"processes=make --no-print-directory binaries || exit \$$?; \
 			$(PY) -m devcluster.phases run lint -- make --no-print-directory lint; \
-			lint=\$$?; $(PY) -m pytest -p devcluster.pytest_plugin $(PROCESS_TIERS) && exit \$$lint" \
+			lint=\$$?; $(PY) -m pytest -p devcluster.pytest_plugin $(PROCESS_TIERS) \
+			$(addprefix --ignore=,$(INTEGRATION_SECOND)) && exit \$$lint" \
+		"integration=$(PY) -m pytest -p devcluster.pytest_plugin $(INTEGRATION_SECOND)" \
 		"+agent=$(PY) -m pytest -p devcluster.pytest_plugin --rootdir=. $(AGENT_TIERS)" \
 		"+agent-second=$(PY) -m pytest -p devcluster.pytest_plugin --rootdir=. $(AGENT_SECOND)"
 
