@@ -4,12 +4,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CLUSTER ?= dev
-# The tiers `make test` runs, in five lanes at the same time (devcluster/lanes.py),
-# each its own pytest session with its own clusters: two of plain processes (a
-# control plane, agents on loopback: the integration tier split between them by
-# file), the node's own tier, and two lanes of end-to-end files (kubelet,
-# containerd, images). They mostly wait on pods, probes, watches and timers:
-# three lanes left a third of both cores idle over a 26-minute run.
+# The tiers `make test` runs, in four lanes at the same time (devcluster/lanes.py),
+# each its own pytest session with its own clusters: the plain processes' (a
+# control plane, agents on loopback; the integration tier whole, as its
+# least-privilege test reads the audit log of all of it), lint and the node's
+# own tier, and two lanes of end-to-end files (kubelet, containerd, images).
+# Three lanes left a third of both cores idle over a 26-minute run; with four
+# (five, the integration tier split, were tried: no faster) both are busy.
 PROCESS_TIERS ?= tests/unit tests/integration sandbox-sdk/tests
 NODE_TIERS ?= tests/devcluster tests/e2e
 # The agent's own tests need no cluster: two pytest sessions of their own,
@@ -26,11 +27,6 @@ AGENT_TIERS ?= sandbox-agent/tests $(addprefix --ignore=,$(AGENT_SECOND))
 E2E_SECOND ?= tests/e2e/test_isolation_e2e.py tests/e2e/test_sandbox_e2e.py \
 	tests/e2e/test_snapshot_e2e.py tests/e2e/test_running_sandbox_e2e.py \
 	tests/e2e/test_sdk_e2e.py tests/e2e/test_quota_e2e.py tests/e2e/test_mcp_e2e.py
-# The integration files of the second processes lane (about half the tier's
-# time); the first runs lint, the unit tier and the rest.
-INTEGRATION_SECOND ?= tests/integration/test_gateway.py tests/integration/test_mcp.py \
-	tests/integration/test_sdk.py tests/integration/test_gateway_access.py \
-	tests/integration/test_ha.py tests/integration/test_pools.py
 TEST_TIERS ?= $(PROCESS_TIERS) $(AGENT_TIERS) $(NODE_TIERS)
 
 .DEFAULT_GOAL := help
@@ -70,16 +66,14 @@ binaries: install ## Build (or reuse) the pinned Kubernetes, etcd, helm and goph
 # lanes meanwhile build their own (kubelet, kube-proxy...) and the images, whose
 # downloads and unpacking overlap the compiles (builds of one thing are locked,
 # so a lane needing what another builds waits for it before its first test).
-test: install ## Lint and every test tier, in five lanes side by side (e2e / e2e-second / node / processes / integration; the agent tiers go to whichever ends first)
+test: install ## Lint and every test tier, in four lanes side by side (e2e / e2e-second / node / processes; the agent tiers go to whichever ends first)
 	$(PY) -m devcluster.lanes \
 		"e2e=$(PY) -m pytest -p devcluster.pytest_plugin tests/e2e $(addprefix --ignore=,$(E2E_SECOND))" \
 		"e2e-second=$(PY) -m pytest -p devcluster.pytest_plugin $(E2E_SECOND)" \
-		"node=$(PY) -m pytest -p devcluster.pytest_plugin tests/devcluster" \
+		"node=$(PY) -m devcluster.phases run lint -- make --no-print-directory lint; \
+			lint=\$$?; $(PY) -m pytest -p devcluster.pytest_plugin tests/devcluster && exit \$$lint" \
 		"processes=make --no-print-directory binaries || exit \$$?; \
-			$(PY) -m devcluster.phases run lint -- make --no-print-directory lint; \
-			lint=\$$?; $(PY) -m pytest -p devcluster.pytest_plugin $(PROCESS_TIERS) \
-			$(addprefix --ignore=,$(INTEGRATION_SECOND)) && exit \$$lint" \
-		"integration=$(PY) -m pytest -p devcluster.pytest_plugin $(INTEGRATION_SECOND)" \
+			$(PY) -m pytest -p devcluster.pytest_plugin $(PROCESS_TIERS)" \
 		"+agent=$(PY) -m pytest -p devcluster.pytest_plugin --rootdir=. $(AGENT_TIERS)" \
 		"+agent-second=$(PY) -m pytest -p devcluster.pytest_plugin --rootdir=. $(AGENT_SECOND)"
 

@@ -49,6 +49,12 @@ def child(argv: list[str]) -> None:
             frame_ = stat.traceback[0]
             where = f"{frame_.filename.replace(str(REPO) + '/', '')}:{frame_.lineno}"
             lines.append(f"{stat.size / 2**20:8.1f} MiB {stat.count:9d}  {where}")
+        # By file too: the many small pieces of one of Kopf's per-object records
+        # (a daemon, a logger, a cause) are spread over lines of the same module.
+        lines.append("by file:")
+        for stat in snapshot.statistics("filename")[:top]:
+            name = stat.traceback[0].filename.replace(str(REPO) + "/", "")
+            lines.append(f"{stat.size / 2**20:8.1f} MiB {stat.count:9d}  {name}")
         lines.append("held by (each object counted once, by the first holder listed):")
         lines.extend(f"{size / 2**20:8.1f} MiB  {name}" for name, size in holders())
         tmp = out.with_suffix(".tmp")
