@@ -761,6 +761,12 @@ disabled_plugins = [
         _remove_container_log_links(self.pod_logs_dir)
         _restore_kernel_tunables(exclude=self.state_dir)
         if not problems:
+            # The pods' logs (the operator's, the gateway's) stay with the
+            # cluster's own logs, for a failed test session to be read after.
+            kept = self.logs_dir / "pods"
+            shutil.rmtree(kept, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self.pod_logs_dir.rename(kept)
             shutil.rmtree(self.node_dir, ignore_errors=True)
             if sandboxes:
                 # Pods were not torn down through CRI (a crash): containerd
