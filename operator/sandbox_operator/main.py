@@ -100,6 +100,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     )
     memo.scheduler = execution.Scheduler()
     await peering.ensure_objects(memo.ctx.kube, settings, SETTINGS.watch_namespaces)
+    await peering.announce(memo.ctx.kube, settings, SETTINGS.watch_namespaces)
     if SETTINGS.metrics_port:
         start_http_server(SETTINGS.metrics_port)
 

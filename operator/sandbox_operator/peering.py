@@ -17,14 +17,23 @@ current.
 
 from __future__ import annotations
 
+import asyncio
+import os
 import secrets
 import time
+from datetime import UTC, datetime
 
 import kopf
 
 from sandbox_operator.kube import Kube
 from sandbox_operator.resources import CLUSTER_PEERINGS, PEERINGS
 
+# How long a replica waits, its keep-alive written, before Kopf first reads its
+# peers: replicas started together (a new release's) each see the others'
+# keep-alives at that first read. See announce().
+SETTLE_SECONDS = 2.0
+# Kopf's identity of a replica: the pod's name, when the chart gives it.
+IDENTITY_ENV = "POD_ID"
 # Start times are taken to the millisecond; the nonce only breaks ties between
 # replicas started within the same millisecond.
 _NONCE_RANGE = 1000
@@ -73,3 +82,38 @@ async def ensure_objects(
         meta = {"name": name, "namespace": namespace}
         kind = {"apiVersion": PEERINGS.api_version, "kind": "KopfPeering"}
         await kube.create(PEERINGS.path(namespace), {**kind, "metadata": meta})
+
+
+async def announce(kube: Kube, settings: kopf.OperatorSettings, namespaces: list[str]) -> None:
+    """Write this replica's keep-alive before Kopf starts, then wait SETTLE_SECONDS.
+
+    Kopf writes the first keep-alive and reads the peers at the same moment,
+    after the startup handlers. Two replicas started together could each read
+    the peering object before the other had written to it, and both act for a
+    moment: both handled the same new Sandbox, and the one that stayed active
+    was left waiting for an event that never came (a CI run's e2e test, the
+    audit log showing the two replicas' patches 0.4 s apart). Written here,
+    and waited for, every replica of a start is in the object when any of them
+    first reads it; the one that started first stays active, the others pause
+    before they handle anything.
+
+    Only with the identity Kopf itself uses (the pod's name, from the chart's
+    POD_ID): a record under any other name would be a live peer of this
+    replica's own priority, which pauses every replica."""
+    identity = os.environ.get(IDENTITY_ENV)
+    if settings.peering.standalone or not settings.peering.mandatory or not identity:
+        return
+    record = {
+        "priority": settings.peering.priority,
+        "lifetime": settings.peering.lifetime,
+        "lastseen": datetime.now(UTC).isoformat(),
+    }
+    name = settings.peering.name
+    paths = (
+        [CLUSTER_PEERINGS.path(name=name)]
+        if settings.peering.clusterwide
+        else [PEERINGS.path(namespace, name) for namespace in namespaces]
+    )
+    for path in paths:
+        await kube.patch(path, {"status": {identity: record}})
+    await asyncio.sleep(SETTLE_SECONDS)

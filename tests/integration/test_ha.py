@@ -3,6 +3,7 @@ exactly one acts, and when it is SIGKILLed the other finishes its work."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -108,3 +109,51 @@ def test_sigkilled_active_replica_is_replaced_and_its_work_completes(
     assert cond.get("reason") == "SnapshotsUnsupported", snapshot
     # Nothing ran twice, whichever replica sent the command.
     assert (agent.workspace / "once.txt").read_text().split() == ["ran"]
+
+
+def test_replicas_started_together_act_as_one(
+    running_operator: OperatorProcess,
+    operator_kubeconfig: Path,
+    kube: KubeJSON,
+    tmp_path: Path,
+    sandboxes: Sandboxes,
+) -> None:
+    """Both replicas of a new release start at once while Sandboxes arrive: one
+    of them handles every Sandbox, and the other none (each replica's
+    keep-alive is in the peering object before either reads it)."""
+    running_operator.stop()
+    peering = f"ha-{uuid.uuid4().hex[:8]}"
+    replicas = [
+        OperatorProcess(operator_kubeconfig, tmp_path, OPERATOR_ENV, peering=peering, name=name)
+        for name in ("a", "b")
+    ]
+    failures: list[BaseException] = []
+
+    def start(replica: OperatorProcess) -> None:
+        try:
+            replica.start()
+        except BaseException as exc:  # reported below, not lost in the thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=start, args=(replica,)) for replica in replicas]
+    try:
+        for thread in threads:
+            thread.start()
+        names = [f"s{i}" for i in range(12)]
+        for name in names:
+            sandboxes.create(name)
+            time.sleep(0.25)
+        for thread in threads:
+            thread.join()
+        assert not failures, failures
+        for name in names:
+            sandboxes.wait_object(name, "a phase", lambda status: bool(status.get("phase")), 60)
+        ns = sandboxes.namespace
+        acted = [replica.name for replica in replicas if Pair.handled(replica, ns)]
+        assert len(acted) == 1, f"replicas that handled Sandboxes: {acted}"
+    finally:
+        for replica in replicas:
+            replica.stop()
+        kube.delete(api_path(KOPF, "clusterkopfpeerings", name=peering))
+    for replica in replicas:
+        assert replica.errors() == [], f"handler tracebacks in {replica.log}"
