@@ -5,9 +5,10 @@ images: `tests/devcluster`, `tests/e2e`) and those of plain processes (a
 control plane, agents on loopback: the unit, integration, agent and SDK
 tiers). They share nothing but the machine, and neither keeps both cores
 busy for long: the node tier waits on image builds, pod starts and the
-kubelet, the process tiers on watches and timers. So they run as two lanes,
-each its own pytest session (own clusters, own temporary directory), and the
-wall time is the longer lane's rather than the sum.
+kubelet, the process tiers on watches and timers. So they run in lanes side
+by side (the Makefile's `test` has four), each its own pytest session (own
+clusters, own temporary directory), and the wall time is the longest lane's
+rather than the sum.
 
     python -m devcluster.lanes NAME=COMMAND [NAME=COMMAND ...] [+JOB=COMMAND ...]
 

@@ -305,13 +305,15 @@ def test_admission_refuses_what_the_settings_cannot_serve(
         applied = kubectl(control_plane, "apply", "-f", str(manifest))
         assert applied.returncode == 0, applied.stderr
 
-        # A policy is enforced once the API server has compiled it: retry briefly.
+        # A policy is enforced once the API server has compiled it, each policy
+        # on its own: retry briefly until both the Sandbox's and the template's are.
         def refused_once() -> subprocess.CompletedProcess[str] | None:
-            # A dry run: one admitted before the policy is in force would stay.
+            # Dry runs: one admitted before the policy is in force would stay.
+            template = apply("SandboxTemplate", "port", {"sandbox": agent_port}, "--dry-run=server")
             answer = apply("Sandbox", "agentport", agent_port, "--dry-run=server")
-            return answer if answer.returncode != 0 else None
+            return answer if answer.returncode != 0 and template.returncode != 0 else None
 
-        refused = wait_for(refused_once, 30, "the policy in force")
+        refused = wait_for(refused_once, 30, "the policies in force")
         assert "spec.network.exposedPorts: port 9090 is reserved for the sandbox agent" in (
             refused.stderr
         )

@@ -504,6 +504,15 @@ class Control:
         deleted = await self._kube_delete(view)
         if not deleted:
             raise not_found(view.id)
+        # E2B's SDKs ask `isRunning()` right after a kill: answered from the route
+        # table, which learns of the deletion from its watch. Waiting (briefly)
+        # until it has, the answer is False however loaded the API server is.
+        await self.gateway.table.wait(
+            view.namespace,
+            view.id,
+            lambda route: route is None or route.uid != view.uid or route.deleting,
+            KILL_SEEN_SECONDS,
+        )
         return web.Response(status=204)
 
     async def _kube_delete(self, view: shapes.View) -> bool:
@@ -516,6 +525,8 @@ class Control:
 
 
 RUNNING_STATE, PAUSED_STATE = shapes.RUNNING, shapes.PAUSED
+# How long a kill waits for the gateway's own route table to see the deletion.
+KILL_SEEN_SECONDS = 5.0
 
 
 def _epoch(query: Any, name: str) -> int | None:
