@@ -13,10 +13,9 @@ control plane knows no subclass of itself).
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
-from devcluster import state
+from devcluster import processes, state
 from devcluster.cluster import LocalCluster
 from devcluster.controlplane import ControlPlane, ControlPlaneError
 
@@ -82,10 +81,4 @@ def _named_for_a_live_process(rest: str) -> bool:
     pid = rest.partition("-")[0]
     if not pid.isdigit():
         return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return processes.process_start_ticks(int(pid)) is not None and not processes.is_zombie(int(pid))
