@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from devcluster.controlplane import ControlPlane
+from devcluster.controlplane import ControlPlane, free_ports
 from tests.kube import STRATEGIC_MERGE_PATCH, ApiError, KubeJSON, api_path, core_path
 
 VENV_BIN = Path(sys.executable).parent
@@ -37,10 +37,10 @@ _loopback_hosts = itertools.count((os.getpid() % 200) * 250)
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port for a child process to listen on: below the ephemeral range and
+    never handed out twice (a port the kernel picks as free may be another
+    connection's, or this function's last answer, by the time the child binds)."""
+    return free_ports(1)[0]
 
 
 def next_pod_ip() -> str:
@@ -66,6 +66,15 @@ def _log_tail(path: Path, lines: int = 60) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def _wait_for_start(probe: Callable[[], bool], what: str, log: Path) -> None:
+    """Wait for a child process to come up; if it does not, fail with its log's
+    tail (the log is under pytest's temporary directory, gone after CI)."""
+    try:
+        wait_for(probe, 60, f"{what} (log: {log})")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_log_tail(log)}") from None
 
 
 class TcpRelay:
@@ -175,7 +184,7 @@ class OperatorProcess:
         ]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        wait_for(self._healthy, 60, f"operator liveness (log: {self.log})")
+        _wait_for_start(self._healthy, "operator liveness", self.log)
 
     def _healthy(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:
@@ -258,7 +267,7 @@ class GatewayProcess:
             self.proc = subprocess.Popen(
                 [str(VENV_BIN / "sandbox-gateway")], env=env, stdout=log, stderr=subprocess.STDOUT
             )
-        wait_for(self._ready, 60, f"gateway readiness (log: {self.log})")
+        _wait_for_start(self._ready, "gateway readiness", self.log)
 
     def _ready(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:
