@@ -99,8 +99,6 @@ class PipProject:
     """(command, "module:function") written as /usr/local/bin/<command>."""
     extras: tuple[str, ...] = ()
     """Optional dependency groups installed with it."""
-    prelude: str = ""
-    """Standard-library code each launcher runs before it imports the project."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +125,9 @@ class ImageSpec:
     recommends compilers and BLAS headers: a gigabyte)."""
     users: tuple[tuple[str, int, int, str], ...] | None = None
     """(name, uid, gid, home) added to /etc/passwd; None: `_USERS`."""
+    programs: tuple[str, ...] = ()
+    """C programs of devcluster/ (`<name>.c`), compiled statically to
+    /usr/local/bin/<name>."""
 
     @property
     def reference(self) -> str:
@@ -146,34 +147,15 @@ def reference(name: str) -> str:
     return f"docker.io/{name}"
 
 
-# The agent's launcher listens on the agent's port before it imports the agent
-# (tens of milliseconds of imports, ten times that on a loaded node): the
-# kubelet probes the agent as soon as it sees the container running, and a
-# probe refused in that window is an Unhealthy warning on a normal start. It
-# reads the variables the agent's configuration reads; the agent takes the
-# socket over (sandbox_agent.server LISTEN_FD_ENV) and checks its port.
+# The agent's socket, handed from the image's listen-first program (see
+# devcluster/listen-first.c) to the agent (sandbox_agent.server LISTEN_FD_ENV).
 AGENT_LISTEN_FD_ENV = "SANDBOX_AGENT_LISTEN_FD"
-AGENT_LISTEN_FIRST = f"""import os
-import socket
-
-_host = os.environ.get("SANDBOX_AGENT_HOST", "0.0.0.0")
-_family = socket.AF_INET6 if ":" in _host else socket.AF_INET
-if os.environ.get("SANDBOX_AGENT_SERVER", "builtin") == "builtin":
-    try:
-        _port = int(os.environ.get("SANDBOX_AGENT_PORT", "8080"))
-        _listener = socket.create_server((_host, _port), family=_family, backlog=1024)
-    except (OSError, ValueError, OverflowError):
-        pass  # the agent's own start reports it, with its configuration's words
-    else:
-        os.environ["{AGENT_LISTEN_FD_ENV}"] = str(_listener.detach())
-"""
 
 AGENT = PipProject(
     "sandbox-agent",
     "sandbox-agent",
     ("pyproject.toml", "src"),
     (("sandbox-agent", "sandbox_agent.server:main"),),
-    prelude=AGENT_LISTEN_FIRST,
 )
 
 
@@ -256,7 +238,11 @@ IMAGES: dict[str, ImageSpec] = {
             "sandbox-agent:dev",
             packages=("python3",),
             pip=(AGENT,),
-            entrypoint=("/usr/local/bin/sandbox-agent",),
+            # Listening within a millisecond of the container's start, before
+            # the interpreter and the agent's imports: the kubelet probes the
+            # agent as soon as it sees the container running.
+            programs=("listen-first",),
+            entrypoint=("/usr/local/bin/listen-first", "/usr/local/bin/sandbox-agent"),
             user="65532:65532",
         ),
         _runtime("python", _PYTHON_PACKAGES, "python3", install_recommends=False),
@@ -348,8 +334,12 @@ def cache_key(spec: ImageSpec) -> str:
         del spec_fields["install_recommends"]  # the default keeps older images' keys
     if spec.users is None:
         del spec_fields["users"]  # likewise
+    if not spec.programs:
+        del spec_fields["programs"]  # likewise
     add("spec", json.dumps(spec_fields, sort_keys=True, default=str).encode())
     add("suite", f"{versions.DEBIAN_SUITE} {versions.DEBIAN_PYTHON}".encode())
+    for program in spec.programs:
+        add(f"{program}.c", _program_source(program).read_bytes())
     if spec.pause:
         add("pause.c", PAUSE_SOURCE.read_bytes())
     elif spec.binary:
@@ -485,12 +475,21 @@ def _run(
     return str(proc.stdout)
 
 
+def _program_source(name: str) -> Path:
+    return PAUSE_SOURCE.parent / f"{name}.c"
+
+
+def compile_static(source: Path, binary: Path) -> None:
+    """A C program of ours as a static binary: it runs in any image, or alone."""
+    _run(
+        ["gcc", "-static", "-Os", "-s", "-Wall", "-Werror", "-o", str(binary), str(source)],
+        what=f"compile {source.name}",
+    )
+
+
 def _pause_rootfs(work: Path, rootfs_tar: Path) -> None:
     binary = work / "pause"
-    _run(
-        ["gcc", "-static", "-Os", "-s", "-Wall", "-o", str(binary), str(PAUSE_SOURCE)],
-        what="compile pause",
-    )
+    compile_static(PAUSE_SOURCE, binary)
     with tarfile.open(rootfs_tar, "w", format=tarfile.PAX_FORMAT) as tar:
         info = tar.gettarinfo(str(binary), arcname="pause")
         info.uid = info.gid = 0
@@ -578,13 +577,12 @@ def _stage_pip_project(project: PipProject, stage: Path, work: Path) -> None:
 
 def launcher_script(project: PipProject, command: str, entry: str) -> str:
     """/usr/local/bin/<command>: the project's `entry` ("module:function") with
-    /opt/<project> on sys.path, after the project's prelude. Pure."""
+    /opt/<project> on sys.path. Pure."""
     module, function = entry.split(":")
-    prelude = f"\n{project.prelude}" if project.prelude else ""
     return (
         "#!/usr/bin/python3\n"
         f"# {command}: {project.name} in /opt/{project.name}, by devcluster/images.py\n"
-        f"import sys\n{prelude}\n"
+        "import sys\n\n"
         f'sys.path.insert(0, "/opt/{project.name}")\n'
         f"from {module} import {function}\n\n"
         f"sys.exit({function}())\n"
@@ -604,6 +602,9 @@ def _debian_rootfs(spec: ImageSpec, work: Path, rootfs_tar: Path) -> None:
     stage.mkdir()
     for project in spec.pip:
         _stage_pip_project(project, stage, work)
+    for program in spec.programs:
+        (stage / "usr" / "local" / "bin").mkdir(parents=True, exist_ok=True)
+        compile_static(_program_source(program), stage / "usr" / "local" / "bin" / program)
     users = spec.users if spec.users is not None else _USERS
     passwd = "".join(
         f"{user}:x:{uid}:{gid}:{user}:{home}:{_shell(spec)}\\n" for user, uid, gid, home in users

@@ -1,5 +1,6 @@
-"""The agent image's launcher, run for real: it listens before the agent's
-imports, and the agent serves on the socket it was handed."""
+"""The agent image's entry, run for real: listen-first (compiled as the image
+build compiles it) listens before the agent's interpreter starts, and the
+agent serves on the socket it was handed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 from devcluster import images
 
@@ -34,61 +37,71 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launcher(tmp: Path) -> Path:
-    """The image's /usr/local/bin/sandbox-agent; run with this interpreter
-    (where the agent is installed) instead of the image's python3."""
+@pytest.fixture(scope="module")
+def listen_first(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    binary = tmp_path_factory.mktemp("programs") / "listen-first"
+    images.compile_static(images.REPO / "devcluster" / "listen-first.c", binary)
+    return binary
+
+
+def _entry(tmp: Path, listen_first: Path) -> list[str]:
+    """The image's entrypoint: listen-first, then /usr/local/bin/sandbox-agent,
+    run with this interpreter (where the agent is installed) instead of the
+    image's python3."""
     command, entry = images.AGENT.launchers[0]
     path = tmp / command
     path.write_text(images.launcher_script(images.AGENT, command, entry))
-    return path
+    return [str(listen_first), sys.executable, str(path)]
 
 
-def test_the_agent_launcher_listens_first_and_the_agent_serves_on_that_socket(
-    tmp_path: Path,
+def _listeners(port: int) -> int:
+    return sum(
+        1
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+        if line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "0A"
+    )
+
+
+def _serving(proc: subprocess.Popen[str], port: int) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+                assert r.status == 200
+                return
+        except OSError:
+            assert time.monotonic() < deadline, "the agent never answered"
+            time.sleep(0.1)
+
+
+def test_listen_first_listens_and_the_agent_serves_on_that_socket(
+    tmp_path: Path, listen_first: Path
 ) -> None:
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, str(_launcher(tmp_path))],
+        _entry(tmp_path, listen_first),
         env=_agent_env(tmp_path, port),
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
-                    assert r.status == 200
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the agent never answered"
-                time.sleep(0.1)
-        # The agent took the socket over: the variable is gone from its environment.
-        environ = (Path("/proc") / str(proc.pid) / "environ").read_bytes().split(b"\0")
-        assert not any(e.startswith(images.AGENT_LISTEN_FD_ENV.encode()) for e in environ)
+        _serving(proc, port)
         # One listener on the port: the handed one (the agent made no second).
-        listeners = [
-            line
-            for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
-            if line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "0A"
-        ]
-        assert len(listeners) == 1
+        assert _listeners(port) == 1
     finally:
         proc.terminate()
         proc.wait(30)
 
 
-def test_the_agent_launcher_listens_before_it_imports_the_agent(tmp_path: Path) -> None:
+def test_listen_first_listens_before_the_agent_starts(tmp_path: Path, listen_first: Path) -> None:
     """An agent whose imports take long (a loaded node) is already listening:
     a probe waits in the backlog instead of being refused."""
     slow = tmp_path / "sandbox_agent"  # found first: the launcher's directory
     slow.mkdir()
     (slow / "__init__.py").write_text("import time\ntime.sleep(60)\n")
     port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, str(_launcher(tmp_path))], env=_agent_env(tmp_path, port)
-    )
+    proc = subprocess.Popen(_entry(tmp_path, listen_first), env=_agent_env(tmp_path, port))
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -99,22 +112,63 @@ def test_the_agent_launcher_listens_before_it_imports_the_agent(tmp_path: Path) 
             except ConnectionRefusedError:
                 assert time.monotonic() < deadline, "nothing listened"
                 time.sleep(0.05)
+        # Handed on: the agent's interpreter has it, under the name the agent reads.
+        environ = (Path("/proc") / str(proc.pid) / "environ").read_bytes().split(b"\0")
+        assert any(e.startswith(images.AGENT_LISTEN_FD_ENV.encode() + b"=") for e in environ)
     finally:
         proc.kill()
         proc.wait(30)
 
 
-def test_a_bad_port_is_reported_by_the_agent_in_its_own_words(tmp_path: Path) -> None:
-    env = {**_agent_env(tmp_path, 1), "SANDBOX_AGENT_PORT": "http"}
-    proc = subprocess.run(
-        [sys.executable, str(_launcher(tmp_path))],
-        env=env,
-        capture_output=True,
+def test_listen_first_leaves_a_host_name_to_the_agent(tmp_path: Path, listen_first: Path) -> None:
+    """A name, not an address: the agent resolves it and listens itself, as it
+    would without listen-first."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        _entry(tmp_path, listen_first),
+        env={**_agent_env(tmp_path, port), "SANDBOX_AGENT_HOST": "localhost"},
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
     )
-    assert proc.returncode == 2
-    assert "SANDBOX_AGENT_PORT" in proc.stderr
+    try:
+        _serving(proc, port)
+        assert _listeners(port) == 1
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize(
+    ("port", "words"),
+    [("http", "SANDBOX_AGENT_PORT"), ("taken", "cannot listen on 127.0.0.1")],
+)
+def test_a_bad_port_is_reported_by_the_agent_in_its_own_words(
+    tmp_path: Path, listen_first: Path, port: str, words: str
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        value = str(taken.getsockname()[1]) if port == "taken" else port
+        proc = subprocess.run(
+            _entry(tmp_path, listen_first),
+            env={**_agent_env(tmp_path, 1), "SANDBOX_AGENT_PORT": value},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode in (1, 2), proc.stderr
+    assert words in proc.stderr
+
+
+def test_listen_first_without_a_command_or_with_a_missing_one(
+    tmp_path: Path, listen_first: Path
+) -> None:
+    usage = subprocess.run([str(listen_first)], capture_output=True, text=True, timeout=10)
+    assert (usage.returncode, usage.stderr) == (2, "usage: listen-first COMMAND [ARGUMENT...]\n")
+    missing = subprocess.run(
+        [str(listen_first), str(tmp_path / "nothing")], capture_output=True, text=True, timeout=10
+    )
+    assert missing.returncode == 127
+    assert "cannot run" in missing.stderr
+    assert "No such file or directory" in missing.stderr
 
 
 def test_the_agent_refuses_a_handed_socket_on_another_port(tmp_path: Path) -> None:
@@ -136,7 +190,7 @@ def test_the_agent_refuses_a_handed_socket_on_another_port(tmp_path: Path) -> No
     assert f"{images.AGENT_LISTEN_FD_ENV} listens on port" in proc.stderr
 
 
-def test_launchers_without_a_prelude_import_their_project_first() -> None:
+def test_launchers_import_their_project_from_opt() -> None:
     script = images.launcher_script(images.PipProject("x", "x", ()), "x", "x.main:run")
     assert script.splitlines()[2:] == [
         "import sys",

@@ -114,9 +114,9 @@ def prepare(settings: Settings) -> bytes:
     return token
 
 
-# A listening socket made before the agent started: the agent image's launcher
-# listens before any import (devcluster/images.py AGENT_LISTEN_FIRST, which
-# names this variable again: it runs before this package can be imported).
+# A listening socket made before the agent started: the agent image's entry
+# program listens before the interpreter starts (devcluster/listen-first.c,
+# which names this variable again).
 LISTEN_FD_ENV = "SANDBOX_AGENT_LISTEN_FD"
 
 
