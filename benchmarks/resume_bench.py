@@ -13,7 +13,14 @@ pod start and little more. Three timings, interleaved, `--count` each:
 3. baseline, a pod start: the pod the operator would build, created directly on
    an existing bound claim, until the pod is Ready;
 4. floor, a minimal pod: the same runtime image, one container, no probes, no
-   volumes, until it is Ready.
+   volumes, until it is Ready;
+5. floor of the pod's shape: the same minimal pod with a native sidecar (an
+   init container with `restartPolicy: Always`, as the agent is) of the same
+   image beside its container, no probes, no volumes: what the kubelet itself
+   adds for a sidecar (it starts the main container in a later sync, once it
+   has seen the sidecar running);
+6. the same two containers as plain containers of the pod, started together:
+   what a pod shape without the sidecar's ordering would cost.
 
 Timed from just before the request to the first watch event showing the end.
 For the resumes, the pod's own milestones are timed the same way (from its
@@ -219,29 +226,46 @@ def timed_pod(kube: KubeJSON, pods: Watcher, pod: JSON) -> float:
     return seen - started
 
 
-def minimal_start(kube: KubeJSON, pods: Watcher, settings: Settings, i: int) -> float:
-    """The floor: a pod of the same runtime image, one container, no probes or volumes."""
-    name = f"minimal-{i}"
-    image = settings.runtimes[settings.default_runtime].image
-    pod = {
+def minimal_pod(settings: Settings, name: str, second: str = "") -> JSON:
+    """A pod of the same runtime image, one container, no probes or volumes;
+    `second`: "sidecar" adds a native sidecar of the same image, "container"
+    a second plain container."""
+
+    def sleeper(container: str) -> JSON:
+        return {
+            "name": container,
+            "image": settings.runtimes[settings.default_runtime].image,
+            "imagePullPolicy": "IfNotPresent",
+            "command": ["python3", "-c", "import time; time.sleep(3600)"],
+        }
+
+    spec: JSON = {
+        "containers": [sleeper("main")],
+        "terminationGracePeriodSeconds": 0,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+    }
+    if second == "sidecar":
+        spec["initContainers"] = [{**sleeper("side"), "restartPolicy": "Always"}]
+    elif second == "container":
+        spec["containers"].append(sleeper("side"))
+    return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "labels": {"bench": "minimal"}},
-        "spec": {
-            "containers": [
-                {
-                    "name": "main",
-                    "image": image,
-                    "imagePullPolicy": "IfNotPresent",
-                    "command": ["python3", "-c", "import time; time.sleep(3600)"],
-                }
-            ],
-            "terminationGracePeriodSeconds": 0,
-            "automountServiceAccountToken": False,
-            "enableServiceLinks": False,
-        },
+        "spec": spec,
     }
-    return timed_pod(kube, pods, pod)
+
+
+def minimal_start(kube: KubeJSON, pods: Watcher, settings: Settings, i: int) -> float:
+    """The floor: a minimal pod of the same runtime image."""
+    return timed_pod(kube, pods, minimal_pod(settings, f"minimal-{i}"))
+
+
+def pair_start(kube: KubeJSON, pods: Watcher, settings: Settings, second: str, i: int) -> float:
+    """The minimal pod with a second container: a native sidecar (the floor of
+    the operator's pod shape) or a plain one."""
+    return timed_pod(kube, pods, minimal_pod(settings, f"{second}-{i}", second))
 
 
 def main() -> None:
@@ -260,6 +284,8 @@ def main() -> None:
             "auto_resume": [],
             "pod_start": [],
             "minimal_pod": [],
+            "sidecar_pod": [],
+            "two_containers": [],
         }
         timelines: list[list[float]] = []
         with (
@@ -278,6 +304,8 @@ def main() -> None:
                 results["auto_resume"].append(auto_resume(kube, executions, stages, f"e{i}"))
                 results["pod_start"].append(pod_start(kube, pods, ref, i))
                 results["minimal_pod"].append(minimal_start(kube, pods, settings, i))
+                results["sidecar_pod"].append(pair_start(kube, pods, settings, "sidecar", i))
+                results["two_containers"].append(pair_start(kube, pods, settings, "container", i))
                 for name in (f"r{i}", f"e{i}"):
                     kube.delete(SANDBOXES.path(NS, name))
         print(f"\nIdle-paused sandbox back at work, {args.count} each, interleaved:")
@@ -285,10 +313,16 @@ def main() -> None:
         print(latency_row("Execution -> Succeeded (auto-resume)", results["auto_resume"]))
         print(latency_row("baseline: pod on a bound claim", results["pod_start"]))
         print(latency_row("floor: minimal pod, same image", results["minimal_pod"]))
+        print(latency_row("floor: minimal pod + native sidecar", results["sidecar_pod"]))
+        print(latency_row("minimal pod, two plain containers", results["two_containers"]))
         floor = statistics.median(results["minimal_pod"])
-        for key in ("resume", "auto_resume", "pod_start"):
+        shape = statistics.median(results["sidecar_pod"])
+        for key in ("resume", "auto_resume", "pod_start", "sidecar_pod", "two_containers"):
             p50 = statistics.median(results[key])
-            print(f"  {key}: p50 {p50 / floor:.2f}x the minimal pod")
+            print(
+                f"  {key}: p50 {p50 / floor:.2f}x the minimal pod,"
+                f" {p50 / shape:.2f}x the one with a sidecar"
+            )
         print("\nWhere a resume's time goes (p50 of the time since the request):")
         marks = [*STAGES, "Sandbox Ready"]
         previous = 0.0
