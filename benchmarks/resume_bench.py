@@ -106,7 +106,7 @@ def _container(obj: JSON, key: str, name: str) -> JSON:
 def pod_stage(obj: JSON) -> str | None:
     """The furthest of STAGES a sandbox pod has reached (the Watcher notes when
     each was first seen; a stage passed within one event gets the next one's time)."""
-    agent = _container(obj, "initContainerStatuses", identity.AGENT_CONTAINER)
+    agent = _container(obj, "containerStatuses", identity.AGENT_CONTAINER)
     sandbox = _container(obj, "containerStatuses", identity.SANDBOX_CONTAINER)
     reached = [
         bool(obj.get("spec", {}).get("nodeName")),

@@ -112,9 +112,13 @@ class Settings(BaseModel):
     default_idle_timeout: Duration | None = "30m"
     default_max_lifetime: Duration | None = None
 
-    # The agent sidecar.
+    # The agent container.
     agent_port: Annotated[int, Field(ge=1, le=65535)] = 8080
-    agent_cpu: Quantity = "250m"
+    # A limit, not a request (the resource profile sets that): the agent's start
+    # (its imports, the runner's placement) is on the way to every start and
+    # resume, and under 250m it took a second of wall time for a quarter second
+    # of CPU (docs/benchmarks.md, "Resume against a pod start").
+    agent_cpu: Quantity = "1"
     agent_memory: Quantity = "256Mi"
     agent_ephemeral_storage: Quantity = "512Mi"
     # Distinct UIDs: user code must not be able to act as the agent.

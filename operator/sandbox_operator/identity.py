@@ -17,7 +17,7 @@ JSON = dict[str, Any]
 
 # The key of the agent's token in its Secret.
 TOKEN_KEY = "token"
-# The pod's two containers: the agent (a native sidecar) and the user's runtime.
+# The pod's two containers: the agent and the user's runtime.
 AGENT_CONTAINER = "agent"
 SANDBOX_CONTAINER = "sandbox"
 

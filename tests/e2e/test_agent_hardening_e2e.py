@@ -99,7 +99,7 @@ while time.monotonic() < end:
 
 def _agent_container(kube: KubeJSON, ns: str, pod: str) -> dict[str, object]:
     body = kube.read(core_path("pods", ns, pod))
-    statuses = body["status"].get("initContainerStatuses") or []
+    statuses = body["status"].get("containerStatuses") or []
     return next(s for s in statuses if s["name"] == "agent")
 
 

@@ -424,15 +424,13 @@ class Node:
                 {"type": "ContainersReady", "status": ready, "lastTransitionTime": now},
                 {"type": "Ready", "status": ready, "lastTransitionTime": now},
             ],
-            "initContainerStatuses": [
-                _container(
-                    "agent", "sandbox-agent:dev", agent_ready, {"running": {"startedAt": now}}
-                )
-            ],
             "containerStatuses": [
                 _container(
                     "sandbox", "sandbox-runtime-python:dev", True, {"running": {"startedAt": now}}
-                )
+                ),
+                _container(
+                    "agent", "sandbox-agent:dev", agent_ready, {"running": {"startedAt": now}}
+                ),
             ],
         }
         self._patch_status(namespace, name, status)
@@ -484,7 +482,11 @@ class Node:
                 "phase": "Running",
                 "podIP": "127.0.0.1",
                 "conditions": [{"type": "PodScheduled", "status": "True"}],
-                "containerStatuses": [_container("sandbox", "img:1", False, state, restarts=2)],
+                "containerStatuses": [
+                    _container("sandbox", "img:1", False, state, restarts=2),
+                    # Running, waiting for a runner that never comes.
+                    _container("agent", "sandbox-agent:dev", False, {"running": {}}),
+                ],
             },
         )
 

@@ -25,7 +25,7 @@ def _pod(**spec: Any) -> dict[str, Any]:
 
 
 def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
-    return [*pod["spec"]["initContainers"], *pod["spec"]["containers"]]
+    return [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]
 
 
 def test_pod_meets_pod_security_restricted() -> None:
@@ -55,9 +55,13 @@ def test_pod_isolation_choices() -> None:
     spec = pod["spec"]
     assert spec["automountServiceAccountToken"] is False
     assert spec["enableServiceLinks"] is False
-    agent, sandbox = spec["initContainers"][0], spec["containers"][0]
-    # A native sidecar, with a read-only root and its own UID.
-    assert agent["restartPolicy"] == "Always"
+    # Two plain containers, the user's runtime first (kubectl's default one);
+    # no init containers: a native sidecar held the other back by a second.
+    sandbox, agent = spec["containers"]
+    assert (sandbox["name"], agent["name"]) == ("sandbox", "agent")
+    assert "initContainers" not in spec
+    assert "restartPolicy" not in agent
+    # The agent: a read-only root and its own UID.
     assert agent["securityContext"]["readOnlyRootFilesystem"] is True
     assert agent["securityContext"]["runAsUser"] != sandbox["securityContext"]["runAsUser"]
     # Only the agent sees the token.
@@ -95,7 +99,7 @@ def test_resource_profiles_set_requests_under_the_limits() -> None:
         spec = pod["spec"]
         return (
             spec["containers"][0]["resources"]["requests"],
-            spec["initContainers"][0]["resources"]["requests"],
+            spec["containers"][1]["resources"]["requests"],
         )
 
     # The default profile is `standard`, and naming it changes nothing.
@@ -307,7 +311,7 @@ def test_the_workspace_is_home_and_working_directory_where_the_spec_mounts_it() 
     spec = SandboxSpec.model_validate({"workspace": {"mountPath": "/home/user"}})
     pod = build.build_pod(REF, spec, SETTINGS)
     sandbox = next(c for c in pod["spec"]["containers"] if c["name"] == "sandbox")
-    agent = next(c for c in pod["spec"]["initContainers"] if c["name"] == "agent")
+    agent = next(c for c in pod["spec"]["containers"] if c["name"] == "agent")
     assert {"name": "workspace", "mountPath": "/home/user"} in sandbox["volumeMounts"]
     assert sandbox["workingDir"] == "/home/user"
     assert {"name": "HOME", "value": "/home/user"} in sandbox["env"]
@@ -340,7 +344,7 @@ def _quantity_bytes(q: str) -> int:
 def test_agent_budgets_come_from_its_limits() -> None:
     """The agent learns its real memory limit and a log budget inside its log volume."""
     pod = _pod()
-    agent = next(c for c in pod["spec"]["initContainers"] if c["name"] == identity.AGENT_CONTAINER)
+    agent = next(c for c in pod["spec"]["containers"] if c["name"] == identity.AGENT_CONTAINER)
     env = {e["name"]: e for e in agent["env"]}
     assert env["SANDBOX_AGENT_MEMORY_LIMIT_BYTES"]["valueFrom"] == {
         "resourceFieldRef": {"containerName": identity.AGENT_CONTAINER, "resource": "limits.memory"}

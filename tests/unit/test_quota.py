@@ -21,9 +21,9 @@ def _sandbox(spec: dict[str, Any], admitted: bool | None = True) -> dict[str, An
 def test_a_sandbox_holds_its_pods_requests_and_limits_and_its_workspace() -> None:
     spec = SandboxSpec.model_validate({"resources": {"cpu": "2", "memory": "1Gi"}})
     held = quota.sandbox_usage(spec, SETTINGS)
-    # The runtime container plus the agent sidecar, as the scheduler counts them.
+    # The runtime container plus the agent, as the scheduler counts them.
     assert held.requests_cpu == Decimal("0.1") + Decimal("0.05")
-    assert held.limits_cpu == Decimal(2) + Decimal("0.25")
+    assert held.limits_cpu == Decimal(2) + Decimal(1)
     assert held.requests_memory == held.limits_memory == Decimal(2**30 + 256 * 2**20)
     assert held.workspace_storage == Decimal(2**30)
     ephemeral = SandboxSpec.model_validate({"workspace": {"ephemeral": True, "size": "5Gi"}})
