@@ -106,6 +106,9 @@ SNAPSHOT_ANNOTATION = f"{GROUP}/snapshot"
 POD_SPEC_ANNOTATION = f"{GROUP}/pod-spec"
 POD_HASH_ANNOTATION = f"{GROUP}/pod-spec-hash"
 IMAGE_ANNOTATION = f"{GROUP}/image"
+# kubectl's: the container `kubectl exec` and `logs` use when none is named
+# (without it they name the one they chose on every call).
+DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"
 # On a restored workspace claim: the Snapshot (and restore request) it was made
 # from, and that Snapshot's lineage, so a restarted operator can tell claims apart.
 CLAIM_FROM_SNAPSHOT = f"{GROUP}/from-snapshot"

@@ -59,6 +59,7 @@ def test_pod_isolation_choices() -> None:
     # no init containers: a native sidecar held the other back by a second.
     sandbox, agent = spec["containers"]
     assert (sandbox["name"], agent["name"]) == ("sandbox", "agent")
+    assert pod["metadata"]["annotations"]["kubectl.kubernetes.io/default-container"] == "sandbox"
     assert "initContainers" not in spec
     assert "restartPolicy" not in agent
     # The agent: a read-only root and its own UID.

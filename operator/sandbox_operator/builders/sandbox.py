@@ -25,6 +25,7 @@ from sandbox_operator.identity import (
     names,
 )
 from sandbox_operator.resources import (
+    DEFAULT_CONTAINER_ANNOTATION,
     IMAGE_ANNOTATION,
     POD_HASH_ANNOTATION,
     POD_SPEC_ANNOTATION,
@@ -361,7 +362,14 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {**meta, "annotations": {**spec.pod_annotations, IMAGE_ANNOTATION: image}},
+        "metadata": {
+            **meta,
+            "annotations": {
+                **spec.pod_annotations,
+                IMAGE_ANNOTATION: image,
+                DEFAULT_CONTAINER_ANNOTATION: SANDBOX_CONTAINER,
+            },
+        },
         "spec": pod_spec,
     }
 
