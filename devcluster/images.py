@@ -49,7 +49,10 @@ log = logging.getLogger("devcluster.images")
 # recipe are rebuilt.
 RECIPE = 1
 REPO = Path(__file__).resolve().parent.parent
-PAUSE_SOURCE = Path(__file__).resolve().parent / "pause.c"
+# Our C programs (`<name>.c`), compiled statically: the pause image's, and
+# those an ImageSpec names in `programs`.
+PROGRAMS_DIR = Path(__file__).resolve().parent
+PAUSE_SOURCE = PROGRAMS_DIR / "pause.c"
 
 # The pod sandbox image (containerd's `sandbox_image`). A `localhost/` name:
 # this is not upstream's pause binary and must never look like it could be pulled.
@@ -146,10 +149,6 @@ def reference(name: str) -> str:
         return name
     return f"docker.io/{name}"
 
-
-# The agent's socket, handed from the image's listen-first program (see
-# devcluster/listen-first.c) to the agent (sandbox_agent.server LISTEN_FD_ENV).
-AGENT_LISTEN_FD_ENV = "SANDBOX_AGENT_LISTEN_FD"
 
 AGENT = PipProject(
     "sandbox-agent",
@@ -339,7 +338,7 @@ def cache_key(spec: ImageSpec) -> str:
     add("spec", json.dumps(spec_fields, sort_keys=True, default=str).encode())
     add("suite", f"{versions.DEBIAN_SUITE} {versions.DEBIAN_PYTHON}".encode())
     for program in spec.programs:
-        add(f"{program}.c", _program_source(program).read_bytes())
+        add(f"{program}.c", program_source(program).read_bytes())
     if spec.pause:
         add("pause.c", PAUSE_SOURCE.read_bytes())
     elif spec.binary:
@@ -475,8 +474,8 @@ def _run(
     return str(proc.stdout)
 
 
-def _program_source(name: str) -> Path:
-    return PAUSE_SOURCE.parent / f"{name}.c"
+def program_source(name: str) -> Path:
+    return PROGRAMS_DIR / f"{name}.c"
 
 
 def compile_static(source: Path, binary: Path) -> None:
@@ -604,7 +603,7 @@ def _debian_rootfs(spec: ImageSpec, work: Path, rootfs_tar: Path) -> None:
         _stage_pip_project(project, stage, work)
     for program in spec.programs:
         (stage / "usr" / "local" / "bin").mkdir(parents=True, exist_ok=True)
-        compile_static(_program_source(program), stage / "usr" / "local" / "bin" / program)
+        compile_static(program_source(program), stage / "usr" / "local" / "bin" / program)
     users = spec.users if spec.users is not None else _USERS
     passwd = "".join(
         f"{user}:x:{uid}:{gid}:{user}:{home}:{_shell(spec)}\\n" for user, uid, gid, home in users

@@ -4,16 +4,20 @@ agent serves on the socket it was handed."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from devcluster import images
+from devcluster.controlplane import free_ports
+from sandbox_agent.server import LISTEN_FD_ENV
 
 
 def _agent_env(tmp: Path, port: int) -> dict[str, str]:
@@ -32,15 +36,13 @@ def _agent_env(tmp: Path, port: int) -> dict[str, str]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 @pytest.fixture(scope="module")
 def listen_first(tmp_path_factory: pytest.TempPathFactory) -> Path:
     binary = tmp_path_factory.mktemp("programs") / "listen-first"
-    images.compile_static(images.REPO / "devcluster" / "listen-first.c", binary)
+    images.compile_static(images.program_source("listen-first"), binary)
     return binary
 
 
@@ -62,6 +64,17 @@ def _listeners(port: int) -> int:
     )
 
 
+@contextlib.contextmanager
+def _started(argv: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
+    """The process, killed when the test is done with it."""
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
 def _serving(proc: subprocess.Popen[str], port: int) -> None:
     deadline = time.monotonic() + 60
     while True:
@@ -79,19 +92,10 @@ def test_listen_first_listens_and_the_agent_serves_on_that_socket(
     tmp_path: Path, listen_first: Path
 ) -> None:
     port = _free_port()
-    proc = subprocess.Popen(
-        _entry(tmp_path, listen_first),
-        env=_agent_env(tmp_path, port),
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with _started(_entry(tmp_path, listen_first), _agent_env(tmp_path, port)) as proc:
         _serving(proc, port)
         # One listener on the port: the handed one (the agent made no second).
         assert _listeners(port) == 1
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def test_listen_first_listens_before_the_agent_starts(tmp_path: Path, listen_first: Path) -> None:
@@ -101,8 +105,7 @@ def test_listen_first_listens_before_the_agent_starts(tmp_path: Path, listen_fir
     slow.mkdir()
     (slow / "__init__.py").write_text("import time\ntime.sleep(60)\n")
     port = _free_port()
-    proc = subprocess.Popen(_entry(tmp_path, listen_first), env=_agent_env(tmp_path, port))
-    try:
+    with _started(_entry(tmp_path, listen_first), _agent_env(tmp_path, port)) as proc:
         deadline = time.monotonic() + 30
         while True:
             assert proc.poll() is None
@@ -114,28 +117,17 @@ def test_listen_first_listens_before_the_agent_starts(tmp_path: Path, listen_fir
                 time.sleep(0.05)
         # Handed on: the agent's interpreter has it, under the name the agent reads.
         environ = (Path("/proc") / str(proc.pid) / "environ").read_bytes().split(b"\0")
-        assert any(e.startswith(images.AGENT_LISTEN_FD_ENV.encode() + b"=") for e in environ)
-    finally:
-        proc.kill()
-        proc.wait(30)
+        assert any(e.startswith(LISTEN_FD_ENV.encode() + b"=") for e in environ)
 
 
 def test_listen_first_leaves_a_host_name_to_the_agent(tmp_path: Path, listen_first: Path) -> None:
     """A name, not an address: the agent resolves it and listens itself, as it
     would without listen-first."""
     port = _free_port()
-    proc = subprocess.Popen(
-        _entry(tmp_path, listen_first),
-        env={**_agent_env(tmp_path, port), "SANDBOX_AGENT_HOST": "localhost"},
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    env = {**_agent_env(tmp_path, port), "SANDBOX_AGENT_HOST": "localhost"}
+    with _started(_entry(tmp_path, listen_first), env) as proc:
         _serving(proc, port)
         assert _listeners(port) == 1
-    finally:
-        proc.kill()
-        proc.wait(30)
 
 
 @pytest.mark.parametrize(
@@ -177,7 +169,7 @@ def test_the_agent_refuses_a_handed_socket_on_another_port(tmp_path: Path) -> No
     env = _agent_env(tmp_path, _free_port())
     with socket.create_server(("127.0.0.1", 0)) as other:
         other.set_inheritable(True)
-        env[images.AGENT_LISTEN_FD_ENV] = str(other.fileno())
+        env[LISTEN_FD_ENV] = str(other.fileno())
         proc = subprocess.run(
             [sys.executable, "-m", "sandbox_agent"],
             env=env,
@@ -187,7 +179,7 @@ def test_the_agent_refuses_a_handed_socket_on_another_port(tmp_path: Path) -> No
             pass_fds=(other.fileno(),),
         )
     assert proc.returncode == 1
-    assert f"{images.AGENT_LISTEN_FD_ENV} listens on port" in proc.stderr
+    assert f"{LISTEN_FD_ENV} listens on port" in proc.stderr
 
 
 def test_launchers_import_their_project_from_opt() -> None:

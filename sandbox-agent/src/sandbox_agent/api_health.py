@@ -24,7 +24,7 @@ async def readyz(request: Request, args: Args) -> Response:
     """Readiness: 200 only when the runner answers
 
     With waitSeconds, a runner that has not connected yet is waited for (the
-    sandbox container starts after the agent, so the first probe would
+    runner starts once the agent has placed it, so the first probe would
     otherwise fail at every pod start). The answer comes within waitSeconds
     plus a quarter second (one second at the least).
     """

@@ -136,7 +136,7 @@ def build_app(settings: Settings, token: bytes, ops: tuple[Op, ...] = OPS) -> AS
         watch = asyncio.get_running_loop().create_task(state.executions.watch_runner())
         # A streamed answer runs in an anyio task group (Starlette under ASGI
         # 2.3), whose first use imports anyio's asyncio backend: 11-16 ms of
-        # CPU, up to 100 ms under the sidecar's CPU limit. Paid here, before the
+        # CPU, up to 100 ms under a 250m CPU limit. Paid here, before the
         # pod is Ready, not by a sandbox's first streamed command (an E2B
         # command is one): docs/benchmarks.md, "E2B's SDK against ours".
         async with anyio.create_task_group():
