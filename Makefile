@@ -49,11 +49,13 @@ crds: install ## Regenerate crds/, the chart's CRD copies and values.schema.json
 	$(PY) -m sandbox_operator.api.generate
 
 .PHONY: lint
-lint: install ## ruff (lint + format check) and mypy --strict
+lint: install ## ruff (lint + format check), mypy --strict, gofmt of the Go sources
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy operator devcluster tests sandbox-agent/src benchmarks hack
 	$(VENV)/bin/mypy sandbox-sdk/src sandbox-sdk/tests examples/sdk
+	@unformatted="$$(gofmt -l sandbox-node devcluster/csi)"; \
+	  if [ -n "$$unformatted" ]; then echo "gofmt -w these: $$unformatted"; exit 1; fi
 
 .PHONY: binaries
 binaries: install ## Build (or reuse) the pinned Kubernetes, etcd, helm and gopher-lua binaries

@@ -18,9 +18,12 @@ digest of one byte of every page of that memory. Then:
   keeps only the workspace gives back: a new process, empty).
 
 The root filesystem is the bundle's directory with no overlay
-(`--overlay2=none`): this `runsc` (a 2023-09 build) refuses to restore a
-sandbox whose root has its default overlay, whose upper layer lives in a
-private memory file ("S/R not supported for private memory files").
+(`--overlay2=none`), as in the first runs of this benchmark: the 2023-09
+runsc the node ran then refused to restore a sandbox whose root had its
+default overlay ("S/R not supported for private memory files"). The node's
+runsc now saves that overlay too (pods restore with it, see
+tests/devcluster/test_gvisor_checkpoint.py); the bundle keeps none so that
+the figures compare with the earlier ones.
 """
 
 from __future__ import annotations

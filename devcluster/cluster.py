@@ -213,6 +213,11 @@ class LocalCluster(ControlPlane):
         return self.node_dir / "containerd"
 
     @property
+    def checkpoint_dir(self) -> Path:
+        """The node's checkpoint store (sandbox-node's; memory images of paused pods)."""
+        return self.node_dir / "checkpoints"
+
+    @property
     def image_store_dir(self) -> Path:
         """containerd's root (content store, snapshots, metadata). Outside
         node_dir: kept across stops while no pod sandbox is recorded in it,
@@ -427,7 +432,7 @@ class LocalCluster(ControlPlane):
         (self.node_dir / "runsc-logs").mkdir(parents=True, exist_ok=True)
         runsc_config.write_text(
             gvisor.runsc_config(
-                runsc=binaries["runsc"],
+                sandbox_runsc=binaries[gvisor.SANDBOX_RUNSC],
                 root=self.containerd_dir / "runsc",
                 log_dir=self.node_dir / "runsc-logs",
             )
@@ -457,7 +462,14 @@ class LocalCluster(ControlPlane):
             Component(
                 name="containerd",
                 argv=["containerd", f"--config={containerd_config}"],
-                env={"PATH": f"{shims}:{os.environ.get('PATH', '/usr/bin:/bin')}"},
+                env={
+                    "PATH": f"{shims}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+                    **gvisor.containerd_env(
+                        runsc=binaries["runsc"],
+                        checkpoints=self.checkpoint_dir,
+                        kubelet_root_dir=self.kubelet_root_dir,
+                    ),
+                },
                 ready=self._containerd_ready,
                 ready_timeout=60.0,
                 post_start=self._import_images,

@@ -3,21 +3,25 @@
 
 Both commands are built from the `gvisor.dev/gvisor` Go module (its `go`
 branch, which the module proxy serves at pseudo-versions); Debian's `runsc`
-package ships no shim, and a shim and a `runsc` from the same commit speak
-the same command line. containerd finds a shim by its runtime type
-(`io.containerd.runsc.v1` -> `containerd-shim-runsc-v1` on its PATH), so the
-node gets a directory of links under those names.
+package ships no shim. They come from two commits (versions.py): the shim
+from one that still speaks containerd 1.6's start protocol, runsc from a
+recent one, which checkpoints and restores pods of several containers. The
+shim drives runsc by its command line, which both commits share. containerd
+finds a shim by its runtime type (`io.containerd.runsc.v1` ->
+`containerd-shim-runsc-v1` on its PATH), so the node gets a directory of
+links under those names. The shim runs runsc through sandbox-runsc
+(sandbox-node/), which restores a pod from the node's checkpoint store when
+the pod asks for it (docs/pause-memory.md).
 
-Two patches. The shim lowers its own OOM score when it starts and fails the
-pod when it cannot. Root on this machine lacks CAP_SYS_RESOURCE (it is not
-in the bounding set), so no process may lower an oom_score_adj; containerd
-itself runs with `restrict_oom_score_adj` for the same reason. The patched
-shim goes on, as containerd's own runc shim does when it runs unprivileged.
-And runsc refuses to take over a network namespace it believes is the
-host's; it tells by the presence of /proc/sys/net/core/rmem_default, which
-newer kernels (this one is 6.18) show in every namespace. The patched
-test compares it with the namespace runsc started in (init's is not
-readable to runsc).
+Two patches of the shim. It lowers its own OOM score when it starts and
+fails the pod when it cannot. Root on this machine lacks CAP_SYS_RESOURCE
+(it is not in the bounding set), so no process may lower an oom_score_adj;
+containerd itself runs with `restrict_oom_score_adj` for the same reason.
+The patched shim goes on, as containerd's own runc shim does when it runs
+unprivileged. And it finds a pod's volumes under /var/lib/kubelet/pods,
+where this node's kubelet (one per cluster, each with its own root
+directory) keeps none: the patched shim reads the directory from
+KUBELET_PODS_DIR when set.
 
 Platform: systrap, gVisor's default at this commit and the only one that
 runs on this machine: the KVM platform hangs at boot on its paravirtual KVM
@@ -28,10 +32,13 @@ as for runc pods.
 
 Containers of one pod share one gVisor kernel, but each bind mount of a pod
 volume is its own filesystem in it: a Unix socket bound by one container
-(the sandbox's runner) would be invisible to the other (the agent). With
-`host-uds=all` the socket is created on the host file and the other
-container connects through it; only sockets inside the pod's own mounts are
-reachable that way.
+(the sandbox's runner) would be invisible to the other (the agent). The
+operator annotates its pods so that the volume holding that socket is one
+tmpfs of the pod inside the sandbox (`dev.gvisor.spec.mount.<volume>.*`,
+which containerd passes on as `pod_annotations` and the shim completes).
+Sockets then stay inside gVisor, where a checkpoint can save them; runsc's
+`host-uds`, which made them host sockets, would make every checkpoint fail
+("cannot save endpoint with bound host socket").
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ SHIM = "containerd-shim-runsc-v1"
 
 _MODULE = "gvisor.dev/gvisor"
 
-PATCHES = (
+SHIM_PATCHES = (
     build.SourcePatch(
         "pkg/shim/service.go",
         "\tif err := shim.SetScore(cmd.Process.Pid); err != nil {\n"
@@ -62,61 +69,67 @@ PATCHES = (
         "which must not fail every gVisor pod",
     ),
     build.SourcePatch(
-        "runsc/sandbox/network.go",
-        """func isRootNS() (bool, error) {
-\terr := unix.Access("/proc/sys/net/core/rmem_default", unix.F_OK)
-\tswitch err {
-\tcase nil:
-\t\treturn true, nil
-\tcase unix.ENOENT:
-\t\treturn false, nil
-\tdefault:
-\t\treturn false, fmt.Errorf("failed to access /proc/sys/net/core/rmem_default: %v", err)
-\t}
-}""",
-        """func isRootNS() (bool, error) {
-\t// devcluster: the namespace of this thread against the one runsc started in.
-\tif startNetNSErr != nil {
-\t\treturn false, fmt.Errorf("stat of runsc's own net namespace: %v", startNetNSErr)
-\t}
-\tvar self unix.Stat_t
-\tif err := unix.Stat("/proc/thread-self/ns/net", &self); err != nil {
-\t\treturn false, fmt.Errorf("stat of this thread's net namespace: %v", err)
-\t}
-\treturn self.Dev == startNetNS.Dev && self.Ino == startNetNS.Ino, nil
-}""",
-        "newer kernels show /proc/sys/net/core/rmem_default in every network "
-        "namespace, so upstream's test took every pod's namespace for the host's",
+        "pkg/shim/utils/volumes.go",
+        'var kubeletPodsDir = "/var/lib/kubelet/pods"',
+        'var kubeletPodsDir = kubeletPodsDirFromEnv("/var/lib/kubelet/pods")',
+        "each devcluster kubelet has its own root directory",
     ),
     build.SourcePatch(
-        "runsc/sandbox/devcluster_netns.go",
+        "pkg/shim/utils/devcluster_volumes.go",
         "",
-        """package sandbox
+        """package utils
 
-import "golang.org/x/sys/unix"
+import "os"
 
-// The network namespace runsc started in (the host's, when the shim runs it),
-// read before any thread joins another. /proc/1/ns/net is not readable here.
+// The kubelet's pods directory, from KUBELET_PODS_DIR when set.
 // Added by sandbox-operator's devcluster at build time.
-var startNetNS unix.Stat_t
-var startNetNSErr = unix.Stat("/proc/self/ns/net", &startNetNS)
+func kubeletPodsDirFromEnv(fallback string) string {
+\tif dir := os.Getenv("KUBELET_PODS_DIR"); dir != "" {
+\t\treturn dir
+\t}
+\treturn fallback
+}
 """,
-        "the namespace runsc started in, for isRootNS",
+        "KUBELET_PODS_DIR for the shim's volume annotations",
     ),
 )
 
+KUBELET_PODS_DIR_ENV = "KUBELET_PODS_DIR"
+"""Where the patched shim looks for a pod's volumes (containerd's environment)."""
+
+
+SANDBOX_RUNSC = "sandbox-runsc"
+CHECKPOINT = "sandbox-checkpoint"
+_SANDBOX_NODE_SOURCE = Path(__file__).resolve().parent.parent / "sandbox-node"
+
 
 def binaries(*, build_missing: bool = True) -> dict[str, Path]:
-    """`runsc` and the shim (as `containerd-shim-runsc-v1`), built when missing."""
-    built = build.go_module_binaries(
-        "gvisor",
+    """`runsc`, the shim (as `containerd-shim-runsc-v1`), and sandbox-node's
+    `sandbox-runsc` and `sandbox-checkpoint`, built when missing."""
+    runsc = build.go_module_binaries(
+        "gvisor", _MODULE, versions.GVISOR, [f"{_MODULE}/runsc"], build_missing=build_missing
+    )
+    shim = build.go_module_binaries(
+        "gvisor-shim",
         _MODULE,
-        versions.GVISOR,
-        [f"{_MODULE}/runsc", f"{_MODULE}/shim"],
-        patches=PATCHES,
+        versions.GVISOR_SHIM,
+        [f"{_MODULE}/shim"],
+        patches=SHIM_PATCHES,
         build_missing=build_missing,
     )
-    return {"runsc": built["runsc"], SHIM: built["shim"]}
+    return {"runsc": runsc["runsc"], SHIM: shim["shim"], **node_binaries(build_missing)}
+
+
+def node_binaries(build_missing: bool = True) -> dict[str, Path]:
+    """sandbox-node's `sandbox-runsc` and `sandbox-checkpoint` (Go, standard
+    library only: seconds to build)."""
+    return build.go_source_binaries(
+        "sandbox-node",
+        _SANDBOX_NODE_SOURCE,
+        {},
+        [SANDBOX_RUNSC, CHECKPOINT],
+        build_missing=build_missing,
+    )
 
 
 def link_commands(bin_dir: Path, built: Mapping[str, Path]) -> Path:
@@ -130,18 +143,30 @@ def link_commands(bin_dir: Path, built: Mapping[str, Path]) -> Path:
     return bin_dir
 
 
-def runsc_config(*, runsc: Path, root: Path, log_dir: Path) -> str:
-    """The shim's options file (TOML): which runsc, where its state and the
-    shims' logs go."""
+def containerd_env(*, runsc: Path, checkpoints: Path, kubelet_root_dir: Path) -> dict[str, str]:
+    """What containerd passes on to the shim and sandbox-runsc."""
+    return {
+        "SANDBOX_RUNSC": str(runsc),
+        "SANDBOX_CHECKPOINTS": str(checkpoints),
+        KUBELET_PODS_DIR_ENV: str(kubelet_root_dir / "pods"),
+    }
+
+
+def runsc_config(*, sandbox_runsc: Path, root: Path, log_dir: Path) -> str:
+    """The shim's options file (TOML): which runsc (sandbox-runsc, which runs
+    the real one), where its state and the shims' logs go."""
     return f"""# Written by devcluster/gvisor.py.
-binary_name = "{runsc}"
+binary_name = "{sandbox_runsc}"
 root = "{root}"
 log_path = "{log_dir}/shim-%ID%.log"
 log_level = "info"
 
 [runsc_config]
 platform = "systrap"
-host-uds = "all"
+# A restored pod's specs differ from the checkpointed pod's where they must
+# (the pod UID in its cgroup path): compare, log differences, restore anyway.
+# The operator restores an image only into the pod shape it was taken from.
+restore-spec-validation = "warning"
 # No debug-log: runsc writes one file per command it is run for, and containerd
 # runs `runsc events` every 10 s per container. Add `debug-log = "<dir>/%ID%/"`
 # here to see them.
@@ -154,6 +179,8 @@ def containerd_runtime(cri: str, config_path: Path) -> str:
     # gVisor (devcluster/gvisor.py): pods with runtimeClassName {RUNTIME_CLASS!r}.
     [{cri}.containerd.runtimes.{HANDLER}]
       runtime_type = "io.containerd.runsc.v1"
+      # Into the OCI specs, for the shim (volume sharing) and sandbox-runsc.
+      pod_annotations = ["dev.gvisor.spec.mount.*", "sandbox.dev/restore-from"]
 
       [{cri}.containerd.runtimes.{HANDLER}.options]
         TypeUrl = "io.containerd.runsc.v1.options"

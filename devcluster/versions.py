@@ -82,6 +82,10 @@ NETWORK_POLICIES = "v1.1.1"
 
 # ---- gVisor on the node (devcluster/gvisor.py) ------------------------------------
 # runsc and containerd-shim-runsc-v1 from the module's `go` branch (the proxy
-# serves pseudo-versions only). This commit's shim builds against containerd
-# 1.x libraries and runs under the node's containerd 1.6.
-GVISOR = "v0.0.0-20230927004350-cbd86285d259"
+# serves pseudo-versions only). The shim of GVISOR_SHIM builds against
+# containerd 1.x libraries and runs under the node's containerd 1.6 (later
+# shims answer containerd 2's start protocol); it drives runsc by its command
+# line, which GVISOR's runsc still speaks. GVISOR's runsc checkpoints and
+# restores a pod of several containers (pause mode Memory).
+GVISOR = "v0.0.0-20260905035102-160fafc42237"
+GVISOR_SHIM = "v0.0.0-20230927004350-cbd86285d259"

@@ -1,4 +1,5 @@
-"""Fixtures the devcluster test modules share (each module brings its own `kube`)."""
+"""Fixtures the devcluster test modules share. `kube` is a client of the
+session's node cluster; a module about another cluster brings its own."""
 
 from __future__ import annotations
 
@@ -7,7 +8,20 @@ from collections.abc import Iterator
 
 import pytest
 
+from devcluster.cluster import LocalCluster
+from tests.devcluster.support import Pods
 from tests.kube import KubeJSON, core_path
+
+
+@pytest.fixture
+def kube(local_cluster: LocalCluster) -> Iterator[KubeJSON]:
+    with KubeJSON(local_cluster.kubeconfig) as client:
+        yield client
+
+
+@pytest.fixture
+def pods(local_cluster: LocalCluster, kube: KubeJSON, namespace: str) -> Pods:
+    return Pods(local_cluster, kube, namespace)
 
 
 @pytest.fixture

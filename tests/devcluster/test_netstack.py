@@ -75,17 +75,6 @@ print(json.dumps(results), flush=True)
 
 
 @pytest.fixture
-def kube(local_cluster: LocalCluster) -> Iterator[KubeJSON]:
-    with KubeJSON(local_cluster.kubeconfig) as client:
-        yield client
-
-
-@pytest.fixture
-def pods(local_cluster: LocalCluster, kube: KubeJSON, namespace: str) -> Pods:
-    return Pods(local_cluster, kube, namespace)
-
-
-@pytest.fixture
 def other_namespace(kube: KubeJSON) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
     kube.create(core_path("namespaces"), {"metadata": {"name": name}})

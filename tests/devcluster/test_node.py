@@ -19,7 +19,6 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +38,6 @@ from tests.devcluster.support import (
 from tests.kube import KubeJSON, core_path
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
-
-
-@pytest.fixture
-def kube(local_cluster: LocalCluster) -> Iterator[KubeJSON]:
-    with KubeJSON(local_cluster.kubeconfig) as client:
-        yield client
-
-
-@pytest.fixture
-def pods(local_cluster: LocalCluster, kube: KubeJSON, namespace: str) -> Pods:
-    return Pods(local_cluster, kube, namespace)
 
 
 # ---- the session's node cluster ---------------------------------------------------

@@ -65,6 +65,17 @@ os.execvp("python3", ["python3", {RUNNER_PATH!r}])
 
 # The runtime directory holds only the runner script and its socket.
 _RUNTIME_DIR_LIMIT = "16Mi"
+# Under gVisor each container's bind mount of a pod volume is a filesystem of
+# its own, so the runner's socket would not be seen from the agent's side: the
+# runtime volume is one tmpfs of the pod inside gVisor instead (the shim reads
+# these from the pod's annotations, which containerd passes on when its runsc
+# runtime lists them in pod_annotations). The socket then stays inside gVisor,
+# where a checkpoint can save it (docs/pause-memory.md). runc ignores them.
+_RUNTIME_VOLUME = "runtime"
+_GVISOR_SHARED_RUNTIME = {
+    f"dev.gvisor.spec.mount.{_RUNTIME_VOLUME}.{field}": value
+    for field, value in (("share", "pod"), ("type", "tmpfs"), ("options", "rw"))
+}
 _AGENT_LOG_LIMIT = "256Mi"
 # The agent prunes its logs to stay under this, well inside the volume's limit
 # (going over it gets the pod evicted).
@@ -272,7 +283,7 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
         ),
         "volumeMounts": [
             {"name": "workspace", "mountPath": WORKSPACE_PATH},
-            {"name": "runtime", "mountPath": RUNTIME_DIR},
+            {"name": _RUNTIME_VOLUME, "mountPath": RUNTIME_DIR},
             {"name": "agent-token", "mountPath": TOKEN_DIR, "readOnly": True},
             {"name": "agent-logs", "mountPath": "/sandbox/logs"},
             {"name": "agent-tmp", "mountPath": "/tmp"},
@@ -304,7 +315,7 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
         ),
         "volumeMounts": [
             {"name": "workspace", "mountPath": home},
-            {"name": "runtime", "mountPath": RUNTIME_DIR},
+            {"name": _RUNTIME_VOLUME, "mountPath": RUNTIME_DIR},
         ],
         # The agent's verdict, not the runner's: a runtime that cannot kill a command
         # (a fork bomb, a wedged runner) is restarted by the kubelet. Three misses,
@@ -341,7 +352,7 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
         "containers": [sandbox, agent],
         "volumes": [
             workspace_volume,
-            {"name": "runtime", "emptyDir": {"sizeLimit": _RUNTIME_DIR_LIMIT}},
+            {"name": _RUNTIME_VOLUME, "emptyDir": {"sizeLimit": _RUNTIME_DIR_LIMIT}},
             {"name": "agent-logs", "emptyDir": {"sizeLimit": _AGENT_LOG_LIMIT}},
             {"name": "agent-tmp", "emptyDir": {"sizeLimit": _AGENT_LOG_LIMIT}},
             {
@@ -366,6 +377,7 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
             **meta,
             "annotations": {
                 **spec.pod_annotations,
+                **_GVISOR_SHARED_RUNTIME,
                 IMAGE_ANNOTATION: image,
                 DEFAULT_CONTAINER_ANNOTATION: SANDBOX_CONTAINER,
             },

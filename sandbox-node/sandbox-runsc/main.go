@@ -1,0 +1,228 @@
+// Command sandbox-runsc stands in for runsc under containerd's gVisor shim
+// (the shim's `binary_name`) so that a pod can come back from a memory image
+// instead of starting fresh. Everything else passes through to runsc
+// unchanged, by exec.
+//
+// The shim runs `runsc create --bundle B ... ID` and then `runsc start ID`
+// for the pod's sandbox (pause) container and then for each of its
+// containers. When the pod carries the annotation sandbox.dev/restore-from
+// (containerd passes it into each container's OCI spec when configured to:
+// pod_annotations), naming a complete image of the pod's namespace in the
+// checkpoint store, each `start` becomes `runsc restore --detach
+// --image-path IMAGE ID`: gVisor restores the whole sandbox once the last of
+// the checkpointed containers is there, matching them by container name.
+//
+// The decision is taken once per pod, when its sandbox container is created,
+// and recorded under runsc's state root; the pod's containers follow it. An
+// image that is missing, incomplete or written by another runsc build is
+// not restored: the pod starts fresh (the operator sees that memory was lost
+// from the agent, which then is a new process).
+//
+// A pod whose sandbox was checkpointed (sandbox-checkpoint marked it ended)
+// never starts containers again: the kubelet restarts the containers of a
+// pod whose processes all stopped, and fresh processes would change the
+// workspace that the image expects as it was.
+//
+// Environment (from containerd's): SANDBOX_RUNSC, the real runsc (required);
+// SANDBOX_CHECKPOINTS, the checkpoint store (without it, everything passes
+// through).
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+
+	"sandbox-operator.local/sandbox-node/internal/store"
+)
+
+const (
+	restoreAnnotation = "sandbox.dev/restore-from"
+	typeAnnotation    = "io.kubernetes.cri.container-type"
+	sandboxIDAnnot    = "io.kubernetes.cri.sandbox-id"
+	namespaceAnnot    = "io.kubernetes.cri.sandbox-namespace"
+	podUIDAnnot       = "io.kubernetes.cri.sandbox-uid"
+)
+
+func main() {
+	runsc := os.Getenv("SANDBOX_RUNSC")
+	if runsc == "" {
+		fail("SANDBOX_RUNSC is not set: it names the runsc this command runs")
+	}
+	args := os.Args[1:]
+	if checkpoints := os.Getenv("SANDBOX_CHECKPOINTS"); checkpoints != "" {
+		var err error
+		args, err = rewrite(args, store.Store(checkpoints), runsc)
+		if err != nil {
+			fail(err.Error())
+		}
+	}
+	err := syscall.Exec(runsc, append([]string{runsc}, args...), os.Environ())
+	fail(fmt.Sprintf("exec %s: %v", runsc, err))
+}
+
+func fail(message string) {
+	fmt.Fprintln(os.Stderr, "sandbox-runsc: "+message)
+	os.Exit(1)
+}
+
+// rewrite returns the runsc command line to run for args.
+func rewrite(args []string, checkpoints store.Store, runsc string) ([]string, error) {
+	at := subcommand(args)
+	if at < 0 || len(args) < at+2 {
+		return args, nil
+	}
+	root := globalFlag(args[:at], "root")
+	if root == "" {
+		return args, nil
+	}
+	id := args[len(args)-1]
+	if strings.ContainsAny(id, "/") || id == "." || id == ".." {
+		return nil, fmt.Errorf("container ID %q is not a file name", id)
+	}
+	records := store.Records(root)
+	switch args[at] {
+	case "create":
+		bundle := commandFlag(args[at+1:], "bundle")
+		if bundle == "" {
+			return args, nil
+		}
+		return args, onCreate(root, id, bundle, checkpoints, runsc)
+	case "start":
+		image, err := os.ReadFile(filepath.Join(records, id+".restore"))
+		if err != nil {
+			return args, nil
+		}
+		restore := []string{"restore", "--detach", "--image-path=" + string(image), id}
+		return append(append([]string{}, args[:at]...), restore...), nil
+	case "delete":
+		_ = os.Remove(filepath.Join(records, id+".restore"))
+	}
+	return args, nil
+}
+
+// onCreate decides (for a pod's sandbox container) or follows (for its other
+// containers) whether the container is restored, and refuses the containers
+// of a pod that was checkpointed.
+func onCreate(root, id, bundle string, checkpoints store.Store, runsc string) error {
+	records := store.Records(root)
+	annotations, err := readAnnotations(filepath.Join(bundle, "config.json"))
+	if err != nil {
+		return err
+	}
+	uid := annotations[podUIDAnnot]
+	if uid != "" && checkpoints.Ended(uid) {
+		return fmt.Errorf("pod %s was checkpointed; its containers do not start again (delete the pod)", uid)
+	}
+	var image string
+	switch annotations[typeAnnotation] {
+	case "sandbox":
+		if uid != "" {
+			// For sandbox-checkpoint, which is asked by pod.
+			if err := store.RecordPod(root, uid, id); err != nil {
+				return err
+			}
+		}
+		image = restorable(annotations, checkpoints, runsc)
+	case "container":
+		decided, err := os.ReadFile(filepath.Join(records, annotations[sandboxIDAnnot]+".restore"))
+		if err == nil {
+			image = string(decided)
+		}
+	}
+	if image == "" {
+		return nil
+	}
+	if err := os.MkdirAll(records, 0o700); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(records, id+".restore"), []byte(image), 0o600)
+}
+
+// restorable is the image a pod's sandbox restores from, or "" to start fresh.
+func restorable(annotations map[string]string, checkpoints store.Store, runsc string) string {
+	key := annotations[restoreAnnotation]
+	if key == "" {
+		return ""
+	}
+	image, err := checkpoints.Image(annotations[namespaceAnnot], key)
+	if err != nil {
+		warn("not restoring: %v", err)
+		return ""
+	}
+	wrote, err := store.CompleteBuild(image)
+	if err != nil {
+		warn("not restoring: %v", err)
+		return ""
+	}
+	current, err := store.RunscBuild(runsc)
+	if err != nil {
+		warn("not restoring %s: %v", image, err)
+		return ""
+	}
+	if wrote != current {
+		warn("not restoring %s: written by runsc %s, this node runs %s", image, wrote, current)
+		return ""
+	}
+	return image
+}
+
+// warn goes to the shim's log (runsc's stderr).
+func warn(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "sandbox-runsc: "+format+"\n", args...)
+}
+
+func readAnnotations(path string) (map[string]string, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var spec struct {
+		Annotations map[string]string `json:"annotations"`
+	}
+	if err := json.Unmarshal(data, &spec); err != nil {
+		return nil, fmt.Errorf("%s: %v", path, err)
+	}
+	return spec.Annotations, nil
+}
+
+// subcommand is the index of the first argument that is not a flag: the
+// shim passes every global flag as --name=value.
+func subcommand(args []string) int {
+	for i, arg := range args {
+		if !strings.HasPrefix(arg, "-") {
+			return i
+		}
+	}
+	return -1
+}
+
+// globalFlag is the value of --name=value among the global flags.
+func globalFlag(globals []string, name string) string {
+	for _, arg := range globals {
+		for _, prefix := range []string{"--" + name + "=", "-" + name + "="} {
+			if value, ok := strings.CutPrefix(arg, prefix); ok {
+				return value
+			}
+		}
+	}
+	return ""
+}
+
+// commandFlag is the value of a subcommand's flag, as "--name value" or "--name=value".
+func commandFlag(args []string, name string) string {
+	for i, arg := range args {
+		for _, flag := range []string{"--" + name, "-" + name} {
+			if arg == flag && i+1 < len(args) {
+				return args[i+1]
+			}
+			if value, ok := strings.CutPrefix(arg, flag+"="); ok {
+				return value
+			}
+		}
+	}
+	return ""
+}
