@@ -100,6 +100,7 @@ KUBELET_PODS_DIR_ENV = "KUBELET_PODS_DIR"
 
 SANDBOX_RUNSC = "sandbox-runsc"
 CHECKPOINT = "sandbox-checkpoint"
+CHECKPOINTD = "checkpointd"
 _SANDBOX_NODE_SOURCE = Path(__file__).resolve().parent.parent / "sandbox-node"
 
 
@@ -121,13 +122,13 @@ def binaries(*, build_missing: bool = True) -> dict[str, Path]:
 
 
 def node_binaries(build_missing: bool = True) -> dict[str, Path]:
-    """sandbox-node's `sandbox-runsc` and `sandbox-checkpoint` (Go, standard
-    library only: seconds to build)."""
+    """sandbox-node's `sandbox-runsc`, `sandbox-checkpoint` and `checkpointd`
+    (Go, standard library only: seconds to build)."""
     return build.go_source_binaries(
         "sandbox-node",
         _SANDBOX_NODE_SOURCE,
         {},
-        [SANDBOX_RUNSC, CHECKPOINT],
+        [SANDBOX_RUNSC, CHECKPOINT, CHECKPOINTD],
         build_missing=build_missing,
     )
 

@@ -586,14 +586,24 @@ def service_account_kubeconfig(
     return path
 
 
-def service_account_token(kube: KubeJSON, namespace: str, name: str, seconds: int = 86400) -> str:
-    """A token of a ServiceAccount (TokenRequest), as a pod would get it."""
+def service_account_token(
+    kube: KubeJSON,
+    namespace: str,
+    name: str,
+    seconds: int = 86400,
+    audiences: list[str] | None = None,
+) -> str:
+    """A token of a ServiceAccount (TokenRequest), as a pod would get it; for
+    the API server unless `audiences` names others."""
     issued = kube.create(
         core_path("serviceaccounts", namespace, name, "token"),
         {
             "apiVersion": "authentication.k8s.io/v1",
             "kind": "TokenRequest",
-            "spec": {"expirationSeconds": seconds},
+            "spec": {
+                "expirationSeconds": seconds,
+                **({"audiences": audiences} if audiences else {}),
+            },
         },
     )
     token = issued["status"]["token"]

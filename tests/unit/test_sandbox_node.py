@@ -7,119 +7,28 @@ test_gvisor_checkpoint.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import subprocess
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from devcluster import gvisor
-
-FAKE_RUNSC = """#!/bin/sh
-# Records its command line; `checkpoint --image-path=DIR ID` writes an image.
-printf '%s\\n' "$@" > "$RECORD"
-for arg in "$@"; do
-  case "$arg" in --image-path=*) image="${arg#--image-path=}" ;; esac
-done
-if [ "$FAIL" = 1 ]; then echo "save failed: cannot save endpoint" >&2; exit 1; fi
-case " $* " in *" checkpoint "*) printf 'state' > "$image/checkpoint.img" ;; esac
-"""
-
-
-@dataclass
-class Node:
-    root: Path
-    store: Path
-    runsc: Path
-    record: Path
-    tmp: Path
-
-    @property
-    def build(self) -> str:
-        return "sha256:" + hashlib.sha256(self.runsc.read_bytes()).hexdigest()
-
-    def env(self, **extra: str) -> dict[str, str]:
-        return {
-            "PATH": os.environ["PATH"],
-            "SANDBOX_RUNSC": str(self.runsc),
-            "SANDBOX_CHECKPOINTS": str(self.store),
-            "RECORD": str(self.record),
-            **extra,
-        }
-
-    def runsc_call(
-        self, *args: str, env: dict[str, str] | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        self.record.unlink(missing_ok=True)
-        return subprocess.run(
-            [str(_binaries()[gvisor.SANDBOX_RUNSC]), f"--root={self.root}", *args],
-            env=self.env() if env is None else env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-
-    def passed_on(self) -> list[str]:
-        """What the stand-in runsc was called with (after the global --root)."""
-        return self.record.read_text().splitlines()[1:]
-
-    def bundle(self, name: str, annotations: dict[str, str]) -> Path:
-        path = self.tmp / "bundles" / name
-        path.mkdir(parents=True)
-        (path / "config.json").write_text(json.dumps({"annotations": annotations}))
-        return path
-
-    def image(self, namespace: str, key: str, build: str | None = None) -> Path:
-        path = self.store / namespace / key
-        path.mkdir(parents=True)
-        (path / "checkpoint.img").write_text("state")
-        (path / "complete").write_text((build or self.build) + "\n")
-        return path
-
-    def create(self, cid: str, annotations: dict[str, str]) -> subprocess.CompletedProcess[str]:
-        return self.runsc_call("create", "--bundle", str(self.bundle(cid, annotations)), cid)
-
-
-def _binaries() -> dict[str, Path]:
-    return gvisor.node_binaries()
+from tests.sandbox_node import (
+    UID,
+    Node,
+    binaries,
+    container_annotations,
+    make_node,
+    sandbox_annotations,
+)
 
 
 @pytest.fixture
 def node(tmp_path: Path) -> Node:
-    runsc = tmp_path / "runsc"
-    runsc.write_text(FAKE_RUNSC)
-    runsc.chmod(0o755)
-    root = tmp_path / "root"
-    root.mkdir()
-    return Node(root, tmp_path / "store", runsc, tmp_path / "record", tmp_path)
-
-
-UID = "0b6a2c1e-5d4f-4e3a-9b8c-7d6e5f4a3b2c"
-
-
-def _sandbox(key: str | None = None, namespace: str = "team-a", uid: str = UID) -> dict[str, str]:
-    annotations = {
-        "io.kubernetes.cri.container-type": "sandbox",
-        "io.kubernetes.cri.sandbox-namespace": namespace,
-        "io.kubernetes.cri.sandbox-uid": uid,
-    }
-    if key is not None:
-        annotations["sandbox.dev/restore-from"] = key
-    return annotations
-
-
-def _container(sandbox_id: str, uid: str = UID) -> dict[str, str]:
-    return {
-        "io.kubernetes.cri.container-type": "container",
-        "io.kubernetes.cri.sandbox-id": sandbox_id,
-        "io.kubernetes.cri.sandbox-uid": uid,
-    }
+    return make_node(tmp_path)
 
 
 def test_everything_but_a_restore_passes_through_unchanged(node: Node) -> None:
@@ -127,7 +36,7 @@ def test_everything_but_a_restore_passes_through_unchanged(node: Node) -> None:
         done = node.runsc_call(*args)
         assert done.returncode == 0, done.stderr
         assert node.passed_on() == args
-    done = node.create("pod1", _sandbox())
+    done = node.create("pod1", sandbox_annotations())
     assert done.returncode == 0, done.stderr
     assert node.passed_on()[0] == "create"
     assert node.runsc_call("start", "pod1").returncode == 0
@@ -136,13 +45,13 @@ def test_everything_but_a_restore_passes_through_unchanged(node: Node) -> None:
 
 def test_a_pod_naming_a_complete_image_is_restored_container_by_container(node: Node) -> None:
     image = node.image("team-a", "k1")
-    assert node.create("pod1", _sandbox("k1")).returncode == 0
+    assert node.create("pod1", sandbox_annotations("k1")).returncode == 0
     assert node.runsc_call("start", "pod1").returncode == 0
     restore = ["restore", "--detach", f"--image-path={image}", "pod1"]
     assert node.passed_on() == restore
     # Its containers follow the pod's decision, whatever their own annotations say.
     for cid in ("sandbox1", "agent1"):
-        assert node.create(cid, _container("pod1")).returncode == 0
+        assert node.create(cid, container_annotations("pod1")).returncode == 0
         assert node.runsc_call("start", cid).returncode == 0
         assert node.passed_on() == ["restore", "--detach", f"--image-path={image}", cid]
     # Deleted, a container's decision goes with it.
@@ -168,28 +77,28 @@ def test_an_image_that_cannot_be_restored_leaves_a_fresh_start(
     node.image("team-a", "old", build="sha256:" + "0" * 64)
     (node.store / "team-a" / "partial").mkdir(parents=True)
     node.image("team-c", "theirs")
-    done = node.create("pod1", _sandbox(key, namespace=namespace))
+    done = node.create("pod1", sandbox_annotations(key, namespace=namespace))
     assert done.returncode == 0, done.stderr
     assert warning in done.stderr, (case, done.stderr)
     assert node.runsc_call("start", "pod1").returncode == 0
     assert node.passed_on() == ["start", "pod1"]
-    assert node.create("c1", _container("pod1")).returncode == 0
+    assert node.create("c1", container_annotations("pod1")).returncode == 0
     assert node.runsc_call("start", "c1").returncode == 0
     assert node.passed_on() == ["start", "c1"]
 
 
 def test_the_containers_of_a_checkpointed_pod_do_not_start_again(node: Node) -> None:
-    assert node.create("pod1", _sandbox()).returncode == 0
+    assert node.create("pod1", sandbox_annotations()).returncode == 0
     done = _checkpoint(node, "team-a", UID, "k1")
     assert done.returncode == 0, done.stderr
-    for cid, spec in (("pod2", _sandbox()), ("c2", _container("pod2"))):
+    for cid, spec in (("pod2", sandbox_annotations()), ("c2", container_annotations("pod2"))):
         refused = node.create(cid, spec)
         assert refused.returncode == 1
         assert f"pod {UID} was checkpointed" in refused.stderr
         assert not node.record.exists()
     # Another pod is not concerned.
     other = str(uuid.uuid4())
-    assert node.create("pod3", _sandbox(uid=other)).returncode == 0
+    assert node.create("pod3", sandbox_annotations(uid=other)).returncode == 0
 
 
 def _checkpoint(
@@ -198,7 +107,7 @@ def _checkpoint(
     node.record.unlink(missing_ok=True)
     return subprocess.run(
         [
-            str(_binaries()[gvisor.CHECKPOINT]),
+            str(binaries()[gvisor.CHECKPOINT]),
             f"--runsc={node.runsc}",
             f"--root={node.root}",
             f"--store={node.store}",
@@ -216,7 +125,7 @@ def _checkpoint(
 
 
 def test_a_checkpoint_is_renamed_into_place_when_whole(node: Node) -> None:
-    assert node.create("pod1", _sandbox()).returncode == 0
+    assert node.create("pod1", sandbox_annotations()).returncode == 0
     done = _checkpoint(node, "team-a", UID, "k1")
     assert done.returncode == 0, done.stderr
     result: dict[str, Any] = json.loads(done.stdout)
@@ -233,20 +142,20 @@ def test_a_checkpoint_is_renamed_into_place_when_whole(node: Node) -> None:
     assert (image / "complete").read_text() == node.build + "\n"
     assert [p.name for p in (node.store / "team-a").iterdir()] == ["k1"]
     # Taken again under the same key: the new image replaces the old one.
-    assert node.create("pod9", _sandbox(uid=str(uuid.uuid4()))).returncode == 0
+    assert node.create("pod9", sandbox_annotations(uid=str(uuid.uuid4()))).returncode == 0
     again = _checkpoint(node, "team-a", UID, "k1")
     assert again.returncode == 0, again.stderr
 
 
 def test_a_failed_checkpoint_leaves_nothing_and_the_pod_runs_on(node: Node) -> None:
-    assert node.create("pod1", _sandbox()).returncode == 0
+    assert node.create("pod1", sandbox_annotations()).returncode == 0
     done = _checkpoint(node, "team-a", UID, "k1", FAIL="1")
     assert done.returncode == 1
     assert "runsc checkpoint of pod" in done.stderr
     assert "cannot save endpoint" in done.stderr
     assert list((node.store / "team-a").iterdir()) == []
     # Not marked ended: its containers may start again.
-    assert node.create("pod2", _sandbox()).returncode == 0
+    assert node.create("pod2", sandbox_annotations()).returncode == 0
 
 
 @pytest.mark.parametrize(
@@ -261,7 +170,7 @@ def test_a_failed_checkpoint_leaves_nothing_and_the_pod_runs_on(node: Node) -> N
 def test_checkpoint_refuses_what_it_cannot_find_or_name(
     node: Node, args: dict[str, str], message: str
 ) -> None:
-    assert node.create("pod1", _sandbox()).returncode == 0
+    assert node.create("pod1", sandbox_annotations()).returncode == 0
     done = _checkpoint(
         node, args.get("namespace", "team-a"), args.get("uid", UID), args.get("key", "k1")
     )

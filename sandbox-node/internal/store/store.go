@@ -25,6 +25,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"time"
 )
 
 // CompleteFile marks an image as whole; it holds the RunscBuild that wrote it.
@@ -166,4 +167,28 @@ func PodSandbox(root, uid string) (string, error) {
 		return "", fmt.Errorf("no gVisor sandbox of pod %s on this node", uid)
 	}
 	return strings.TrimSpace(string(id)), err
+}
+
+// ForgetEnded drops the ended marks older than age: by then their pods are
+// long gone (the operator deletes a checkpointed pod at once).
+func (s Store) ForgetEnded(age time.Duration) {
+	dir := filepath.Join(string(s), ".ended")
+	entries, _ := os.ReadDir(dir)
+	for _, entry := range entries {
+		if info, err := entry.Info(); err == nil && time.Since(info.ModTime()) > age {
+			_ = os.Remove(filepath.Join(dir, entry.Name()))
+		}
+	}
+}
+
+// SizeOf is the size of the files of an image directory.
+func SizeOf(dir string) int64 {
+	var total int64
+	entries, _ := os.ReadDir(dir)
+	for _, entry := range entries {
+		if info, err := entry.Info(); err == nil {
+			total += info.Size()
+		}
+	}
+	return total
 }

@@ -1,0 +1,93 @@
+// Package checkpoint takes a running gVisor pod's image into the node's
+// checkpoint store (see sandbox-checkpoint for the command, sandbox-node for
+// the node component that runs it for the operator).
+package checkpoint
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+
+	"sandbox-operator.local/sandbox-node/internal/store"
+)
+
+// Runsc is the node's runsc as the shim runs it.
+type Runsc struct {
+	Path  string   // the runsc binary (not sandbox-runsc)
+	Root  string   // its state root, as the shim passes it
+	Flags []string // global flags, name=value
+}
+
+// Result is what a checkpoint took.
+type Result struct {
+	Image string `json:"image"`
+	Bytes int64  `json:"bytes"`
+}
+
+// Take saves pod uid's gVisor sandbox, every container of it, as image key
+// of namespace. The pod's processes stop with the image and the pod is
+// marked ended (sandbox-runsc starts none of its containers again). The
+// image is written beside its final place and renamed there once runsc is
+// done, with its `complete` file last. On failure nothing is left in the
+// store and the pod is not marked: gVisor resumes a sandbox whose save
+// failed.
+func Take(runsc Runsc, checkpoints store.Store, namespace, uid, key string) (Result, error) {
+
+	image, err := checkpoints.Image(namespace, key)
+	if err != nil {
+		return Result{}, err
+	}
+	partial, err := checkpoints.Partial(namespace, key)
+	if err != nil {
+		return Result{}, err
+	}
+	sandbox, err := store.PodSandbox(runsc.Root, uid)
+	if err != nil {
+		return Result{}, err
+	}
+	build, err := store.RunscBuild(runsc.Path)
+	if err != nil {
+		return Result{}, err
+	}
+	if err := os.RemoveAll(partial); err != nil {
+		return Result{}, err
+	}
+	if err := os.MkdirAll(partial, 0o700); err != nil {
+		return Result{}, err
+	}
+	if err := checkpoints.End(uid); err != nil {
+		return Result{}, err
+	}
+	args := []string{"--root=" + runsc.Root}
+	for _, f := range runsc.Flags {
+		args = append(args, "--"+f)
+	}
+	args = append(args, "checkpoint", "--image-path="+partial, sandbox)
+	if out, err := exec.Command(runsc.Path, args...).CombinedOutput(); err != nil {
+		_ = os.RemoveAll(partial)
+		_ = checkpoints.Unend(uid)
+		return Result{}, fmt.Errorf("runsc checkpoint of pod %s (sandbox %s): %v: %s", uid, sandbox, err, lastLines(out))
+	}
+	if err := os.WriteFile(filepath.Join(partial, store.CompleteFile), []byte(build+"\n"), 0o600); err != nil {
+		return Result{}, err
+	}
+	if err := os.RemoveAll(image); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return Result{}, err
+	}
+	if err := os.Rename(partial, image); err != nil {
+		return Result{}, err
+	}
+	return Result{Image: image, Bytes: store.SizeOf(image)}, nil
+}
+
+// lastLines keeps the end of runsc's output, where its error is.
+func lastLines(out []byte) string {
+	text := strings.TrimSpace(string(out))
+	if len(text) > 2000 {
+		text = "..." + text[len(text)-2000:]
+	}
+	return text
+}
