@@ -36,7 +36,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(pred: Any, timeout: float = 10.0, interval: float = 0.02) -> Any:
+def wait_until(pred: Any, timeout: float = 30.0, interval: float = 0.02) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = pred()

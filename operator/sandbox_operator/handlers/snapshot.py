@@ -48,8 +48,8 @@ R = SnapshotReason
 
 # The discovery document of the VolumeSnapshot API group.
 SNAPSHOT_API_PATH = f"/apis/{VOLUME_SNAPSHOTS.api_version}"
-# A flush that fails this many times in a row fails the Snapshot: a sandbox
-# whose agent never answers should not leave it Pending forever.
+# A flush (or quiesce) that fails this many times in a row fails the Snapshot:
+# a sandbox whose agent never answers should not leave it Pending forever.
 SYNC_ATTEMPTS = 5
 RETRY_SECONDS = 2.0
 
@@ -219,19 +219,23 @@ async def _prepare(
             await ctx.agents.sync(endpoint, token)
     except AgentError as exc:
         metrics.AGENT_ERRORS.inc()
-        if spec.quiesce:
-            raise Failure(
-                R.QUIESCE_FAILED,
-                f"could not pause the sandbox's running executions, so no snapshot was taken:"
-                f" {exc}",
-            ) from exc
+        # Retried like a flush: an agent busy past the timeout once (a loaded
+        # node) is no reason to fail the Snapshot. Nothing is cut until it
+        # answers, and a pause it did make ends by itself (snapshot_quiesce_seconds).
+        reason = R.QUIESCE_FAILED if spec.quiesce else R.SYNC_FAILED
         if retry + 1 >= SYNC_ATTEMPTS:
+            if spec.quiesce:
+                raise Failure(
+                    reason,
+                    "could not pause the sandbox's running executions, so no snapshot was"
+                    f" taken ({SYNC_ATTEMPTS} attempts): {exc}",
+                ) from exc
             raise Failure(
-                R.SYNC_FAILED,
+                reason,
                 f"the agent could not flush the workspace ({SYNC_ATTEMPTS} attempts): {exc}",
             ) from exc
-        logger.warning("workspace sync failed: %s", exc)
-        raise Wait(R.SYNC_FAILED, str(exc)) from exc
+        logger.warning("workspace %s failed: %s", "quiesce" if spec.quiesce else "sync", exc)
+        raise Wait(reason, str(exc)) from exc
     return claim_name, class_name, sandbox, quiesce, stopped
 
 
