@@ -36,12 +36,12 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from devcluster import build, netbuild, records, versions
+from devcluster import build, gvisor, netbuild, records, versions
 
 log = logging.getLogger("devcluster.images")
 
@@ -60,8 +60,17 @@ PAUSE = "localhost/devcluster/pause:1"
 # CoreDNS (devcluster/netstack.py): the static binary alone, like upstream's
 # image (FROM scratch). A `localhost/` name: built here, never pulled.
 COREDNS = "localhost/devcluster/coredns:1"
+
+
+def _checkpointd_binary(*, build_missing: bool) -> Path:
+    return gvisor.node_binaries(build_missing)[gvisor.CHECKPOINTD]
+
+
 # Static binaries an image can consist of, by the name ImageSpec.binary gives.
-_BINARIES = {"coredns": netbuild.coredns_binary}
+_BINARIES: dict[str, Callable[..., Path]] = {
+    "coredns": netbuild.coredns_binary,
+    "checkpointd": _checkpointd_binary,
+}
 # Superseded archives younger than this are kept: another session may be importing one.
 STALE_ARCHIVE_SECONDS = 3600
 
@@ -232,6 +241,14 @@ IMAGES: dict[str, ImageSpec] = {
             entrypoint=("/coredns",),
             env=(),
             user="65532:65532",
+        ),
+        ImageSpec(
+            # The chart's checkpointd DaemonSet (sandbox-node/; runs as root:
+            # the gVisor sandboxes' control sockets are root's).
+            "sandbox-checkpointd:dev",
+            binary="checkpointd",
+            entrypoint=("/checkpointd",),
+            env=(),
         ),
         ImageSpec(
             "sandbox-agent:dev",

@@ -240,6 +240,112 @@ def test_the_mcp_server_is_optional_and_holds_no_credentials(repo: Path) -> None
     assert service["spec"]["ports"][0]["targetPort"] == "http"
 
 
+def test_checkpointd_is_optional_root_without_capabilities_and_reachable_by_the_operator(
+    repo: Path,
+) -> None:
+    assert not [d for d in render(repo) if "checkpointd" in d["metadata"]["name"]]
+    docs = render(
+        repo,
+        "checkpointd.enabled=true",
+        "checkpointd.runsc=/opt/gvisor/runsc",
+        "checkpointd.runscFlags={platform=systrap,debug=false}",
+    )
+    namespace = _kind(docs, "Namespace", "sandbox-node")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    daemon = _kind(docs, "DaemonSet", "sbx-checkpointd")
+    assert daemon["metadata"]["namespace"] == "sandbox-node"
+    pod = daemon["spec"]["template"]["spec"]
+    for shared in ("hostPID", "hostNetwork", "hostIPC"):
+        assert shared not in pod, shared
+    (container,) = pod["containers"]
+    assert container["securityContext"] == {
+        "runAsUser": 0,
+        "runAsNonRoot": False,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert container["args"] == [
+        "--listen=:8450",
+        "--runsc=/opt/gvisor/runsc",
+        "--root=/run/containerd/runsc/k8s.io",
+        "--store=/var/lib/sandbox-node/checkpoints",
+        "--allow=system:serviceaccount:sandbox-system:sbx",
+        "--runsc-flag=platform=systrap",
+        "--runsc-flag=debug=false",
+    ]
+    # The runsc binary read-only; the host paths are the three it needs, no more.
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["runsc"] == {"name": "runsc", "mountPath": "/opt/gvisor/runsc", "readOnly": True}
+    assert sorted(v["hostPath"]["path"] for v in pod["volumes"]) == [
+        "/opt/gvisor/runsc",
+        "/run/containerd/runsc/k8s.io",
+        "/var/lib/sandbox-node/checkpoints",
+    ]
+    # Its only API right: reviewing tokens.
+    role = _kind(docs, "ClusterRole", "sbx-checkpointd")
+    assert role["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}
+    ]
+    binding = _kind(docs, "ClusterRoleBinding", "sbx-checkpointd")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "sbx-checkpointd", "namespace": "sandbox-node"}
+    ]
+    # Only the operator's pods, from the operator's namespace.
+    policy = _kind(docs, "NetworkPolicy", "sbx-checkpointd")
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "sandbox-system"}},
+            "podSelector": {
+                "matchLabels": {
+                    "app.kubernetes.io/name": "sandbox-operator",
+                    "app.kubernetes.io/instance": "sbx",
+                }
+            },
+        }
+    ]
+    refused = subprocess.run(
+        [
+            str(helm_binary()),
+            "template",
+            "sbx",
+            str(repo / "charts/sandbox-operator"),
+            "--set",
+            "checkpointd.enabled=true",
+            "--set",
+            "checkpointd.runsc=runsc",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert refused.returncode != 0
+    assert "/checkpointd/runsc" in refused.stderr, refused.stderr
+
+
+def test_api_server_accepts_checkpointd(
+    control_plane: ControlPlane, repo: Path, tmp_path: Path
+) -> None:
+    docs = [
+        d
+        for d in render(repo, "checkpointd.enabled=true", "checkpointd.namespace=checkpointd-check")
+        if "checkpointd" in d["metadata"]["name"]
+    ]
+    (namespace,) = [d for d in docs if d["kind"] == "Namespace"]
+    created = kubectl(control_plane, "apply", "-f", "-", input=json.dumps(namespace))
+    assert created.returncode == 0, created.stderr
+    manifest = tmp_path / "checkpointd.yaml"
+    manifest.write_text(yaml.safe_dump_all([d for d in docs if d["kind"] != "Namespace"]))
+    applied = kubectl(
+        control_plane, "apply", "--dry-run=server", "--warnings-as-errors", "-f", str(manifest)
+    )
+    assert applied.returncode == 0, applied.stderr
+    assert "daemonset.apps/sbx-checkpointd created (server dry run)" in applied.stdout
+
+
 def test_api_server_accepts_the_rendered_chart(
     control_plane: ControlPlane, crds: None, repo: Path, tmp_path: Path
 ) -> None:

@@ -216,6 +216,47 @@ def build() -> JSON:
             **_placement("sandbox-mcp"),
         },
     )
+    absolute_path = {"type": "string", "pattern": "^/", "minLength": 2}
+    checkpointd = _obj(
+        "checkpointd (sandbox-node/): the node component of a pause that keeps memory"
+        " (docs/pause-memory.md), on the nodes that run gVisor through sandbox-runsc.",
+        {
+            "enabled": {"type": "boolean"},
+            "namespace": {
+                "type": "string",
+                "description": "Its namespace, made by the chart with Pod Security `privileged`"
+                " (it runs as root with hostPath volumes; the operator's stays `restricted`).",
+                "minLength": 1,
+                "maxLength": 63,
+                "pattern": _DNS_LABEL,
+            },
+            "image": _obj(
+                "checkpointd's image.",
+                {
+                    "repository": {"type": "string", "minLength": 1},
+                    "tag": {"type": "string", "minLength": 1},
+                    "pullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
+                },
+            ),
+            "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+            "runsc": {
+                **absolute_path,
+                "description": "The node's runsc binary: the one sandbox-runsc runs (an image"
+                " restores only into the build that took it).",
+            },
+            "runscRoot": {
+                **absolute_path,
+                "description": "runsc's state root on the node, as the gVisor shim passes it.",
+            },
+            "store": {**absolute_path, "description": "The node's checkpoint store."},
+            "runscFlags": {
+                "type": "array",
+                "description": "Global runsc flags (name=value), as the shim's runsc_config.",
+                "items": {"type": "string", "pattern": "^[a-z][a-z0-9-]*=.*$"},
+            },
+            **_placement("checkpointd"),
+        },
+    )
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "sandbox-operator chart values",
@@ -258,6 +299,7 @@ def build() -> JSON:
             **_placement("operator"),
             "gateway": gateway,
             "mcp": mcp,
+            "checkpointd": checkpointd,
             "extraEnv": {
                 "type": "array",
                 "description": "Extra environment of the operator and gateway containers.",
