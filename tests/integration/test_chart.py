@@ -42,6 +42,18 @@ def render(
     return [doc for doc in yaml.safe_load_all(_helm(*args)) if doc]
 
 
+def _refused(repo: Path, *sets: str) -> str:
+    """What `helm template` says when the values' schema refuses `sets`."""
+    args = ["template", "sbx", str(repo / "charts/sandbox-operator")]
+    for value in sets:
+        args += ["--set", value]
+    proc = subprocess.run(
+        [str(helm_binary()), *args], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert proc.returncode != 0, proc.stdout[:500]
+    return proc.stderr
+
+
 def _kind(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
     return next(
         doc
@@ -306,24 +318,8 @@ def test_checkpointd_is_optional_root_without_capabilities_and_reachable_by_the_
             },
         }
     ]
-    refused = subprocess.run(
-        [
-            str(helm_binary()),
-            "template",
-            "sbx",
-            str(repo / "charts/sandbox-operator"),
-            "--set",
-            "checkpointd.enabled=true",
-            "--set",
-            "checkpointd.runsc=runsc",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
-    assert refused.returncode != 0
-    assert "/checkpointd/runsc" in refused.stderr, refused.stderr
+    refused = _refused(repo, "checkpointd.enabled=true", "checkpointd.runsc=runsc")
+    assert "/checkpointd/runsc" in refused, refused
 
 
 def test_api_server_accepts_checkpointd(
@@ -484,22 +480,7 @@ def test_the_gateways_external_url_is_what_urls_are_handed_out_on(
     assert checksum(docs) != checksum(default)
     assert checksum(render(repo, "watchNamespaces={team-a}")) != checksum(default)
     # Not a URL: refused by the values' schema, before anything is installed.
-    refused = subprocess.run(
-        [
-            str(helm_binary()),
-            "template",
-            "sbx",
-            str(repo / "charts/sandbox-operator"),
-            "--set",
-            "gateway.externalURL=sandboxes.example.com",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
-    assert refused.returncode != 0
-    assert "externalURL" in refused.stderr
+    assert "externalURL" in _refused(repo, "gateway.externalURL=sandboxes.example.com")
 
 
 def _service_account(kube: KubeJSON, ns: str, name: str, cluster_role: str) -> str:
