@@ -32,7 +32,13 @@ def node(tmp_path: Path) -> Node:
 
 
 def test_everything_but_a_restore_passes_through_unchanged(node: Node) -> None:
-    for args in (["state", "abc"], ["events", "--stats", "abc"], ["start", "abc"], ["--help"]):
+    for args in (
+        ["state", "abc"],
+        ["events", "--stats", "abc"],
+        ["start", "abc"],
+        ["spec", "--bundle", "/some/bundle"],
+        ["--help"],
+    ):
         done = node.runsc_call(*args)
         assert done.returncode == 0, done.stderr
         assert node.passed_on() == args

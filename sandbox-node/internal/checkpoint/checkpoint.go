@@ -4,12 +4,14 @@
 package checkpoint
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"sandbox-operator.local/sandbox-node/internal/store"
 )
@@ -19,7 +21,14 @@ type Runsc struct {
 	Path  string   // the runsc binary (not sandbox-runsc)
 	Root  string   // its state root, as the shim passes it
 	Flags []string // global flags, name=value
+	// How long a checkpoint may take before it is given up (killed, the
+	// partial image removed); zero: DefaultTimeout.
+	Timeout time.Duration
 }
+
+// DefaultTimeout bounds a checkpoint: minutes for the largest memory a
+// sandbox holds (about 2.8 s per GiB measured on a 2-core node).
+const DefaultTimeout = 10 * time.Minute
 
 // Result is what a checkpoint took.
 type Result struct {
@@ -66,7 +75,13 @@ func Take(runsc Runsc, checkpoints store.Store, namespace, uid, key string) (Res
 		args = append(args, "--"+f)
 	}
 	args = append(args, "checkpoint", "--image-path="+partial, sandbox)
-	if out, err := exec.Command(runsc.Path, args...).CombinedOutput(); err != nil {
+	timeout := runsc.Timeout
+	if timeout == 0 {
+		timeout = DefaultTimeout
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	if out, err := exec.CommandContext(ctx, runsc.Path, args...).CombinedOutput(); err != nil {
 		_ = os.RemoveAll(partial)
 		_ = checkpoints.Unend(uid)
 		return Result{}, fmt.Errorf("runsc checkpoint of pod %s (sandbox %s): %v: %s", uid, sandbox, err, lastLines(out))
