@@ -115,9 +115,19 @@ def test_listen_first_listens_before_the_agent_starts(tmp_path: Path, listen_fir
             except ConnectionRefusedError:
                 assert time.monotonic() < deadline, "nothing listened"
                 time.sleep(0.05)
-        # Handed on: the agent's interpreter has it, under the name the agent reads.
-        environ = (Path("/proc") / str(proc.pid) / "environ").read_bytes().split(b"\0")
-        assert any(e.startswith(LISTEN_FD_ENV.encode() + b"=") for e in environ)
+
+        # Handed on: the agent's interpreter has it, under the name the agent
+        # reads. /proc shows the environment of the last exec, and listen-first
+        # listens before it execs: the connection can come first.
+        def handed_on() -> bool:
+            environ = (Path("/proc") / str(proc.pid) / "environ").read_bytes()
+            prefix = LISTEN_FD_ENV.encode() + b"="
+            return any(e.startswith(prefix) for e in environ.split(b"\0"))
+
+        while not handed_on():
+            assert proc.poll() is None
+            assert time.monotonic() < deadline, "the agent was never executed"
+            time.sleep(0.05)
 
 
 def test_listen_first_leaves_a_host_name_to_the_agent(tmp_path: Path, listen_first: Path) -> None:
