@@ -49,11 +49,14 @@ crds: install ## Regenerate crds/, the chart's CRD copies and values.schema.json
 	$(PY) -m sandbox_operator.api.generate
 
 .PHONY: lint
-lint: install ## ruff (lint + format check), mypy --strict, gofmt of the Go sources
+lint: install ## ruff (lint + format check), mypy --strict, gofmt, and the generated API documents up to date
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy operator devcluster tests sandbox-agent/src benchmarks hack
 	$(VENV)/bin/mypy sandbox-sdk/src sandbox-sdk/tests examples/sdk
+	@$(PY) -m sandbox_agent.openapi | cmp -s - sandbox-agent/openapi.json \
+	  || { echo "sandbox-agent/openapi.json is stale: run make openapi"; exit 1; }
+	$(PY) -m sandbox_operator.gateway.operations --check
 	@unformatted="$$(gofmt -l sandbox-node devcluster/csi)"; \
 	  if [ -n "$$unformatted" ]; then echo "gofmt -w these: $$unformatted"; exit 1; fi
 
