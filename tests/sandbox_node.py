@@ -101,12 +101,15 @@ def sandbox_annotations(
     return annotations
 
 
-def container_annotations(sandbox_id: str, uid: str = UID) -> dict[str, str]:
-    return {
+def container_annotations(sandbox_id: str, name: str = "", uid: str = UID) -> dict[str, str]:
+    annotations = {
         "io.kubernetes.cri.container-type": "container",
         "io.kubernetes.cri.sandbox-id": sandbox_id,
         "io.kubernetes.cri.sandbox-uid": uid,
     }
+    if name:
+        annotations["io.kubernetes.cri.container-name"] = name
+    return annotations
 
 
 def make_node(tmp_path: Path) -> Node:

@@ -13,7 +13,9 @@
 // the checkpointed containers is there, matching them by container name.
 //
 // The decision is taken once per pod, when its sandbox container is created,
-// and recorded under runsc's state root; the pod's containers follow it. An
+// and recorded under runsc's state root; the pod's containers follow it, each
+// name once: a container the kubelet restarts later starts fresh in the
+// restored sandbox. An
 // image that is missing, incomplete or written by another runsc build is
 // not restored: the pod starts fresh (the operator sees that memory was lost
 // from the agent, which then is a new process).
@@ -40,11 +42,12 @@ import (
 )
 
 const (
-	restoreAnnotation = "sandbox.dev/restore-from"
-	typeAnnotation    = "io.kubernetes.cri.container-type"
-	sandboxIDAnnot    = "io.kubernetes.cri.sandbox-id"
-	namespaceAnnot    = "io.kubernetes.cri.sandbox-namespace"
-	podUIDAnnot       = "io.kubernetes.cri.sandbox-uid"
+	restoreAnnotation  = "sandbox.dev/restore-from"
+	typeAnnotation     = "io.kubernetes.cri.container-type"
+	sandboxIDAnnot     = "io.kubernetes.cri.sandbox-id"
+	namespaceAnnot     = "io.kubernetes.cri.sandbox-namespace"
+	podUIDAnnot        = "io.kubernetes.cri.sandbox-uid"
+	containerNameAnnot = "io.kubernetes.cri.container-name"
 )
 
 func main() {
@@ -106,6 +109,10 @@ func rewrite(args []string, checkpoints store.Store, runsc string) ([]string, er
 		return append(append([]string{}, args[:at]...), restore...), nil
 	case "delete":
 		_ = os.Remove(filepath.Join(records, id+".restore"))
+		restored, _ := filepath.Glob(filepath.Join(records, id+".restored-*"))
+		for _, path := range restored {
+			_ = os.Remove(path)
+		}
 	}
 	return args, nil
 }
@@ -134,10 +141,7 @@ func onCreate(root, id, bundle string, checkpoints store.Store, runsc string) er
 		}
 		image = restorable(annotations, checkpoints, runsc)
 	case "container":
-		decided, err := os.ReadFile(filepath.Join(records, annotations[sandboxIDAnnot]+".restore"))
-		if err == nil {
-			image = string(decided)
-		}
+		image = followed(records, annotations)
 	}
 	if image == "" {
 		return nil
@@ -146,6 +150,28 @@ func onCreate(root, id, bundle string, checkpoints store.Store, runsc string) er
 		return err
 	}
 	return os.WriteFile(filepath.Join(records, id+".restore"), []byte(image), 0o600)
+}
+
+// followed is the image a container of a restoring pod is restored from: its
+// pod's, the first time a container of its name is created in that sandbox.
+// The kubelet restarts a container that exits under the same name, and a
+// restart is a fresh start in the running, restored sandbox.
+func followed(records string, annotations map[string]string) string {
+	sandbox := annotations[sandboxIDAnnot]
+	image, err := os.ReadFile(filepath.Join(records, sandbox+".restore"))
+	if err != nil || strings.ContainsAny(sandbox, "/") {
+		return ""
+	}
+	name := annotations[containerNameAnnot]
+	if name == "" || strings.ContainsAny(name, "/") {
+		return string(image)
+	}
+	once := filepath.Join(records, sandbox+".restored-"+name)
+	if _, err := os.Stat(once); err == nil {
+		return ""
+	}
+	_ = os.WriteFile(once, nil, 0o600)
+	return string(image)
 }
 
 // restorable is the image a pod's sandbox restores from, or "" to start fresh.

@@ -52,9 +52,11 @@ while True:
     time.sleep(0.2)
 """
 AGENT = r"""
-import http.server, os, socket, threading
+import http.server, os, socket, threading, time
 def answer():
     server = socket.socket(socket.AF_UNIX)
+    if os.path.exists('/run/shared/agent.sock'):
+        os.unlink('/run/shared/agent.sock')  # a restarted agent's
     server.bind('/run/shared/agent.sock')
     server.listen()
     while True:
@@ -64,6 +66,15 @@ def answer():
             daemon=True,
         ).start()
 threading.Thread(target=answer, daemon=True).start()
+def stop_when_asked():
+    while True:
+        try:
+            os.unlink('/workspace/stop-agent')
+        except FileNotFoundError:
+            time.sleep(0.1)
+        else:
+            os._exit(3)
+threading.Thread(target=stop_when_asked, daemon=True).start()
 os.chdir('/workspace')
 http.server.test(HandlerClass=http.server.SimpleHTTPRequestHandler, port=8000, bind='0.0.0.0')
 """
@@ -182,6 +193,20 @@ def test_a_checkpointed_pod_comes_back_with_its_processes_on_a_new_pod(
     assert {line[1] for line in lines} == {digest}
     assert lines[-1][2:] == [f"ack{lines[-1][0]}", "kept"], lines[-1]
     # The agent's server, restored listening, answers on the new pod's address.
+    status, _ = http_get(after["status"]["podIP"], 8000, "/log")
+    assert status == 200
+
+    # A container of the restored pod that exits is started again, fresh, in
+    # the running sandbox (not "restored" a second time).
+    (workspace / "stop-agent").touch()
+    path = core_path("pods", namespace, "after")
+
+    def agent_back() -> bool:
+        statuses = kube.read(path)["status"].get("containerStatuses") or []
+        agent = next(c for c in statuses if c["name"] == "agent")
+        return bool(agent["restartCount"] >= 1 and agent["ready"])
+
+    wait_for(agent_back, "the agent container to be restarted and ready")
     status, _ = http_get(after["status"]["podIP"], 8000, "/log")
     assert status == 200
 

@@ -56,10 +56,15 @@ def test_a_pod_naming_a_complete_image_is_restored_container_by_container(node: 
     restore = ["restore", "--detach", f"--image-path={image}", "pod1"]
     assert node.passed_on() == restore
     # Its containers follow the pod's decision, whatever their own annotations say.
-    for cid in ("sandbox1", "agent1"):
-        assert node.create(cid, container_annotations("pod1")).returncode == 0
+    for cid, name in (("sandbox1", "sandbox"), ("agent1", "agent")):
+        assert node.create(cid, container_annotations("pod1", name)).returncode == 0
         assert node.runsc_call("start", cid).returncode == 0
         assert node.passed_on() == ["restore", "--detach", f"--image-path={image}", cid]
+    # A container the kubelet restarts later (same name, new ID) starts fresh
+    # in the restored sandbox.
+    assert node.create("agent2", container_annotations("pod1", "agent")).returncode == 0
+    assert node.runsc_call("start", "agent2").returncode == 0
+    assert node.passed_on() == ["start", "agent2"]
     # Deleted, a container's decision goes with it.
     assert node.runsc_call("delete", "--force", "agent1").returncode == 0
     assert node.runsc_call("start", "agent1").returncode == 0
