@@ -134,12 +134,26 @@ func onCreate(root, id, bundle string, checkpoints store.Store, runsc string) er
 	switch annotations[typeAnnotation] {
 	case "sandbox":
 		if uid != "" {
-			// For sandbox-checkpoint, which is asked by pod.
+			// For sandbox-checkpoint, which is asked by pod; a pod it cannot
+			// record cannot be checkpointed, and still runs.
 			if err := store.RecordPod(root, uid, id); err != nil {
-				return err
+				warn("%v", err)
+				uid = ""
 			}
 		}
 		image = restorable(annotations, checkpoints, runsc)
+		if image != "" && uid != "" {
+			// Once per pod: a sandbox the kubelet makes again for the same pod
+			// (the first one died) starts fresh; the workspace has moved on
+			// since the image.
+			once := filepath.Join(records, "restored-pod-"+uid)
+			if _, err := os.Stat(once); err == nil {
+				warn("not restoring %s again into pod %s: it was restored once", image, uid)
+				image = ""
+			} else if err := os.MkdirAll(records, 0o700); err == nil {
+				_ = os.WriteFile(once, nil, 0o600)
+			}
+		}
 	case "container":
 		image = followed(records, annotations)
 	}

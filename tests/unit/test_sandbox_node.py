@@ -65,6 +65,13 @@ def test_a_pod_naming_a_complete_image_is_restored_container_by_container(node: 
     assert node.create("agent2", container_annotations("pod1", "agent")).returncode == 0
     assert node.runsc_call("start", "agent2").returncode == 0
     assert node.passed_on() == ["start", "agent2"]
+    # A second sandbox of the same pod (the kubelet makes one when the first
+    # died) starts fresh: the workspace has moved on since the image.
+    again = node.create("pod1b", sandbox_annotations("k1"))
+    assert again.returncode == 0
+    assert "it was restored once" in again.stderr
+    assert node.runsc_call("start", "pod1b").returncode == 0
+    assert node.passed_on() == ["start", "pod1b"]
     # Deleted, a container's decision goes with it.
     assert node.runsc_call("delete", "--force", "agent1").returncode == 0
     assert node.runsc_call("start", "agent1").returncode == 0
@@ -172,7 +179,7 @@ def test_a_failed_checkpoint_leaves_nothing_and_the_pod_runs_on(node: Node) -> N
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ({"uid": "not-a-uid"}, "is not a UUID"),
+        ({"uid": "not-a-uid"}, "is not a UID"),
         ({"uid": str(uuid.uuid4())}, "no gVisor sandbox of pod"),
         ({"namespace": "../etc"}, "not a DNS label"),
         ({"key": "a/b"}, "not a DNS label"),
@@ -199,3 +206,16 @@ def test_without_its_runsc_sandbox_runsc_says_so(node: Node) -> None:
     unnamed = node.runsc_call("start", "../x")
     assert unnamed.returncode == 1
     assert "is not a file name" in unnamed.stderr
+
+
+@pytest.mark.parametrize(
+    ("uid", "recorded"),
+    [("5f0c6a1e9d2b4c7e8a1f3b5d7c9e0a2b", True), ("../../etc", False), ("", False)],
+)
+def test_any_pod_starts_whatever_its_uid(node: Node, uid: str, recorded: bool) -> None:
+    """A static pod's UID is a hash, not a UUID; a UID that is no file name is
+    not recorded (that pod cannot be checkpointed) but its sandbox starts."""
+    done = node.create("pod1", sandbox_annotations(uid=uid))
+    assert done.returncode == 0, done.stderr
+    assert node.passed_on()[0] == "create"
+    assert (node.root / "sandbox-runsc" / "pods" / uid).is_file() == recorded

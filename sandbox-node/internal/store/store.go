@@ -33,8 +33,9 @@ const CompleteFile = "complete"
 
 var dnsLabel = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
 
-// podUID: what the kubelet writes as a pod UID (a UUID, lower case).
-var podUID = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`)
+// podUID: what a pod UID is, as a file name: a UUID from the API server, or a
+// static pod's hash (hex, no dashes).
+var podUID = regexp.MustCompile(`^[0-9a-f][0-9a-f-]{0,63}$`)
 
 // Store is a checkpoint store directory.
 type Store string
@@ -98,7 +99,7 @@ func CompleteBuild(image string) (string, error) {
 
 func (s Store) ended(uid string) (string, error) {
 	if !podUID.MatchString(uid) {
-		return "", fmt.Errorf("pod UID %q is not a UUID", uid)
+		return "", fmt.Errorf("pod UID %q is not a UID", uid)
 	}
 	return filepath.Join(string(s), ".ended", uid), nil
 }
@@ -148,7 +149,7 @@ func Records(root string) string {
 // RecordPod notes that pod uid runs in gVisor sandbox id (its sandbox container).
 func RecordPod(root, uid, id string) error {
 	if !podUID.MatchString(uid) {
-		return fmt.Errorf("pod UID %q is not a UUID", uid)
+		return fmt.Errorf("pod UID %q is not a UID", uid)
 	}
 	dir := filepath.Join(Records(root), "pods")
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -160,7 +161,7 @@ func RecordPod(root, uid, id string) error {
 // PodSandbox is the gVisor sandbox (sandbox container ID) pod uid runs in.
 func PodSandbox(root, uid string) (string, error) {
 	if !podUID.MatchString(uid) {
-		return "", fmt.Errorf("pod UID %q is not a UUID", uid)
+		return "", fmt.Errorf("pod UID %q is not a UID", uid)
 	}
 	id, err := os.ReadFile(filepath.Join(Records(root), "pods", uid))
 	if errors.Is(err, os.ErrNotExist) {
