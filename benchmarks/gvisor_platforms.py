@@ -126,6 +126,9 @@ def main() -> None:
     results: dict[str, Any] = {"load": os.getloadavg(), "kvm": kvm_state(), "runs": {}}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ("native", *PLATFORMS)}
     broken: set[str] = set()
+    # `runsc do` keeps its state in a directory of its own under /tmp, which a
+    # run killed at the timeout (a hung platform) leaves behind, mounted.
+    left_before = set(Path(tempfile.gettempdir()).glob("runsc-do*"))
     try:
         for round_ in range(args.rounds):
             runs["native"].append(run(["sh", str(script)], args.timeout, None))
@@ -149,7 +152,14 @@ def main() -> None:
                 if "error" in outcome:
                     broken.add(platform)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        # runsc binds an empty network namespace into each root (--network=none)
+        # and leaves it mounted.
+        left = set(Path(tempfile.gettempdir()).glob("runsc-do*")) - left_before
+        for netns in [*work.glob("root-*/null-netns"), *(d / "null-netns" for d in left)]:
+            if os.path.ismount(netns):
+                subprocess.run(["umount", str(netns)], check=False)
+        for directory in (work, *left):
+            shutil.rmtree(directory, ignore_errors=True)
     results["runs"] = runs
     print(results["kvm"])
     native = {
