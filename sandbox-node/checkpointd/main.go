@@ -39,31 +39,22 @@ import (
 	"sandbox-operator.local/sandbox-node/internal/store"
 )
 
-type list []string
-
-func (l *list) String() string     { return strings.Join(*l, ",") }
-func (l *list) Set(v string) error { *l = append(*l, v); return nil }
-
 const serviceAccountDir = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 func main() {
 	listen := flag.String("listen", ":8450", "address to serve on")
-	runsc := flag.String("runsc", "", "the runsc binary the node's shim runs (not sandbox-runsc)")
-	root := flag.String("root", "", "runsc's state root, as the shim passes it")
-	storeDir := flag.String("store", "", "the checkpoint store")
+	node := checkpoint.Flags()
 	audience := flag.String("audience", "sandbox-checkpointd", "the audience callers' tokens are for")
 	apiServer := flag.String("api-server", "", "the API server's URL (default: in-cluster)")
 	tokenFile := flag.String("token-file", serviceAccountDir+"/token", "this component's own token, for TokenReviews")
 	caFile := flag.String("ca-file", serviceAccountDir+"/ca.crt", "the API server's CA")
 	endedAfter := flag.Duration("forget-ended-after", time.Hour, "drop a checkpointed pod's ended mark this long after (its pod is long gone)")
-	var runscFlags, allowed list
-	flag.Var(&runscFlags, "runsc-flag", "a global runsc flag, name=value (repeatable)")
+	var allowed checkpoint.Repeated
 	flag.Var(&allowed, "allow", "a user name whose tokens may call (repeatable), e.g. system:serviceaccount:sandbox-system:sandbox-operator")
 	flag.Parse()
-	for name, value := range map[string]string{"runsc": *runsc, "root": *root, "store": *storeDir} {
-		if value == "" {
-			log.Fatalf("--%s is required", name)
-		}
+	runsc, checkpoints, err := node()
+	if err != nil {
+		log.Fatal(err)
 	}
 	if len(allowed) == 0 {
 		log.Fatal("--allow is required: nobody could call")
@@ -73,8 +64,8 @@ func main() {
 		log.Fatal(err)
 	}
 	server := &server{
-		runsc:    checkpoint.Runsc{Path: *runsc, Root: *root, Flags: runscFlags},
-		store:    store.Store(*storeDir),
+		runsc:    runsc,
+		store:    checkpoints,
 		reviewer: reviewer,
 		allowed:  map[string]bool{},
 		busy:     map[string]bool{},
@@ -88,7 +79,7 @@ func main() {
 			time.Sleep(*endedAfter / 4)
 		}
 	}()
-	log.Printf("checkpointd: serving on %s, store %s", *listen, *storeDir)
+	log.Printf("checkpointd: serving on %s, store %s", *listen, checkpoints)
 	httpServer := &http.Server{Addr: *listen, Handler: server.routes(), ReadHeaderTimeout: 10 * time.Second}
 	log.Fatal(httpServer.ListenAndServe())
 }

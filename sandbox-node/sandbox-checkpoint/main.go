@@ -19,36 +19,26 @@ import (
 	"flag"
 	"fmt"
 	"os"
-	"strings"
 	"time"
 
 	"sandbox-operator.local/sandbox-node/internal/checkpoint"
-	"sandbox-operator.local/sandbox-node/internal/store"
 )
 
-type flags []string
-
-func (f *flags) String() string     { return strings.Join(*f, ",") }
-func (f *flags) Set(v string) error { *f = append(*f, v); return nil }
-
 func main() {
-	runsc := flag.String("runsc", "", "the runsc binary the node's shim runs (not sandbox-runsc)")
-	root := flag.String("root", "", "runsc's state root, as the shim passes it")
-	storeDir := flag.String("store", "", "the checkpoint store")
+	node := checkpoint.Flags()
 	namespace := flag.String("namespace", "", "the pod's namespace")
 	uid := flag.String("pod-uid", "", "the pod's UID")
 	key := flag.String("key", "", "the image's name in the namespace")
-	var runscFlags flags
-	flag.Var(&runscFlags, "runsc-flag", "a global runsc flag, name=value (repeatable)")
 	flag.Parse()
-	for name, value := range map[string]string{"runsc": *runsc, "root": *root, "store": *storeDir, "pod-uid": *uid} {
-		if value == "" {
-			fail(fmt.Errorf("--%s is required", name))
-		}
+	runsc, checkpoints, err := node()
+	if err != nil {
+		fail(err)
+	}
+	if *uid == "" {
+		fail(fmt.Errorf("--pod-uid is required"))
 	}
 	began := time.Now()
-	runs := checkpoint.Runsc{Path: *runsc, Root: *root, Flags: runscFlags}
-	taken, err := checkpoint.Take(runs, store.Store(*storeDir), *namespace, *uid, *key)
+	taken, err := checkpoint.Take(runsc, checkpoints, *namespace, *uid, *key)
 	if err != nil {
 		fail(err)
 	}

@@ -61,20 +61,20 @@ def wait_for(probe: Callable[[], T | None], timeout: float, what: str, interval:
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
-def _log_tail(path: Path, lines: int = 60) -> str:
+def log_tail(path: Path, lines: int = 60) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
 
 
-def _wait_for_start(probe: Callable[[], bool], what: str, log: Path) -> None:
+def wait_for_start(probe: Callable[[], bool], what: str, log: Path) -> None:
     """Wait for a child process to come up; if it does not, fail with its log's
     tail (the log is under pytest's temporary directory, gone after CI)."""
     try:
         wait_for(probe, 60, f"{what} (log: {log})")
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{_log_tail(log)}") from None
+        raise AssertionError(f"{exc}\n{log_tail(log)}") from None
 
 
 class TcpRelay:
@@ -184,11 +184,11 @@ class OperatorProcess:
         ]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        _wait_for_start(self._healthy, "operator liveness", self.log)
+        wait_for_start(self._healthy, "operator liveness", self.log)
 
     def _healthy(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:
-            raise AssertionError(f"operator exited:\n{_log_tail(self.log)}")
+            raise AssertionError(f"operator exited:\n{log_tail(self.log)}")
         try:
             with urllib.request.urlopen(
                 f"http://127.0.0.1:{self.health_port}/healthz", timeout=1
@@ -219,7 +219,7 @@ class OperatorProcess:
 
     def log_lines(self) -> list[str]:
         """The current log (since the last start), line by line."""
-        return _log_tail(self.log, 100000).splitlines()
+        return log_tail(self.log, 100000).splitlines()
 
     def errors(self) -> list[str]:
         """Tracebacks in the current log: a handler crashed somewhere."""
@@ -267,11 +267,11 @@ class GatewayProcess:
             self.proc = subprocess.Popen(
                 [str(VENV_BIN / "sandbox-gateway")], env=env, stdout=log, stderr=subprocess.STDOUT
             )
-        _wait_for_start(self._ready, "gateway readiness", self.log)
+        wait_for_start(self._ready, "gateway readiness", self.log)
 
     def _ready(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:
-            raise AssertionError(f"gateway exited:\n{_log_tail(self.log)}")
+            raise AssertionError(f"gateway exited:\n{log_tail(self.log)}")
         try:
             with urllib.request.urlopen(f"{self.url}/readyz", timeout=1) as response:
                 return bool(response.status == 200)
@@ -298,7 +298,7 @@ class GatewayProcess:
                 self.proc.wait(5)
 
     def errors(self) -> list[str]:
-        return [line for line in _log_tail(self.log, 100000).splitlines() if "Traceback" in line]
+        return [line for line in log_tail(self.log, 100000).splitlines() if "Traceback" in line]
 
 
 class AgentProcess:

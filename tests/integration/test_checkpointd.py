@@ -20,10 +20,10 @@ import pytest
 from devcluster import gvisor
 from devcluster.controlplane import ControlPlane
 from tests.integration.harness import (
-    _log_tail,
-    _wait_for_start,
     free_port,
+    log_tail,
     service_account_token,
+    wait_for_start,
 )
 from tests.kube import KubeJSON, api_path, core_path
 from tests.sandbox_node import UID, Node, binaries, make_node, sandbox_annotations
@@ -57,11 +57,11 @@ class Checkpointd:
                 stderr=subprocess.STDOUT,
             )
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
-        _wait_for_start(self._healthy, "checkpointd", self.log)
+        wait_for_start(self._healthy, "checkpointd", self.log)
 
     def _healthy(self) -> bool:
         if self.proc.poll() is not None:
-            raise AssertionError(f"checkpointd exited:\n{_log_tail(self.log)}")
+            raise AssertionError(f"checkpointd exited:\n{log_tail(self.log)}")
         try:
             return self.http.get("/healthz").status_code == 200
         except httpx.TransportError:

@@ -6,6 +6,7 @@ package checkpoint
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"os/exec"
@@ -106,3 +107,28 @@ func lastLines(out []byte) string {
 	}
 	return text
 }
+
+// Flags registers the flags both commands that take images share: --runsc,
+// --root, --store and the repeatable --runsc-flag. The returned function,
+// called after flag.Parse, gives their values or says which is missing.
+func Flags() func() (Runsc, store.Store, error) {
+	path := flag.String("runsc", "", "the runsc binary the node's shim runs (not sandbox-runsc)")
+	root := flag.String("root", "", "runsc's state root, as the shim passes it")
+	storeDir := flag.String("store", "", "the checkpoint store")
+	var runscFlags Repeated
+	flag.Var(&runscFlags, "runsc-flag", "a global runsc flag, name=value (repeatable)")
+	return func() (Runsc, store.Store, error) {
+		for name, value := range map[string]string{"runsc": *path, "root": *root, "store": *storeDir} {
+			if value == "" {
+				return Runsc{}, "", fmt.Errorf("--%s is required", name)
+			}
+		}
+		return Runsc{Path: *path, Root: *root, Flags: runscFlags}, store.Store(*storeDir), nil
+	}
+}
+
+// Repeated is a flag given any number of times.
+type Repeated []string
+
+func (r *Repeated) String() string     { return strings.Join(*r, ",") }
+func (r *Repeated) Set(v string) error { *r = append(*r, v); return nil }
