@@ -351,6 +351,38 @@ def test_the_watch_ends_when_its_client_leaves(sandbox: Sandbox, wsdir: str) -> 
     assert no_watches_open(sandbox)
 
 
+def test_a_client_that_leaves_while_changes_stream_ends_its_watch(
+    sandbox: Sandbox, wsdir: str
+) -> None:
+    """The agent may be sending an event at the instant its client leaves: the
+    watch ends then too, not when the garbage collector next runs."""
+    assert sandbox.agent is not None
+    pid = sandbox.agent.pid
+    root = sandbox.workspace / wsdir
+    wait_until(lambda: no_watches_open(sandbox), 10)
+    before = inotify_fds(pid)
+    stop = threading.Event()
+
+    def churn() -> None:
+        n = 0
+        while not stop.is_set():
+            (root / f"f{n % 50}").write_bytes(b"x")
+            n += 1
+
+    writer = threading.Thread(target=churn, daemon=True)
+    writer.start()
+    try:
+        for _ in range(20):
+            with Watch(sandbox, wsdir, reader=False) as w:
+                for _ in range(3):
+                    w.read_one()
+            wait_until(lambda: inotify_fds(pid) == before, 10)
+    finally:
+        stop.set()
+        writer.join()
+    assert no_watches_open(sandbox)
+
+
 def test_a_watch_is_not_activity(sandbox: Sandbox, wsdir: str) -> None:
     """Opening a watch counts like any file call; what it streams does not, so a
     forgotten watch does not keep a sandbox from its idle timeout."""

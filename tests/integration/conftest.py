@@ -20,6 +20,7 @@ from tests.integration.harness import (
     Node,
     OperatorProcess,
     gateway_credentials,
+    log_tail,
     next_pod_ip,
     operator_credentials,
     secret_token,
@@ -141,18 +142,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items[:] = rest[:at] + later + rest[at:]
 
 
+# The agents a test started (the `agents` fixture), for its report.
+AGENTS_STARTED = pytest.StashKey[list[AgentProcess]]()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A failed test's report carries what the operator logged about its
-    namespace: a rare failure in CI is explained by the run that had it."""
+    namespace and the ends of its agents' and runners' logs: a rare failure in
+    CI is explained by the run that had it (their files go with the run)."""
     report = yield
+    if report.when != "call" or not report.failed:
+        return report
     funcargs = getattr(item, "funcargs", {})
     operator, namespace = funcargs.get("running_operator"), funcargs.get("ns")
-    if report.when == "call" and report.failed and operator is not None and namespace:
+    if operator is not None and namespace:
         mentions = [line for line in operator.log_lines() if namespace in line]
         report.sections.append((f"operator log about {namespace}", "\n".join(mentions[-300:])))
+    for agent in item.stash.get(AGENTS_STARTED, []):
+        for name in ("agent.log", "runner.log"):
+            report.sections.append((f"{agent.root.name} {name}", log_tail(agent.root / name)))
     return report
 
 
@@ -177,9 +188,12 @@ def node(kube: KubeJSON) -> Node:
 
 
 @pytest.fixture
-def agents(tmp_path: Path) -> Iterator[Callable[[str], AgentProcess]]:
+def agents(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[[str], AgentProcess]]:
     """Start a real agent + runner for a token; all stopped after the test."""
     started: list[AgentProcess] = []
+    request.node.stash[AGENTS_STARTED] = started  # for a failed test's report
 
     def start(token: str, port: int = 8080) -> AgentProcess:
         agent = AgentProcess(tmp_path / f"agent-{len(started)}", next_pod_ip(), port, token)

@@ -183,7 +183,8 @@ class RouteTable:
             if test(route) or left <= 0:
                 return route
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._tick.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._tick.wait()
 
     @property
     def synced(self) -> bool:

@@ -263,5 +263,6 @@ async def run(
             continue
         retry = 0
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(woken.wait(), timeout=interval)
+            async with asyncio.timeout(interval):
+                await woken.wait()
     ctx.pool_wakeups.pop((meta["namespace"], meta["name"]), None)

@@ -3,7 +3,8 @@ manage the contexts (create, list, interrupt, restart, delete)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -41,11 +42,12 @@ async def code_run(request: Request, args: Args) -> Response:
 
 
 async def _chain(
-    first: models.CodeEvent, rest: AsyncIterator[models.CodeEvent]
-) -> AsyncIterator[models.CodeEvent]:
-    yield first
-    async for event in rest:
-        yield event
+    first: models.CodeEvent, rest: AsyncGenerator[models.CodeEvent, None]
+) -> AsyncGenerator[models.CodeEvent, None]:
+    async with contextlib.aclosing(rest):  # see web.Stream
+        yield first
+        async for event in rest:
+            yield event
 
 
 async def context_create(request: Request, args: Args) -> Response:

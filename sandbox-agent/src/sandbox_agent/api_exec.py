@@ -137,7 +137,8 @@ async def exec_get(request: Request, args: Args) -> Response:
     # running records are protected, so the protected ones stay few).
     async with ex.answer():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ex.done.wait(), wait)
+            async with asyncio.timeout(wait):
+                await ex.done.wait()
         return ok(ex.view(output=args.need("output", bool)))
 
 
@@ -240,5 +241,6 @@ async def exec_cancel(request: Request, args: Args) -> Response:
     if ex.finished is None:
         ex.cancel(req.grace_seconds)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ex.done.wait(), req.grace_seconds + st.settings.kill_grace + 1.0)
+            async with asyncio.timeout(req.grace_seconds + st.settings.kill_grace + 1.0):
+                await ex.done.wait()
     return ok(ex.view(output=False))

@@ -5,18 +5,18 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import IO, Any
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from . import archive, files, metrics, models, patch, watch, watchpoll
 from .errors import Busy, Invalid, TooLarge
 from .paths import Workspace
 from .routing import Args, Handler
 from .state import AgentState, state_of
-from .web import OCTET, TAR, body_as, event_stream, ok, one_of, spool_upload
+from .web import OCTET, TAR, Stream, body_as, event_stream, ok, one_of, spool_upload
 
 LINE_RANGE_BYTES = 16 << 20
 READ_BLOCK = 512 << 10  # streamed reads go in blocks of this size
@@ -78,7 +78,7 @@ async def file_read(request: Request, args: Args) -> Response:
         file_op("read")
         return Response(_bytes_out(data), media_type=OCTET, headers=headers)
 
-    async def chunks() -> AsyncIterator[bytes]:
+    async def chunks() -> AsyncGenerator[bytes, None]:
         pos = start
         try:
             while pos < end:
@@ -93,7 +93,7 @@ async def file_read(request: Request, args: Args) -> Response:
             os.close(fd)
 
     file_op("read")
-    return StreamingResponse(chunks(), media_type=OCTET, headers=headers)
+    return Stream(chunks(), media_type=OCTET, headers=headers)
 
 
 async def file_write_raw(request: Request, args: Args) -> Response:
@@ -173,7 +173,8 @@ def _json_file_op(
         if not scan:
             return await _in_thread(request, op, lambda: fn(st, req))
         try:
-            await asyncio.wait_for(st.file_scans.acquire(), SCAN_WAIT)
+            async with asyncio.timeout(SCAN_WAIT):
+                await st.file_scans.acquire()
         except TimeoutError:
             raise Busy(
                 "files_busy",
@@ -218,7 +219,7 @@ async def archive_download(request: Request, args: Args) -> Response:
     # Validate before the 200 goes out; errors inside the stream can only cut it short.
     stream = await asyncio.to_thread(archive.TarStream, st.workspace, rel, gz)
 
-    async def body() -> AsyncIterator[bytes]:
+    async def body() -> AsyncGenerator[bytes, None]:
         try:
             while True:
                 chunk = await asyncio.to_thread(stream.next_chunk)
@@ -231,7 +232,7 @@ async def archive_download(request: Request, args: Args) -> Response:
     file_op("archive_download")
     name = (stream.top.rsplit("/", 1)[-1] if stream.top != "." else "") or "workspace"
     name = "".join(c if c.isascii() and c.isprintable() and c not in '"\\' else "_" for c in name)
-    return StreamingResponse(
+    return Stream(
         body(),
         media_type="application/gzip" if gz else TAR,
         headers={"Content-Disposition": f'attachment; filename="{name}.tar{".gz" if gz else ""}"'},

@@ -30,7 +30,7 @@ import contextlib
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import msgspec
@@ -95,7 +95,8 @@ class _Run:
         if not self.events:
             self._waiter = asyncio.get_running_loop().create_future()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._waiter), max(seconds, 0.0))
+                async with asyncio.timeout(max(seconds, 0.0)):
+                    await asyncio.shield(self._waiter)
         if not self.events:
             return None
         event = self.events.popleft()
@@ -400,9 +401,8 @@ class Context:
                 raise Unavailable("runner_unavailable", str(exc)) from None
             metrics.CONTEXTS.set(mgr.live)
             try:
-                failure = await asyncio.wait_for(
-                    asyncio.shield(kernel.ready), mgr.settings.context_start_timeout
-                )
+                async with asyncio.timeout(mgr.settings.context_start_timeout):
+                    failure = await asyncio.shield(kernel.ready)
             except TimeoutError:
                 kernel.kill()
                 failure = (
@@ -520,7 +520,7 @@ class ContextManager:
 
     async def run(
         self, ctx: Context, code: str, seconds: float, env: dict[str, str] | None = None
-    ) -> AsyncIterator[models.CodeEvent]:
+    ) -> AsyncGenerator[models.CodeEvent, None]:
         """Run `code` in `ctx` when its turn comes, with `env` set in the kernel for
         this run only; the events as they come."""
         if ctx.waiting >= MAX_WAITING:
@@ -555,8 +555,9 @@ class ContextManager:
                 context_id=ctx.id,
                 restarted=True if (restarted and ctx.restarts > 0) or announce else None,
             )
-            async for event in self._events(ctx, run, seconds):
-                yield event
+            async with contextlib.aclosing(self._events(ctx, run, seconds)) as events:
+                async for event in events:  # closed with this one (web.Stream)
+                    yield event
         finally:
             if run is not None and not run.done:
                 # The client left mid-run: interrupt it, and give the context
@@ -569,7 +570,7 @@ class ContextManager:
 
     async def _events(
         self, ctx: Context, run: _Run, seconds: float
-    ) -> AsyncIterator[models.CodeEvent]:
+    ) -> AsyncGenerator[models.CodeEvent, None]:
         deadline = run.started + seconds
         grace: float | None = None
         while True:

@@ -20,7 +20,7 @@ import signal as _signal
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -527,7 +527,8 @@ class Execution:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
-            await asyncio.wait_for(fut, wait)
+            async with asyncio.timeout(wait):
+                await fut
         except TimeoutError:
             pass
         finally:
@@ -1124,7 +1125,7 @@ class ExecutionManager:
 
 async def stream_events(
     ex: Execution, cursor: int, b64: bool, *, started_event: bool
-) -> AsyncIterator[models.StreamEvent]:
+) -> AsyncGenerator[models.StreamEvent, None]:
     """Events from ``cursor`` until the execution ends and all output was sent."""
     if started_event:
         # The event names the process: a client that addresses it by pid (the

@@ -838,8 +838,9 @@ class Server:
             await asyncio.sleep(0.1)
         for conn in list(self.connections):
             conn.close()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(lifespan, 5.0)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5.0):
+                await lifespan
 
 
 def run(

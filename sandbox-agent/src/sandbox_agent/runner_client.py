@@ -326,12 +326,13 @@ class RunnerClient:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                _, proto = await asyncio.wait_for(
-                    loop.create_unix_connection(lambda: _Wire(self), self.socket_path),
-                    HELLO_TIMEOUT,
-                )
+                async with asyncio.timeout(HELLO_TIMEOUT):
+                    _, proto = await loop.create_unix_connection(
+                        lambda: _Wire(self), self.socket_path
+                    )
                 proto.send(wire.T_HELLO, 0, _encode({"protocol": wire.PROTOCOL}))
-                info = await asyncio.wait_for(asyncio.shield(proto.hello), HELLO_TIMEOUT)
+                async with asyncio.timeout(HELLO_TIMEOUT):
+                    info = await asyncio.shield(proto.hello)
             except (OSError, TimeoutError, ConnectionError) as exc:
                 self.last_error = self._describe(exc)
                 await asyncio.sleep(RECONNECT_DELAY)
@@ -377,7 +378,8 @@ class RunnerClient:
         """True once a runner is connected (at once if one is), False after ``wait`` s."""
         if not self.connected and wait > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._connected.wait(), wait)
+                async with asyncio.timeout(wait):
+                    await self._connected.wait()
         return self.connected
 
     # -- operations used by executions ------------------------------------
@@ -482,7 +484,8 @@ class RunnerClient:
         w.asked[token] = fut
         try:
             w.send(ftype, 0, token)
-            return True, await asyncio.wait_for(fut, wait)
+            async with asyncio.timeout(wait):
+                return True, await fut
         except (TimeoutError, ConnectionError):
             return False, None
         finally:

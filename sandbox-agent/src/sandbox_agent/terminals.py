@@ -296,7 +296,8 @@ class TerminalManager:
         metrics.TERMINALS.set(self.live)
         self.on_activity()
         try:
-            await asyncio.wait_for(asyncio.shield(term.started), START_WAIT)
+            async with asyncio.timeout(START_WAIT):
+                await asyncio.shield(term.started)
         except TimeoutError:
             term.kill()
             why = "the runner did not start the terminal"

@@ -39,7 +39,7 @@ import posixpath
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -165,7 +165,8 @@ class Stream:
                 return Change("finished", "", True, time.time(), reason=self.ended)
             self.wake.clear()
             try:
-                await asyncio.wait_for(self.wake.wait(), wait)
+                async with asyncio.timeout(wait):
+                    await self.wake.wait()
             except TimeoutError:
                 return None
 
@@ -565,7 +566,9 @@ class Watcher(Stream):
             os.close(fd)
 
 
-async def events(w: Stream, keepalive: float, seconds: float) -> AsyncIterator[models.WatchEvent]:
+async def events(
+    w: Stream, keepalive: float, seconds: float
+) -> AsyncGenerator[models.WatchEvent, None]:
     """The stream of an opened watcher: ``started``, changes, ``keepalive`` while
     idle, and ``finished`` when the directory went away or ``seconds`` (0:
     no limit) passed. Closes the watcher however it ends (a client that leaves

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Send
 
 from . import models
 from .errors import Invalid, TooLarge
@@ -111,22 +113,49 @@ def one_of(text: str | None, b64: str | None, names: tuple[str, str]) -> bytes |
     return None if text is None else text.encode("utf-8", "surrogateescape")
 
 
+class Stream(StreamingResponse):
+    """A streamed answer whose producer is closed however the stream ends.
+
+    Starlette leaves the body generator suspended when the client leaves while
+    a chunk is being sent (the server cancels the task there, outside the
+    generator); its ``finally`` (a watch's inotify descriptor, a file's
+    descriptor, an archive's producer thread) would then wait for the garbage
+    collector. Each producer that wraps another closes it too (aclosing).
+    """
+
+    body_iterator: AsyncGenerator[bytes, None]
+
+    def __init__(
+        self,
+        content: AsyncGenerator[bytes, None],
+        media_type: str,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(content, media_type=media_type, headers=headers)
+
+    async def stream_response(self, send: Send) -> None:
+        async with contextlib.aclosing(self.body_iterator):
+            await super().stream_response(send)
+
+
+Event = models.StreamEvent | models.WatchEvent | models.CodeEvent
+
+
 def event_stream(
-    events: AsyncIterator[models.StreamEvent | models.WatchEvent | models.CodeEvent],
-    request: Request,
-    headers: dict[str, str],
-) -> StreamingResponse:
+    events: AsyncGenerator[Event, None], request: Request, headers: dict[str, str]
+) -> Stream:
     """ndjson, or SSE when the client asks for text/event-stream."""
     sse = SSE in request.headers.get("accept", "")
 
-    async def body() -> AsyncIterator[bytes]:
-        async for ev in events:
-            data = encode(ev)
-            yield (
-                (b"event: " + ev.type.encode() + b"\ndata: " + data + b"\n\n")
-                if sse
-                else data + b"\n"
-            )
+    async def body() -> AsyncGenerator[bytes, None]:
+        async with contextlib.aclosing(events):
+            async for ev in events:
+                data = encode(ev)
+                yield (
+                    (b"event: " + ev.type.encode() + b"\ndata: " + data + b"\n\n")
+                    if sse
+                    else data + b"\n"
+                )
 
     headers = {**headers, "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-    return StreamingResponse(body(), media_type=SSE if sse else NDJSON, headers=headers)
+    return Stream(body(), media_type=SSE if sse else NDJSON, headers=headers)

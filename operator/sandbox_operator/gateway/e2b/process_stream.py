@@ -190,7 +190,8 @@ class Outbox:
         if self.response is None:
             self.response = await connect.open_stream(self.request)
         try:
-            await asyncio.wait_for(self.response.write(data), SEND_TIMEOUT)
+            async with asyncio.timeout(SEND_TIMEOUT):
+                await self.response.write(data)
         except (TimeoutError, ConnectionResetError) as exc:
             raise CallerGone() from exc
 

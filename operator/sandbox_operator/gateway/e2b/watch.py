@@ -169,7 +169,8 @@ class WatchDir:
                 if wait <= 0:
                     return ConnectError("deadline_exceeded", "the watch reached its deadline")
             try:
-                line = await asyncio.wait_for(upstream.content.readuntil(b"\n"), wait)
+                async with asyncio.timeout(wait):
+                    line = await upstream.content.readuntil(b"\n")
             except TimeoutError:
                 if top is not None:
                     await response.write(connect.envelope({"keepalive": {}}))
