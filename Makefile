@@ -131,7 +131,7 @@ run: install ## Run the operator locally against the cluster-up cluster
 	$(VENV)/bin/kopf run -m sandbox_operator.main --all-namespaces --standalone
 
 .PHONY: bench
-bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under attack in a 256 MiB cgroup; 1,000, 3,000 and 10,000 Sandboxes; node cold start and exec; runc vs gVisor, which gVisor platforms run here and gVisor's checkpoint/restore by resident memory; Executions vs Jobs; snapshots vs tar; resume vs a pod start; pool claims vs cold starts; idle sandboxes a node holds by resource profile; gateway vs direct; the SDK vs raw HTTP; kubectl sandbox exec vs kubectl exec; a terminal's key echo vs kubectl exec -it; a file watch's event vs inotify over kubectl exec (runc, gVisor); run_code vs a command and a local kernel; MCP vs the SDK; E2B's SDK vs ours on the same sandbox (commands, files, run_code, create from a warm pool); chaos (operator kills, an API server restart) with invariants checked
+bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under attack in a 256 MiB cgroup; 1,000, 3,000 and 10,000 Sandboxes; node cold start and exec; runc vs gVisor, which gVisor platforms run here and gVisor's checkpoint/restore by resident memory; a pause that keeps memory vs one that keeps the workspace; Executions vs Jobs; snapshots vs tar; resume vs a pod start; pool claims vs cold starts; idle sandboxes a node holds by resource profile; gateway vs direct; the SDK vs raw HTTP; kubectl sandbox exec vs kubectl exec; a terminal's key echo vs kubectl exec -it; a file watch's event vs inotify over kubectl exec (runc, gVisor); run_code vs a command and a local kernel; MCP vs the SDK; E2B's SDK vs ours on the same sandbox (commands, files, run_code, create from a warm pool); chaos (operator kills, an API server restart) with invariants checked
 	$(PY) benchmarks/agent_bench.py
 	$(PY) benchmarks/agent_memory_bench.py
 	$(PY) benchmarks/sandbox_scale.py
@@ -139,6 +139,7 @@ bench: install binaries ## Benchmarks: agent vs subprocess; agent memory under a
 	$(PY) benchmarks/runtime_bench.py
 	$(PY) benchmarks/gvisor_platforms.py
 	$(PY) benchmarks/gvisor_checkpoint.py
+	$(PY) benchmarks/memory_pause_bench.py
 	$(PY) benchmarks/execution_bench.py
 	$(PY) benchmarks/snapshot_bench.py
 	$(PY) benchmarks/resume_bench.py

@@ -217,6 +217,17 @@ class LocalCluster(ControlPlane):
         """The node's checkpoint store (sandbox-node's; memory images of paused pods)."""
         return self.node_dir / "checkpoints"
 
+    def checkpointd_values(self) -> list[str]:
+        """The chart's checkpointd values for this node: its runsc (the build
+        sandbox-runsc runs), the shim's runsc root, the checkpoint store."""
+        runsc = gvisor.binaries(build_missing=False)["runsc"]
+        return [
+            "checkpointd.enabled=true",
+            f"checkpointd.runsc={runsc}",
+            f"checkpointd.runscRoot={self.containerd_dir / 'runsc' / 'k8s.io'}",
+            f"checkpointd.store={self.checkpoint_dir}",
+        ]
+
     @property
     def image_store_dir(self) -> Path:
         """containerd's root (content store, snapshots, metadata). Outside

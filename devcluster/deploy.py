@@ -61,6 +61,10 @@ def install_operator(
     earlier version of it), waiting for the Deployment."""
     restrict_namespace(cluster, NAMESPACE)
     values = ["image.repository=sandbox-operator", "image.tag=dev", "image.pullPolicy=Never"]
+    if chart is None:
+        # The node saves gVisor pods whole for pauses that keep memory
+        # (checkpointd; an earlier chart may not know its values).
+        values += [*cluster.checkpointd_values(), "checkpointd.image.pullPolicy=Never"]
     # No extraEnv: kube-proxy on the node makes the `kubernetes` ClusterIP the
     # kubelet injects work, as on any cluster.
     return helm.install_chart(

@@ -47,6 +47,9 @@ class AgentInfo:
     workspace: WorkspaceUsage | None = None
     # The sandbox container's cgroup counters, when the runner reported them.
     limits: LimitCounters | None = None
+    # When the agent process started: one restored from a memory image keeps
+    # the time it first started, before its pod was made.
+    started_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,7 @@ class AgentClient:
                 environment_hash=data.get("environmentHash"),
                 workspace=_workspace_usage(data.get("workspaceUsage")),
                 limits=_limit_counters(data.get("limits")),
+                started_at=parse_time(data["startedAt"]) if data.get("startedAt") else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AgentError(f"agent at {endpoint} sent malformed info: {exc!r}") from exc

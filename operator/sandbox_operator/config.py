@@ -173,6 +173,21 @@ class Settings(BaseModel):
     # How long the idle policy waits for its Snapshot before it deletes or pauses anyway.
     idle_snapshot_timeout: Duration = "10m"
 
+    # Pauses that keep memory (lifecycle.pauseMode: Memory, docs/pause-memory.md).
+    # The runtime classes whose pods checkpointd can save (gVisor's).
+    memory_pause_runtime_classes: list[str] = Field(default_factory=lambda: ["gvisor"])
+    # Where checkpointd's pods run (the chart's checkpointd.namespace) and listen.
+    checkpointd_namespace: str = "sandbox-node"
+    checkpointd_port: Annotated[int, Field(ge=1, le=65535)] = 8450
+    # A service account token for the audience sandbox-checkpointd (the chart
+    # projects one here).
+    checkpointd_token_file: str = "/var/run/secrets/sandbox-checkpointd/token"
+    # How soon a pause whose save failed tries again (the sandbox runs meanwhile).
+    memory_retry_seconds: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    # How long a resumed pod pinned to the image's node may stay unscheduled
+    # before the image is given up and the sandbox starts anywhere, from its workspace.
+    memory_node_patience: Duration = "2m"
+
     # A pod whose agent stops being ready for longer than this (while its runtime
     # container runs) is replaced on the same workspace. The kubelet restarts a
     # wedged runtime container well before that (see builders.sandbox).

@@ -17,6 +17,7 @@ from typing import Any, cast
 import kopf
 
 from sandbox_operator.agent_client import AgentClient, LimitCounters
+from sandbox_operator.checkpointd import Checkpoints
 from sandbox_operator.config import Settings
 from sandbox_operator.errors import Backoffs
 from sandbox_operator.identity import TOKEN_KEY, children_ref, names
@@ -82,6 +83,8 @@ class OperatorContext:
     # When each Sandbox needs its next pass, by (namespace, UID): its daemon sleeps
     # until then (handlers.sandbox.deadlines). Made in __post_init__ (the settings).
     timetable: Timetable = field(init=False)
+    # The node components that save pods whole (pauseMode Memory). Made in __post_init__.
+    checkpoints: Checkpoints = field(init=False)
     # Where Events go: the EventRecorder (events.py) in the operator, a list in unit
     # tests; Kopf's own poster (one Event per call) when nothing else is given.
     post: Callable[[JSON, str, str, str], None] = field(default_factory=lambda: post_event)
@@ -90,6 +93,7 @@ class OperatorContext:
 
     def __post_init__(self) -> None:
         self.timetable = Timetable(self.settings.resync_interval_seconds)
+        self.checkpoints = Checkpoints(self.settings, self.kube)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())

@@ -63,7 +63,8 @@ def trim(body: Mapping[str, Any]) -> JSON:
 
 def pod_essentials(pod: Mapping[str, Any]) -> JSON:
     """What the operator keeps of a pod it made: metadata (without managedFields),
-    status, and the sandbox container's env (which sync_environment compares).
+    status, the sandbox container's env (which sync_environment compares) and
+    the node it runs on (a pause that keeps memory asks that node to save it).
     The rest of the spec (probes, mounts, security contexts) is two thirds of a
     pod's size and never read after creation: at 10,000 Sandboxes, hundreds of
     MiB of the pod index. Pure."""
@@ -73,10 +74,14 @@ def pod_essentials(pod: Mapping[str, Any]) -> JSON:
         for c in (pod.get("spec") or {}).get("containers") or []
         if c.get("name") == SANDBOX_CONTAINER
     ]
+    spec: JSON = {"containers": containers}
+    node = (pod.get("spec") or {}).get("nodeName")
+    if node:
+        spec["nodeName"] = node
     return {
         "apiVersion": pod.get("apiVersion", "v1"),
         "kind": pod.get("kind", "Pod"),
         "metadata": meta,
-        "spec": {"containers": containers},
+        "spec": spec,
         "status": pod.get("status") or {},
     }

@@ -118,6 +118,7 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
     await memo.events.drain()
     await ctx.kube.close()
     await ctx.agents.close()
+    await ctx.checkpoints.close()
 
 
 def _ctx(memo: kopf.Memo) -> OperatorContext:

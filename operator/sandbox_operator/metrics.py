@@ -37,6 +37,17 @@ TEARDOWNS = Counter(
     "Automatic lifecycle actions (idle delete, idle pause, max lifetime).",
     ["action"],
 )
+MEMORY_SAVES = Counter(
+    "sandbox_operator_memory_saves_total",
+    "Saves of a pausing pod (pauseMode Memory), by result: ok, CheckpointFailed,"
+    " CheckpointerUnavailable.",
+    ["result"],
+)
+MEMORY_RESUMES = Counter(
+    "sandbox_operator_memory_resumes_total",
+    "Resumes of a pod saved whole, by result: restored, lost (started from the workspace).",
+    ["result"],
+)
 EXECUTIONS = Counter(
     "sandbox_operator_executions_total",
     "Executions that reached a terminal phase, by phase and reason.",

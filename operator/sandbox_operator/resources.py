@@ -106,6 +106,9 @@ SNAPSHOT_ANNOTATION = f"{GROUP}/snapshot"
 POD_SPEC_ANNOTATION = f"{GROUP}/pod-spec"
 POD_HASH_ANNOTATION = f"{GROUP}/pod-spec-hash"
 IMAGE_ANNOTATION = f"{GROUP}/image"
+# On a resumed pod of a sandbox paused with pauseMode Memory: the image the node's
+# runsc restores it from (sandbox-node/sandbox-runsc reads it; containerd passes it).
+RESTORE_FROM_ANNOTATION = f"{GROUP}/restore-from"
 # kubectl's: the container `kubectl exec` and `logs` use when none is named
 # (without it they name the one they chose on every call).
 DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"

@@ -318,6 +318,30 @@ def test_checkpointd_is_optional_root_without_capabilities_and_reachable_by_the_
             },
         }
     ]
+    # The operator finds it, and holds a token only checkpointd takes.
+    settings = _settings(docs, "sbx-settings")
+    assert (settings["checkpointd_namespace"], settings["checkpointd_port"]) == (
+        "sandbox-node",
+        8450,
+    )
+    operator = _kind(docs, "Deployment", "sbx")["spec"]["template"]["spec"]
+    (volume,) = [v for v in operator["volumes"] if v["name"] == "checkpointd-token"]
+    assert volume["projected"]["sources"] == [
+        {
+            "serviceAccountToken": {
+                "audience": "sandbox-checkpointd",
+                "expirationSeconds": 3600,
+                "path": "token",
+            }
+        }
+    ]
+    (mount,) = [
+        m for m in operator["containers"][0]["volumeMounts"] if m["name"] == "checkpointd-token"
+    ]
+    token_file = config.Settings().checkpointd_token_file
+    assert f"{mount['mountPath']}/token" == token_file
+    off = _kind(render(repo), "Deployment", "sbx")["spec"]["template"]["spec"]
+    assert [v["name"] for v in off["volumes"]] == ["settings"]
     refused = _refused(repo, "checkpointd.enabled=true", "checkpointd.runsc=runsc")
     assert "/checkpointd/runsc" in refused, refused
 

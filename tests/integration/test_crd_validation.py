@@ -135,6 +135,31 @@ BAD: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
     (
         "Sandbox",
         "sandboxes",
+        {"lifecycle": {"pauseMode": "Memory"}},
+        {},
+        "pauseMode: Memory needs runtimeClassName: a gVisor class",
+    ),
+    (
+        "Sandbox",
+        "sandboxes",
+        {
+            "runtimeClassName": "gvisor",
+            "workspace": {"ephemeral": True},
+            "lifecycle": {"pauseMode": "Memory"},
+        },
+        {},
+        "pauseMode: Memory needs a persistent workspace",
+    ),
+    (
+        "Sandbox",
+        "sandboxes",
+        {"lifecycle": {"pauseMode": "Processes"}},
+        {},
+        "spec.lifecycle.pauseMode",
+    ),
+    (
+        "Sandbox",
+        "sandboxes",
         {"network": {"exposedPorts": [{"name": "web", "port": 70000}]}},
         {},
         "spec.network.exposedPorts[0].port",

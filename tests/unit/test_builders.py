@@ -403,6 +403,9 @@ def test_pod_essentials_keep_what_reconciliation_reads_and_little_else() -> None
     assert "managedFields" not in kept["metadata"]
     assert set(kept["spec"]) == {"containers"}
     assert len(json.dumps(kept)) < len(json.dumps(pod)) / 2
+    # Once scheduled, its node (a pause that keeps memory asks that node).
+    pod["spec"]["nodeName"] = "node-a"
+    assert indexes.pod_essentials(pod)["spec"]["nodeName"] == "node-a"
 
 
 def test_preview_urls_are_on_the_gateways_external_url() -> None:

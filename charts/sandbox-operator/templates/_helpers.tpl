@@ -124,5 +124,10 @@ subjects:
 {{- $_ := set $derived "gateway_url" $url }}
 {{- if .Values.gateway.previewDomain }}{{- $_ := set $derived "preview_domain" .Values.gateway.previewDomain }}{{- end }}
 {{- end }}
+{{- if .Values.checkpointd.enabled }}
+{{- /* Where the operator finds checkpointd (pauseMode Memory). */}}
+{{- $_ := set $derived "checkpointd_namespace" .Values.checkpointd.namespace }}
+{{- $_ := set $derived "checkpointd_port" .Values.checkpointd.port }}
+{{- end }}
 {{- toYaml (merge $derived .Values.settings) }}
 {{- end -}}

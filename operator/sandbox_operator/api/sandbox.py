@@ -67,6 +67,8 @@ class SandboxCondition(StrEnum):
     - WorkspaceRestored: `spec.workspace.fromSnapshot` is set;
     - WorkspaceFull: only while True, from the agent's report of its workspace's
       filesystem (see builders.sandbox_status.workspace_full);
+    - MemoryKept: with `lifecycle.pauseMode: Memory`, from a pause's save of
+      the pod until the resumed pod is ready (see handlers.sandbox.memory);
     - PidLimitReached, CpuThrottled: only while True, from the sandbox
       container's cgroup counters as the agent reports them (see
       builders.sandbox_status.pid_limit_reached and cpu_throttled);
@@ -84,6 +86,7 @@ class SandboxCondition(StrEnum):
     POD_SCHEDULED = "PodScheduled"
     AGENT_READY = "AgentReady"
     RUNTIME_READY = "RuntimeReady"
+    MEMORY_KEPT = "MemoryKept"
     RECONCILING = "Reconciling"
     STALLED = "Stalled"
 
@@ -149,11 +152,29 @@ class SandboxReason(StrEnum):
     FORK_REFUSED = "ForkRefused"
     # The CPU limit stopped the sandbox in most scheduling periods since the last look.
     CPU_LIMIT = "CpuLimit"
+    # pauseMode Memory: the pod was saved whole (MemoryKept True) ...
+    CHECKPOINTED = "Checkpointed"
+    # ... checkpointd refused or failed to save it: the pause waits, the pod runs on;
+    CHECKPOINT_FAILED = "CheckpointFailed"
+    # ... no checkpointd answered on the pod's node: the pause waits, the pod runs on;
+    CHECKPOINTER_UNAVAILABLE = "CheckpointerUnavailable"
+    # ... the resumed pod came back from the image, processes and memory included;
+    MEMORY_RESTORED = "MemoryRestored"
+    # ... the resumed pod started afresh from the workspace alone (message: why).
+    MEMORY_LOST = "MemoryLost"
 
 
 class OnIdle(StrEnum):
     DELETE = "Delete"
     PAUSE = "Pause"
+
+
+class PauseMode(StrEnum):
+    """What a pause keeps: the workspace, or the workspace and the running
+    processes with their memory (a gVisor runtime class; docs/pause-memory.md)."""
+
+    WORKSPACE = "Workspace"
+    MEMORY = "Memory"
 
 
 class EgressPolicy(StrEnum):
@@ -306,6 +327,17 @@ class Lifecycle(Model):
         description="Delete the Sandbox once it has been paused (by spec.paused or by the"
         " idle policy) this long; after a Snapshot when snapshotOnIdle is set.",
     )
+    pause_mode: PauseMode = Field(
+        default=PauseMode.WORKSPACE,
+        description="What a pause (spec.paused, onIdle or onExpiry Pause) keeps: Workspace"
+        " (the default) or Memory: the running processes too, with their memory, open files"
+        " and listening sockets, saved by the node's checkpointd and restored into the"
+        " resumed pod on the same node. Memory needs a gVisor runtime class"
+        " (runtimeClassName) and a persistent workspace. When the save fails the sandbox"
+        " keeps running (condition MemoryKept says why); when the image is gone at resume"
+        " the sandbox starts from its workspace (MemoryKept False, reason MemoryLost).",
+        json_schema_extra=_OPERATOR_DEFAULT,
+    )
 
 
 class ExposedPort(Model):
@@ -449,6 +481,19 @@ class SandboxSpec(Model):
                 " && self.lifecycle.snapshotOnIdle)",
                 "lifecycle.snapshotOnIdle needs a persistent workspace (not workspace.ephemeral)",
             ),
+            cel(
+                "!(has(self.lifecycle) && has(self.lifecycle.pauseMode)"
+                " && self.lifecycle.pauseMode == 'Memory' && !has(self.runtimeClassName)"
+                " && !has(self.templateRef) && !has(self.poolRef))",
+                "lifecycle.pauseMode: Memory needs runtimeClassName: a gVisor class (e.g. gvisor)",
+            ),
+            cel(
+                "!(has(self.workspace) && has(self.workspace.ephemeral) && self.workspace.ephemeral"
+                " && has(self.lifecycle) && has(self.lifecycle.pauseMode)"
+                " && self.lifecycle.pauseMode == 'Memory')",
+                "lifecycle.pauseMode: Memory needs a persistent workspace (not"
+                " workspace.ephemeral)",
+            ),
             total_size_rule(
                 MAX_ENV_CHARACTERS,
                 {
@@ -565,6 +610,23 @@ class SandboxSpec(Model):
             )
         return self
 
+    @model_validator(mode="after")
+    def _memory_pause_fits(self) -> SandboxSpec:
+        # The CEL rules see the Sandbox alone; this sees it with its template's
+        # defaults (the effective spec the operator validates).
+        if self.lifecycle.pause_mode is PauseMode.MEMORY:
+            if not self.runtime_class_name:
+                raise ValueError(
+                    "lifecycle.pauseMode: Memory needs runtimeClassName: a gVisor class"
+                    " (e.g. gvisor)"
+                )
+            if self.workspace.ephemeral:
+                raise ValueError(
+                    "lifecycle.pauseMode: Memory needs a persistent workspace (not"
+                    " workspace.ephemeral)"
+                )
+        return self
+
 
 class PortStatus(Model):
     """An exposed port as users reach it."""
@@ -605,6 +667,18 @@ class RestoreRefusal(Model):
         default="", description="The restore-requested-at annotation value of the request."
     )
     message: str = Field(default="", description="Why it was dropped.")
+
+
+class MemoryImage(Model):
+    """The saved pod of a sandbox paused with pauseMode Memory."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    key: str = Field(description="The image's name in the node's checkpoint store.")
+    node: str = Field(description="The node that holds it (the resumed pod runs there).")
+    pod_uid: str = Field(description="The pod it was taken from.")
+    bytes: int = Field(default=0, description="Its size on the node's disk.")
+    taken_at: str = Field(description="When it was taken (RFC 3339).")
 
 
 class SandboxStatus(Model):
@@ -703,6 +777,11 @@ class SandboxStatus(Model):
         default=None,
         description="A digest of spec.files as last written into the workspace (and of the"
         " pod, for an ephemeral workspace).",
+    )
+    memory: MemoryImage | None = Field(
+        default=None,
+        description="pauseMode Memory: the saved pod the next resume restores; cleared once"
+        " the resumed pod is ready (or memory was lost).",
     )
     admitted: bool | None = Field(
         default=None,

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from sandbox_operator.api.common import API_VERSION, parse_duration, quantity_value
 from sandbox_operator.api.execution import MAX_TIMEOUT
-from sandbox_operator.api.sandbox import EgressPolicy, SandboxSpec
+from sandbox_operator.api.sandbox import EgressPolicy, MemoryImage, PauseMode, SandboxSpec
 from sandbox_operator.config import Requests, ResourceProfile, Settings
 from sandbox_operator.identity import (
     AGENT_CONTAINER,
@@ -29,6 +29,7 @@ from sandbox_operator.resources import (
     IMAGE_ANNOTATION,
     POD_HASH_ANNOTATION,
     POD_SPEC_ANNOTATION,
+    RESTORE_FROM_ANNOTATION,
 )
 
 JSON = dict[str, Any]
@@ -80,6 +81,18 @@ _AGENT_LOG_LIMIT = "256Mi"
 # The agent prunes its logs to stay under this, well inside the volume's limit
 # (going over it gets the pod evicted).
 _AGENT_LOG_BUDGET = 192 << 20
+# A pod saved whole (pauseMode Memory) keeps the agent's own volumes inside
+# gVisor as tmpfs: a restore reopens every file its processes had open, and an
+# emptyDir of the new pod on the host is empty (seen: the agent's journal,
+# "failed to walk executions.journal"). Their contents are then memory of the
+# sandbox, saved in its image: the log budget is smaller.
+_MEMORY_PAUSE_VOLUMES = ("agent-logs", "agent-tmp")
+_GVISOR_MEMORY_VOLUMES = {
+    f"dev.gvisor.spec.mount.{volume}.{field}": value
+    for volume in _MEMORY_PAUSE_VOLUMES
+    for field, value in (("share", "container"), ("type", "tmpfs"), ("options", "rw"))
+}
+_AGENT_LOG_BUDGET_IN_MEMORY = 48 << 20
 
 
 def _meta(ref: SandboxRef, name: str) -> JSON:
@@ -206,6 +219,7 @@ def _env(spec: SandboxSpec) -> list[JSON]:
 
 def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
     child = names(ref.name)
+    keeps_memory = spec.lifecycle.pause_mode is PauseMode.MEMORY
     image = image_of(spec, settings)
     profile = profile_of(spec, settings)
     pull_policy = spec.image_pull_policy or settings.image_pull_policy
@@ -248,7 +262,10 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
                     }
                 },
             },
-            {"name": "SANDBOX_AGENT_MAX_LOG_DIR_BYTES", "value": str(_AGENT_LOG_BUDGET)},
+            {
+                "name": "SANDBOX_AGENT_MAX_LOG_DIR_BYTES",
+                "value": str(_AGENT_LOG_BUDGET_IN_MEMORY if keeps_memory else _AGENT_LOG_BUDGET),
+            },
         ],
         "ports": [{"name": "agent", "containerPort": settings.agent_port, "protocol": "TCP"}],
         # No startup probe: the sandbox container starts beside the agent and
@@ -378,6 +395,7 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
             "annotations": {
                 **spec.pod_annotations,
                 **_GVISOR_SHARED_RUNTIME,
+                **(_GVISOR_MEMORY_VOLUMES if keeps_memory else {}),
                 IMAGE_ANNOTATION: image,
                 DEFAULT_CONTAINER_ANNOTATION: SANDBOX_CONTAINER,
             },
@@ -484,7 +502,8 @@ def pod_stamp(spec: SandboxSpec) -> JSON:
 
     Everything else reaches a running pod without a restart: env (through the
     agent, for commands started afterwards), network (the NetworkPolicy and the
-    Service), lifecycle, paused (the pod is deleted, not replaced) and
+    Service), lifecycle (but for pauseMode: Memory, whose pod keeps the agent's
+    volumes in gVisor's memory), paused (the pod is deleted, not replaced) and
     workspace.fromSnapshot (a rollback replaces the pod by itself). Settings of
     the operator (a new agent image, say) are left out too: they reach each
     sandbox at its next pod start instead of restarting all of them at once."""
@@ -500,6 +519,12 @@ def pod_stamp(spec: SandboxSpec) -> JSON:
         **({"tolerations": [t.to_wire() for t in spec.tolerations]} if spec.tolerations else {}),
         **({"podLabels": dict(spec.pod_labels)} if spec.pod_labels else {}),
         **({"podAnnotations": dict(spec.pod_annotations)} if spec.pod_annotations else {}),
+        # The agent's volumes live in gVisor's memory then (see _GVISOR_MEMORY_VOLUMES).
+        **(
+            {"pauseMode": PauseMode.MEMORY.value}
+            if spec.lifecycle.pause_mode is PauseMode.MEMORY
+            else {}
+        ),
     }
 
 
@@ -525,8 +550,29 @@ def stamp_pod(pod: JSON, spec: SandboxSpec) -> JSON:
     return pod
 
 
-def desired_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
-    return stamp_pod(build_pod(ref, spec, settings), spec)
+def desired_pod(
+    ref: SandboxRef, spec: SandboxSpec, settings: Settings, memory: MemoryImage | None = None
+) -> JSON:
+    """The pod; with `memory`, one the node restores from that image."""
+    pod = stamp_pod(build_pod(ref, spec, settings), spec)
+    return restoring(pod, memory) if memory is not None else pod
+
+
+def restoring(pod: JSON, memory: MemoryImage) -> JSON:
+    """`pod`, to be restored from `memory`: it names the image, and it runs on the
+    node that holds it (a required node affinity: the scheduler still checks
+    that the pod fits there; one that cannot run there is given up on by the
+    operator after memory_node_patience)."""
+    pod["metadata"]["annotations"][RESTORE_FROM_ANNOTATION] = memory.key
+    term = {"key": "kubernetes.io/hostname", "operator": "In", "values": [memory.node]}
+    pod["spec"]["affinity"] = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [term]}]
+            }
+        }
+    }
+    return pod
 
 
 def legacy_pod_hash(spec: SandboxSpec) -> str:
@@ -543,6 +589,8 @@ def legacy_pod_hash(spec: SandboxSpec) -> str:
             stamped.pop(key, None)
     if stamped.get("lifecycle", {}).get("onExpiry") == "Delete":
         del stamped["lifecycle"]["onExpiry"]
+    if stamped.get("lifecycle", {}).get("pauseMode") == "Workspace":
+        del stamped["lifecycle"]["pauseMode"]
     return hashlib.sha256(json.dumps(stamped, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -59,6 +59,8 @@ class Observed:
     awaiting_claim: bool = False
     # Why spec.files is not in the workspace yet (the agent's answer), when writing failed.
     files_problem: str | None = None
+    # MemoryKept (pauseMode Memory), as the controller's memory step found it.
+    memory: Cond | None = None
 
 
 def pod_condition(pod: JSON, kind: str) -> JSON | None:
@@ -380,6 +382,7 @@ def compute(o: Observed) -> dict[str, Cond | None]:
         C.POD_SCHEDULED: pod_scheduled(o),
         C.AGENT_READY: agent_ready(o),
         C.RUNTIME_READY: runtime_ready(o),
+        C.MEMORY_KEPT: o.memory,
     }
     cond = ready(o, others)
     return {**others, C.READY: cond, **progress(cond, stalled=stalled(cond), settled=settled(cond))}

@@ -11,6 +11,7 @@ import kopf
 
 from sandbox_operator import identity, metrics
 from sandbox_operator.api.sandbox import (
+    MemoryImage,
     SandboxCondition,
     SandboxSpec,
     SandboxStatus,
@@ -135,9 +136,12 @@ async def ensure_pod(
     pod: JSON | None,
     decision: PodDecision,
     logger: kopf.Logger,
+    *,
+    memory: MemoryImage | None = None,
 ) -> JSON | None:
-    """Carry out `decision` (for a runnable view: its spec is valid). Returns the
-    pod as it now stands (None if absent)."""
+    """Carry out `decision` (for a runnable view: its spec is valid); a pod it
+    creates is restored from `memory` when given. Returns the pod as it now
+    stands (None if absent)."""
     body, spec, ref = view.body, view.valid_spec, view.served_by
     path = PODS.path(ref.namespace)
     action = decision.action
@@ -146,7 +150,7 @@ async def ensure_pod(
     if action is PodAction.KEEP:
         return pod
     if action is PodAction.CREATE:
-        desired = build.desired_pod(ref, spec, ctx.settings)
+        desired = build.desired_pod(ref, spec, ctx.settings, memory)
         created = await ctx.kube.create(path, desired)
         if created is None:  # a namesake exists that our view has not caught up with
             namesake = await ctx.kube.get(f"{path}/{desired['metadata']['name']}")

@@ -29,7 +29,7 @@ from sandbox_operator.builders.pool import claimed, claimed_by
 from sandbox_operator.builders.sandbox_status import Observed
 from sandbox_operator.clock import now_utc, parse_time
 from sandbox_operator.context import OperatorContext
-from sandbox_operator.handlers.sandbox import deadlines
+from sandbox_operator.handlers.sandbox import deadlines, memory
 from sandbox_operator.handlers.sandbox.admission import SandboxIndex, admit
 from sandbox_operator.handlers.sandbox.environment import sync_environment, sync_files
 from sandbox_operator.handlers.sandbox.lifecycle import (
@@ -292,9 +292,13 @@ async def _reconcile(
         now=now,
         agent_patience=parse_duration(ctx.settings.agent_unready_patience),
     )
-    pod = await ensure_pod(ctx, view, pod, decision, logger)
+    kept = await memory.before_pod(
+        ctx, view, pod, decision, now, logger, rolling_back=workspace.hold or workspace.busy
+    )
+    restore_from = old.memory if memory.wants_memory(spec) and not view.paused else None
+    pod = await ensure_pod(ctx, view, pod, kept.decision, logger, memory=restore_from)
 
-    fields: JSON = {**workspace.fields, **spec_fields(body, spec, ctx.settings)}
+    fields: JSON = {**workspace.fields, **spec_fields(body, spec, ctx.settings), **kept.fields}
     if not view.deleting:
         fields["admitted"] = True  # admit() let it through: it holds its share from now on
     fields.update(paused_fields(old, spec, view.paused and pod is None, now))
@@ -305,7 +309,8 @@ async def _reconcile(
             fields.update(idle_snapshot=None, idle_snapshot_started_at=None)
     observed = Observed(
         generation=view.generation,
-        paused=view.paused,
+        # A pause whose save failed waits: the sandbox runs on meanwhile.
+        paused=view.paused and not kept.waiting,
         deleting=view.deleting,
         ephemeral=spec.workspace.ephemeral,
         pod=pod,
@@ -314,6 +319,7 @@ async def _reconcile(
         restore=workspace.condition,
         holding=workspace.hold,
         awaiting_claim=claims.wait,
+        memory=memory.condition(spec, old.evolve(**kept.fields), kept.said),
     )
     status = sandbox_status.build_status(old, observed, ctx.settings.agent_port, now, **fields)
     if status.phase == SandboxPhase.RUNNING:
@@ -325,6 +331,14 @@ async def _reconcile(
                 old, observed, ctx.settings.agent_port, now, **fields
             )
         status = status.evolve(ready_pod_uid=status.pod_uid, files_written=written)
+        said = await memory.after_ready(ctx, view, pod, status, logger)
+        if said is not None:
+            # The resumed pod of a saved one is ready: its verdict, and the image is gone.
+            fields["memory"] = None
+            observed = replace(observed, memory=said)
+            status = sandbox_status.build_status(
+                old, observed, ctx.settings.agent_port, now, **fields
+            ).evolve(ready_pod_uid=status.pod_uid, files_written=written)
     if old.phase == SandboxPhase.PAUSED and not view.paused:
         ctx.event(body, "info", reason="Resumed", message="starting the pod on the kept workspace")
     if not observed.deleting:
@@ -348,7 +362,10 @@ async def _reconcile(
             now=now,
             settings=ctx.settings,
         )
-        ctx.timetable.set((view.ref.namespace, view.ref.uid), look.seconds_from(now))
+        wait = look.seconds_from(now)
+        if kept.waiting:  # a pause whose save failed tries again
+            wait = min(wait, ctx.settings.memory_retry_seconds)
+        ctx.timetable.set((view.ref.namespace, view.ref.uid), wait)
     await write_status(ctx, body, status, into=status_into)
     if workspace.busy and children is not Children.POD:
         # Change handlers retry; timers and pod events come back by themselves.
@@ -381,6 +398,8 @@ async def teardown(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> Non
         if not settled:
             raise kopf.TemporaryError(f"waiting for snapshot {status.idle_snapshot}", delay=2)
     forget(ctx, body)
+    if status.memory is not None:  # a paused sandbox's saved pod: of no use any more
+        await memory.drop(ctx, ref.namespace, status.memory, logger)
     path = PODS.path(ref.namespace, identity.names(ref.name)["pod"])
     pod = await ctx.kube.get(path)
     if pod is None:

@@ -86,6 +86,7 @@ class Lifecycle(WireModel):
     snapshot_on_idle: bool | None = Field(default=None, validation_alias="snapshotOnIdle", serialization_alias="snapshotOnIdle", description="Take a Snapshot of the workspace before the idle policy deletes or pauses the sandbox (and before pausedTimeout deletes it). The Snapshot is not owned by the Sandbox: it outlives it.")
     snapshot_timeout: str | None = Field(default=None, validation_alias="snapshotTimeout", serialization_alias="snapshotTimeout", description="How long the idle policy waits for that Snapshot before it goes ahead anyway (the operator's idle_snapshot_timeout applies when unset).")
     paused_timeout: str | None = Field(default=None, validation_alias="pausedTimeout", serialization_alias="pausedTimeout", description="Delete the Sandbox once it has been paused (by spec.paused or by the idle policy) this long; after a Snapshot when snapshotOnIdle is set.")
+    pause_mode: str | None = Field(default=None, validation_alias="pauseMode", serialization_alias="pauseMode", description="What a pause (spec.paused, onIdle or onExpiry Pause) keeps: Workspace (the default) or Memory: the running processes too, with their memory, open files and listening sockets, saved by the node's checkpointd and restored into the resumed pod on the same node. Memory needs a gVisor runtime class (runtimeClassName) and a persistent workspace. When the save fails the sandbox keeps running (condition MemoryKept says why); when the image is gone at resume the sandbox starts from its workspace (MemoryKept False, reason MemoryLost). One of: Workspace, Memory.")
 
 
 class ExposedPort(WireModel):
@@ -185,6 +186,16 @@ class Pool(WireModel):
     message: str | None = Field(default=None, description="Why a cold start, in words.")
 
 
+class Memory(WireModel):
+    "pauseMode Memory: the saved pod the next resume restores; cleared once the resumed pod is ready (or memory was lost)."
+
+    key: str = Field(description="The image's name in the node's checkpoint store.")
+    node: str = Field(description="The node that holds it (the resumed pod runs there).")
+    pod_uid: str = Field(validation_alias="podUid", serialization_alias="podUid", description="The pod it was taken from.")
+    bytes: int = Field(default=0, description="Its size on the node's disk.")
+    taken_at: str = Field(validation_alias="takenAt", serialization_alias="takenAt", description="When it was taken (RFC 3339).")
+
+
 class SandboxStatus(WireModel):
     "Observed state, written only by the operator."
 
@@ -215,6 +226,7 @@ class SandboxStatus(WireModel):
     paused_deadline: str | None = Field(default=None, validation_alias="pausedDeadline", serialization_alias="pausedDeadline", description="When lifecycle.pausedTimeout deletes the paused Sandbox.")
     pool: Pool | None = Field(default=None, description="What this Sandbox got from spec.poolRef's pool.")
     files_written: str | None = Field(default=None, validation_alias="filesWritten", serialization_alias="filesWritten", description="A digest of spec.files as last written into the workspace (and of the pod, for an ephemeral workspace).")
+    memory: Memory | None = Field(default=None, description="pauseMode Memory: the saved pod the next resume restores; cleared once the resumed pod is ready (or memory was lost).")
     admitted: bool | None = Field(default=None, description="Counted against the namespace's SandboxQuotas: set once the sandbox fitted them; it holds its share until it is deleted.")
 
 
@@ -342,4 +354,4 @@ class Snapshot(WireModel):
     spec: SnapshotSpec
     status: SnapshotStatus | None = Field(default=None)
 
-__all__ = ["Condition", "EnvVar", "EnvVarSource", "Execution", "ExecutionSpec", "ExecutionStatus", "ExposedPort", "InputFile", "Lifecycle", "LocalObjectReference", "Network", "ObjectMeta", "Pool", "PoolRef", "PortStatus", "Resources", "Sandbox", "SandboxSpec", "SandboxStatus", "SecretKeySelector", "Snapshot", "SnapshotSpec", "SnapshotStatus", "Template", "TemplateRef", "Toleration", "Workspace", "WorkspaceRestoreRefused"]
+__all__ = ["Condition", "EnvVar", "EnvVarSource", "Execution", "ExecutionSpec", "ExecutionStatus", "ExposedPort", "InputFile", "Lifecycle", "LocalObjectReference", "Memory", "Network", "ObjectMeta", "Pool", "PoolRef", "PortStatus", "Resources", "Sandbox", "SandboxSpec", "SandboxStatus", "SecretKeySelector", "Snapshot", "SnapshotSpec", "SnapshotStatus", "Template", "TemplateRef", "Toleration", "Workspace", "WorkspaceRestoreRefused"]

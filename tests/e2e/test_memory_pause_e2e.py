@@ -1,0 +1,174 @@
+"""A pause that keeps memory (lifecycle.pauseMode: Memory) on the real node:
+gVisor, the chart's checkpointd, sandbox-runsc under the kubelet.
+
+A gVisor sandbox runs a server holding 200 MiB and a secret made at its start,
+and a background command counting. Paused, its pod goes and its image stays
+on the node; resumed, the same server (same process, same secret, same
+memory digest) answers on its port, the count went on from where it was, and
+MemoryKept says MemoryRestored. Then the bad cases: an image lost while
+paused gives a resume from the workspace alone, saying so (condition and
+Event); a checkpointd that is down holds the pause, the sandbox running,
+until it is back."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from devcluster import gvisor
+from devcluster.deploy import RELEASE
+from tests.e2e.agent import Agent
+from tests.e2e.conftest import E2E
+from tests.integration.harness import wait_for
+from tests.kube import api_path, core_path
+from tests.sandboxes import Sandboxes
+
+pytestmark = pytest.mark.timeout(900)
+
+SERVER = """\
+import hashlib, http.server, os, secrets
+secret = secrets.token_hex(8)
+held = bytearray(os.urandom(1 << 20)) * 200  # 200 MiB that must come back as they were
+digest = hashlib.sha256(held).hexdigest()
+
+class Answer(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = f"{secret} {digest} {os.getpid()}".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", 8000), Answer).serve_forever()
+"""
+ASK = (
+    'python3 -c "import urllib.request as u;'
+    " print(u.urlopen('http://127.0.0.1:8000', timeout=5).read().decode())\""
+)
+
+
+def _spec() -> dict[str, object]:
+    return {
+        "runtime": "python",
+        "runtimeClassName": gvisor.RUNTIME_CLASS,
+        "resources": {"memory": "1Gi"},
+        "lifecycle": {"pauseMode": "Memory"},
+    }
+
+
+def _memory_kept(sandboxes: Sandboxes, name: str) -> tuple[str, str, str]:
+    cond = sandboxes.condition(name, "MemoryKept") or {}
+    return cond.get("status", ""), cond.get("reason", ""), cond.get("message", "")
+
+
+def _ask(agent: Agent) -> str:
+    asked = agent.run(shell=ASK)
+    assert asked["exitCode"] == 0, asked
+    return str(asked["stdout"]).strip()
+
+
+def _reasons(e2e: E2E, ns: str, name: str) -> list[str]:
+    listed = e2e.kube.read(core_path("events", ns) + f"?fieldSelector=involvedObject.name={name}")
+    return [event.get("reason", "") for event in listed.get("items", [])]
+
+
+def _pause(sandboxes: Sandboxes, name: str, paused: bool) -> None:
+    sandboxes.patch(name, {"spec": {"paused": paused}})
+
+
+def test_a_paused_sandbox_comes_back_with_its_processes(e2e: E2E) -> None:
+    ns = e2e.namespace()
+    sandboxes = Sandboxes(e2e.kube, ns)
+    sandboxes.create("keeper", _spec())
+    sandboxes.wait_ready("keeper")
+    agent = Agent.of(e2e.kube, ns, "keeper")
+    agent.write("server.py", SERVER)
+    agent.start("exec python3 server.py")
+    counting = agent.start("i=0; while true; do i=$((i+1)); echo $i > count.txt; sleep 0.2; done")
+    wait_for(lambda: agent.run(shell=ASK)["exitCode"] == 0, 60, "the server", interval=0.5)
+    before = _ask(agent)
+    count_before = int(agent.read("count.txt"))
+    first_pod = e2e.kube.read(core_path("pods", ns, "keeper"))["metadata"]["uid"]
+
+    _pause(sandboxes, "keeper", True)
+    paused = sandboxes.wait_phase("keeper", "Paused", timeout=120)
+    wait_for(lambda: e2e.kube.get(core_path("pods", ns, "keeper")) is None, 60, "the pod to go")
+    memory = sandboxes.read("keeper")["status"]["memory"]
+    assert (memory["podUid"], memory["key"]) == (first_pod, first_pod), memory
+    assert memory["bytes"] > 200 << 20, memory
+    image = e2e.cluster.checkpoint_dir / ns / memory["key"]
+    assert (image / "complete").is_file(), paused
+    status, reason, _ = _memory_kept(sandboxes, "keeper")
+    assert (status, reason) == ("True", "Checkpointed")
+
+    _pause(sandboxes, "keeper", False)
+    sandboxes.wait_ready("keeper")
+    wait_for(
+        lambda: _memory_kept(sandboxes, "keeper")[1] == "MemoryRestored",
+        60,
+        "MemoryKept: MemoryRestored",
+    )
+    agent = Agent.of(e2e.kube, ns, "keeper")
+    # The same process, with the same secret and memory, on the same port.
+    assert _ask(agent) == before
+    # The background command counted on from where it stopped.
+    count_after = int(agent.read("count.txt"))
+    assert count_after >= count_before
+    wait_for(lambda: int(agent.read("count.txt")) > count_after, 10, "the count to go on")
+    assert agent.execution(counting["id"])["status"] == "running"
+    assert "memory" not in sandboxes.read("keeper")["status"]
+    wait_for(lambda: not image.exists(), 30, "the used image to be deleted")
+    assert "MemoryRestored" in _reasons(e2e, ns, "keeper")
+
+    # An image lost while paused: the resume starts from the workspace, and says so.
+    _pause(sandboxes, "keeper", True)
+    sandboxes.wait_phase("keeper", "Paused", timeout=120)
+    wait_for(lambda: e2e.kube.get(core_path("pods", ns, "keeper")) is None, 60, "the pod to go")
+    key = sandboxes.read("keeper")["status"]["memory"]["key"]
+    shutil.rmtree(e2e.cluster.checkpoint_dir / ns / key)
+    _pause(sandboxes, "keeper", False)
+    sandboxes.wait_ready("keeper")
+    wait_for(
+        lambda: _memory_kept(sandboxes, "keeper")[1] == "MemoryLost", 60, "MemoryKept: MemoryLost"
+    )
+    agent = Agent.of(e2e.kube, ns, "keeper")
+    assert agent.run(shell=ASK)["exitCode"] != 0  # nothing listens: a fresh start
+    assert agent.read("server.py") == SERVER  # the workspace is all there
+    assert "MemoryLost" in _reasons(e2e, ns, "keeper")
+
+
+def test_a_pause_waits_for_checkpointd_and_the_sandbox_runs_meanwhile(e2e: E2E) -> None:
+    ns = e2e.namespace()
+    sandboxes = Sandboxes(e2e.kube, ns)
+    sandboxes.create("patient", _spec())
+    sandboxes.wait_ready("patient")
+    daemonset = api_path("apps/v1", "daemonsets", "sandbox-node", f"{RELEASE}-checkpointd")
+    away = {"spec": {"template": {"spec": {"nodeSelector": {"sandbox.dev/no-such-node": "x"}}}}}
+    e2e.kube.patch(daemonset, away)
+    try:
+        wait_for(
+            lambda: not e2e.kube.read(core_path("pods", "sandbox-node"))["items"],
+            120,
+            "checkpointd to stop",
+        )
+        _pause(sandboxes, "patient", True)
+        wait_for(
+            lambda: _memory_kept(sandboxes, "patient")[1] == "CheckpointerUnavailable",
+            60,
+            "MemoryKept: CheckpointerUnavailable",
+        )
+        # Never half-paused: the pod runs and serves, the phase says Running.
+        assert sandboxes.read("patient")["status"]["phase"] == "Running"
+        assert Agent.of(e2e.kube, ns, "patient").run(["true"])["exitCode"] == 0
+        assert "CheckpointerUnavailable" in _reasons(e2e, ns, "patient")
+    finally:
+        back = {"spec": {"template": {"spec": {"nodeSelector": None}}}}
+        e2e.kube.patch(daemonset, back)
+    sandboxes.wait_phase("patient", "Paused", timeout=180)
+    status, reason, message = _memory_kept(sandboxes, "patient")
+    assert (status, reason) == ("True", "Checkpointed"), message
+    assert sandboxes.read("patient")["status"]["memory"]["bytes"] > 0
