@@ -91,7 +91,7 @@ def _hold(kube: KubeJSON, name: str, mib: int) -> str:
 def _alive(kube: KubeJSON, name: str, pid: str) -> bool:
     with agent_client(kube, NS, name) as agent:
         ran = agent.post("/v1/executions", json={"command": f"kill -0 {pid}"})
-        return bool(ran.status_code == 201 and ran.json().get("exitCode") == 0)
+        return bool(ran.status_code == 200 and ran.json().get("exitCode") == 0)
 
 
 def _patch(kube: KubeJSON, name: str, paused: bool) -> None:
