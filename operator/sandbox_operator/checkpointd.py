@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from sandbox_operator.api.sandbox import SandboxReason
 from sandbox_operator.config import Settings
 from sandbox_operator.kube import Api
 from sandbox_operator.resources import PODS
@@ -25,6 +26,9 @@ from sandbox_operator.resources import PODS
 NAME_LABEL = "app.kubernetes.io/name=sandbox-checkpointd"
 # A save of a large sandbox writes its memory to disk: a minute per few GiB.
 TAKE_SECONDS = 600.0
+# Condition reasons (MemoryKept) of what went wrong.
+UNAVAILABLE = SandboxReason.CHECKPOINTER_UNAVAILABLE.value
+FAILED = SandboxReason.CHECKPOINT_FAILED.value
 
 
 class CheckpointError(Exception):
@@ -71,7 +75,7 @@ class Checkpoints:
             if ready and status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
                 return f"http://{status['podIP']}:{self.settings.checkpointd_port}"
         raise CheckpointError(
-            "CheckpointerUnavailable",
+            UNAVAILABLE,
             f"no ready checkpointd on node {node} (namespace {namespace}): is the chart's"
             " checkpointd.enabled set, and does its DaemonSet run there?",
         )
@@ -82,10 +86,10 @@ class Checkpoints:
             token = path.read_text().strip()
         except OSError as exc:
             raise CheckpointError(
-                "CheckpointerUnavailable", f"cannot read the token for checkpointd: {exc}"
+                UNAVAILABLE, f"cannot read the token for checkpointd: {exc}"
             ) from exc
         if not token:
-            raise CheckpointError("CheckpointerUnavailable", f"{path} is empty")
+            raise CheckpointError(UNAVAILABLE, f"{path} is empty")
         return token
 
     async def _call(
@@ -102,7 +106,7 @@ class Checkpoints:
             )
         except httpx.HTTPError as exc:
             raise CheckpointError(
-                "CheckpointerUnavailable", f"checkpointd on node {node} unreachable: {exc!r}"
+                UNAVAILABLE, f"checkpointd on node {node} unreachable: {exc!r}"
             ) from exc
         if response.status_code >= 300 and response.status_code != 404:
             code, message = None, response.text[:300]
@@ -111,11 +115,8 @@ class Checkpoints:
                 code, message = str(error["code"]), str(error["message"])
             except (ValueError, KeyError, TypeError):
                 pass
-            reason = (
-                "CheckpointerUnavailable"
-                if response.status_code in (401, 403)
-                else ("CheckpointFailed")
-            )
+            # Refused credentials are a deployment's fault, like a missing checkpointd.
+            reason = UNAVAILABLE if response.status_code in (401, 403) else FAILED
             raise CheckpointError(
                 reason, f"checkpointd on node {node}: {message} ({response.status_code})", code
             )
@@ -127,7 +128,7 @@ class Checkpoints:
         response = await self._call("POST", node, "/v1/checkpoints", body, TAKE_SECONDS)
         if response.status_code == 404:
             raise CheckpointError(
-                "CheckpointFailed", f"checkpointd on node {node} knows no sandbox of pod {pod_uid}"
+                FAILED, f"checkpointd on node {node} knows no sandbox of pod {pod_uid}"
             )
         return Image(namespace, pod_uid, int(response.json().get("bytes", 0)))
 

@@ -8,7 +8,7 @@ memory digest) answers on its port, the count went on from where it was, and
 MemoryKept says MemoryRestored. Then the bad cases: an image lost while
 paused gives a resume from the workspace alone, saying so (condition and
 Event); a checkpointd that is down holds the pause, the sandbox running,
-until it is back."""
+until it is back. The idle policy's pause keeps memory too."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from devcluster import gvisor
 from devcluster.deploy import RELEASE
 from tests.e2e.agent import Agent
 from tests.e2e.conftest import E2E
+from tests.executions import Executions
 from tests.integration.harness import wait_for
 from tests.kube import api_path, core_path
 from tests.sandboxes import Sandboxes
@@ -172,3 +173,33 @@ def test_a_pause_waits_for_checkpointd_and_the_sandbox_runs_meanwhile(e2e: E2E) 
     status, reason, message = _memory_kept(sandboxes, "patient")
     assert (status, reason) == ("True", "Checkpointed"), message
     assert sandboxes.read("patient")["status"]["memory"]["bytes"] > 0
+
+
+def test_the_idle_policy_pauses_with_memory_and_an_execution_wakes_it(e2e: E2E) -> None:
+    """onIdle: Pause honours pauseMode: Memory, and an Execution created for the
+    idle-paused sandbox resumes it into the same processes."""
+    ns = e2e.namespace()
+    sandboxes, executions = Sandboxes(e2e.kube, ns), Executions(e2e.kube, ns)
+    spec = _spec()
+    spec["lifecycle"] = {"pauseMode": "Memory", "idleTimeout": "10s", "onIdle": "Pause"}
+    sandboxes.create("dozer", spec)
+    sandboxes.wait_ready("dozer")
+    agent = Agent.of(e2e.kube, ns, "dozer")
+    # Not an agent execution (a running one keeps the sandbox from idling): a
+    # process of its own, detached from the command that started it.
+    started = agent.run(
+        shell="nohup python3 -c 'import time; time.sleep(100000)' >/dev/null 2>&1 & echo $! > pid"
+    )
+    assert started["exitCode"] == 0, started
+    sandboxes.wait_phase("dozer", "Paused", timeout=120)
+    status = sandboxes.read("dozer")["status"]
+    assert status["idlePausedAt"], status
+    assert status["memory"]["bytes"] > 0, status
+    executions.run("wake-up", "dozer", 'kill -0 "$(cat pid)" && echo alive')
+    done = executions.wait_done("wake-up", timeout=180)
+    assert (done["phase"], done["stdout"], done["sandboxResumed"]) == ("Succeeded", "alive\n", True)
+    wait_for(
+        lambda: _memory_kept(sandboxes, "dozer")[1] == "MemoryRestored",
+        60,
+        "MemoryKept: MemoryRestored",
+    )
