@@ -18,6 +18,7 @@ import pytest
 
 from devcluster import gvisor
 from devcluster.deploy import RELEASE
+from sandbox_sdk import SandboxClient
 from tests.e2e.agent import Agent
 from tests.e2e.conftest import E2E
 from tests.executions import Executions
@@ -200,6 +201,32 @@ def test_the_idle_policy_pauses_with_memory_and_an_execution_wakes_it(e2e: E2E) 
     assert (done["phase"], done["stdout"], done["sandboxResumed"]) == ("Succeeded", "alive\n", True)
     wait_for(
         lambda: _memory_kept(sandboxes, "dozer")[1] == "MemoryRestored",
+        60,
+        "MemoryKept: MemoryRestored",
+    )
+
+
+def test_a_repl_terminal_keeps_its_variables_across_a_pause(e2e: E2E) -> None:
+    """The issue's own case: a Python REPL on a terminal holding x = 42 and a
+    200 MiB array is the same REPL after the resume, reattached by its id."""
+    ns = e2e.namespace()
+    sandboxes = Sandboxes(e2e.kube, ns)
+    sandboxes.create("repl", _spec())
+    sandboxes.wait_ready("repl")
+    with SandboxClient(ns, kubeconfig=e2e.cluster.kubeconfig) as client:
+        term = client.connect("repl").terminals.create(argv=["python3", "-q", "-i"])
+        term.read_until(">>> ")
+        term.send("x = 42; big = bytearray(b'7' * (200 << 20))\r")
+        term.read_until(">>> ")
+        _pause(sandboxes, "repl", True)
+        sandboxes.wait_phase("repl", "Paused", timeout=120)
+        _pause(sandboxes, "repl", False)
+        sandboxes.wait_ready("repl")
+        again = client.connect("repl").terminals.get(term.id)
+        again.send("print(x, len(big), big[-1])\r")
+        assert b"42 209715200 55" in again.read_until("42 209715200 55")
+    wait_for(
+        lambda: _memory_kept(sandboxes, "repl")[1] == "MemoryRestored",
         60,
         "MemoryKept: MemoryRestored",
     )
