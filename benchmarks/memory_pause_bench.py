@@ -90,7 +90,10 @@ def _hold(kube: KubeJSON, name: str, mib: int) -> str:
 
 def _alive(kube: KubeJSON, name: str, pid: str) -> bool:
     with agent_client(kube, NS, name) as agent:
-        ran = agent.post("/v1/executions", json={"command": f"kill -0 {pid}"})
+        # Its whole command line, not just its PID: a fresh sandbox numbers its
+        # processes the same way, and this very check may have that PID now.
+        check = f"test \"$(tr '\\0' ' ' < /proc/{pid}/cmdline)\" = 'python3 hold.py '"
+        ran = agent.post("/v1/executions", json={"command": check})
         return bool(ran.status_code == 200 and ran.json().get("exitCode") == 0)
 
 
