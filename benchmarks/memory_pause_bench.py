@@ -116,6 +116,8 @@ class Runs:
     resume_s: list[float] = field(default_factory=list)
     image_mib: list[float] = field(default_factory=list)
     process_kept: list[bool] = field(default_factory=list)
+    # MemoryKept's reason and message after the resume (Memory only).
+    memory_kept: list[str] = field(default_factory=list)
 
 
 def one(kube: KubeJSON, name: str, mode: str, mib: int, into: Runs) -> None:
@@ -132,6 +134,16 @@ def one(kube: KubeJSON, name: str, mode: str, mib: int, into: Runs) -> None:
     wait_until(lambda: sandbox_ready(kube, NS, name), 300)
     into.resume_s.append(round(time.monotonic() - began, 2))
     into.process_kept.append(_alive(kube, name, pid))
+    if mode == "Memory":
+
+        def verdict() -> str | None:
+            for cond in _status(kube, name).get("conditions") or []:
+                if cond["type"] == "MemoryKept" and cond["reason"] != "Checkpointed":
+                    return f"{cond['reason']}: {cond.get('message', '')}"
+            return None
+
+        wait_until(verdict, 60)
+        into.memory_kept.append(str(verdict()))
     kube.delete(api_path("sandbox.dev/v1alpha1", "sandboxes", NS, name))
     wait_until(lambda: kube.get(core_path("pods", NS, name)) is None, 120)
 
@@ -158,6 +170,10 @@ def main() -> None:
             f"{mib:>4}Mi {mode:<10} {median(row.pause_s):>9.2f}s {median(row.resume_s):>10.2f}s"
             f" {median(row.image_mib):>6.0f}MiB  {row.process_kept}"
         )
+    for (mib, mode), row in runs.items():
+        for said in row.memory_kept:
+            if not said.startswith("MemoryRestored"):
+                print(f"{mib} MiB {mode}: {said}")
     for mib in sizes:
         ratio = median(runs[(mib, "Memory")].resume_s) / median(runs[(mib, "Workspace")].resume_s)
         print(f"{mib} MiB: Memory resume / Workspace resume = {ratio:.2f}x")
