@@ -217,6 +217,18 @@ class LocalCluster(ControlPlane):
         """The node's checkpoint store (sandbox-node's; memory images of paused pods)."""
         return self.node_dir / "checkpoints"
 
+    @property
+    def runsc_root(self) -> Path:
+        """The shim's runsc root (runsc.toml's `root`)."""
+        return self.containerd_dir / "runsc"
+
+    @property
+    def runsc_state_dir(self) -> Path:
+        """Where runsc keeps the state of the CRI's sandboxes: the shim's root,
+        per containerd namespace (`k8s.io`). sandbox-checkpoint and checkpointd
+        are given this as their `--root`."""
+        return self.runsc_root / "k8s.io"
+
     def checkpointd_values(self) -> list[str]:
         """The chart's checkpointd values for this node: its runsc (the build
         sandbox-runsc runs), the shim's runsc root, the checkpoint store."""
@@ -224,7 +236,7 @@ class LocalCluster(ControlPlane):
         return [
             "checkpointd.enabled=true",
             f"checkpointd.runsc={runsc}",
-            f"checkpointd.runscRoot={self.containerd_dir / 'runsc' / 'k8s.io'}",
+            f"checkpointd.runscRoot={self.runsc_state_dir}",
             f"checkpointd.store={self.checkpoint_dir}",
         ]
 
@@ -444,7 +456,7 @@ class LocalCluster(ControlPlane):
         runsc_config.write_text(
             gvisor.runsc_config(
                 sandbox_runsc=binaries[gvisor.SANDBOX_RUNSC],
-                root=self.containerd_dir / "runsc",
+                root=self.runsc_root,
                 log_dir=self.node_dir / "runsc-logs",
             )
         )

@@ -142,7 +142,7 @@ def _checkpoint(cluster: LocalCluster, namespace: str, uid: str, key: str) -> di
         [
             str(found[gvisor.CHECKPOINT]),
             f"--runsc={found['runsc']}",
-            f"--root={cluster.containerd_dir / 'runsc' / 'k8s.io'}",
+            f"--root={cluster.runsc_state_dir}",
             f"--store={cluster.checkpoint_dir}",
             f"--namespace={namespace}",
             f"--pod-uid={uid}",

@@ -152,7 +152,7 @@ async def before_pod(
         )
         ctx.event(view.body, "warn", reason=R.MEMORY_LOST, message=why)
         return Outcome(decision, {"memory": None}, lost(why))
-    if decision.action is PodAction.DELETE and view.paused:
+    if decision.action is PodAction.DELETE and view.paused and pod is not None:
         return await _save(ctx, view, pod, decision, now, logger)
     if old.memory is not None and pod is not None and not view.paused:
         return _pinned_too_long(ctx, view, pod, decision, now)
@@ -162,13 +162,12 @@ async def before_pod(
 async def _save(
     ctx: OperatorContext,
     view: SandboxView,
-    pod: JSON | None,
+    pod: JSON,
     decision: PodDecision,
     now: datetime,
     logger: kopf.Logger,
 ) -> Outcome:
     old = view.old
-    assert pod is not None  # a DELETE decision is about a pod
     uid = str(pod["metadata"]["uid"])
     if old.memory is not None and old.memory.pod_uid == uid:
         return Outcome(decision, {})  # saved by an earlier pass; deleting it now
