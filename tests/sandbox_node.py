@@ -15,7 +15,11 @@ from pathlib import Path
 from devcluster import gvisor
 
 FAKE_RUNSC = """#!/bin/sh
-# Records its command line; `checkpoint --image-path=DIR ID` writes an image.
+# Records its command line; `checkpoint --image-path=DIR ID` writes an image;
+# `state ID` says the sandbox's pid is $SANDBOX_PID (when set).
+case " $* " in
+  *" state "*) if [ -n "$SANDBOX_PID" ]; then printf '{"pid": %s}' "$SANDBOX_PID"; exit 0; fi ;;
+esac
 printf '%s\\n' "$@" > "$RECORD"
 for arg in "$@"; do
   case "$arg" in --image-path=*) image="${arg#--image-path=}" ;; esac

@@ -23,7 +23,8 @@
 // A pod whose sandbox was checkpointed (sandbox-checkpoint marked it ended)
 // never starts containers again: the kubelet restarts the containers of a
 // pod whose processes all stopped, and fresh processes would change the
-// workspace that the image expects as it was.
+// workspace that the image expects as it was. Its containers are deleted
+// with --force (see onDelete).
 //
 // Environment (from containerd's): SANDBOX_RUNSC, the real runsc (required);
 // SANDBOX_CHECKPOINTS, the checkpoint store (without it, everything passes
@@ -32,11 +33,14 @@ package main
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
+	"time"
 
 	"sandbox-operator.local/sandbox-node/internal/store"
 )
@@ -113,8 +117,70 @@ func rewrite(args []string, checkpoints store.Store, runsc string) ([]string, er
 		for _, path := range restored {
 			_ = os.Remove(path)
 		}
+		return onDelete(args, at, records, id, checkpoints, runsc), nil
 	}
 	return args, nil
+}
+
+// onDelete forces the deletion of a container of a checkpointed pod, once
+// its gVisor sandbox process is gone. The sandbox stops with the checkpoint,
+// but the shim's first delete comes while that process is still going away
+// (freeing the memory it held takes its time): runsc then refuses to delete
+// a container it still sees running, cannot reach the sandbox to destroy
+// the container, or cannot remove the pod's cgroup that the process is still
+// in, and containerd retries with a doubling backoff, which held the pod's
+// deletion for up to 6 s after a save that took a third of a second. Nothing
+// of such a pod is to run again, so there is nothing for a refusal to
+// protect.
+func onDelete(args []string, at int, records, id string, checkpoints store.Store, runsc string) []string {
+	pod := filepath.Join(records, id+".pod")
+	uid, err := os.ReadFile(pod)
+	if err != nil {
+		return args
+	}
+	_ = os.Remove(pod)
+	if !checkpoints.Ended(string(uid)) {
+		return args
+	}
+	awaitSandboxGone(runsc, args[:at], id, sandboxExitLimit)
+	for _, arg := range args[at+1:] {
+		if arg == "--force" || arg == "-force" || arg == "--force=true" {
+			return args
+		}
+	}
+	forced := append(append([]string{}, args[:at+1]...), "--force")
+	return append(forced, args[at+1:]...)
+}
+
+// sandboxExitLimit bounds the wait for a checkpointed sandbox's process to
+// exit (measured: well under a second for a 1 GiB sandbox); past it, the
+// delete goes ahead and containerd's retries take over.
+const sandboxExitLimit = 10 * time.Second
+
+// awaitSandboxGone waits until the process of container id's gVisor sandbox
+// (the pid of `runsc state`) is gone, or limit has passed.
+func awaitSandboxGone(runsc string, globals []string, id string, limit time.Duration) {
+	command := append(append([]string{}, globals...), "state", id)
+	out, err := exec.Command(runsc, command...).Output()
+	if err != nil {
+		return
+	}
+	var state struct {
+		Pid int `json:"pid"`
+	}
+	if json.Unmarshal(out, &state) != nil || state.Pid <= 0 {
+		return
+	}
+	for deadline := time.Now().Add(limit); time.Now().Before(deadline) && !gone(state.Pid); {
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// gone says whether process pid has exited and been reaped: runsc asks
+// kill(pid, 0), which succeeds for a zombie too.
+func gone(pid int) bool {
+	_, err := os.Stat(fmt.Sprintf("/proc/%d", pid))
+	return errors.Is(err, os.ErrNotExist)
 }
 
 // onCreate decides (for a pod's sandbox container) or follows (for its other
@@ -129,6 +195,15 @@ func onCreate(root, id, bundle string, checkpoints store.Store, runsc string) er
 	uid := annotations[podUIDAnnot]
 	if uid != "" && checkpoints.Ended(uid) {
 		return fmt.Errorf("pod %s was checkpointed; its containers do not start again (delete the pod)", uid)
+	}
+	if uid != "" {
+		// For delete, which is given the container ID alone.
+		if err := os.MkdirAll(records, 0o700); err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(records, id+".pod"), []byte(uid), 0o600); err != nil {
+			return err
+		}
 	}
 	var image string
 	switch annotations[typeAnnotation] {

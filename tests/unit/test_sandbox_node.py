@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,45 @@ def test_the_containers_of_a_checkpointed_pod_do_not_start_again(node: Node) -> 
     # Another pod is not concerned.
     other = str(uuid.uuid4())
     assert node.create("pod3", sandbox_annotations(uid=other)).returncode == 0
+
+
+def test_the_containers_of_a_checkpointed_pod_are_deleted_by_force(node: Node) -> None:
+    other = str(uuid.uuid4())
+    for cid, spec in (
+        ("pod1", sandbox_annotations()),
+        ("c1", container_annotations("pod1")),
+        ("pod3", sandbox_annotations(uid=other)),
+    ):
+        assert node.create(cid, spec).returncode == 0
+    assert _checkpoint(node, "team-a", UID, "k1").returncode == 0
+    # runsc refuses to delete a container it still sees running: the
+    # checkpointed sandbox is still going away when the shim asks.
+    for cid in ("c1", "pod1"):
+        assert node.runsc_call("delete", cid).returncode == 0
+        assert node.passed_on() == ["delete", "--force", cid]
+    assert node.runsc_call("delete", "--force", "c1").returncode == 0
+    assert node.passed_on() == ["delete", "--force", "c1"]
+    # A pod that was not checkpointed is deleted as the shim asks.
+    assert node.runsc_call("delete", "pod3").returncode == 0
+    assert node.passed_on() == ["delete", "pod3"]
+
+
+def test_a_checkpointed_pod_is_deleted_once_its_sandbox_process_is_gone(node: Node) -> None:
+    assert node.create("pod1", sandbox_annotations()).returncode == 0
+    assert _checkpoint(node, "team-a", UID, "k1").returncode == 0
+    # The stand-in for a sandbox process that is still going away: it exits
+    # after a moment and is reaped (a zombie still answers kill(pid, 0)).
+    sandbox = subprocess.Popen(["sleep", "0.5"])
+    reaper = threading.Thread(target=sandbox.wait)
+    reaper.start()
+    try:
+        done = node.runsc_call("delete", "pod1", env=node.env(SANDBOX_PID=str(sandbox.pid)))
+        # Not before the process was reaped.
+        assert sandbox.returncode is not None
+    finally:
+        reaper.join()
+    assert done.returncode == 0, done.stderr
+    assert node.passed_on() == ["delete", "--force", "pod1"]
 
 
 def _checkpoint(
