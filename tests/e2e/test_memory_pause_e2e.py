@@ -206,6 +206,41 @@ def test_the_idle_policy_pauses_with_memory_and_an_execution_wakes_it(e2e: E2E) 
     )
 
 
+def test_an_execution_running_at_the_pause_finishes_after_the_resume(e2e: E2E) -> None:
+    """An Execution resource whose command is running when the sandbox pauses
+    with memory is not Lost: it waits while paused and finishes in the pod
+    restored from the image (the Sandbox's processesFrom names the saved pod)."""
+    ns = e2e.namespace()
+    sandboxes, executions = Sandboxes(e2e.kube, ns), Executions(e2e.kube, ns)
+    sandboxes.create("carrier", _spec())
+    sandboxes.wait_ready("carrier")
+    # Runs until told to finish, after the resume: it spans the pause.
+    script = "echo before; until [ -e go ]; do sleep 0.2; done; echo after"
+    executions.run("across", "carrier", script)
+    executions.wait_phase("across", "Running", timeout=60)
+    first_pod = e2e.kube.read(core_path("pods", ns, "carrier"))["metadata"]["uid"]
+    assert executions.status("across")["podUID"] == first_pod
+
+    _pause(sandboxes, "carrier", True)
+    sandboxes.wait_phase("carrier", "Paused", timeout=120)
+    wait_for(lambda: e2e.kube.get(core_path("pods", ns, "carrier")) is None, 60, "the pod to go")
+    assert executions.status("across")["phase"] == "Running"
+
+    _pause(sandboxes, "carrier", False)
+    sandboxes.wait_ready("carrier")
+    wait_for(
+        lambda: _memory_kept(sandboxes, "carrier")[1] == "MemoryRestored",
+        60,
+        "MemoryKept: MemoryRestored",
+    )
+    status = sandboxes.read("carrier")["status"]
+    assert status["processesFrom"] == first_pod, status
+    Agent.of(e2e.kube, ns, "carrier").write("go", "")
+    done = executions.wait_done("across", timeout=120)
+    assert (done["phase"], done["stdout"]) == ("Succeeded", "before\nafter\n"), done
+    assert done["podUID"] == status["podUID"]
+
+
 def test_a_repl_terminal_keeps_its_variables_across_a_pause(e2e: E2E) -> None:
     """The issue's own case: a Python REPL on a terminal holding x = 42 and a
     200 MiB array is the same REPL after the resume, reattached by its id."""

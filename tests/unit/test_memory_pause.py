@@ -18,6 +18,7 @@ from sandbox_operator.api.sandbox import (
 from sandbox_operator.builders import sandbox as build
 from sandbox_operator.builders.conditions import FALSE, TRUE, Cond
 from sandbox_operator.config import Settings
+from sandbox_operator.handlers.execution import carried_on
 from sandbox_operator.handlers.sandbox import memory
 from sandbox_operator.handlers.sandbox.status import Blocked
 from sandbox_operator.resources import RESTORE_FROM_ANNOTATION
@@ -142,3 +143,22 @@ def test_the_agents_volumes_live_in_gvisors_memory_when_memory_is_kept() -> None
     assert build.changed_fields(build.desired_pod(REF, plain_spec, SETTINGS), spec()) == [
         "pauseMode"
     ]
+
+
+def test_an_execution_follows_its_processes_into_the_restored_pod() -> None:
+    saved = IMAGE.pod_uid
+    # Paused: the image of its pod is kept; so while the resumed pod is unconfirmed.
+    assert carried_on(SandboxStatus(memory=IMAGE), saved) is False
+    assert carried_on(SandboxStatus().evolve(memory=IMAGE, pod_uid="new-pod"), saved) is False
+    # Restored from that image: the same processes, in the new pod.
+    restored = SandboxStatus().evolve(pod_uid="new-pod", processes_from=saved)
+    assert carried_on(restored, saved) is True
+    # Gone: another pod's image, a fresh start, no image at all, nothing recorded.
+    other = IMAGE.model_copy(update={"pod_uid": "other-pod"})
+    assert carried_on(SandboxStatus().evolve(memory=other, pod_uid="new-pod"), saved) is None
+    assert carried_on(SandboxStatus().evolve(pod_uid="new-pod"), saved) is None
+    assert (
+        carried_on(SandboxStatus().evolve(pod_uid="new-pod", processes_from="other-pod"), saved)
+        is None
+    )
+    assert carried_on(restored, None) is None

@@ -783,6 +783,12 @@ class SandboxStatus(Model):
         description="pauseMode Memory: the saved pod the next resume restores; cleared once"
         " the resumed pod is ready (or memory was lost).",
     )
+    processes_from: str | None = Field(
+        default=None,
+        description="pauseMode Memory: the UID of the pod whose processes and memory the"
+        " current pod (podUID) carries on, restored from its image; unset for a pod that"
+        " started afresh. An Execution running in that pod follows its command here.",
+    )
     admitted: bool | None = Field(
         default=None,
         description="Counted against the namespace's SandboxQuotas: set once the sandbox"

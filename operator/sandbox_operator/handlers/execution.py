@@ -8,7 +8,10 @@ the command is first sent the pod it is sent to is recorded in status
   restarts) and follow the execution it has, or send the request again, which
   the key makes harmless;
 - recorded, another pod: the command may have run in the old pod and its
-  outcome is gone with it: the Execution fails as Lost, and is never re-run.
+  outcome is gone with it: the Execution fails as Lost, and is never re-run;
+  unless the old pod was saved whole (pauseMode Memory): then it waits for the
+  resume, and follows the command into the pod restored from that image
+  (the Sandbox's `processesFrom`), where the same agent still runs it.
 No code path retries a command: a failed or lost run is a terminal phase.
 
 Waiting (no sandbox yet, sandbox starting or paused, no free slot) reads only
@@ -534,6 +537,18 @@ class Run:
             return
         sb_status = SandboxStatus.model_validate(sandbox.get("status") or {})
         if sb_status.pod_uid != self.status.pod_uid:
+            carried = carried_on(sb_status, self.status.pod_uid)
+            if carried is not None:
+                if carried:
+                    self.logger.info(
+                        "pod %s was restored from the image of pod %s: following there",
+                        sb_status.pod_uid,
+                        self.status.pod_uid,
+                    )
+                    await self.write(pod_uid=sb_status.pod_uid)
+                else:
+                    await self.pause(WAIT_POLL_SECONDS)
+                return
             await self.fail(
                 R.LOST,
                 f"the pod of sandbox {name} ended or was replaced while the command ran; "
@@ -615,6 +630,19 @@ class Run:
         )
 
 
+def carried_on(sandbox_status: SandboxStatus, pod_uid: str | None) -> bool | None:
+    """Whether the processes of pod `pod_uid`, which the sandbox no longer runs,
+    go on in its current pod (pauseMode Memory): True once that pod was
+    restored from their image, False while the image waits (paused, or the
+    resumed pod not confirmed yet), None when they are gone."""
+    if pod_uid is None:
+        return None
+    if sandbox_status.processes_from == pod_uid and sandbox_status.pod_uid:
+        return True
+    kept = sandbox_status.memory
+    return False if kept is not None and kept.pod_uid == pod_uid else None
+
+
 def _why_not_ready(sandbox_status: SandboxStatus) -> str:
     ready = find(sandbox_status.conditions, SandboxCondition.READY)
     return (ready.message or ready.reason) if ready else "no detail"
@@ -636,7 +664,8 @@ async def deleted(
     if not build.terminal(status) and status.pod_uid and sandbox is not None:
         sb_status = SandboxStatus.model_validate(sandbox.get("status") or {})
         endpoint = sb_status.agent_endpoint
-        if endpoint and sb_status.pod_uid == status.pod_uid:
+        here = sb_status.pod_uid == status.pod_uid or carried_on(sb_status, status.pod_uid)
+        if endpoint and here:
             token = await ctx.agent_token(sandbox)
             if token:
                 await _cancel(ctx, endpoint, token, meta["uid"], status.agent_execution_id, logger)

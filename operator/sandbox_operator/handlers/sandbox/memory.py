@@ -9,7 +9,9 @@ whether it came back from the image (it started before the pod was made) or
 started afresh (the image was missing, incomplete or from another runsc
 build), and the image is dropped.
 
-`plan` and `condition` are pure; `save`, `settle` and `drop` carry them out.
+`condition` is pure; `before_pod` (the save), `after_ready` (the verdict)
+and `drop` act. A restored pod names the pod it carries on in
+`status.processesFrom`, which Executions running at the pause follow.
 """
 
 from __future__ import annotations
@@ -57,6 +59,15 @@ class Outcome:
     said: Cond | None = None
     # A save failed: the sandbox runs on, not paused, until the next try.
     waiting: bool = False
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A resumed pod's verdict: MemoryKept, and the status fields (model field
+    names) it sets."""
+
+    said: Cond
+    fields: JSON
 
 
 def wants_memory(spec: SandboxSpec) -> bool:
@@ -227,10 +238,11 @@ async def after_ready(
     pod: JSON | None,
     status: SandboxStatus,
     logger: kopf.Logger,
-) -> Cond | None:
+) -> Settled | None:
     """Once the resumed pod of an image is ready: did it come back from it? The
-    image is dropped then, and `status.memory` is to be cleared. None while
-    there is nothing to settle (or the agent did not answer: next pass)."""
+    image is dropped then, `status.memory` cleared and, for a restore,
+    `status.processesFrom` set. None while there is nothing to settle (or the
+    agent did not answer: next pass)."""
     memory = view.old.memory
     if memory is None or view.paused or pod is None or status.phase != SandboxPhase.RUNNING:
         return None
@@ -263,7 +275,7 @@ async def after_ready(
         ctx.event(view.body, "warn", reason=R.MEMORY_LOST, message=said.message)
     metrics.MEMORY_RESUMES.labels("restored" if restored else "lost").inc()
     await drop(ctx, view.served_by.namespace, memory, logger)
-    return said
+    return Settled(said, {"memory": None, "processes_from": memory.pod_uid if restored else None})
 
 
 async def drop(

@@ -302,6 +302,9 @@ async def _reconcile(
     if not view.deleting:
         fields["admitted"] = True  # admit() let it through: it holds its share from now on
     fields.update(paused_fields(old, spec, view.paused and pod is None, now))
+    if (pod or {}).get("metadata", {}).get("uid") != old.pod_uid:
+        # A new pod carries on no pod's processes until its restore is confirmed.
+        fields["processes_from"] = None
     if not view.paused:
         fields["idle_paused_at"] = None
         if old.idle_paused_at:
@@ -331,11 +334,11 @@ async def _reconcile(
                 old, observed, ctx.settings.agent_port, now, **fields
             )
         status = status.evolve(ready_pod_uid=status.pod_uid, files_written=written)
-        said = await memory.after_ready(ctx, view, pod, status, logger)
-        if said is not None:
+        settled = await memory.after_ready(ctx, view, pod, status, logger)
+        if settled is not None:
             # The resumed pod of a saved one is ready: its verdict, and the image is gone.
-            fields["memory"] = None
-            observed = replace(observed, memory=said)
+            fields.update(settled.fields)
+            observed = replace(observed, memory=settled.said)
             status = sandbox_status.build_status(
                 old, observed, ctx.settings.agent_port, now, **fields
             ).evolve(ready_pod_uid=status.pod_uid, files_written=written)

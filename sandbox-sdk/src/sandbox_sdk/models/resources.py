@@ -227,6 +227,7 @@ class SandboxStatus(WireModel):
     pool: Pool | None = Field(default=None, description="What this Sandbox got from spec.poolRef's pool.")
     files_written: str | None = Field(default=None, validation_alias="filesWritten", serialization_alias="filesWritten", description="A digest of spec.files as last written into the workspace (and of the pod, for an ephemeral workspace).")
     memory: Memory | None = Field(default=None, description="pauseMode Memory: the saved pod the next resume restores; cleared once the resumed pod is ready (or memory was lost).")
+    processes_from: str | None = Field(default=None, validation_alias="processesFrom", serialization_alias="processesFrom", description="pauseMode Memory: the UID of the pod whose processes and memory the current pod (podUID) carries on, restored from its image; unset for a pod that started afresh. An Execution running in that pod follows its command here.")
     admitted: bool | None = Field(default=None, description="Counted against the namespace's SandboxQuotas: set once the sandbox fitted them; it holds its share until it is deleted.")
 
 
