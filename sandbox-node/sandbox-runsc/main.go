@@ -129,7 +129,7 @@ func rewrite(args []string, checkpoints store.Store, runsc string) ([]string, er
 // a container it still sees running, cannot reach the sandbox to destroy
 // the container, or cannot remove the pod's cgroup that the process is still
 // in, and containerd retries with a doubling backoff, which held the pod's
-// deletion for up to 6 s after a save that took a third of a second. Nothing
+// deletion 5-7 s after a save that took a third of a second. Nothing
 // of such a pod is to run again, so there is nothing for a refusal to
 // protect.
 func onDelete(args []string, at int, records, id string, checkpoints store.Store, runsc string) []string {
@@ -197,12 +197,12 @@ func onCreate(root, id, bundle string, checkpoints store.Store, runsc string) er
 		return fmt.Errorf("pod %s was checkpointed; its containers do not start again (delete the pod)", uid)
 	}
 	if uid != "" {
-		// For delete, which is given the container ID alone.
+		// For delete, which is given the container ID alone; without it, the
+		// container is deleted as the shim asks (slower after a checkpoint).
 		if err := os.MkdirAll(records, 0o700); err != nil {
-			return err
-		}
-		if err := os.WriteFile(filepath.Join(records, id+".pod"), []byte(uid), 0o600); err != nil {
-			return err
+			warn("%v", err)
+		} else if err := os.WriteFile(filepath.Join(records, id+".pod"), []byte(uid), 0o600); err != nil {
+			warn("%v", err)
 		}
 	}
 	var image string

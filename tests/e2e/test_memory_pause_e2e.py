@@ -8,11 +8,14 @@ memory digest) answers on its port, the count went on from where it was, and
 MemoryKept says MemoryRestored. Then the bad cases: an image lost while
 paused gives a resume from the workspace alone, saying so (condition and
 Event); a checkpointd that is down holds the pause, the sandbox running,
-until it is back. The idle policy's pause keeps memory too."""
+until it is back. The idle policy's pause keeps memory too; an Execution
+running at the pause finishes after it; a REPL terminal and, through E2B's
+own SDK, a code interpreter's kernel keep their variables."""
 
 from __future__ import annotations
 
 import shutil
+import uuid
 
 import pytest
 
@@ -21,6 +24,7 @@ from devcluster.deploy import RELEASE
 from sandbox_sdk import SandboxClient
 from tests.e2e.agent import Agent
 from tests.e2e.conftest import E2E
+from tests.e2e.e2b_support import E2BTarget
 from tests.executions import Executions
 from tests.integration.harness import wait_for
 from tests.kube import api_path, core_path
@@ -265,3 +269,57 @@ def test_a_repl_terminal_keeps_its_variables_across_a_pause(e2e: E2E) -> None:
         60,
         "MemoryKept: MemoryRestored",
     )
+
+
+def test_e2bs_sdk_keeps_a_kernels_variables_across_pause_and_connect(
+    e2e: E2E, e2b_target: E2BTarget
+) -> None:
+    """E2B code, unchanged: `run_code`, `pause()`, `Sandbox.connect()`, and the
+    kernel still holds its variables (what E2B's own SDK tests check of its
+    pause), given a template of gVisor with `pauseMode: Memory`, as a cluster
+    admin adds it to the catalog."""
+    from e2b_code_interpreter import Sandbox  # type: ignore[import-untyped]
+
+    template = f"interpreter-memory-{uuid.uuid4().hex[:6]}"
+    templates = api_path("sandbox.dev/v1alpha1", "clustersandboxtemplates")
+    e2e.kube.create(
+        templates,
+        {
+            "apiVersion": "sandbox.dev/v1alpha1",
+            "kind": "ClusterSandboxTemplate",
+            "metadata": {"name": template},
+            "spec": {
+                "sandbox": {
+                    "runtime": "e2b",
+                    "runtimeClassName": gvisor.RUNTIME_CLASS,
+                    "workspace": {"mountPath": "/home/user"},
+                    "resources": {"memory": "1Gi"},
+                    "lifecycle": {"pauseMode": "Memory"},
+                }
+            },
+        },
+    )
+    try:
+        ns, key = e2b_target.user()
+        opts = e2b_target.opts(key)
+        sbx = Sandbox.create(template, timeout=600, **opts)
+        made = sbx.run_code("import os; x = 42; pid = os.getpid()")
+        assert made.error is None, made.error
+        [name] = e2b_target.sandboxes(ns)
+        sandboxes = Sandboxes(e2e.kube, ns)
+        assert sbx.pause() is True
+        # Saved and gone, so that the connect below is a restore, not a pause undone.
+        sandboxes.wait_phase(name, "Paused", timeout=120)
+        assert _memory_kept(sandboxes, name)[1] == "Checkpointed"
+        resumed = Sandbox.connect(sbx.sandbox_id, timeout=600, **opts)
+        same = resumed.run_code("(x, pid == os.getpid())")
+        assert same.error is None, same.error
+        assert same.text == "(42, True)"
+        wait_for(
+            lambda: _memory_kept(sandboxes, name)[1] == "MemoryRestored",
+            60,
+            "MemoryKept: MemoryRestored",
+        )
+        resumed.kill()
+    finally:
+        e2e.kube.delete(f"{templates}/{template}")
