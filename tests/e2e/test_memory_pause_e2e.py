@@ -7,8 +7,9 @@ on the node; resumed, the same server (same process, same secret, same
 memory digest) answers on its port, the count went on from where it was, and
 MemoryKept says MemoryRestored. Then the bad cases: an image lost while
 paused gives a resume from the workspace alone, saying so (condition and
-Event); a checkpointd that is down holds the pause, the sandbox running,
-until it is back. The idle policy's pause keeps memory too; an Execution
+Event); a save the node fails (its store cannot be written) or a
+checkpointd that is down holds the pause, the sandbox running and the
+condition saying why, until it can be done. The idle policy's pause keeps memory too; an Execution
 running at the pause finishes after it; a REPL terminal and, through E2B's
 own SDK, a code interpreter's kernel keep their variables."""
 
@@ -178,6 +179,42 @@ def test_a_pause_waits_for_checkpointd_and_the_sandbox_runs_meanwhile(e2e: E2E) 
     status, reason, message = _memory_kept(sandboxes, "patient")
     assert (status, reason) == ("True", "Checkpointed"), message
     assert sandboxes.read("patient")["status"]["memory"]["bytes"] > 0
+
+
+def test_a_save_that_fails_leaves_the_sandbox_running_and_says_why(e2e: E2E) -> None:
+    """The node cannot write the image (its store's directory for the namespace
+    is a file): checkpointd answers checkpoint_failed, the pod is not deleted,
+    MemoryKept says why; once the store is mended, the retry pauses."""
+    ns = e2e.namespace()
+    sandboxes = Sandboxes(e2e.kube, ns)
+    sandboxes.create("unsaved", _spec())
+    sandboxes.wait_ready("unsaved")
+    pod = e2e.kube.read(core_path("pods", ns, "unsaved"))["metadata"]["uid"]
+    broken = e2e.cluster.checkpoint_dir / ns
+    broken.parent.mkdir(parents=True, exist_ok=True)
+    broken.write_text("")
+    try:
+        _pause(sandboxes, "unsaved", True)
+        wait_for(
+            lambda: _memory_kept(sandboxes, "unsaved")[1] == "CheckpointFailed",
+            60,
+            "MemoryKept: CheckpointFailed",
+        )
+        status, _, message = _memory_kept(sandboxes, "unsaved")
+        assert status == "False"
+        assert "not a directory" in message, message
+        # Never half-paused: the same pod runs and serves, the phase says Running.
+        assert sandboxes.read("unsaved")["status"]["phase"] == "Running"
+        assert e2e.kube.read(core_path("pods", ns, "unsaved"))["metadata"]["uid"] == pod
+        assert Agent.of(e2e.kube, ns, "unsaved").run(["true"])["exitCode"] == 0
+        assert "CheckpointFailed" in _reasons(e2e, ns, "unsaved")
+    finally:
+        broken.unlink()
+    # Tried again (memory_retry_seconds): saved, then paused.
+    sandboxes.wait_phase("unsaved", "Paused", timeout=120)
+    status, reason, message = _memory_kept(sandboxes, "unsaved")
+    assert (status, reason) == ("True", "Checkpointed"), message
+    assert sandboxes.read("unsaved")["status"]["memory"]["podUid"] == pod
 
 
 def test_the_idle_policy_pauses_with_memory_and_an_execution_wakes_it(e2e: E2E) -> None:
