@@ -72,6 +72,10 @@ def _memory_kept(sandboxes: Sandboxes, name: str) -> tuple[str, str, str]:
     return cond.get("status", ""), cond.get("reason", ""), cond.get("message", "")
 
 
+def _wait_kept(sandboxes: Sandboxes, name: str, reason: str) -> None:
+    wait_for(lambda: _memory_kept(sandboxes, name)[1] == reason, 60, f"MemoryKept: {reason}")
+
+
 def _ask(agent: Agent) -> str:
     asked = agent.run(shell=ASK)
     assert asked["exitCode"] == 0, asked
@@ -114,11 +118,7 @@ def test_a_paused_sandbox_comes_back_with_its_processes(e2e: E2E) -> None:
 
     _pause(sandboxes, "keeper", False)
     sandboxes.wait_ready("keeper")
-    wait_for(
-        lambda: _memory_kept(sandboxes, "keeper")[1] == "MemoryRestored",
-        60,
-        "MemoryKept: MemoryRestored",
-    )
+    _wait_kept(sandboxes, "keeper", "MemoryRestored")
     agent = Agent.of(e2e.kube, ns, "keeper")
     # The same process, with the same secret and memory, on the same port.
     assert _ask(agent) == before
@@ -139,9 +139,7 @@ def test_a_paused_sandbox_comes_back_with_its_processes(e2e: E2E) -> None:
     shutil.rmtree(e2e.cluster.checkpoint_dir / ns / key)
     _pause(sandboxes, "keeper", False)
     sandboxes.wait_ready("keeper")
-    wait_for(
-        lambda: _memory_kept(sandboxes, "keeper")[1] == "MemoryLost", 60, "MemoryKept: MemoryLost"
-    )
+    _wait_kept(sandboxes, "keeper", "MemoryLost")
     agent = Agent.of(e2e.kube, ns, "keeper")
     assert agent.run(shell=ASK)["exitCode"] != 0  # nothing listens: a fresh start
     assert agent.read("server.py") == SERVER  # the workspace is all there
@@ -163,11 +161,7 @@ def test_a_pause_waits_for_checkpointd_and_the_sandbox_runs_meanwhile(e2e: E2E) 
             "checkpointd to stop",
         )
         _pause(sandboxes, "patient", True)
-        wait_for(
-            lambda: _memory_kept(sandboxes, "patient")[1] == "CheckpointerUnavailable",
-            60,
-            "MemoryKept: CheckpointerUnavailable",
-        )
+        _wait_kept(sandboxes, "patient", "CheckpointerUnavailable")
         # Never half-paused: the pod runs and serves, the phase says Running.
         assert sandboxes.read("patient")["status"]["phase"] == "Running"
         assert Agent.of(e2e.kube, ns, "patient").run(["true"])["exitCode"] == 0
@@ -195,11 +189,7 @@ def test_a_save_that_fails_leaves_the_sandbox_running_and_says_why(e2e: E2E) -> 
     broken.write_text("")
     try:
         _pause(sandboxes, "unsaved", True)
-        wait_for(
-            lambda: _memory_kept(sandboxes, "unsaved")[1] == "CheckpointFailed",
-            60,
-            "MemoryKept: CheckpointFailed",
-        )
+        _wait_kept(sandboxes, "unsaved", "CheckpointFailed")
         status, _, message = _memory_kept(sandboxes, "unsaved")
         assert status == "False"
         assert "not a directory" in message, message
@@ -240,11 +230,7 @@ def test_the_idle_policy_pauses_with_memory_and_an_execution_wakes_it(e2e: E2E) 
     executions.run("wake-up", "dozer", 'kill -0 "$(cat pid)" && echo alive')
     done = executions.wait_done("wake-up", timeout=180)
     assert (done["phase"], done["stdout"], done["sandboxResumed"]) == ("Succeeded", "alive\n", True)
-    wait_for(
-        lambda: _memory_kept(sandboxes, "dozer")[1] == "MemoryRestored",
-        60,
-        "MemoryKept: MemoryRestored",
-    )
+    _wait_kept(sandboxes, "dozer", "MemoryRestored")
 
 
 def test_an_execution_running_at_the_pause_finishes_after_the_resume(e2e: E2E) -> None:
@@ -269,11 +255,7 @@ def test_an_execution_running_at_the_pause_finishes_after_the_resume(e2e: E2E) -
 
     _pause(sandboxes, "carrier", False)
     sandboxes.wait_ready("carrier")
-    wait_for(
-        lambda: _memory_kept(sandboxes, "carrier")[1] == "MemoryRestored",
-        60,
-        "MemoryKept: MemoryRestored",
-    )
+    _wait_kept(sandboxes, "carrier", "MemoryRestored")
     status = sandboxes.read("carrier")["status"]
     assert status["processesFrom"] == first_pod, status
     Agent.of(e2e.kube, ns, "carrier").write("go", "")
@@ -301,11 +283,7 @@ def test_a_repl_terminal_keeps_its_variables_across_a_pause(e2e: E2E) -> None:
         again = client.connect("repl").terminals.get(term.id)
         again.send("print(x, len(big), big[-1])\r")
         assert b"42 209715200 55" in again.read_until("42 209715200 55")
-    wait_for(
-        lambda: _memory_kept(sandboxes, "repl")[1] == "MemoryRestored",
-        60,
-        "MemoryKept: MemoryRestored",
-    )
+    _wait_kept(sandboxes, "repl", "MemoryRestored")
 
 
 def test_e2bs_sdk_keeps_a_kernels_variables_across_pause_and_connect(
@@ -352,11 +330,7 @@ def test_e2bs_sdk_keeps_a_kernels_variables_across_pause_and_connect(
         same = resumed.run_code("(x, pid == os.getpid())")
         assert same.error is None, same.error
         assert same.text == "(42, True)"
-        wait_for(
-            lambda: _memory_kept(sandboxes, name)[1] == "MemoryRestored",
-            60,
-            "MemoryKept: MemoryRestored",
-        )
+        _wait_kept(sandboxes, name, "MemoryRestored")
         resumed.kill()
     finally:
         e2e.kube.delete(f"{templates}/{template}")
