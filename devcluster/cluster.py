@@ -451,17 +451,17 @@ class LocalCluster(ControlPlane):
 
         containerd_config = self.containerd_dir / "config.toml"
         containerd_config.write_text(self._containerd_config())
+        # containerd finds shims by name on its PATH.
+        shims = gvisor.link_commands(self.node_dir / "bin", binaries)
         runsc_config = self.containerd_dir / "runsc.toml"
         (self.node_dir / "runsc-logs").mkdir(parents=True, exist_ok=True)
         runsc_config.write_text(
             gvisor.runsc_config(
-                sandbox_runsc=binaries[gvisor.SANDBOX_RUNSC],
+                sandbox_runsc=shims / gvisor.SANDBOX_RUNSC,
                 root=self.runsc_root,
                 log_dir=self.node_dir / "runsc-logs",
             )
         )
-        # containerd finds shims by name on its PATH.
-        shims = gvisor.link_commands(self.node_dir / "bin", binaries)
         kubelet_config = self.node_dir / "kubelet-config.yaml"
         kubelet_config.write_text(
             yaml.safe_dump(

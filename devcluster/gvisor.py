@@ -43,6 +43,7 @@ Sockets then stay inside gVisor, where a checkpoint can save them; runsc's
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -135,12 +136,22 @@ def node_binaries(build_missing: bool = True) -> dict[str, Path]:
 
 def link_commands(bin_dir: Path, built: Mapping[str, Path]) -> Path:
     """A directory with `runsc` and `containerd-shim-runsc-v1` under the names
-    containerd looks for; goes first on containerd's PATH."""
+    containerd looks for (goes first on containerd's PATH), and a copy of
+    `sandbox-runsc`, the shims' runsc (`runsc_config`).
+
+    The copy, not the build: the build cache keeps a few builds of
+    sandbox-node's sources, and the shims of pods that run when a rebuilt one
+    is installed go on calling the path they started with; a pruned build
+    would fail their every call, the deletion of their containers included.
+    Replaced by rename, so a call under way keeps the file it started."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name in ("runsc", SHIM):
         link = bin_dir / name
         link.unlink(missing_ok=True)
         link.symlink_to(built[name])
+    installing = bin_dir / f".{SANDBOX_RUNSC}.new"
+    shutil.copy2(built[SANDBOX_RUNSC], installing)
+    installing.replace(bin_dir / SANDBOX_RUNSC)
     return bin_dir
 
 
