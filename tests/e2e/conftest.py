@@ -69,6 +69,8 @@ class E2E:
 
 
 E2E_RECONCILE = "settings.reconcile_interval_seconds=5"
+# A pause whose save failed is tried again within seconds (default 30).
+E2E_MEMORY_RETRY = "settings.memory_retry_seconds=5"
 
 
 def _gone(kube: KubeJSON, path: str) -> bool:
@@ -93,7 +95,9 @@ def e2e_install(
         # What the operator learns on its periodic pass (limits biting, a full
         # workspace, idle deadlines) shows within seconds instead of the
         # default 30: the tests wait on conditions, not on the clock.
-        deploy.install_operator(cluster, extra_values=[E2E_RECONCILE, e2b_support.CHART_VALUE])
+        deploy.install_operator(
+            cluster, extra_values=[E2E_RECONCILE, E2E_MEMORY_RETRY, e2b_support.CHART_VALUE]
+        )
         deploy.wait_for_crds(cluster)
         yield cluster, before
 
