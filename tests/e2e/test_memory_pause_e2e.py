@@ -9,9 +9,10 @@ MemoryKept says MemoryRestored. Then the bad cases: an image lost while
 paused gives a resume from the workspace alone, saying so (condition and
 Event); a save the node fails (its store cannot be written) or a
 checkpointd that is down holds the pause, the sandbox running and the
-condition saying why, until it can be done. The idle policy's pause keeps memory too; an Execution
-running at the pause finishes after it; a REPL terminal and, through E2B's
-own SDK, a code interpreter's kernel keep their variables."""
+condition saying why, until it can be done. The idle policy's pause keeps
+memory too; an Execution running at the pause finishes after it; a REPL
+terminal and, through E2B's own SDK, a code interpreter's kernel keep their
+variables."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from tests.e2e.conftest import E2E
 from tests.e2e.e2b_support import E2BTarget
 from tests.executions import Executions
 from tests.integration.harness import wait_for
-from tests.kube import api_path, core_path
+from tests.kube import JSON, api_path, core_path
 from tests.sandboxes import Sandboxes
 
 pytestmark = pytest.mark.timeout(900)
@@ -76,6 +77,13 @@ def _wait_kept(sandboxes: Sandboxes, name: str, reason: str) -> None:
     wait_for(lambda: _memory_kept(sandboxes, name)[1] == reason, 60, f"MemoryKept: {reason}")
 
 
+def _paused(e2e: E2E, sandboxes: Sandboxes, ns: str, name: str) -> JSON:
+    """Wait until the sandbox is Paused and its pod gone; the Sandbox then."""
+    paused = sandboxes.wait_phase(name, "Paused", timeout=120)
+    wait_for(lambda: e2e.kube.get(core_path("pods", ns, name)) is None, 60, "the pod to go")
+    return paused
+
+
 def _ask(agent: Agent) -> str:
     asked = agent.run(shell=ASK)
     assert asked["exitCode"] == 0, asked
@@ -106,8 +114,7 @@ def test_a_paused_sandbox_comes_back_with_its_processes(e2e: E2E) -> None:
     first_pod = e2e.kube.read(core_path("pods", ns, "keeper"))["metadata"]["uid"]
 
     _pause(sandboxes, "keeper", True)
-    paused = sandboxes.wait_phase("keeper", "Paused", timeout=120)
-    wait_for(lambda: e2e.kube.get(core_path("pods", ns, "keeper")) is None, 60, "the pod to go")
+    paused = _paused(e2e, sandboxes, ns, "keeper")
     memory = sandboxes.read("keeper")["status"]["memory"]
     assert (memory["podUid"], memory["key"]) == (first_pod, first_pod), memory
     assert memory["bytes"] > 200 << 20, memory
@@ -133,8 +140,7 @@ def test_a_paused_sandbox_comes_back_with_its_processes(e2e: E2E) -> None:
 
     # An image lost while paused: the resume starts from the workspace, and says so.
     _pause(sandboxes, "keeper", True)
-    sandboxes.wait_phase("keeper", "Paused", timeout=120)
-    wait_for(lambda: e2e.kube.get(core_path("pods", ns, "keeper")) is None, 60, "the pod to go")
+    _paused(e2e, sandboxes, ns, "keeper")
     key = sandboxes.read("keeper")["status"]["memory"]["key"]
     shutil.rmtree(e2e.cluster.checkpoint_dir / ns / key)
     _pause(sandboxes, "keeper", False)
@@ -249,8 +255,7 @@ def test_an_execution_running_at_the_pause_finishes_after_the_resume(e2e: E2E) -
     assert executions.status("across")["podUID"] == first_pod
 
     _pause(sandboxes, "carrier", True)
-    sandboxes.wait_phase("carrier", "Paused", timeout=120)
-    wait_for(lambda: e2e.kube.get(core_path("pods", ns, "carrier")) is None, 60, "the pod to go")
+    _paused(e2e, sandboxes, ns, "carrier")
     assert executions.status("across")["phase"] == "Running"
 
     _pause(sandboxes, "carrier", False)
