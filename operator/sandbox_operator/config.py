@@ -213,9 +213,6 @@ class Settings(BaseModel):
     agent_timeout_seconds: float = 5.0
     metrics_port: int = 8000
     max_workers: int = 32
-    # How long Kopf gathers an object's events before handling them (its default
-    # is 0.1 s): every event round of a claim or a start waits this long.
-    batch_window_seconds: float = Field(default=0.01, ge=0.0, le=1.0)
     # Python's cycle collector (gc.set_threshold): allocations between young
     # collections, then young collections per middle one, middle per full. The
     # interpreter's (700, 10, 10) suit a short script; here nearly every

@@ -74,9 +74,6 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     for resource in (POD, CLAIM):
         settings.watching.label_selectors[resource] = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
     settings.execution.max_workers = SETTINGS.max_workers
-    # Kopf waits this long for more events of an object before handling them: a
-    # pool claim is a few events, each round costs the window.
-    settings.batching.batch_window = SETTINGS.batch_window_seconds
     # A Sandbox deleted while its timer pass runs (always so when the pass itself
     # deleted it: idle, paused and lifetime timeouts) keeps its finalizer until
     # the pass is over. Kopf waits for that in place this long, then looks again
