@@ -27,6 +27,7 @@ import aiohttp
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
+from sandbox_operator import wirejson
 from sandbox_operator.resources import EVENTS
 
 JSON = dict[str, Any]
@@ -70,7 +71,7 @@ class Response:
         return self.content.decode(errors="replace")
 
     def json(self) -> Any:
-        return json.loads(self.content)
+        return wirejson.loads(self.content)
 
 
 class KubeError(Exception):
@@ -248,7 +249,7 @@ class Kube:
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
                     if line.strip():
-                        event: JSON = json.loads(line)
+                        event: JSON = wirejson.loads(line)
                         yield event
 
     @staticmethod

@@ -19,6 +19,8 @@ from typing import Any
 import aiohttp
 import kopf
 
+from sandbox_operator import wirejson
+
 # Each watch stream holds a connection for as long as it lasts: Kopf opens one
 # per watched kind per namespace (a dozen kinds today, some cluster-wide), so
 # the pool has room for this many streams per namespace besides `connections`.
@@ -43,6 +45,8 @@ async def bounded_session(
             limit=pool_size(connections, namespaces), ssl=info.as_ssl_context()
         ),
         headers=info.as_http_headers(),
+        # Kopf's responses parsed as the operator's are (wirejson.py).
+        response_class=wirejson.Response,
     )
     return kopf.AiohttpSession(
         server=info.server,

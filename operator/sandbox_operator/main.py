@@ -17,7 +17,7 @@ from typing import Any
 import kopf
 from prometheus_client import start_http_server
 
-from sandbox_operator import bookkeeping, collector, config, errors, logs, peering
+from sandbox_operator import bookkeeping, collector, config, errors, logs, peering, wirejson
 from sandbox_operator import login as kopf_login
 from sandbox_operator.agent_client import AgentClient
 from sandbox_operator.builders import pool as pools
@@ -69,6 +69,7 @@ DAEMON_EXIT_WAIT_SECONDS = 5.0
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     bookkeeping.configure(settings)
+    wirejson.use_in_kopf()
     peering.configure(settings, SETTINGS.peering_lifetime_seconds)
     # Watch only our own pods and claims, filtered by the API server, not in this process.
     for resource in (POD, CLAIM):
