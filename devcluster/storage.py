@@ -192,6 +192,9 @@ def _module_dir(module: str, version: str) -> Path:
 
 
 def _ensure_manifests() -> None:
+    """The CSI CRDs and RBAC manifests, copied from the modules once. CI's lanes
+    start storage clusters side by side on a cold cache: one process copies,
+    the others wait for it (the build lock) and then find the copy made."""
     target = manifests_dir()
     wanted = [
         *_CRD_FILES,
@@ -201,6 +204,12 @@ def _ensure_manifests() -> None:
     ]
     if all((target / name).exists() for name in wanted):
         return
+    with records.file_lock(build.cache_root() / f".{target.name}.lock"):
+        if not all((target / name).exists() for name in wanted):
+            _copy_manifests(target)
+
+
+def _copy_manifests(target: Path) -> None:
     client = _module_dir(versions.CSI_SNAPSHOTTER_CLIENT_MODULE, versions.CSI_SNAPSHOTTER_CLIENT)
     snapshotter = _module_dir(versions.CSI_SNAPSHOTTER_MODULE, versions.CSI_SNAPSHOTTER)
     provisioner = _module_dir(versions.CSI_PROVISIONER_MODULE, versions.CSI_PROVISIONER)
