@@ -6,9 +6,9 @@ claims. The standard library's parser makes a new string for every key and
 value of every document, so 10,000 kept bodies hold 10,000 copies of
 "lastTransitionTime", of "True" and of the namespace's name. pydantic-core's
 parser (there through pydantic) hands out one string for repeats of up to 64
-bytes, from a cache of fixed size, and parses about twice as fast: a parsed
-pod takes 46 % less memory (docs/benchmarks.md, "Where the operator's memory
-goes").
+bytes, from a cache of fixed size: what the operator keeps of the parsed
+documents went from 21 to 8 KiB per Sandbox (docs/benchmarks.md, "Where the
+operator's memory goes").
 
 Every document the operator and Kopf read comes through here: the operator's
 own client (`kube.py`), Kopf's responses (the session's `response_class`,
