@@ -281,17 +281,17 @@ def claim_floor(kubeconfig: Path, watch: Watcher, count: int) -> list[float]:
     version = str(kube.read(sandboxes_path())["metadata"]["resourceVersion"])
     # Two clients: the finalizer goes beside the claim, as the operator sends it.
     claims, marks = KubeJSON(kubeconfig), KubeJSON(kubeconfig)
+    side = ThreadPoolExecutor(max_workers=1)
     done = threading.Event()
 
     def answer(claimer: JSON) -> None:
         path = sandboxes_path(claimer["metadata"]["name"])
         member = members.pop(0)
-        with ThreadPoolExecutor(max_workers=1) as side:
-            marking = side.submit(marks.patch, path, mark_patch())
-            claims.get(core_path("pods", NS, pod))
-            claims.patch(sandboxes_path(member["metadata"]["name"]), member_patch(member, claimer))
-            claims.patch(f"{path}/status", claimed_status(member["metadata"]["name"]))
-            marking.result()
+        marking = side.submit(marks.patch, path, mark_patch())
+        claims.get(core_path("pods", NS, pod))
+        claims.patch(sandboxes_path(member["metadata"]["name"]), member_patch(member, claimer))
+        claims.patch(f"{path}/status", claimed_status(member["metadata"]["name"]))
+        marking.result()
 
     def react() -> None:
         for event in claims.watch(sandboxes_path(), version, timeout_seconds=600):
@@ -311,6 +311,7 @@ def claim_floor(kubeconfig: Path, watch: Watcher, count: int) -> list[float]:
         took.append(seen - started)
         time.sleep(0.2)  # as the sequential claims, one at a time on a quiet control plane
     done.set()
+    side.shutdown()
     return took
 
 
