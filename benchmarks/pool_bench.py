@@ -294,12 +294,14 @@ def claim_floor(kubeconfig: Path, watch: Watcher, count: int) -> list[float]:
         marking.result()
 
     def react() -> None:
-        for event in claims.watch(sandboxes_path(), version, timeout_seconds=600):
-            obj = event["object"]
-            if event["type"] == "ADDED" and obj["metadata"]["name"].startswith("lone-claim-"):
-                answer(obj)
-            if done.is_set():
-                return
+        try:
+            for event in claims.watch(sandboxes_path(), version, timeout_seconds=600):
+                obj = event["object"]
+                if event["type"] == "ADDED" and obj["metadata"]["name"].startswith("lone-claim-"):
+                    answer(obj)
+        except Exception:  # closed under it once done (httpx's errors, or a closed stream's)
+            if not done.is_set():
+                raise  # the stand-in failed: the wait below says which claim went unanswered
 
     reactor = threading.Thread(target=react, daemon=True)
     reactor.start()
@@ -311,6 +313,8 @@ def claim_floor(kubeconfig: Path, watch: Watcher, count: int) -> list[float]:
         took.append(seen - started)
         time.sleep(0.2)  # as the sequential claims, one at a time on a quiet control plane
     done.set()
+    claims.close()  # ends the stand-in's watch
+    reactor.join(timeout=10)
     side.shutdown()
     return took
 
