@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -51,13 +52,13 @@ def test_repeated_strings_are_one_object_across_documents() -> None:
 
 
 def test_bad_json_is_a_value_error() -> None:
-    with pytest.raises(ValueError, match="EOF|expected"):
+    with pytest.raises(ValueError, match=r"EOF|expected"):
         wirejson.loads('{"metadata": ')
 
 
 @pytest.fixture
-def kopf_api() -> Any:
-    module = importlib.import_module(wirejson.KOPF_API_MODULE)
+def kopf_api() -> Iterator[Any]:
+    module: Any = importlib.import_module(wirejson.KOPF_API_MODULE)
     before = module.json
     yield module
     module.json = before
