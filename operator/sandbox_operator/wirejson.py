@@ -18,6 +18,7 @@ API module (`use_in_kopf`).
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import types
@@ -50,24 +51,22 @@ class Response(aiohttp.ClientResponse):
         return await super().json(encoding=encoding, loads=loads, content_type=content_type)
 
 
-def use_in_kopf() -> bool:
+def use_in_kopf(module_name: str = KOPF_API_MODULE) -> bool:
     """Have Kopf parse watch events with `loads`; whether it took.
 
     Kopf has no setting for its parser, so its API module's `json` is replaced
     by one whose `loads` is ours (the rest is the standard module's). A Kopf
     that parses elsewhere keeps its own parser, with a warning here and a
     failing unit test (tests/unit/test_wirejson.py)."""
-    import importlib
-
     try:
-        module = importlib.import_module(KOPF_API_MODULE)
+        module = importlib.import_module(module_name)
     except ImportError:
         module = None
     current = getattr(module, "json", None)
     if getattr(current, "loads", None) is loads:
         return True  # a second call
     if module is None or current is not json:
-        log.warning("Kopf's watch events keep the standard JSON parser: %s moved", KOPF_API_MODULE)
+        log.warning("Kopf's watch events keep the standard JSON parser: %s moved", module_name)
         return False
     shim = types.ModuleType("json", "The standard json module, with sandbox_operator's loads.")
     shim.__dict__.update({k: v for k, v in vars(json).items() if not k.startswith("__")})
