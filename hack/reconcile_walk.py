@@ -13,7 +13,7 @@ What it does: starts a control plane as the integration tier does (etcd,
 kube-apiserver, kube-controller-manager; `devcluster`), applies the CRDs,
 and creates one Sandbox (`runtime: python`) in a fresh namespace. The
 operator's own Kopf handlers (`sandbox_operator.main.sandbox_changed` and
-`sandbox_due`, the pass its daemon runs when its time comes) are then called
+`sandbox_due`, the pass the clock starts when its time comes) are then called
 in this process, with the chart's RBAC rules as the operator's credentials
 and with indexes built by the operator's own index functions from what the
 API server lists (what Kopf would hold), the way Kopf calls them. No
@@ -238,7 +238,7 @@ class Operator:
         )
 
     async def tick(self, body: JSON, indexes: JSON) -> None:
-        await self.main.sandbox_due(body, self.memo, self.logger, **indexes)
+        await self.main.sandbox_due(body, self.memo, self.logger, self.main._indexes(indexes))
 
 
 async def walk_sandbox(cp: ControlPlane, work: Path) -> dict[str, Walk]:

@@ -80,8 +80,9 @@ class OperatorContext:
     pool_wakeups: dict[Key, asyncio.Event] = field(default_factory=dict)
     # Refusal streaks by object, shared by all of an object's triggers (errors.py).
     backoffs: Backoffs = field(default_factory=Backoffs)
-    # When each Sandbox needs its next pass, by (namespace, UID): its daemon sleeps
-    # until then (handlers.sandbox.deadlines). Made in __post_init__ (the settings).
+    # When each Sandbox needs its next pass, by (namespace, name, UID), and the
+    # clock that runs the passes (handlers.sandbox.deadlines). Made in
+    # __post_init__ (the settings).
     timetable: Timetable = field(init=False)
     # The node components that save pods whole (pauseMode Memory). Made in __post_init__.
     checkpoints: Checkpoints = field(init=False)
@@ -92,7 +93,9 @@ class OperatorContext:
     post_once: Callable[[JSON, str, str, str, str], None] | None = None
 
     def __post_init__(self) -> None:
-        self.timetable = Timetable(self.settings.resync_interval_seconds)
+        self.timetable = Timetable(
+            self.settings.resync_interval_seconds, self.settings.reconcile_interval_seconds
+        )
         self.checkpoints = Checkpoints(self.settings, self.kube)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
@@ -142,7 +145,7 @@ class OperatorContext:
             self.pool_decisions.pop((namespace, uid), None)
             self.environments.pop((namespace, uid), None)
             self.backoffs.streaks.pop(uid, None)
-            self.timetable.drop((namespace, uid))
+            self.timetable.drop((namespace, name, uid))
 
     async def agent_token(self, sandbox: JSON) -> str | None:
         """The bearer token of a sandbox's agent, read from its Secret once (a pool

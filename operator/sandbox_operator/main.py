@@ -9,15 +9,25 @@ counts it in the metrics.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from contextlib import suppress
-from typing import Any
+from typing import Any, cast
 
 import kopf
 from prometheus_client import start_http_server
 
-from sandbox_operator import bookkeeping, collector, config, errors, logs, peering, wirejson
+from sandbox_operator import (
+    bookkeeping,
+    collector,
+    config,
+    errors,
+    logs,
+    peering,
+    timetable,
+    wirejson,
+)
 from sandbox_operator import login as kopf_login
 from sandbox_operator.agent_client import AgentClient
 from sandbox_operator.builders import pool as pools
@@ -62,12 +72,15 @@ OWN = {LABEL_MANAGED_BY: MANAGED_BY}
 # See configure(): how Kopf waits for a timer pass in flight when its object is deleted.
 TIMER_EXIT_WAIT_SECONDS = 1.0
 TIMER_EXIT_POLL_SECONDS = 1.0
-# How long Kopf waits for a Sandbox's daemon to end by itself before it cancels it.
-DAEMON_EXIT_WAIT_SECONDS = 5.0
+# How long a Sandbox's deletion waits for its clock pass in flight before it cancels it.
+PASS_EXIT_WAIT_SECONDS = 5.0
+
+# Before Kopf starts: the clock pauses with it (peering.follow_pauses).
+peering.follow_pauses()
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
     bookkeeping.configure(settings)
     wirejson.use_in_kopf()
     peering.configure(settings, SETTINGS.peering_lifetime_seconds)
@@ -101,6 +114,11 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     await peering.announce(memo.ctx.kube, settings, SETTINGS.watch_namespaces)
     if SETTINGS.metrics_port:
         start_http_server(SETTINGS.metrics_port)
+    # Startup handlers get the indexes too (empty until the watches fill them).
+    clock = memo.ctx.timetable.run(
+        _clock_pass(memo, settings, _indexes(kwargs)), peering.pause(settings)
+    )
+    memo.clock = asyncio.create_task(clock, name="the Sandboxes' clock")
 
 
 @kopf.on.login()
@@ -113,6 +131,9 @@ async def login(logger: kopf.Logger, **kwargs: Any) -> kopf.AiohttpSession:
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
     ctx: OperatorContext = memo.ctx
+    memo.clock.cancel()
+    with suppress(asyncio.CancelledError):
+        await memo.clock
     await memo.events.drain()
     await ctx.kube.close()
     await ctx.agents.close()
@@ -164,9 +185,12 @@ async def sandbox_bodies(
     scheduler = getattr(memo, "scheduler", None)
     if scheduler is not None and namespace:
         scheduler.sandbox_changed(namespace, name)
-    if body["metadata"].get("deletionTimestamp") and namespace:
-        # Its daemon stops now: end its sleep rather than have Kopf cancel it.
-        _ctx(memo).timetable.drop((namespace, body["metadata"]["uid"]))
+    if namespace:
+        key = (namespace, name, body["metadata"]["uid"])
+        if body["metadata"].get("deletionTimestamp"):
+            _ctx(memo).timetable.drop(key)  # its finalizer has the last word
+        else:
+            _ctx(memo).timetable.ensure(key)
     # Without managedFields already (above): kept as the event is, no trimmed copy.
     return {(namespace, name): dict(body)}
 
@@ -222,33 +246,34 @@ async def sandbox_changed(
 
 # Each Sandbox's pass when nothing happens to it: at the time its last pass
 # worked out (handlers.sandbox.deadlines), not on a fixed timer, so a Sandbox
-# that waits for nothing costs nothing. Kopf stops the daemon when the Sandbox
-# is marked for deletion; the index above ends its sleep at that very event.
-@kopf.daemon(
-    *SANDBOX,
-    # Only when a deletion came between the index and the daemon's next sleep.
-    cancellation_timeout=DAEMON_EXIT_WAIT_SECONDS,
-    backoff=SETTINGS.reconcile_interval_seconds,
-)
-async def sandbox_clock(
-    body: kopf.Body,
-    memo: kopf.Memo,
-    logger: kopf.Logger,
-    stopped: kopf.DaemonStopped,
-    **kwargs: Any,
-) -> None:
-    ctx = _ctx(memo)
-    key = (body["metadata"]["namespace"], body["metadata"]["uid"])
-    while not stopped and not body["metadata"].get("deletionTimestamp"):
-        if not await ctx.timetable.sleep(key) or stopped:
-            return
+# that waits for nothing costs nothing. One clock for all of them
+# (timetable.py), started with the operator.
+def _clock_pass(
+    memo: kopf.Memo, settings: kopf.OperatorSettings, indexes: Indexes
+) -> timetable.Pass:
+    async def due(key: timetable.Key) -> None:
+        ctx = _ctx(memo)
+        namespace, name, uid = key
         # The pass sets its own next time; one that ends early without (a claimed
         # pool member's, served by its claimer) leaves this one, never a past time.
-        ctx.timetable.set(key, deadlines.resync_seconds(key[1], ctx.settings))
-        await sandbox_due(body, memo, logger, **kwargs)
+        ctx.timetable.set(key, deadlines.resync_seconds(uid, ctx.settings))
+        found = indexes.sandboxes.get((namespace, name), [])
+        body = next((b for b in found if b["metadata"]["uid"] == uid), None)
+        if body is None:
+            ctx.timetable.drop(key)  # gone, or a namesake in its place
+            return
+        wrapped = kopf.Body(cast(kopf.RawBody, body))
+        # Logs with the Sandbox's name, as Kopf's own lines; what users should
+        # see goes out as Events from the pass itself (ctx.post).
+        logger = kopf.LocalObjectLogger(body=wrapped, settings=settings)
+        await sandbox_due(wrapped, memo, logger, indexes)
+
+    return due
 
 
-async def sandbox_due(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any) -> None:
+async def sandbox_due(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, indexes: Indexes
+) -> None:
     """The pass of a Sandbox whose time came."""
     if body["metadata"].get("deletionTimestamp"):
         return
@@ -264,12 +289,17 @@ async def sandbox_due(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **k
                 dict(body),
                 logger,
                 children=sandbox.Children.POD,
-                indexes=_indexes(kwargs),
+                indexes=indexes,
             )
 
 
 @kopf.on.delete(*SANDBOX)
 async def sandbox_deleted(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    meta = body["metadata"]
+    # Not while a clock pass of it may still write to its children.
+    await _ctx(memo).timetable.settle(
+        (meta["namespace"], meta["name"], meta["uid"]), PASS_EXIT_WAIT_SECONDS
+    )
     async with errors.policy("Sandbox", "delete"):
         await sandbox.teardown(_ctx(memo), dict(body), logger)
 

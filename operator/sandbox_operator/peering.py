@@ -2,15 +2,17 @@
 
 Each replica writes a keep-alive with its priority into the peering object
 (ClusterKopfPeering, or a KopfPeering per watched namespace); a replica that
-sees a live peer of higher priority pauses: it closes its watches and stops its
-daemons and timers. Kopf pauses every peer of *equal* priority, so no two
-replicas may share one.
+sees a live peer of higher priority pauses: it closes its watches, stops its
+daemons and timers, and the Sandboxes' clock starts no pass (follow_pauses).
+Kopf pauses every peer of *equal* priority, so no two replicas may share one.
 
 What the operator keeps in memory (the Execution scheduler's held slots and
 wake-ups, the per-namespace quota admission lock, caches) is used by the
 active replica alone: a standby's watches are closed and it runs no handler,
-daemon or timer. On takeover Kopf lists every object again, so the indexes and
-the resume handlers rebuild that state from the API server. Gauges of a
+daemon, timer or clock pass. On takeover Kopf lists every object again, so the
+indexes and the resume handlers rebuild that state from the API server; a
+replica that was active before its pause goes on with the times its clock
+kept, each pass reading its Sandbox from the index anew. Gauges of a
 replica that was paused keep their last values: only the active one's are
 current.
 """
@@ -22,11 +24,14 @@ import os
 import secrets
 import time
 from datetime import UTC, datetime
+from typing import Any
 
 import kopf
+from kopf._cogs.aiokits.aiotoggles import ToggleSet
 
 from sandbox_operator.kube import Kube
 from sandbox_operator.resources import CLUSTER_PEERINGS, PEERINGS
+from sandbox_operator.timetable import Pause
 
 # How long a replica waits, its keep-alive written, before Kopf first reads its
 # peers: replicas started together (a new release's) each see the others'
@@ -117,3 +122,47 @@ async def announce(kube: Kube, settings: kopf.OperatorSettings, namespaces: list
     for path in paths:
         await kube.patch(path, {"status": {identity: record}})
     await asyncio.sleep(SETTLE_SECONDS)
+
+
+# Kopf's set of pause toggles (one per peering object with a conflict), as
+# Kopf handed it to its daemon killer at start (see follow_pauses).
+_PAUSES: list[Pause] = []
+
+
+def follow_pauses() -> None:
+    """Have Kopf show this module whether the operator is paused.
+
+    The Sandboxes' clock (timetable.py) is the operator's own task, not a Kopf
+    daemon, so Kopf does not stop it on a pause; it must stop itself. Kopf
+    keeps the pause state in one toggle set that it gives only to its own
+    tasks, the first of them its daemon killer, made before any startup
+    handler runs: this wraps that function to keep the set. Call it before
+    Kopf starts (at the import of the handlers' module). A Kopf that no longer
+    makes its daemon killer so leaves the set unknown: `pause()` then refuses
+    to run a clock beside peering (tests/unit/test_peering.py fails first)."""
+    from kopf._core.engines import daemons
+
+    original = daemons.daemon_killer
+    if getattr(original, "keeps_pauses", False):
+        return
+
+    def daemon_killer(*, operator_paused: ToggleSet, **kwargs: Any) -> Any:
+        _PAUSES[:] = [operator_paused]
+        return original(operator_paused=operator_paused, **kwargs)
+
+    daemon_killer.keeps_pauses = True  # type: ignore[attr-defined]
+    daemons.daemon_killer = daemon_killer
+
+
+def pause(settings: kopf.OperatorSettings) -> Pause | None:
+    """Whether the operator is paused, for a task of its own that must pause with it
+    (None: `--standalone`, never paused)."""
+    if _PAUSES:
+        return _PAUSES[0]
+    if settings.peering.standalone:
+        return None
+    raise RuntimeError(
+        "Kopf's pause state is unknown (peering.follow_pauses did not see Kopf start its"
+        " daemon killer): this Kopf version is not supported with peering; run with"
+        " --standalone or a supported Kopf"
+    )

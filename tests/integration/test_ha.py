@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,9 @@ KOPF = "kopf.dev/v1"
 class Pair:
     """Replicas `a` (started first, so the active one) and `b` (the standby)."""
 
-    def __init__(self, a: OperatorProcess, b: OperatorProcess) -> None:
+    def __init__(self, a: OperatorProcess, b: OperatorProcess, peering: str) -> None:
         self.a, self.b = a, b
+        self.peering = peering  # the ClusterKopfPeering's name
 
     @staticmethod
     def handled(replica: OperatorProcess, ns: str) -> list[str]:
@@ -56,7 +58,7 @@ def pair(
     b.start()
     path = api_path(KOPF, "clusterkopfpeerings", name=peering)
     wait_for(lambda: "b" in ((kube.get(path) or {}).get("status") or {}), 30, "b's keep-alive")
-    yield Pair(a, b)
+    yield Pair(a, b, peering)
     for replica in (a, b):
         replica.stop()
         assert replica.errors() == [], f"handler tracebacks in {replica.log}"
@@ -73,6 +75,38 @@ def test_only_the_older_replica_acts(
     assert Pair.handled(pair.a, ns), "the active replica logged nothing about the sandbox"
     assert Pair.handled(pair.b, ns) == [], "the standby acted too"
     assert (agent.workspace / "once.txt").read_text().split() == ["ran"]
+
+
+def test_a_paused_replica_starts_no_pass_until_the_pause_ends(
+    pair: Pair, kube: KubeJSON, sandboxes: Sandboxes
+) -> None:
+    """The Sandboxes' clock is the operator's own task, not a Kopf daemon: it
+    must stop with Kopf when a peer of higher priority appears (an older
+    replica back from a partition), or two replicas would act on one Sandbox.
+    A Sandbox's maximum lifetime runs out while the active replica is paused:
+    nothing deletes it until the pause ends, then the replica does at once."""
+    sandboxes.create("brief", {"lifecycle": {"maxLifetime": "20s"}})
+
+    def expires() -> str | None:
+        return ((sandboxes.get("brief") or {}).get("status") or {}).get("expiresAt")
+
+    expires_at = wait_for(expires, 30, "the active replica's status")
+    path = api_path(KOPF, "clusterkopfpeerings", name=pair.peering)
+    elder = {"priority": 1, "lifetime": 600, "lastseen": datetime.now(UTC).isoformat()}
+    kube.patch(path, {"status": {"elder": elder}})
+    wait_for(lambda: "Pausing operations" in pair.a.log.read_text(), 30, "replica a to pause")
+    deadline = datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+    assert datetime.now(UTC) < deadline, "paused too late to tell: the lifetime was over"
+    # Past the deadline and a few seconds more: a pass would have deleted it.
+    time.sleep((deadline - datetime.now(UTC)).total_seconds() + 4)
+    body = sandboxes.get("brief")
+    assert body is not None, "deleted by a paused replica"
+    assert not body["metadata"].get("deletionTimestamp"), "deleted by a paused replica"
+
+    kube.patch(path, {"status": {"elder": None}})
+    sandboxes.wait_gone("brief", 30, "the deletion once the pause is over")
+    assert "Resuming operations" in pair.a.log.read_text()
+    assert Pair.handled(pair.b, sandboxes.namespace) == [], "the standby acted"
 
 
 def test_sigkilled_active_replica_is_replaced_and_its_work_completes(

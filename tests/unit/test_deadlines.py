@@ -1,5 +1,5 @@
 """When a Sandbox is looked at again: the pure `next_pass` and the `Timetable`
-its daemon sleeps on (a real event loop and its clock, no fakes)."""
+whose clock starts the passes (a real event loop and its clock, no fakes)."""
 
 from __future__ import annotations
 
@@ -151,118 +151,249 @@ def test_the_earliest_reason_wins() -> None:
     assert look(both) == (timedelta(seconds=4) + MARGIN, "expiry")
 
 
-# -- the timetable --------------------------------------------------------------------
+# -- the timetable and its clock -----------------------------------------------------
+
+Key = tuple[str, str, str]
 
 
-def test_a_sleep_ends_at_the_time_set() -> None:
-    async def scenario() -> float:
-        table = Timetable(default_seconds=60)
-        loop = asyncio.get_running_loop()
-        table.set(("ns", "a"), 0.05)
-        started = loop.time()
-        # Well before the default of 60 s, however busy the machine.
-        assert await asyncio.wait_for(table.sleep(("ns", "a")), 30)
-        return loop.time() - started
+class Passes:
+    """Runs the clock over a Timetable and records each pass: which key, when
+    (the loop's clock); a pass can be held open to see what the clock does meanwhile."""
 
-    assert asyncio.run(scenario()) >= 0.05
+    def __init__(self, table: Timetable) -> None:
+        self.table = table
+        self.ran: list[tuple[Key, float]] = []
+        self.hold: dict[Key, asyncio.Event] = {}
+        self.fail: set[Key] = set()
+        self.arrived = asyncio.Event()
+        self.seen = 0  # passes returned by next()
+
+    async def run_pass(self, key: Key) -> None:
+        self.ran.append((key, asyncio.get_running_loop().time()))
+        self.arrived.set()
+        if key in self.hold:
+            await self.hold[key].wait()
+        if key in self.fail:
+            raise RuntimeError("the pass failed")
+
+    async def next(self, within: float = 30) -> Key:
+        """The key of the next pass not returned yet (waited for well within any
+        default time, however busy the machine)."""
+        while len(self.ran) == self.seen:
+            self.arrived.clear()
+            await asyncio.wait_for(self.arrived.wait(), within)
+        self.seen += 1
+        return self.ran[self.seen - 1][0]
+
+    def keys(self) -> list[Key]:
+        return [key for key, _ in self.ran]
 
 
-def test_an_earlier_time_wakes_the_sleeper_a_later_one_holds_it() -> None:
-    async def scenario() -> bool:
-        table = Timetable(default_seconds=60)
-        key = ("ns", "a")
-        sleeper = asyncio.create_task(table.sleep(key))  # the default: 60 s
-        await asyncio.sleep(0.01)
-        table.set(key, 0.05)
-        woke = await asyncio.wait_for(sleeper, 30)
-        # Moved later while asleep: the sleeper does not return at the old time.
-        table.set(key, 0.02)
-        again = asyncio.create_task(table.sleep(key))
-        await asyncio.sleep(0.005)
-        table.set(key, 30)
-        await asyncio.sleep(0.1)
-        assert not again.done()
-        table.set(key, 0)
-        assert await asyncio.wait_for(again, 30)
-        return woke
+def clocked(scenario: Any, **table: float) -> Any:
+    """Run `scenario(table, passes)` beside the clock, then stop the clock."""
 
-    assert asyncio.run(scenario())
+    async def main() -> Any:
+        timetable = Timetable(
+            default_seconds=table.get("default_seconds", 60),
+            retry_seconds=table.get("retry_seconds", 60),
+        )
+        passes = Passes(timetable)
+        clock = asyncio.create_task(timetable.run(passes.run_pass))
+        try:
+            return await scenario(timetable, passes)
+        finally:
+            clock.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await clock
+
+    return asyncio.run(main())
+
+
+A: Key = ("ns", "a", "uid-a")
+B: Key = ("ns", "b", "uid-b")
+
+
+def test_a_pass_starts_at_the_time_set_not_before() -> None:
+    async def scenario(table: Timetable, passes: Passes) -> float:
+        started = asyncio.get_running_loop().time()
+        table.set(A, 0.05)
+        assert await passes.next() == A
+        return passes.ran[0][1] - started
+
+    assert clocked(scenario) >= 0.05
+
+
+def test_an_earlier_time_wakes_the_clock_a_later_one_holds_the_pass() -> None:
+    async def scenario(table: Timetable, passes: Passes) -> None:
+        table.set(A, 60)
+        await asyncio.sleep(0.01)  # the clock sleeps until A's time
+        table.set(B, 0.02)
+        assert await passes.next() == B
+        table.set(A, 0.02)
+        table.set(A, 30)  # moved later before it came: no pass at the old time
+        await asyncio.sleep(0.2)
+        assert passes.keys() == [B]
+        table.set(A, 0)
+        assert await passes.next() == A
+
+    clocked(scenario)
 
 
 def test_sooner_only_moves_a_time_earlier() -> None:
     async def scenario() -> None:
-        table = Timetable(default_seconds=60)
-        key = ("ns", "a")
-        table.set(key, 10)
-        table.sooner(key, 30)
-        due = table.due_in(key)
+        table = Timetable(default_seconds=60, retry_seconds=60)
+        table.set(A, 10)
+        table.sooner(A, 30)
+        due = table.due_in(A)
         assert due is not None
         assert due <= 10
-        table.sooner(key, 1)
-        due = table.due_in(key)
+        table.sooner(A, 1)
+        due = table.due_in(A)
         assert due is not None
         assert due <= 1
-        table.sooner(("ns", "new"), 5)
-        assert table.due_in(("ns", "new")) is not None
+        table.sooner(B, 5)
+        assert table.due_in(B) is not None
 
     asyncio.run(scenario())
 
 
-def test_drop_ends_the_sleep_with_false_and_forgets_the_key() -> None:
+def test_ensure_gives_a_key_without_a_time_the_default_and_keeps_one_set() -> None:
     async def scenario() -> None:
-        table = Timetable(default_seconds=60)
-        key = ("ns", "a")
-        sleeper = asyncio.create_task(table.sleep(key))
-        await asyncio.sleep(0.01)
-        assert len(table) == 1
-        table.drop(key)
-        assert await asyncio.wait_for(sleeper, 5) is False
-        assert len(table) == 0
-        assert table.due_in(key) is None
-        table.drop(key)  # twice: nothing to do
-
-    asyncio.run(scenario())
-
-
-def test_a_cancelled_sleeper_leaves_no_timer_behind() -> None:
-    async def scenario() -> None:
-        table = Timetable(default_seconds=60)
-        key = ("ns", "a")
-        sleeper = asyncio.create_task(table.sleep(key))
-        await asyncio.sleep(0.01)
-        sleeper.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await sleeper
-        # The key keeps its time for the daemon Kopf starts again (peering, restart).
-        due = table.due_in(key)
+        table = Timetable(default_seconds=60, retry_seconds=60)
+        table.ensure(A)
+        due = table.due_in(A)
         assert due is not None
-        assert due > 50
-        table.set(key, 0)  # no waiter left to wake: must not fail
-        assert await table.sleep(key)
+        assert 50 < due <= 60
+        table.set(B, 1)
+        table.ensure(B)
+        due = table.due_in(B)
+        assert due is not None
+        assert due <= 1
 
     asyncio.run(scenario())
 
 
-def test_a_sleep_already_due_still_yields_to_the_event_loop() -> None:
-    """A daemon that loops on a key whose time is past (a pass that set none)
-    must not hold the event loop: every other task of the operator would stop."""
+def test_a_dropped_key_has_no_pass() -> None:
+    async def scenario(table: Timetable, passes: Passes) -> None:
+        table.set(A, 0.05)
+        table.set(B, 0.1)
+        assert len(table) == 2
+        table.drop(A)
+        assert len(table) == 1
+        assert table.due_in(A) is None
+        assert await passes.next() == B
+        await asyncio.sleep(0.1)
+        assert passes.keys() == [B]
+        table.drop(A)  # twice: nothing to do
 
+    clocked(scenario)
+
+
+def test_never_two_passes_of_one_key_and_a_time_set_meanwhile_comes_after() -> None:
+    async def scenario(table: Timetable, passes: Passes) -> None:
+        passes.hold[A] = asyncio.Event()
+        table.set(A, 0)
+        assert await passes.next() == A
+        table.set(A, 0)  # due again while its pass is still at work
+        table.set(B, 0)  # another key is not held up by it
+        assert await passes.next() == B
+        await asyncio.sleep(0.1)
+        assert passes.keys() == [A, B]
+        passes.hold.pop(A).set()
+        assert await passes.next() == A  # right after the first ended
+
+    clocked(scenario)
+
+
+def test_a_failed_pass_is_retried_and_the_clock_goes_on() -> None:
+    async def scenario(table: Timetable, passes: Passes) -> None:
+        passes.fail.add(A)
+        table.set(A, 0)
+        assert await passes.next() == A
+        assert await passes.next() == A  # after retry_seconds, not the 60 s default
+        table.set(B, 0)
+        passes.fail.clear()
+        assert B in [await passes.next(), await passes.next()]
+
+    clocked(scenario, retry_seconds=0.05)
+
+
+def test_settle_waits_for_a_pass_in_flight_and_cancels_it_after_the_timeout() -> None:
+    async def scenario(table: Timetable, passes: Passes) -> None:
+        await table.settle(A, 5)  # none in flight: returns at once
+        passes.hold[A] = asyncio.Event()
+        table.set(A, 0)
+        await passes.next()
+        loop = asyncio.get_running_loop()
+        release = loop.call_later(0.05, passes.hold[A].set)
+        await asyncio.wait_for(table.settle(A, 30), 30)  # ends when the pass does
+        release.cancel()
+        passes.hold[B] = asyncio.Event()  # never set: cancelled by settle
+        table.set(B, 0)
+        await passes.next()
+        await asyncio.wait_for(table.settle(B, 0.05), 30)
+        table.set(B, 0)
+        assert await passes.next() == B  # the key still has its pass after that
+
+    clocked(scenario)
+
+
+def test_no_pass_starts_while_paused_and_those_due_start_when_it_ends() -> None:
+    from kopf._cogs.aiokits.aiotoggles import ToggleSet
+
+    async def main() -> None:
+        table = Timetable(default_seconds=60, retry_seconds=60)
+        passes = Passes(table)
+        pauses = ToggleSet(any)
+        conflict = await pauses.make_toggle(False, name="a peer of higher priority")
+        clock = asyncio.create_task(table.run(passes.run_pass, pauses))
+        table.set(A, 0)
+        assert await passes.next() == A
+        await conflict.turn_to(True)
+        table.set(A, 0.01)
+        table.set(B, 0.02)
+        await asyncio.sleep(0.3)
+        assert passes.keys() == [A]
+        await conflict.turn_to(False)
+        assert sorted([await passes.next(), await passes.next()]) == [A, B]
+        clock.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await clock
+
+    asyncio.run(main())
+
+
+def test_waiting_keys_cost_no_task_and_stopping_the_clock_cancels_passes() -> None:
+    async def scenario(table: Timetable, passes: Passes) -> int:
+        before = len(asyncio.all_tasks())
+        for n in range(2000):
+            table.set(("ns", f"s{n}", f"u{n}"), 3600)
+        await asyncio.sleep(0.01)
+        return len(asyncio.all_tasks()) - before
+
+    assert clocked(scenario) == 0
+
+    async def stopped() -> None:
+        table = Timetable(default_seconds=60, retry_seconds=60)
+        passes = Passes(table)
+        passes.hold[A] = asyncio.Event()
+        clock = asyncio.create_task(table.run(passes.run_pass))
+        table.set(A, 0)
+        await passes.next()
+        clock.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await clock
+        # The held pass was cancelled with it: nothing of the clock is left.
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    asyncio.run(stopped())
+
+
+def test_times_set_again_and_again_do_not_grow_the_heap_without_bound() -> None:
     async def scenario() -> int:
-        table = Timetable(default_seconds=60)
-        key = ("ns", "a")
-        table.set(key, -1)
-        others = 0
+        table = Timetable(default_seconds=60, retry_seconds=60)
+        for n in range(20_000):
+            table.set(A, 3600 + n)
+        return len(table._heap)
 
-        async def other() -> None:
-            nonlocal others
-            while True:
-                others += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.create_task(other())
-        for _ in range(100):
-            assert await table.sleep(key)
-        task.cancel()
-        return others
-
-    assert asyncio.run(scenario()) >= 50
+    assert asyncio.run(scenario()) <= 2 * 1 + 1024 + 1

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import kopf
+import pytest
+from kopf._cogs.aiokits.aiotoggles import ToggleSet
 
 from sandbox_operator import peering
 
@@ -34,3 +38,49 @@ def test_standalone_is_left_alone() -> None:
     settings.peering.standalone = True
     peering.configure(settings, 10)
     assert (settings.peering.priority, settings.peering.lifetime) == (0, 60)
+
+
+def test_the_pause_state_is_kopfs_own_once_kopf_has_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Sandboxes' clock pauses with Kopf only if follow_pauses sees the set
+    of toggles Kopf's own tasks use: start Kopf's tasks (no cluster needed to
+    make them) and look, then stop them. Fails for a Kopf that no longer hands
+    the set to its daemon killer."""
+    monkeypatch.setattr(peering, "_PAUSES", [])
+    peering.follow_pauses()
+    peering.follow_pauses()  # twice: one wrapper, not two
+    settings = kopf.OperatorSettings()
+    with pytest.raises(RuntimeError, match="pause state is unknown"):
+        peering.pause(settings)
+
+    async def started() -> list[str | None]:
+        tasks = await kopf.spawn_tasks(
+            registry=kopf.OperatorRegistry(),
+            settings=settings,
+            peering_name="unit",
+            clusterwide=True,
+        )
+        try:
+            paused = peering.pause(settings)
+            assert isinstance(paused, ToggleSet)
+            # The very set Kopf's orchestrator pauses the operator with: the
+            # first toggle it makes there (before it needs a cluster) shows up.
+            for _ in range(3000):
+                if len(paused):
+                    break
+                await asyncio.sleep(0.01)
+            return [toggle.name for toggle in paused]
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    assert asyncio.run(started()) == ["peering CRD is missing"]
+
+
+def test_a_standalone_operator_needs_no_pause_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peering, "_PAUSES", [])
+    settings = kopf.OperatorSettings()
+    settings.peering.standalone = True
+    assert peering.pause(settings) is None

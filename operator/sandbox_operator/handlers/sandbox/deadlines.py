@@ -3,8 +3,9 @@
 Events (the Sandbox's own, its pod's, its claim's) start passes by themselves;
 what no event announces is time running out. Each pass therefore ends by
 working out the earliest moment at which a pass would decide something else
-than this one did (`next_pass`), and the Sandbox's daemon sleeps until then
-(`timetable.Timetable`). The decisions it follows, each beside its deadline:
+than this one did (`next_pass`), and the operator's one clock starts the
+Sandbox's next pass then (`timetable.Timetable`). The decisions it follows,
+each beside its deadline:
 
 - the end of the lease or of the maximum lifetime (`status.expiresAt`) and of
   `pausedTimeout` (`status.pausedDeadline`): lifecycle.decide_lifecycle;

@@ -120,7 +120,7 @@ async def reconcile(
     when given (see `write_status`). Returns the status a full pass arrived at
     (None when it stopped early)."""
     meta = body["metadata"]
-    key = (meta["namespace"], meta["uid"])
+    key = (meta["namespace"], meta["name"], meta["uid"])
     try:
         return await _pass(ctx, body, logger, children, indexes, pod, pod_known, status_into, key)
     except Exception as exc:
@@ -153,7 +153,7 @@ async def _pass(
     pod: JSON | None,
     pod_known: bool,
     status_into: kopf.Patch | None,
-    key: tuple[str, str],
+    key: tuple[str, str, str],
 ) -> JSON | None:
     meta = body["metadata"]
     async with ctx.lock(meta["namespace"], meta["name"]):
@@ -368,7 +368,7 @@ async def _reconcile(
         wait = look.seconds_from(now)
         if kept.waiting:  # a pause whose save failed tries again
             wait = min(wait, ctx.settings.memory_retry_seconds)
-        ctx.timetable.set((view.ref.namespace, view.ref.uid), wait)
+        ctx.timetable.set((view.ref.namespace, view.ref.name, view.ref.uid), wait)
     await write_status(ctx, body, status, into=status_into)
     if workspace.busy and children is not Children.POD:
         # Change handlers retry; timers and pod events come back by themselves.
