@@ -57,6 +57,10 @@ def child(argv: list[str]) -> None:
             lines.append(f"{stat.size / 2**20:8.1f} MiB {stat.count:9d}  {name}")
         lines.append("held by (each object counted once, by the first holder listed):")
         lines.extend(f"{size / 2**20:8.1f} MiB  {name}" for name, size in holders())
+        # Tasks alive, by what they run: a task per object (a daemon, a worker
+        # that has not exited) keeps its frames and everything they hold.
+        lines.append("tasks alive, by coroutine:")
+        lines.extend(f"{count:8d}  {name}" for name, count in tasks_alive())
         tmp = out.with_suffix(".tmp")
         tmp.write_text("\n".join(lines) + "\n")
         tmp.replace(out)
@@ -101,7 +105,22 @@ def holders() -> list[tuple[str, int]]:
         elif isinstance(obj, OperatorContext):
             context.extend((f"ctx.{name}", value) for name, value in vars(obj).items())
     seen: set[int] = set()
-    return [(name, _deep_size(root, seen)) for name, root in [*memories, *indexes, *context]]
+    # The operator's own state first: every per-object memo of Kopf's reaches
+    # the context, which would otherwise all count as "memories: memo".
+    return [(name, _deep_size(root, seen)) for name, root in [*context, *indexes, *memories]]
+
+
+def tasks_alive() -> list[tuple[str, int]]:
+    """The event loop's tasks by the qualified name of their coroutine, most first."""
+    import asyncio
+    from collections import Counter
+
+    # The handler runs in the loop's thread between two steps of the loop.
+    loop = asyncio.get_running_loop()
+    names = Counter(
+        getattr(task.get_coro(), "__qualname__", "?") for task in asyncio.all_tasks(loop)
+    )
+    return names.most_common(15)
 
 
 def _deep_size(root: object, seen: set[int]) -> int:

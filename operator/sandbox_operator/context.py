@@ -111,6 +111,14 @@ class OperatorContext:
     def namespace_lock(self, namespace: str) -> asyncio.Lock:
         return self.namespace_locks.setdefault(namespace, asyncio.Lock())
 
+    def status_seen(self, namespace: str, name: str, status: JSON | None) -> None:
+        """A Sandbox's event carries `status`: the copy kept since this process
+        wrote it is not needed once the event shows the same (events come in
+        order; a later write keeps its own), and it is 2 KiB a Sandbox."""
+        known = self.statuses.get((namespace, name))
+        if known is not None and known == status:
+            del self.statuses[(namespace, name)]
+
     def current(self, body: JSON) -> JSON:
         """A Sandbox `body` with the status this process last wrote (fresher than
         Kopf's copy: the operator is the only writer of status)."""

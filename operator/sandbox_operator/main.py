@@ -186,11 +186,13 @@ async def sandbox_bodies(
     if scheduler is not None and namespace:
         scheduler.sandbox_changed(namespace, name)
     if namespace:
+        ctx = _ctx(memo)
         key = (namespace, name, body["metadata"]["uid"])
         if body["metadata"].get("deletionTimestamp"):
-            _ctx(memo).timetable.drop(key)  # its finalizer has the last word
+            ctx.timetable.drop(key)  # its finalizer has the last word
         else:
-            _ctx(memo).timetable.ensure(key)
+            ctx.timetable.ensure(key)
+        ctx.status_seen(namespace, name, body.get("status"))
     # Without managedFields already (above): kept as the event is, no trimmed copy.
     return {(namespace, name): dict(body)}
 

@@ -100,7 +100,10 @@ async def write_status(
     metrics.PHASES.set(*key, new.get("phase", ""))
     patch = status_patch(old, new)
     if patch is None:
-        ctx.statuses[key] = new
+        # Nothing new: `body` holds it, from an event or from the copy kept since
+        # this process's write (kept current; never a new copy of an event's).
+        if key in ctx.statuses:
+            ctx.statuses[key] = new
         return
     if into is not None:
         into.status.update(patch["status"])
