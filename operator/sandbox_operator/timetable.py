@@ -16,8 +16,13 @@ times a second at 10,000.
 
 The clock stops starting passes while the operator is paused by peering (a
 replica of higher priority is active: its passes would race this one's) and
-goes on where it stopped when the pause ends. Keys are (namespace, name,
-UID): a namesake created later is another Sandbox.
+goes on where it stopped when the pause ends, for the Sandboxes that still
+exist: a key from before the pause has its pass only once an event of the
+Sandbox has confirmed it (`ensure`: Kopf lists every object again after a
+pause). Kopf sends no event for an object deleted while its watch was
+closed, so a key that no event confirms within `default_seconds` of the end
+of the pause is dropped. Keys are (namespace, name, UID): a namesake
+created later is another Sandbox.
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ class Timetable:
         self._heap: list[tuple[float, Key]] = []
         self._running: dict[Key, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
+        # Keys from before a pause that no event has shown since; dropped at
+        # `_confirm_by` (the event loop's clock) if none has by then.
+        self._unconfirmed: set[Key] = set()
+        self._confirm_by: float | None = None
 
     def __len__(self) -> int:
         return len(self._due)
@@ -67,6 +76,7 @@ class Timetable:
         set before: the pass that calls this has just looked at everything."""
         due = asyncio.get_running_loop().time() + seconds
         self._due[key] = due
+        self._unconfirmed.discard(key)  # a pass or an event of it: it exists
         heapq.heappush(self._heap, (due, key))
         if self._heap[0][1] == key and self._heap[0][0] == due:
             self._wake.set()  # the earliest now: the clock sleeps until a later time
@@ -75,9 +85,13 @@ class Timetable:
 
     def ensure(self, key: Key) -> None:
         """A time for `key` if it has none: a Sandbox that no pass has seen yet
-        is looked at within `default_seconds` all the same."""
+        is looked at within `default_seconds` all the same. Called for every
+        event of a Sandbox, it also confirms, after a pause, that the Sandbox
+        still exists: its time from before the pause stands."""
         if key not in self._due:
             self.set(key, self.default_seconds)
+        elif key in self._unconfirmed:  # its time from before the pause, now confirmed
+            self.set(key, self._due[key] - asyncio.get_running_loop().time())
 
     def sooner(self, key: Key, seconds: float) -> None:
         """The next pass of `key` in `seconds` at the latest (a retry after an
@@ -95,6 +109,7 @@ class Timetable:
         """Forget `key`: no pass of it starts any more (one in flight goes on;
         see `settle`)."""
         self._due.pop(key, None)
+        self._unconfirmed.discard(key)
 
     async def settle(self, key: Key, patience: float) -> None:
         """Wait for `key`'s pass in flight, if any; cancel it after `patience` seconds.
@@ -112,27 +127,49 @@ class Timetable:
         """The clock: start each key's pass when its time comes, until cancelled.
         While `pause` is on, no pass starts (those in flight finish)."""
         loop = asyncio.get_running_loop()
+        follower = asyncio.create_task(self._follow(pause)) if pause is not None else None
         try:
             while True:
                 if pause is not None and pause.is_on():
-                    logger.info("paused by peering: no Sandbox's pass starts until the pause ends")
                     await pause.wait_for(False)
                 self._wake.clear()
                 now = loop.time()
+                if self._confirm_by is not None and self._confirm_by <= now:
+                    self._forget_unconfirmed()
                 while self._heap and self._heap[0][0] <= now:
                     due, key = heapq.heappop(self._heap)
-                    if self._due.get(key) == due and key not in self._running:
-                        self._start(key, run_pass)
-                    # A key whose pass is in flight is pushed again when it ends.
-                wait = self._heap[0][0] - now if self._heap else None
+                    if self._due.get(key) != due or key in self._running:
+                        continue  # moved; or pushed again when its pass in flight ends
+                    if key in self._unconfirmed:
+                        continue  # held until an event shows it (ensure)
+                    self._start(key, run_pass)
+                times = [self._heap[0][0]] if self._heap else []
+                times += [self._confirm_by] if self._confirm_by is not None else []
+                wait = min(times) - now if times else None
                 with suppress(TimeoutError):
                     async with asyncio.timeout(wait):
                         await self._wake.wait()
         finally:
+            if follower is not None:
+                follower.cancel()
+                await asyncio.wait({follower})
             for task in list(self._running.values()):
                 task.cancel()
             if self._running:
                 await asyncio.wait(set(self._running.values()))
+
+    async def _follow(self, pause: Pause) -> None:
+        """Mark the keys of the moment a pause begins as unconfirmed (the watches
+        close then: what happens to those Sandboxes meanwhile is not seen), and
+        give them until `default_seconds` after it ends to be confirmed."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await pause.wait_for(True)
+            logger.info("paused by peering: no Sandbox's pass starts until the pause ends")
+            self._unconfirmed.update(self._due)
+            await pause.wait_for(False)
+            self._confirm_by = loop.time() + self.default_seconds
+            self._wake.set()
 
     def _start(self, key: Key, run_pass: Pass) -> None:
         # Its time is used up: a pass that sets none is the next in `default_seconds`.
@@ -157,6 +194,17 @@ class Timetable:
             # Its time may have come while it ran (another trigger set it).
             heapq.heappush(self._heap, (due, key))
             self._wake.set()
+
+    def _forget_unconfirmed(self) -> None:
+        if self._unconfirmed:
+            logger.info(
+                "%d Sandboxes not seen since the pause ended: gone meanwhile; their times dropped",
+                len(self._unconfirmed),
+            )
+        for key in self._unconfirmed:
+            self._due.pop(key, None)
+        self._unconfirmed.clear()
+        self._confirm_by = None
 
     def _compact(self) -> None:
         self._heap = [(due, key) for key, due in self._due.items()]

@@ -338,29 +338,63 @@ def test_settle_waits_for_a_pass_in_flight_and_cancels_it_after_the_timeout() ->
     clocked(scenario)
 
 
-def test_no_pass_starts_while_paused_and_those_due_start_when_it_ends() -> None:
+def paused_clock(scenario: Any, default_seconds: float = 60) -> Any:
+    """Run `scenario(table, passes, conflict)` beside a clock that pauses with
+    Kopf's own kind of toggle set (`conflict` turns the pause on and off)."""
     from kopf._cogs.aiokits.aiotoggles import ToggleSet
 
-    async def main() -> None:
-        table = Timetable(default_seconds=60, retry_seconds=60)
+    async def main() -> Any:
+        table = Timetable(default_seconds=default_seconds, retry_seconds=60)
         passes = Passes(table)
         pauses = ToggleSet(any)
         conflict = await pauses.make_toggle(False, name="a peer of higher priority")
         clock = asyncio.create_task(table.run(passes.run_pass, pauses))
+        try:
+            return await scenario(table, passes, conflict)
+        finally:
+            clock.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await clock
+
+    return asyncio.run(main())
+
+
+def test_no_pass_starts_while_paused_and_a_confirmed_one_starts_when_it_ends() -> None:
+    async def scenario(table: Timetable, passes: Passes, conflict: Any) -> None:
         table.set(A, 0)
         assert await passes.next() == A
         await conflict.turn_to(True)
-        table.set(A, 0.01)
-        table.set(B, 0.02)
+        await asyncio.sleep(0.05)  # the clock sees the pause
+        table.set(B, 0.01)  # a pass in flight at the pause set this: B exists
         await asyncio.sleep(0.3)
         assert passes.keys() == [A]
         await conflict.turn_to(False)
-        assert sorted([await passes.next(), await passes.next()]) == [A, B]
-        clock.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await clock
+        assert await passes.next() == B
+        assert passes.keys() == [A, B]
 
-    asyncio.run(main())
+    paused_clock(scenario)
+
+
+def test_after_a_pause_a_key_runs_once_an_event_confirms_it_and_a_ghost_is_dropped() -> None:
+    async def scenario(table: Timetable, passes: Passes, conflict: Any) -> None:
+        table.set(A, 0)
+        table.set(B, 0)
+        assert sorted([await passes.next(), await passes.next()]) == [A, B]
+        # Their next passes (default_seconds after these) come due during the pause.
+        await conflict.turn_to(True)
+        await asyncio.sleep(0.8)
+        ran = len(passes.ran)
+        await conflict.turn_to(False)
+        await asyncio.sleep(0.1)
+        assert len(passes.ran) == ran, "a pass before any event confirmed its Sandbox"
+        table.ensure(A)  # the listing after the pause shows A, not B (deleted meanwhile)
+        assert await passes.next() == A
+        await asyncio.sleep(1.0)  # past default_seconds since the pause ended
+        assert table.due_in(B) is None, "a Sandbox no event showed kept its time"
+        assert table.due_in(A) is not None
+        assert {key for key, _ in passes.ran[ran:]} == {A}
+
+    paused_clock(scenario, default_seconds=0.5)
 
 
 def test_waiting_keys_cost_no_task_and_stopping_the_clock_cancels_passes() -> None:
