@@ -159,14 +159,9 @@ def handled_patch(body: JSON, digest_value: str) -> list[JSON]:
     return ops
 
 
-def handled(body: kopf.Body) -> bool:
-    """Whether Kopf's change handlers (or `mark_handled`) have recorded `body`."""
-    return DIFF_BASE.fetch(body=body) is not None
-
-
 def _unhandled_digest(body: kopf.Body) -> str | None:
     """The diff base to record for `body`, or None when it has one already."""
-    if handled(body):
+    if DIFF_BASE.fetch(body=body) is not None:
         return None
     return str(DIFF_BASE.build(body=body)["digest"])
 

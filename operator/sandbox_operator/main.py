@@ -311,15 +311,15 @@ async def sandbox_event(
     type: str, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
 ) -> None:
     """Gone: drop what this process holds for it (the finalizer does too, when it
-    ran). New: claim a member or create the children now, in the round of the
-    event that announced it (see `handlers.sandbox.arrival`)."""
+    ran). New and naming a pool: claim a member now, in the round of the event
+    that announced it (see `handlers.sandbox.arrival`)."""
     ctx = _ctx(memo)
     if type == "DELETED":
         sandbox.forget(ctx, dict(body))
         return
-    if type not in (None, "ADDED") or not sandbox.arrives(body):
+    if type not in (None, "ADDED") or not pools.awaits_claim(dict(body)):
         return
-    await sandbox.converge_on_arrival(ctx, body, kwargs["patch"], logger, _indexes(kwargs))
+    await sandbox.claim_on_arrival(ctx, body, kwargs["patch"], logger, _indexes(kwargs))
 
 
 async def _child_changed(

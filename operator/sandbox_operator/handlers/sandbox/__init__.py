@@ -7,14 +7,14 @@ pod.py           what to do with the pod, and doing it
 template_use.py  the template a Sandbox takes, read once and recorded (status.template)
 admission.py     admission against the namespace's SandboxQuotas
 pool_claim.py    taking a warm member of a SandboxPool (status.pool)
-arrival.py       a new Sandbox converged (pool claim or children) ahead of Kopf's change handlers
+arrival.py       a new Sandbox's pool claim, ahead of Kopf's change handlers
 environment.py   env of new commands and spec.files, through the agent
 lifecycle.py     idleness and lifetime
 status.py        the status model, written only when it changed; Blocked, how a
                  pass that cannot go on stops (its status written once)
 """
 
-from sandbox_operator.handlers.sandbox.arrival import arrives, converge_on_arrival
+from sandbox_operator.handlers.sandbox.arrival import claim_on_arrival
 from sandbox_operator.handlers.sandbox.reconcile import (
     Children,
     forget,
@@ -23,12 +23,4 @@ from sandbox_operator.handlers.sandbox.reconcile import (
     teardown,
 )
 
-__all__ = [
-    "Children",
-    "arrives",
-    "converge_on_arrival",
-    "forget",
-    "reconcile",
-    "refused",
-    "teardown",
-]
+__all__ = ["Children", "claim_on_arrival", "forget", "reconcile", "refused", "teardown"]
