@@ -12,7 +12,8 @@ active replica alone: a standby's watches are closed and it runs no handler,
 daemon, timer or clock pass. On takeover Kopf lists every object again, so the
 indexes and the resume handlers rebuild that state from the API server; a
 replica that was active before its pause goes on with the times its clock
-kept, each pass reading its Sandbox from the index anew. Gauges of a
+kept, for the Sandboxes the listing after the pause shows (timetable.py),
+each pass reading its Sandbox from the index anew. Gauges of a
 replica that was paused keep their last values: only the active one's are
 current.
 """
@@ -28,6 +29,7 @@ from typing import Any
 
 import kopf
 from kopf._cogs.aiokits.aiotoggles import ToggleSet
+from kopf._core.engines import daemons as kopf_daemons
 
 from sandbox_operator.kube import Kube
 from sandbox_operator.resources import CLUSTER_PEERINGS, PEERINGS
@@ -140,9 +142,7 @@ def follow_pauses() -> None:
     Kopf starts (at the import of the handlers' module). A Kopf that no longer
     makes its daemon killer so leaves the set unknown: `pause()` then refuses
     to run a clock beside peering (tests/unit/test_peering.py fails first)."""
-    from kopf._core.engines import daemons
-
-    original = daemons.daemon_killer
+    original = kopf_daemons.daemon_killer
     if getattr(original, "keeps_pauses", False):
         return
 
@@ -151,7 +151,7 @@ def follow_pauses() -> None:
         return original(operator_paused=operator_paused, **kwargs)
 
     daemon_killer.keeps_pauses = True  # type: ignore[attr-defined]
-    daemons.daemon_killer = daemon_killer
+    kopf_daemons.daemon_killer = daemon_killer
 
 
 def pause(settings: kopf.OperatorSettings) -> Pause | None:
