@@ -23,6 +23,39 @@ def test_write_read_roundtrip_binary(sandbox: Sandbox, wsdir: str) -> None:
     assert (sandbox.workspace / wsdir / "a/b/blob.bin").read_bytes() == data
 
 
+def test_a_small_file_rewritten_while_read_gives_whole_answers(
+    sandbox: Sandbox, wsdir: str
+) -> None:
+    """A shell's `echo 1 > f` truncates, then writes: a read between the two
+    finds the file shorter than its fstat said. The answer is what was read,
+    with a length to match, never a length promised and a body cut short
+    (the client's "peer closed connection without sending complete message
+    body" in an e2e run that read a counter a loop kept rewriting)."""
+    path = sandbox.workspace / wsdir / "count.txt"
+    path.write_bytes(b"12")
+    stop = time.monotonic() + 60
+
+    def rewrite() -> None:
+        while time.monotonic() < stop:
+            with path.open("wb") as f:
+                time.sleep(0.001)  # empty for a moment, as between a truncate and its write
+                f.write(b"12")
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        writer = pool.submit(rewrite)
+        try:
+            bodies = set()
+            for _ in range(300):
+                r = sandbox.client.get("/v1/files/content", params={"path": f"{wsdir}/count.txt"})
+                assert r.status_code == 200
+                assert r.headers["content-length"] == str(len(r.content))
+                bodies.add(r.content)
+        finally:
+            stop = time.monotonic()
+            writer.result()
+    assert bodies <= {b"", b"12"}
+
+
 def test_written_files_are_group_writable(sandbox: Sandbox, wsdir: str) -> None:
     info = sandbox.write(f"{wsdir}/new/file.txt", b"x")
     assert info["mode"] == "0664"  # umask 002: the sandbox user shares our group

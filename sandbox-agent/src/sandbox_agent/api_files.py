@@ -68,15 +68,20 @@ async def file_read(request: Request, args: Args) -> Response:
     if end - start > s.max_read_bytes:
         os.close(fd)
         raise TooLarge("read_too_large", f"reads are limited to {s.max_read_bytes} bytes")
-    headers["Content-Length"] = str(end - start)
-    headers["X-Range"] = f"{start}-{end}"
     if end - start <= 1 << 20:
         try:
             data = os.pread(fd, end - start, start)
         finally:
             os.close(fd)
+        # What was read, not what fstat said: a file rewritten meanwhile (a
+        # shell's `echo > f` truncates first) is shorter, and a length promised
+        # but not sent is a broken answer, not a short file.
+        headers["Content-Length"] = str(len(data))
+        headers["X-Range"] = f"{start}-{start + len(data)}"
         file_op("read")
         return Response(_bytes_out(data), media_type=OCTET, headers=headers)
+    headers["Content-Length"] = str(end - start)
+    headers["X-Range"] = f"{start}-{end}"
 
     async def chunks() -> AsyncGenerator[bytes, None]:
         pos = start
