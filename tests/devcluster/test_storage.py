@@ -27,7 +27,8 @@ import pytest
 
 from devcluster import build, probes, processes, storage
 from devcluster.cluster import LocalCluster
-from devcluster.controlplane import ControlPlaneError
+from devcluster.controlplane import ControlPlane, ControlPlaneError
+from devcluster.pytest_plugin import private_cluster
 from devcluster.storage import StorageControlPlane
 from tests.devcluster.support import WAIT, kubectl, wait_for
 from tests.kube import ApiError, KubeJSON, api_path, core_path
@@ -48,17 +49,16 @@ def start_cluster(name: str, **kwargs: Any) -> StorageControlPlane:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[StorageControlPlane]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[StorageControlPlane]:
     # Built here rather than inside start() only to report a failed build
     # as such; errors, never skips.
     build.etcd_binary()
     build.kubernetes_binaries()
     storage.storage_binaries()
-    cluster = start_cluster(f"pytest-storage-{os.getpid()}")
-    try:
+    # private_cluster keeps the state (the sidecars' logs) when a test failed.
+    name = f"pytest-storage-{os.getpid()}"
+    with private_cluster(request, StorageControlPlane(name, die_with_parent=True)) as cluster:
         yield cluster
-    finally:
-        cluster.stop(remove_state=True)
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +158,40 @@ def gone(kube: KubeJSON, path: str) -> Callable[[], bool]:
     return lambda: kube.get(path) is None
 
 
+def wait_snapshot_ready(
+    kube: KubeJSON, cluster: ControlPlane, path: str, timeout: float = WAIT
+) -> float:
+    """Wait for a VolumeSnapshot to be readyToUse; an error in its status fails
+    at once, a timeout fails with what the snapshot chain shows (the
+    snapshot's and its content's status, which sidecars run, their last log
+    lines): a hang under load must be diagnosable from the CI log alone."""
+
+    def ready() -> bool:
+        status = kube.read(path).get("status") or {}
+        assert not status.get("error"), status
+        return status.get("readyToUse") is True
+
+    try:
+        return wait_for(ready, f"{path} to be readyToUse", timeout=timeout)
+    except pytest.fail.Exception as failure:
+        raise AssertionError(f"{failure}\n{snapshot_diagnosis(kube, cluster, path)}") from None
+
+
+def snapshot_diagnosis(kube: KubeJSON, cluster: ControlPlane, path: str) -> str:
+    status = (kube.get(path) or {}).get("status") or {}
+    lines = [f"VolumeSnapshot status: {json.dumps(status)}"]
+    content_name = status.get("boundVolumeSnapshotContentName")
+    if content_name:
+        content = kube.get(api_path(SNAPSHOTS, "volumesnapshotcontents", None, content_name))
+        lines.append(f"VolumeSnapshotContent status: {json.dumps((content or {}).get('status'))}")
+    lines.append(f"running components: {sorted(cluster.pids())}")
+    for name in (storage.SNAPSHOT_CONTROLLER, storage.SNAPSHOTTER, storage.DRIVER):
+        log = cluster.logs_dir / f"{name}.log"
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else ["(no log)"]
+        lines += [f"--- {log}", *tail]
+    return "\n".join(lines)
+
+
 def test_components_ready_and_objects_installed(
     cluster: StorageControlPlane, kube: KubeJSON
 ) -> None:
@@ -232,12 +266,7 @@ def test_provision_snapshot_restore_delete(
     kube.create(api_path(SNAPSHOTS, "volumesnapshots", namespace), snapshot_body("snap", "source"))
     snapshot_path = api_path(SNAPSHOTS, "volumesnapshots", namespace, "snap")
 
-    def ready() -> bool:
-        status = kube.read(snapshot_path).get("status") or {}
-        assert not status.get("error"), status
-        return status.get("readyToUse") is True
-
-    wait_for(ready, "the VolumeSnapshot to be readyToUse", timeout=300)
+    wait_snapshot_ready(kube, cluster, snapshot_path, timeout=300)
     timings["snapshot_ready"] = time.monotonic() - began
     snapshot = kube.read(snapshot_path)
     # The driver reports the source volume's capacity as the snapshot size.
@@ -346,7 +375,7 @@ def test_a_volume_holds_its_size_and_no_more(
         api_path(SNAPSHOTS, "volumesnapshots", namespace), snapshot_body("of-small", "small")
     )
     path = api_path(SNAPSHOTS, "volumesnapshots", namespace, "of-small")
-    wait_for(lambda: (kube.read(path).get("status") or {}).get("readyToUse") is True, "snapshot")
+    wait_snapshot_ready(kube, cluster, path)
     assert (directory / "after.txt").stat().st_size == 8 * MIB
 
     kube.delete(core_path("persistentvolumeclaims", namespace, "small"))
@@ -545,10 +574,7 @@ def test_pod_mounts_volume_and_snapshot_restores_into_pod() -> None:
                 api_path(SNAPSHOTS, "volumesnapshots", "default"), snapshot_body("snap", "data")
             )
             snapshot = api_path(SNAPSHOTS, "volumesnapshots", "default", "snap")
-            wait_for(
-                lambda: (kube.read(snapshot).get("status") or {}).get("readyToUse") is True,
-                "the snapshot to be ready",
-            )
+            wait_snapshot_ready(kube, cluster, snapshot)
             source = {
                 "apiGroup": "snapshot.storage.k8s.io",
                 "kind": "VolumeSnapshot",
