@@ -318,7 +318,8 @@ def _storage_ports(layout: StorageLayout, ports: Ports) -> StoragePorts:
     return chosen
 
 
-def _user_name(component: str) -> str:
+def user_name(component: str) -> str:
+    """The user a sidecar authenticates as (its client certificate's CN), for RBAC."""
     return f"devcluster:{component}"
 
 
@@ -388,7 +389,7 @@ def storage_components(
     # deploys them (minus the leader-election Role: leader election is off).
     layout.credentials_dir.mkdir(mode=0o700, exist_ok=True)
     for component in users:
-        user = _user_name(component)
+        user = user_name(component)
         pair = pki.ensure_leaf(
             certs, user, pki.Leaf(user, client=True), directory=layout.credentials_dir
         )
@@ -544,7 +545,7 @@ def _cluster_roles(snapshots: bool) -> list[dict[str, object]]:
             {
                 "apiVersion": "rbac.authorization.k8s.io/v1",
                 "kind": "ClusterRoleBinding",
-                "metadata": {"name": _user_name(component)},
+                "metadata": {"name": user_name(component)},
                 "roleRef": {
                     "apiGroup": "rbac.authorization.k8s.io",
                     "kind": "ClusterRole",
@@ -554,7 +555,7 @@ def _cluster_roles(snapshots: bool) -> list[dict[str, object]]:
                     {
                         "apiGroup": "rbac.authorization.k8s.io",
                         "kind": "User",
-                        "name": _user_name(component),
+                        "name": user_name(component),
                     }
                 ],
             }

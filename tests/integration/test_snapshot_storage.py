@@ -397,6 +397,88 @@ def test_a_volume_snapshot_deleted_behind_the_operators_back_shows(
     assert snapshots.get("fragile")["status"]["phase"] == "Failed"  # type: ignore[index]
 
 
+def test_an_error_the_snapshot_controller_retries_is_not_a_failure(
+    cluster: StorageControlPlane, skube: KubeJSON, sns: str
+) -> None:
+    """The snapshot controller writes errors it goes on retrying into the
+    VolumeSnapshot's status and clears them once the snapshot is cut (CI saw
+    one: a conflict on the source claim). The Snapshot says so and waits
+    (SnapshotRetrying, phase InProgress) and becomes Ready with the retry,
+    where it used to fail for good at once. The error here: a
+    VolumeSnapshotClass whose credentials Secret does not exist yet."""
+    sandboxes, snapshots = Sandboxes(skube, sns), Snapshots(skube, sns)
+    sandboxes.create("patient", {"paused": True, "workspace": {"size": "16Mi"}})
+    (workspace_dir(cluster, skube, sns, "patient") / "note.txt").write_text("kept\n")
+    # Upstream's optional rule for drivers with credentials: the sidecar reads Secrets.
+    reader = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "secret-reader"}
+    skube.create(
+        api_path("rbac.authorization.k8s.io/v1", "roles", sns),
+        {
+            "metadata": {"name": "secret-reader"},
+            "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}],
+        },
+    )
+    skube.create(
+        api_path("rbac.authorization.k8s.io/v1", "rolebindings", sns),
+        {
+            "metadata": {"name": "secret-reader"},
+            "roleRef": reader,
+            "subjects": [
+                {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "User",
+                    "name": storage.user_name(storage.SNAPSHOTTER),
+                }
+            ],
+        },
+    )
+    classes = api_path(VOLUME_SNAPSHOTS, "volumesnapshotclasses")
+    class_name = f"creds-{sns}"
+    skube.create(
+        classes,
+        {
+            "apiVersion": VOLUME_SNAPSHOTS,
+            "kind": "VolumeSnapshotClass",
+            "metadata": {"name": class_name},
+            "driver": storage.DRIVER_NAME,
+            "deletionPolicy": "Delete",
+            "parameters": {
+                "csi.storage.k8s.io/snapshotter-secret-name": "snap-creds",
+                "csi.storage.k8s.io/snapshotter-secret-namespace": sns,
+            },
+        },
+    )
+    try:
+        snapshots.create("later", "patient", volumeSnapshotClassName=class_name)
+        wait_for(
+            lambda: (snapshots.condition("later") or {}).get("reason") == "SnapshotRetrying",
+            90,
+            "Ready=False SnapshotRetrying",
+        )
+        cond = snapshots.condition("later") or {}
+        assert "credentials" in cond["message"], cond
+        assert "retries" in cond["message"], cond
+        body = snapshots.get("later") or {}
+        assert body["status"]["phase"] == "InProgress", body["status"]
+        stalled = snapshots.condition("later", "Stalled") or {}
+        assert stalled.get("status") != "True", stalled
+
+        skube.create(
+            core_path("secrets", sns),
+            {"metadata": {"name": "snap-creds"}, "stringData": {"key": "value"}},
+        )
+        # The sidecar retries with a backoff of at most 30 s here.
+        ready = snapshots.wait_phase("later", "Ready", timeout=120)
+        assert ready["status"]["readyToUse"] is True
+        cond = snapshots.condition("later") or {}
+        assert cond["reason"] == "SnapshotReady", cond
+        # Deleted while its credentials exist: the content's deletion needs them too.
+        snapshots.delete("later")
+        wait_for(lambda: snapshots.get("later") is None, 60, "the Snapshot deleted")
+    finally:
+        skube.delete(f"{classes}/{class_name}")
+
+
 def test_quiesce_that_cannot_reach_the_agent_refuses_to_snapshot(
     cluster: StorageControlPlane, skube: KubeJSON, sns: str
 ) -> None:

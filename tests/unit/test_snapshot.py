@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -20,6 +20,7 @@ from sandbox_operator.config import Settings
 from sandbox_operator.resources import LABEL_SANDBOX, LABEL_SNAPSHOT_UID, SNAPSHOT_ANNOTATION
 
 REF = build.SnapshotRef(name="snap", namespace="ns", uid="1234-abcd")
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
 SOURCE = build.RestoreSource(
     snapshot="snap",
     volume_snapshot="sandbox-snapshot-1234-abcd",
@@ -89,6 +90,15 @@ def test_idle_snapshot_is_named_after_the_deadline_and_not_owned() -> None:
     assert body["metadata"]["labels"][LABEL_SANDBOX] == "box"
 
 
+def _erring(since: datetime) -> dict[str, object]:
+    """A VolumeSnapshot whose error the snapshot controller first wrote at `since`."""
+    when = since.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "metadata": {"creationTimestamp": "2025-01-01T00:00:00Z"},
+        "status": {"readyToUse": False, "error": {"message": "conflict", "time": when}},
+    }
+
+
 @pytest.mark.parametrize(
     ("observed", "phase", "reason"),
     [
@@ -104,10 +114,34 @@ def test_idle_snapshot_is_named_after_the_deadline_and_not_owned() -> None:
             P.READY,
             R.READY,
         ),
+        # The snapshot controller retries what it reports: an error is final
+        # only once it has stayed CSI_ERROR_GRACE_SECONDS.
         (
             sc.Observed(
                 created=True,
                 volume_snapshot={"status": {"readyToUse": False, "error": {"message": "boom"}}},
+            ),
+            P.IN_PROGRESS,
+            R.CSI_RETRYING,
+        ),
+        (
+            sc.Observed(created=True, volume_snapshot=_erring(NOW - timedelta(seconds=119))),
+            P.IN_PROGRESS,
+            R.CSI_RETRYING,
+        ),
+        (
+            sc.Observed(created=True, volume_snapshot=_erring(NOW - timedelta(seconds=120))),
+            P.FAILED,
+            R.SNAPSHOT_FAILED,
+        ),
+        (
+            # No time on the error: it counts from the VolumeSnapshot's creation.
+            sc.Observed(
+                created=True,
+                volume_snapshot={
+                    "metadata": {"creationTimestamp": "2025-12-31T23:00:00Z"},
+                    "status": {"error": {"message": "boom"}},
+                },
             ),
             P.FAILED,
             R.SNAPSHOT_FAILED,
@@ -115,7 +149,7 @@ def test_idle_snapshot_is_named_after_the_deadline_and_not_owned() -> None:
     ],
 )
 def test_snapshot_phase_and_ready_reason(observed: sc.Observed, phase: str, reason: str) -> None:
-    status = sc.build_status(SnapshotStatus(), observed, 1, datetime(2026, 1, 1, tzinfo=UTC))
+    status = sc.build_status(SnapshotStatus(), observed, 1, NOW)
     ready = [c for c in status.conditions if c.type == "Ready"]
     assert (status.phase, ready[0].reason) == (phase, reason)
     assert ready[0].status == ("True" if phase == P.READY else "False")
@@ -134,12 +168,22 @@ def test_csi_error_message_reaches_the_condition_and_fields_mirror_the_volume_sn
         "restore_size": "10Mi",
         "creation_time": "2026-01-01T00:00:00Z",
     }
-    assert sc.cut(vs)
-    assert not sc.cut({"status": {}})
+    assert sc.cut(vs, NOW)
+    assert not sc.cut({"status": {}}, NOW)
     ready = sc.ready(
-        sc.Observed(created=True, volume_snapshot={"status": {"error": {"message": "disk full"}}})
+        sc.Observed(created=True, volume_snapshot={"status": {"error": {"message": "disk full"}}}),
+        NOW,
     )
     assert "disk full" in ready.message
+
+
+def test_quiesced_writers_wait_while_the_snapshot_controller_retries() -> None:
+    """An error being retried is no cut: quiesced executions stay paused (the
+    agent's own bound ends the pause); a final one lets them go."""
+    assert not sc.cut(_erring(NOW - timedelta(seconds=5)), NOW)
+    assert sc.cut(_erring(NOW - timedelta(seconds=600)), NOW)
+    retried = {**_erring(NOW - timedelta(seconds=5)), "status": {"creationTime": "x"}}
+    assert sc.cut(retried, NOW)
 
 
 def test_a_sandbox_held_for_a_rollback_is_restoring_not_ready() -> None:

@@ -53,6 +53,8 @@ class SnapshotReason(StrEnum):
     SYNC_FAILED = "SyncFailed"
     CREATING = "Creating"
     SNAPSHOT_FAILED = "SnapshotFailed"
+    # The VolumeSnapshot reports an error that the snapshot controller retries.
+    CSI_RETRYING = "SnapshotRetrying"
     VOLUME_SNAPSHOT_MISSING = "VolumeSnapshotMissing"
     # Quiesced.
     QUIESCED = "ExecutionsPaused"

@@ -14,11 +14,19 @@ from sandbox_operator.api.snapshot import (
     SnapshotStatus,
 )
 from sandbox_operator.builders.conditions import FALSE, TRUE, Cond, merge, progress
-from sandbox_operator.clock import iso
+from sandbox_operator.clock import iso, parse_time
 
 JSON = dict[str, Any]
 C = SnapshotCondition
 R = SnapshotReason
+
+# How long a VolumeSnapshot may report an error before its Snapshot fails. The
+# snapshot controller writes `status.error` for failures it goes on retrying
+# (its update of the source claim conflicting with another writer's, say) and
+# clears it once the snapshot is ready: an error is a verdict only when it
+# stays. Its `time` is when that error was first written (the same message is
+# not written again), so the grace runs from the error, not from each retry.
+CSI_ERROR_GRACE_SECONDS = 120.0
 
 
 @dataclass(frozen=True)
@@ -49,13 +57,34 @@ def volume_snapshot_fields(volume_snapshot: JSON | None) -> JSON:
     return fields
 
 
-def cut(volume_snapshot: JSON | None) -> bool:
-    """The point-in-time copy exists (or failed): quiesced writers may go on."""
+def csi_error(volume_snapshot: JSON | None, now: datetime) -> tuple[str, bool] | None:
+    """The VolumeSnapshot's error message, and whether it is final (reported for
+    `CSI_ERROR_GRACE_SECONDS`); None without one. An error without a time counts
+    from the VolumeSnapshot's creation."""
+    vs = volume_snapshot or {}
+    error = (vs.get("status") or {}).get("error") or {}
+    message = error.get("message")
+    if not message:
+        return None
+    since = error.get("time") or (vs.get("metadata") or {}).get("creationTimestamp")
+    final = since is not None and (now - parse_time(since)).total_seconds() >= (
+        CSI_ERROR_GRACE_SECONDS
+    )
+    return str(message), final
+
+
+def cut(volume_snapshot: JSON | None, now: datetime) -> bool:
+    """The point-in-time copy exists, or failed for good: quiesced writers may go
+    on. While the snapshot controller retries they stay paused (the agent ends
+    a pause by itself after its bound)."""
     status = (volume_snapshot or {}).get("status") or {}
-    return bool(status.get("creationTime") or status.get("readyToUse") or status.get("error"))
+    if status.get("creationTime") or status.get("readyToUse"):
+        return True
+    error = csi_error(volume_snapshot, now)
+    return error is not None and error[1]
 
 
-def ready(o: Observed) -> Cond:
+def ready(o: Observed, now: datetime) -> Cond:
     if o.failure:
         reason, message = o.failure
         return Cond(C.READY, FALSE, reason, message)
@@ -66,9 +95,13 @@ def ready(o: Observed) -> Cond:
         status = o.volume_snapshot.get("status") or {}
         if status.get("readyToUse"):
             return Cond(C.READY, TRUE, R.READY, "restorable")
-        error = status.get("error") or {}
-        if error.get("message"):
-            return Cond(C.READY, FALSE, R.SNAPSHOT_FAILED, f"CSI snapshot: {error['message']}")
+        error = csi_error(o.volume_snapshot, now)
+        if error is not None:
+            message, final = error
+            if final:
+                return Cond(C.READY, FALSE, R.SNAPSHOT_FAILED, f"CSI snapshot: {message}")
+            retrying = f"CSI snapshot: {message} (the snapshot controller retries)"
+            return Cond(C.READY, FALSE, R.CSI_RETRYING, retrying)
         message = (
             "cut; waiting for the CSI driver to make it ready"
             if status.get("creationTime")
@@ -79,8 +112,8 @@ def ready(o: Observed) -> Cond:
     return Cond(C.READY, FALSE, reason, message)
 
 
-def compute(o: Observed) -> dict[str, Cond | None]:
-    cond = ready(o)
+def compute(o: Observed, now: datetime) -> dict[str, Cond | None]:
+    cond = ready(o, now)
     return {C.QUIESCED: o.quiesce, C.READY: cond, **progress(cond, stalled=failed(o, cond))}
 
 
@@ -107,7 +140,7 @@ TERMINAL = (SnapshotPhase.READY, SnapshotPhase.FAILED)
 def build_status(
     old: SnapshotStatus, o: Observed, generation: int, now: datetime, **fields: Any
 ) -> SnapshotStatus:
-    conds = compute(o)
+    conds = compute(o, now)
     return old.evolve(
         **{
             **fields,

@@ -297,7 +297,7 @@ async def _follow(ctx: OperatorContext, body: JSON, logger: kopf.Logger, wait: b
     cond: Cond | None = None
     if quiesce is not None:
         cond = Cond(quiesce.type, quiesce.status, quiesce.reason, quiesce.message)
-        if quiesce.reason == R.QUIESCED and (vs is None or snapshot_status.cut(vs)):
+        if quiesce.reason == R.QUIESCED and (vs is None or snapshot_status.cut(vs, now_utc())):
             await _resume(ctx, body, logger)
             cond = Cond(
                 SnapshotCondition.QUIESCED, FALSE, R.RESUMED, "the snapshot is cut; writes resumed"
