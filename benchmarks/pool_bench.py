@@ -49,12 +49,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -77,6 +78,8 @@ from devcluster.storage import StorageAddon  # noqa: E402
 from sandbox_operator.builders import pool as pools  # noqa: E402
 from sandbox_operator.resources import FINALIZER  # noqa: E402
 from tests.kube import JSON, KubeJSON, api_path, core_path  # noqa: E402
+
+T = TypeVar("T")
 
 NS = "poolbench"
 GROUP = "sandbox.dev/v1alpha1"
@@ -266,13 +269,7 @@ def api_floor(kube: KubeJSON, count: int, parallel: int, owner: JSON) -> tuple[f
         kube.patch(path, member_patch(marked, owner))
         kube.patch(f"{path}/status", claimed_status(name))
 
-    names = [f"floor-{i:03d}" for i in range(count)]
-    with cpu_use() as used:
-        started = time.monotonic()
-        with ThreadPoolExecutor(max_workers=parallel) as pool:
-            list(pool.map(claim, names))
-        took = time.monotonic() - started
-    return took, used
+    return in_parallel(claim, [f"floor-{i:03d}" for i in range(count)], parallel)
 
 
 def api_floor_on_members(
@@ -308,10 +305,16 @@ def api_floor_on_members(
         kube.patch(sandboxes_path(member_name), pools.claim_patch(member, created))
         kube.patch(f"{path}/status", {"status": claimer["status"]})
 
+    return in_parallel(claim, claimers, parallel)
+
+
+def in_parallel(work: Callable[[T], None], items: list[T], parallel: int) -> tuple[float, CpuUse]:
+    """`work` on every item, `parallel` at a time: the seconds from the first
+    to the last, and the machine's CPU meanwhile."""
     with cpu_use() as used:
         started = time.monotonic()
         with ThreadPoolExecutor(max_workers=parallel) as pool:
-            list(pool.map(claim, claimers))
+            list(pool.map(work, items))
         took = time.monotonic() - started
     return took, used
 
