@@ -408,7 +408,7 @@ def test_an_error_the_snapshot_controller_retries_is_not_a_failure(
     VolumeSnapshotClass whose credentials Secret does not exist yet."""
     sandboxes, snapshots = Sandboxes(skube, sns), Snapshots(skube, sns)
     sandboxes.create("patient", {"paused": True, "workspace": {"size": "16Mi"}})
-    (workspace_dir(cluster, skube, sns, "patient") / "note.txt").write_text("kept\n")
+    workspace_dir(cluster, skube, sns, "patient")
     # Upstream's optional rule for drivers with credentials: the sidecar reads Secrets.
     reader = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "secret-reader"}
     skube.create(
