@@ -14,6 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandbox_operator.identity import SANDBOX_CONTAINER
+from sandbox_operator.resources import (
+    CLAIMS,
+    EXECUTIONS,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+    PODS,
+    SANDBOX_POOLS,
+    SANDBOX_QUOTAS,
+    SANDBOXES,
+    Resource,
+)
 
 JSON = dict[str, Any]
 Key = tuple[str, str]
@@ -38,6 +49,30 @@ class Indexes:
     # Executions by (namespace, sandbox): the per-sandbox queue
     # (`handlers.execution.slot_entry`).
     slots: Mapping[Key, Collection[JSON]]
+
+
+@dataclass(frozen=True)
+class Source:
+    """The objects an index holds values of: a kind, and the label selector its
+    index function is registered with (None: every object of the kind)."""
+
+    resource: Resource
+    selector: str | None = None
+
+
+# The operator's own children carry this label; only those are indexed.
+OWN_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+# Each field of `Indexes` and what main.py registers its index function on
+# (tests/unit/test_sweep.py checks that the two agree).
+SOURCES: dict[str, Source] = {
+    "sandboxes": Source(SANDBOXES),
+    "links": Source(SANDBOXES),
+    "pods": Source(PODS, OWN_SELECTOR),
+    "claims": Source(CLAIMS, OWN_SELECTOR),
+    "quotas": Source(SANDBOX_QUOTAS),
+    "pools": Source(SANDBOX_POOLS),
+    "slots": Source(EXECUTIONS),
+}
 
 
 def drop_managed_fields(body: Mapping[str, Any]) -> None:

@@ -39,7 +39,13 @@ from sandbox_operator.handlers import quota as quotas
 from sandbox_operator.handlers import snapshot as snapshots
 from sandbox_operator.handlers import template as templates
 from sandbox_operator.handlers.sandbox import deadlines
-from sandbox_operator.indexes import Indexes, drop_managed_fields, pod_essentials, trim
+from sandbox_operator.indexes import (
+    OWN_SELECTOR,
+    Indexes,
+    drop_managed_fields,
+    pod_essentials,
+    trim,
+)
 from sandbox_operator.kube import Kube
 from sandbox_operator.resources import (
     CLAIMS,
@@ -55,7 +61,10 @@ from sandbox_operator.resources import (
     SANDBOX_TEMPLATES,
     SANDBOXES,
     SNAPSHOTS,
+    Resource,
 )
+from sandbox_operator.sweep import Gone, Sweep
+from sandbox_operator.sweep import Key as SweepKey
 
 # Read at import: the timer interval is fixed when handlers are registered.
 SETTINGS = config.load()
@@ -86,7 +95,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
     peering.configure(settings, SETTINGS.peering_lifetime_seconds)
     # Watch only our own pods and claims, filtered by the API server, not in this process.
     for resource in (POD, CLAIM):
-        settings.watching.label_selectors[resource] = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+        settings.watching.label_selectors[resource] = OWN_SELECTOR
     settings.execution.max_workers = SETTINGS.max_workers
     # A Sandbox deleted while its timer pass runs (always so when the pass itself
     # deleted it: idle, paused and lifetime timeouts) keeps its finalizer until
@@ -115,10 +124,14 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
     if SETTINGS.metrics_port:
         start_http_server(SETTINGS.metrics_port)
     # Startup handlers get the indexes too (empty until the watches fill them).
-    clock = memo.ctx.timetable.run(
-        _clock_pass(memo, settings, _indexes(kwargs)), peering.pause(settings)
-    )
+    pause = peering.pause(settings)
+    clock = memo.ctx.timetable.run(_clock_pass(memo, settings, _indexes(kwargs)), pause)
     memo.clock = asyncio.create_task(clock, name="the Sandboxes' clock")
+    memo.sweep = None
+    if pause is not None:
+        namespaces = SETTINGS.watch_namespaces
+        swept = Sweep(memo.ctx.kube, _indexes(kwargs), namespaces, _forget_gone(memo))
+        memo.sweep = asyncio.create_task(swept.run(pause), name="the sweep after pauses")
 
 
 @kopf.on.login()
@@ -131,9 +144,11 @@ async def login(logger: kopf.Logger, **kwargs: Any) -> kopf.AiohttpSession:
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
     ctx: OperatorContext = memo.ctx
-    memo.clock.cancel()
-    with suppress(asyncio.CancelledError):
-        await memo.clock
+    for task in (memo.clock, memo.sweep):
+        if task is not None:
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
     await memo.events.drain()
     await ctx.kube.close()
     await ctx.agents.close()
@@ -148,6 +163,24 @@ def _ctx(memo: kopf.Memo) -> OperatorContext:
 def _scheduler(memo: kopf.Memo) -> execution.Scheduler:
     scheduler: execution.Scheduler = memo.scheduler
     return scheduler
+
+
+def _forget_gone(memo: kopf.Memo) -> Gone:
+    """What this process keeps of an object that was deleted while it was paused
+    (sweep.py), as the object's deletion would have dropped it."""
+
+    def gone(resource: Resource, key: SweepKey) -> None:
+        namespace, name, uid = key
+        if namespace is None:
+            return
+        if resource == SANDBOXES:
+            _ctx(memo).forget(namespace, name, uid)
+        elif resource == SANDBOX_QUOTAS:
+            quotas.forget(namespace, name)
+        elif resource == EXECUTIONS:
+            _scheduler(memo).forget(namespace, name)
+
+    return gone
 
 
 def _indexes(kwargs: Mapping[str, Any]) -> Indexes:

@@ -169,3 +169,9 @@ class QuotaCollector(Collector):
 
 QUOTAS = QuotaCollector()
 REGISTRY.register(QUOTAS)
+FORGOTTEN_AFTER_PAUSE = Counter(
+    "sandbox_operator_forgotten_after_pause_total",
+    "Objects deleted while this replica was paused by peering (no event of it), dropped"
+    " from its indexes when the pause ended, by kind (plural).",
+    ["kind"],
+)

@@ -13,7 +13,8 @@ daemon, timer or clock pass. On takeover Kopf lists every object again, so the
 indexes and the resume handlers rebuild that state from the API server; a
 replica that was active before its pause goes on with the times its clock
 kept, for the Sandboxes the listing after the pause shows (timetable.py),
-each pass reading its Sandbox from the index anew. Gauges of a
+each pass reading its Sandbox from the index anew, and forgets the objects
+deleted during the pause, of which Kopf sends no event (sweep.py). Gauges of a
 replica that was paused keep their last values: only the active one's are
 current.
 """

@@ -16,6 +16,7 @@ from tests.executions import Executions
 from tests.integration.conftest import OPERATOR_ENV
 from tests.integration.harness import AgentProcess, OperatorProcess, wait_for
 from tests.kube import KubeJSON, api_path
+from tests.quotas import SandboxQuotas, quota_exceeded
 from tests.sandboxes import Sandboxes
 from tests.snapshots import Snapshots
 
@@ -107,6 +108,37 @@ def test_a_paused_replica_starts_no_pass_until_the_pause_ends(
     sandboxes.wait_gone("brief", 30, "the deletion once the pause is over")
     assert "Resuming operations" in pair.a.log.read_text()
     assert Pair.handled(pair.b, sandboxes.namespace) == [], "the standby acted"
+
+
+def test_a_sandbox_deleted_during_a_pause_is_forgotten_when_it_ends(
+    pair: Pair, kube: KubeJSON, sandboxes: Sandboxes
+) -> None:
+    """Kopf sends no event of an object deleted while a replica's watches were
+    closed, and kept it in its indexes: a Sandbox finalized by the replica that
+    was active meanwhile still counted against its namespace's SandboxQuota,
+    and the next Sandbox waited for room that was there. Here the test plays
+    the elder replica: it pauses both and finalizes the Sandbox itself."""
+    ns = sandboxes.namespace
+    SandboxQuotas(kube, ns).create("team", {"sandboxes": 1})
+    sandboxes.create("first")
+    sandboxes.wait_object("first", "admitted", lambda s: bool(s.get("admitted")))
+    path = api_path(KOPF, "clusterkopfpeerings", name=pair.peering)
+    elder = {"priority": 1, "lifetime": 600, "lastseen": datetime.now(UTC).isoformat()}
+    kube.patch(path, {"status": {"elder": elder}})
+    wait_for(lambda: "Pausing operations" in pair.a.log.read_text(), 30, "replica a to pause")
+    sandboxes.delete("first")
+    sandboxes.patch("first", {"metadata": {"finalizers": None}})
+    sandboxes.wait_gone("first", 30, "the Sandbox finalized by the elder")
+
+    kube.patch(path, {"status": {"elder": None}})
+    forgotten = f"sandboxes deleted while this replica was paused, forgotten: {ns}/first"
+    wait_for(lambda: forgotten in pair.a.log.read_text(), 30, "replica a to forget it")
+    sandboxes.create("second")
+    verdict = sandboxes.wait_object(
+        "second", "a verdict", lambda s: bool(s.get("admitted")) or quota_exceeded(s)
+    )
+    assert verdict["status"].get("admitted") is True, verdict["status"]
+    assert Pair.handled(pair.b, ns) == [], "the standby acted"
 
 
 def test_sigkilled_active_replica_is_replaced_and_its_work_completes(
