@@ -1,7 +1,8 @@
 """The chart for production: values.schema.json refuses wrong values with the
 path and the reason, placement and sizing reach both Deployments, the
 ServiceMonitor and the dashboard render only when enabled (the board is the
-file tests/unit/test_dashboard.py checks), and the hooks (CRD upgrade, helm test) are well formed."""
+file tests/unit/test_dashboard.py checks), and the hooks (CRD upgrade, helm
+test) are well formed."""
 
 from __future__ import annotations
 

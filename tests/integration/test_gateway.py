@@ -4,6 +4,7 @@ against real RBAC, the chart's own roles) and real agents on loopback."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import io
 import json
 import socket
@@ -11,6 +12,7 @@ import subprocess
 import tarfile
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -458,6 +460,50 @@ def test_an_upload_the_caller_abandons_is_abandoned_by_the_agent(
     assert not (agent.workspace / "partial.bin").exists()
     with client(gateway, ns, "box", token) as http:
         assert http.get("/info").status_code == 200
+
+
+def test_a_compressed_body_arrives_whole_and_decoded(
+    gateway: GatewayProcess, kube: KubeJSON, ns: str, live_sandbox: LiveSandbox
+) -> None:
+    """A caller's Content-Encoding is undone once, by the gateway: the agent gets
+    every decoded byte (not as many as were sent encoded) and no encoding to
+    undo again, whether the body is read whole or streamed."""
+    agent = live_sandbox("box")
+    token = caller(kube, ns, "alice", "user")
+    small = b"small and squeezable " * 1000  # 21 KiB, a few hundred bytes gzipped
+    large = bytes(range(256)) * 4096 + b"tail"  # 1 MiB, past the read-whole size
+    with client(gateway, ns, "box", token) as http:
+        for name, data, coding in (
+            ("small.bin", small, "gzip"),
+            ("large.bin", large, "gzip"),
+            ("deflated.bin", large, "deflate"),
+        ):
+            packed = gzip.compress(data) if coding == "gzip" else zlib.compress(data)
+            put = http.put(
+                "/files/content",
+                params={"path": name},
+                content=packed,
+                headers={"Content-Encoding": coding},
+            )
+            assert put.status_code in (200, 201), (name, put.text)
+            assert (agent.workspace / name).read_bytes() == data, name
+        ran = http.post(
+            "/executions",
+            content=gzip.compress(json.dumps({"command": "echo unpacked"}).encode()),
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        )
+        assert ran.status_code == 200, ran.text
+        assert ran.json()["stdout"] == "unpacked\n"
+        # A body that does not decode is the caller's error, said as such.
+        broken = http.put(
+            "/files/content",
+            params={"path": "broken.bin"},
+            content=b"not gzip at all" * 10000,
+            headers={"Content-Encoding": "gzip"},
+        )
+        assert broken.status_code == 400, broken.text
+        assert "Content-Encoding (gzip)" in broken.json()["error"]["message"]
+        assert not (agent.workspace / "broken.bin").exists()
 
 
 def test_nothing_a_caller_sends_is_a_server_error(

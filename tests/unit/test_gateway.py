@@ -24,6 +24,7 @@ from sandbox_operator.gateway.app import (
 )
 from sandbox_operator.gateway.proxy import SHORT_SECONDS, YIELD_SECONDS, Fairness
 from sandbox_operator.gateway.signing import Claims, Keys, SigningError
+from sandbox_operator.gateway.table import JSON, RouteTable, token_of
 
 REPO = Path(__file__).resolve().parents[2]
 # The agent's operations the gateway does not serve: the operator's own controls
@@ -392,3 +393,36 @@ def test_a_call_stops_counting_as_short_after_short_seconds() -> None:
         assert fair.short == 0
 
     asyncio.run(scenario())
+
+
+def _secret(name: str, sandbox: str, owner: str, *, controller: bool = True) -> JSON:
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "team",
+            "labels": {
+                "sandbox.dev/sandbox": sandbox,
+                "app.kubernetes.io/managed-by": "sandbox-operator",
+            },
+            "ownerReferences": [
+                {"kind": "Sandbox", "name": sandbox, "uid": owner, "controller": controller}
+            ],
+        },
+        "data": {"token": base64.b64encode(b"s3cret").decode()},
+    }
+
+
+def test_only_the_operators_own_token_secret_is_a_sandboxs_token() -> None:
+    assert token_of(_secret("box-agent-token", "box", "u1")) == ("box", "u1", "s3cret")
+    # Look-alikes anyone with create on Secrets could make: another name, an
+    # owner reference that is not the controller, or one naming another sandbox.
+    assert token_of(_secret("box-agent-token-2", "box", "u1")) is None
+    assert token_of(_secret("box-agent-token", "box", "u1", controller=False)) is None
+    fake = _secret("box-agent-token", "box", "u1")
+    fake["metadata"]["ownerReferences"][0]["name"] = "other"
+    assert token_of(fake) is None
+    table = RouteTable(kube=None, namespaces=["team"])  # type: ignore[arg-type]
+    table._apply_secret("ADDED", _secret("box-agent-token", "box", "u1"))
+    table._apply_secret("ADDED", _secret("decoy", "box", "u1"))
+    table._apply_secret("DELETED", _secret("decoy", "box", "u1"))
+    assert table.tokens[("team", "box")] == ("u1", "s3cret")

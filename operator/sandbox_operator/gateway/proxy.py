@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
 from sandbox_operator.gateway import metrics, tunnel
@@ -122,6 +123,32 @@ def forwarded_headers(headers: Mapping[str, str], drop: Iterable[str] = ()) -> C
     return out
 
 
+# The content codings aiohttp's server decodes before a handler reads the body
+# (aiohttp.http_parser); any other is passed on as it came, with the body.
+DECODED = frozenset({"gzip", "deflate", "br", "zstd"})
+
+
+def decoded(request: web.Request) -> bool:
+    """May the body this request's handler reads be decoded from what the caller
+    sent? With several Content-Encoding headers, aiohttp's two parsers decode by
+    different ones: any that it decodes counts."""
+    codings = request.headers.getall("Content-Encoding", [])
+    return any(c.isascii() and c.lower() in DECODED for c in codings)
+
+
+def _undecodable(exc: BaseException) -> bool:
+    """Did sending fail because the caller's body did not decode? aiohttp wraps
+    what the body's iterator raised in its own connection error."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a chain of causes can loop
+        if seen is None:
+            return False
+        if isinstance(seen, RequestPayloadError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 async def _body(request: web.Request, fair: Fairness) -> AsyncIterator[bytes]:
     async for chunk in request.content.iter_chunked(CHUNK):
         await fair.turn()
@@ -213,6 +240,12 @@ class Upstreams:
         end_short: Callable[[], None],
     ) -> web.StreamResponse:
         length = request.content_length
+        if decoded(request):
+            # aiohttp hands the body on decoded: the caller's encoding and length
+            # are those of bytes that are not sent. Passed on, the agent would read
+            # a decoded body cut at the encoded length, or try to decode it again.
+            outgoing.popall("Content-Encoding", None)
+            length = None
         data: bytes | AsyncIterator[bytes] | None = None
         if request.body_exists:
             if length is not None and length <= SMALL:
@@ -238,6 +271,11 @@ class Upstreams:
                     method, url, params=params, headers=outgoing, data=data, allow_redirects=False
                 )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            if _undecodable(exc):
+                # The caller's body stopped decoding midway: its error, not the agent's.
+                coding = ", ".join(request.headers.getall("Content-Encoding", []))
+                why = f"the body does not decode as its Content-Encoding ({coding}) says"
+                raise web.HTTPBadRequest(reason=why) from None
             metrics.UPSTREAM_ERRORS.inc()
             raise UpstreamError(f"{url.split('?')[0]} could not be reached: {exc}") from exc
         response: web.StreamResponse | None = None

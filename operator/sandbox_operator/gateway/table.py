@@ -21,7 +21,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from sandbox_operator.effective import effectively_paused, sandbox_spec
-from sandbox_operator.identity import TOKEN_KEY
+from sandbox_operator.identity import TOKEN_KEY, names
 from sandbox_operator.kube import Kube, KubeError
 from sandbox_operator.resources import (
     LABEL_MANAGED_BY,
@@ -131,12 +131,19 @@ def route_of(body: JSON) -> Route:
 
 
 def token_of(secret: JSON) -> tuple[str, str, str] | None:
-    """(sandbox, owner UID, token) of an agent-token Secret, or None for another Secret."""
+    """(sandbox, owner UID, token) of an agent-token Secret, or None for another
+    Secret. Only the one the operator names and controls counts: a look-alike
+    (the labels and an owner reference copied under another name) must neither
+    replace a sandbox's token nor, deleted, take it away."""
     meta = secret["metadata"]
     sandbox = (meta.get("labels") or {}).get(LABEL_SANDBOX)
     encoded = (secret.get("data") or {}).get(TOKEN_KEY)
-    owners = [o for o in meta.get("ownerReferences") or [] if o.get("kind") == "Sandbox"]
-    if not sandbox or not encoded or not owners:
+    owners = [
+        o
+        for o in meta.get("ownerReferences") or []
+        if o.get("kind") == "Sandbox" and o.get("controller") and o.get("name") == sandbox
+    ]
+    if not sandbox or not encoded or not owners or meta.get("name") != names(sandbox)["secret"]:
         return None
     return sandbox, str(owners[0]["uid"]), base64.b64decode(encoded).decode()
 
