@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -70,7 +72,7 @@ def test_pod_isolation_choices() -> None:
     assert not any(m["name"] == "agent-token" for m in sandbox["volumeMounts"])
     # The runner is what the sandbox container runs (test_runner_bootstrap below),
     # started beside the agent: no startup probe holds it back.
-    assert sandbox["command"] == ["python3", "-c", build.RUNNER_BOOTSTRAP]
+    assert sandbox["command"] == ["python3", "-s", "-c", build.RUNNER_BOOTSTRAP]
     assert "startupProbe" not in agent
     # Memory and ephemeral storage: requests equal limits; CPU: a small request.
     for container in (agent, sandbox):
@@ -436,14 +438,23 @@ def test_preview_urls_are_on_the_gateways_external_url() -> None:
 def test_runner_bootstrap_waits_for_the_runner_then_becomes_it(tmp_path: Path) -> None:
     """The sandbox container's entrypoint, run for real: it waits for runner.py,
     then execs it as `python3 runner.py` would run, never importing from the
-    working directory (the user's workspace, where anything may be planted)."""
+    working directory or the user's site-packages (both in the user's
+    workspace, where anything may be planted)."""
     run_dir, workspace = tmp_path / "run", tmp_path / "workspace"
     run_dir.mkdir()
     workspace.mkdir()
     (workspace / "json.py").write_text("raise SystemExit('imported from the workspace')\n")
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    user_site = workspace / ".local" / "lib" / version / "site-packages"
+    user_site.mkdir(parents=True)
+    (user_site / "planted.pth").write_text("import sys; sys.exit('ran the planted .pth')\n")
+    (user_site / "usercustomize.py").write_text("raise SystemExit('ran usercustomize')\n")
     code = build.RUNNER_BOOTSTRAP.replace(build.RUNTIME_DIR, str(run_dir))
+    # As the pod runs it: its own command and flags, HOME the workspace.
+    command = next(c for c in _containers(_pod()) if c["name"] == "sandbox")["command"]
+    env = {**os.environ, "HOME": str(workspace)}
     proc = subprocess.Popen(
-        ["python3", "-c", code], cwd=workspace, stdout=subprocess.PIPE, text=True
+        [*command[:-1], code], cwd=workspace, stdout=subprocess.PIPE, text=True, env=env
     )
     time.sleep(0.2)
     assert proc.poll() is None  # waiting for the runner

@@ -53,6 +53,11 @@ RUNTIME_LIVENESS_PATH = "/livez/runtime"
 # the user's workspace, from which no module may be imported.
 RUNNER_PATH = f"{RUNTIME_DIR}/runner.py"
 RUNNER_WAIT_SECONDS = 300
+# The runner's interpreter skips the user's site-packages: they are in the
+# workspace (HOME), where a caller allowed only to write files could plant a
+# .pth or usercustomize.py that the runner would run at its next start. Commands
+# the runner starts do not inherit the flag: `pip install --user` still works.
+RUNNER_PYTHON = ("python3", "-s")
 RUNNER_BOOTSTRAP = f"""import sys
 sys.path[0] = {RUNTIME_DIR!r}
 import os, time
@@ -61,7 +66,7 @@ while not os.path.exists({RUNNER_PATH!r}):
     if time.monotonic() > deadline:
         sys.exit("sandbox: the agent did not place its runner in {RUNNER_WAIT_SECONDS} s")
     time.sleep(0.02)
-os.execvp("python3", ["python3", {RUNNER_PATH!r}])
+os.execvp("python3", [*{RUNNER_PYTHON!r}, {RUNNER_PATH!r}])
 """
 
 # The runtime directory holds only the runner script and its socket.
@@ -313,7 +318,7 @@ def build_pod(ref: SandboxRef, spec: SandboxSpec, settings: Settings) -> JSON:
         "image": image,
         "imagePullPolicy": pull_policy,
         # The runner is placed by the agent; the image only needs python3 >= 3.9.
-        "command": ["python3", "-c", RUNNER_BOOTSTRAP],
+        "command": [*RUNNER_PYTHON, "-c", RUNNER_BOOTSTRAP],
         "workingDir": home,
         "env": [
             {"name": "HOME", "value": home},
