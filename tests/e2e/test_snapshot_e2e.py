@@ -159,6 +159,25 @@ def test_idle_snapshot_before_delete_is_restorable(e2e: E2E) -> None:
     assert Agent.of(e2e.kube, ns, "revived").read("work.txt") == "unsaved work\n"
 
 
+def test_paused_timeout_deletes_after_its_snapshot(e2e: E2E) -> None:
+    """A sandbox paused past pausedTimeout with snapshotOnIdle goes once a Snapshot
+    of its workspace is Ready (not before: a failed one keeps it paused, see the
+    integration tier), and that Snapshot outlives it."""
+    ns = e2e.namespace()
+    sandboxes, snapshots = Sandboxes(e2e.kube, ns), Snapshots(e2e.kube, ns)
+    sandboxes.create("parked", {"lifecycle": {"pausedTimeout": "5s", "snapshotOnIdle": True}})
+    sandboxes.wait_ready("parked")
+    Agent.of(e2e.kube, ns, "parked").write("notes.txt", "kept\n")
+    sandboxes.patch("parked", {"spec": {"paused": True}})
+    sandboxes.wait_gone("parked", 240, "deletion after pausedTimeout")
+    [taken] = snapshots.list("sandbox.dev/sandbox=parked")
+    assert taken["status"]["phase"] == "Ready", taken["status"]
+
+    sandboxes.create("unparked", {"workspace": {"fromSnapshot": taken["metadata"]["name"]}})
+    _restored(sandboxes, "unparked", taken["metadata"]["name"])
+    assert Agent.of(e2e.kube, ns, "unparked").read("notes.txt") == "kept\n"
+
+
 WRITER = "i=0; while true; do echo line-$i-end >> log.txt; i=$((i+1)); sleep 0.005; done"
 
 

@@ -189,17 +189,25 @@ def test_idle_snapshot_that_fails_is_reported_and_the_pause_goes_ahead(
     assert name in _events(kube, ns, "IdleSnapshotFailed")[0]
 
 
-def test_idle_delete_waits_for_its_snapshot_and_the_snapshot_outlives_the_sandbox(
+def test_an_idle_delete_whose_snapshot_fails_pauses_instead_and_keeps_the_workspace(
     kube: KubeJSON,
     ns: str,
     sandboxes: Sandboxes,
     node: Node,
     own_agent: Callable[[str], AgentProcess],
 ) -> None:
+    """onIdle Delete with snapshotOnIdle deletes only once its snapshot is Ready:
+    this tier has no snapshots, so the sandbox is paused instead, its
+    workspace claim kept, and it says why; deleting it then is not held up."""
     snapshots = Snapshots(kube, ns)
-    _idle_sandbox(kube, sandboxes, node, own_agent, "gone", "Delete")
-    sandboxes.wait_gone("gone", 60, "idle deletion")
-    taken = snapshots.list("sandbox.dev/sandbox=gone")
-    assert len(taken) == 1, taken
-    # The finalizer let the sandbox go only once its snapshot had settled.
+    _idle_sandbox(kube, sandboxes, node, own_agent, "kept", "Delete")
+    body = sandboxes.wait_phase("kept", "Paused", timeout=60)
+    taken = snapshots.list("sandbox.dev/sandbox=kept")
+    assert [s["metadata"]["name"] for s in taken] == [body["status"]["idleSnapshot"]], taken
     assert taken[0]["status"]["phase"] == "Failed"
+    wait_for(lambda: _events(kube, ns, "IdleSnapshotFailed"), 30, "an IdleSnapshotFailed Event")
+    [message] = _events(kube, ns, "IdleSnapshotFailed")
+    assert "instead of deleting it: the workspace is kept" in message, message
+    assert kube.get(core_path("persistentvolumeclaims", ns, "kept-workspace")) is not None
+    sandboxes.delete("kept")
+    sandboxes.wait_gone("kept", 30, "deletion by its user")

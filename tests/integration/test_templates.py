@@ -280,18 +280,33 @@ def test_a_failing_setup_step_is_named_and_holds_its_sandboxes(
     assert rebuilt != build
 
 
-def test_paused_timeout_deletes_after_a_snapshot(
+def test_paused_timeout_deletes_only_after_a_snapshot(
     kube: KubeJSON, ns: str, sandboxes: Sandboxes
 ) -> None:
+    """With snapshotOnIdle, pausedTimeout deletes once a Snapshot is Ready (the
+    e2e tier's test_paused_timeout_deletes_after_its_snapshot); this tier has no
+    snapshots, so the sandbox stays paused and says so, once."""
     sandboxes.create(
         "parked",
         {"paused": True, "lifecycle": {"pausedTimeout": "3s", "snapshotOnIdle": True}},
     )
     body = sandboxes.wait_phase("parked", "Paused")
     assert body["status"]["pausedDeadline"] > body["status"]["pausedSince"], body["status"]
-    sandboxes.wait_gone("parked", 60, "deleted after pausedTimeout")
-    taken = Snapshots(kube, ns).kube.list(Snapshots(kube, ns).path(), "sandbox.dev/sandbox=parked")
+    snapshots = Snapshots(kube, ns)
+
+    def failed() -> list[str]:
+        events = kube.list(core_path("events", ns))
+        return [
+            e["message"]
+            for e in events
+            if e.get("reason") == "IdleSnapshotFailed" and e["involvedObject"]["name"] == "parked"
+        ]
+
+    [message] = wait_for(failed, 60, "an IdleSnapshotFailed Event for parked")
+    assert "kept paused instead of deleted after pausedTimeout 3s" in message, message
+    taken = snapshots.kube.list(snapshots.path(), "sandbox.dev/sandbox=parked")
     assert [s["spec"]["sandboxRef"]["name"] for s in taken] == ["parked"], taken
+    assert sandboxes.read("parked")["status"]["phase"] == "Paused"
 
     # Without snapshotOnIdle nothing is taken; a sandbox running is not counted.
     sandboxes.create("brief", {"paused": True, "lifecycle": {"pausedTimeout": "2s"}})

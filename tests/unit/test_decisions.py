@@ -11,6 +11,8 @@ from collections.abc import Coroutine
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
+import pytest
+
 from sandbox_operator import effective, identity
 from sandbox_operator.agent_client import AgentClient, AgentInfo
 from sandbox_operator.api.execution import ExecutionStatus
@@ -405,9 +407,11 @@ def test_idleness_counts_from_readiness_at_the_earliest() -> None:
     assert lifecycle(spec, None, status=earlier).fields == {}
 
 
-def test_the_idle_snapshot_comes_first() -> None:
-    spec = {"lifecycle": {"idleTimeout": "1m", "onIdle": "Pause", "snapshotOnIdle": True}}
+@pytest.mark.parametrize("on_idle", ["Pause", "Delete"])
+def test_the_idle_snapshot_comes_first(on_idle: str) -> None:
+    spec = {"lifecycle": {"idleTimeout": "1m", "onIdle": on_idle, "snapshotOnIdle": True}}
     assert lifecycle(spec, _info(3600)).action is IdleAction.SNAPSHOT
+    # Deleting waits for it as pausing does: a delete cannot be taken back.
     taking = {"idleSnapshot": "box-idle-1"}
     assert lifecycle(spec, _info(3600), status=taking).action is IdleAction.WAIT_SNAPSHOT
     # Once taking it, the snapshot's own flush is not the user coming back.

@@ -312,20 +312,21 @@ class Lifecycle(Model):
         default=False,
         description=(
             "Take a Snapshot of the workspace before the idle policy deletes or pauses the"
-            " sandbox (and before pausedTimeout deletes it). The Snapshot is not owned by the"
-            " Sandbox: it outlives it."
+            " sandbox (and before pausedTimeout deletes it), and delete only once it is"
+            " Ready: a snapshot that fails leaves the sandbox paused instead. The Snapshot"
+            " is not owned by the Sandbox: it outlives it."
         ),
         json_schema_extra=_OPERATOR_DEFAULT,
     )
     snapshot_timeout: Annotated[Duration | None, Bounds.duration("snapshotTimeout", "1s")] = Field(
         default=None,
-        description="How long the idle policy waits for that Snapshot before it goes ahead"
-        " anyway (the operator's idle_snapshot_timeout applies when unset).",
+        description="How long the idle policy waits for that Snapshot to be Ready before it"
+        " counts as failed (the operator's idle_snapshot_timeout applies when unset).",
     )
     paused_timeout: Annotated[Duration | None, Bounds.duration("pausedTimeout", "1s")] = Field(
         default=None,
         description="Delete the Sandbox once it has been paused (by spec.paused or by the"
-        " idle policy) this long; after a Snapshot when snapshotOnIdle is set.",
+        " idle policy) this long; once a Snapshot is Ready when snapshotOnIdle is set.",
     )
     pause_mode: PauseMode = Field(
         default=PauseMode.WORKSPACE,

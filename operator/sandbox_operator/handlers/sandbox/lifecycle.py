@@ -26,7 +26,6 @@ from sandbox_operator.builders.conditions import TRUE, Cond, find, merge
 from sandbox_operator.clock import iso, parse_time
 from sandbox_operator.config import Settings
 from sandbox_operator.context import OperatorContext
-from sandbox_operator.handlers.sandbox.status import write_status
 from sandbox_operator.handlers.sandbox.view import SandboxView
 from sandbox_operator.resources import (
     RESUME_ANNOTATION,
@@ -42,7 +41,7 @@ class IdleAction(Enum):
     DELETE = "delete"  # max lifetime reached, or the lease with onExpiry: Delete
     EXPIRE_PAUSE = "expire-pause"  # the lease ended and onExpiry says Pause
     SNAPSHOT = "snapshot"  # take the idle snapshot first
-    WAIT_SNAPSHOT = "wait-snapshot"  # pause once the snapshot is settled
+    WAIT_SNAPSHOT = "wait-snapshot"  # act once the snapshot is settled
     IDLE = "idle"  # onIdle: Delete or Pause now
 
 
@@ -118,8 +117,9 @@ def decide_lifecycle(
     if spec.lifecycle.snapshot_on_idle:
         if not status.idle_snapshot:
             return LifecycleDecision(IdleAction.SNAPSHOT, fields, last)
-        if spec.lifecycle.on_idle is OnIdle.PAUSE:
-            return LifecycleDecision(IdleAction.WAIT_SNAPSHOT, fields, last)
+        # Deleting too waits for the snapshot: a delete cannot be taken back if
+        # the snapshot then fails, and the workspace would go with the pod.
+        return LifecycleDecision(IdleAction.WAIT_SNAPSHOT, fields, last)
     return LifecycleDecision(IdleAction.IDLE, fields, last)
 
 
@@ -141,24 +141,17 @@ def paused_fields(old: SandboxStatus, spec: SandboxSpec, paused: bool, now: date
 
 async def _paused_too_long(
     ctx: OperatorContext, body: JSON, spec: SandboxSpec, status: SandboxStatus, now: datetime
-) -> None:
-    """Delete a sandbox paused past its pausedTimeout; with snapshotOnIdle, after a
-    Snapshot of its workspace (the finalizer waits for it), unless the idle policy
-    took one when it paused the sandbox (nothing has written to it since)."""
+) -> JSON | None:
+    """Delete a sandbox paused past its pausedTimeout (None: deleted). With
+    snapshotOnIdle, only once a Snapshot of its workspace is Ready: the idle
+    policy's, if it took one when it paused the sandbox (nothing has written to
+    it since), or one taken now. Until then, the status fields to write; a
+    snapshot that fails keeps the sandbox paused, workspace and all."""
     meta = body["metadata"]
-    if spec.lifecycle.snapshot_on_idle and not status.idle_snapshot:
-        # Named after the deadline, which a restarted operator reads again from status.
-        deadline = parse_time(status.paused_deadline or iso(now))
-        name = snapshot_build.idle_snapshot_name(meta["name"], deadline)
-        await ctx.kube.create(
-            SNAPSHOTS.path(meta["namespace"]),
-            snapshot_build.build_idle_snapshot(meta["name"], meta["namespace"], name),
-        )
-        # idle_paused_at cleared: the finalizer waits only for a snapshot taken at deletion.
-        taken = status.evolve(
-            idle_snapshot=name, idle_snapshot_started_at=iso(now), idle_paused_at=None
-        )
-        await write_status(ctx, body, taken)
+    if spec.lifecycle.snapshot_on_idle:
+        waiting = await _snapshot_before_delete(ctx, body, spec, status, now)
+        if waiting is not None:
+            return waiting
     ctx.event(
         body,
         "info",
@@ -168,6 +161,45 @@ async def _paused_too_long(
     )
     metrics.TEARDOWNS.labels("paused_timeout").inc()
     await ctx.kube.delete(SANDBOXES.path(meta["namespace"], meta["name"]), uid=meta["uid"])
+    return None
+
+
+async def _snapshot_before_delete(
+    ctx: OperatorContext, body: JSON, spec: SandboxSpec, status: SandboxStatus, now: datetime
+) -> JSON | None:
+    """None once a Snapshot of the paused sandbox's workspace is Ready; until then
+    the status fields that take or wait for one."""
+    meta = body["metadata"]
+    # Named after the deadline, which a restarted operator reads again from status.
+    deadline = parse_time(status.paused_deadline or iso(now))
+    own = snapshot_build.idle_snapshot_name(meta["name"], deadline)
+    name = status.idle_snapshot
+    if name:
+        settled, why = await idle_snapshot_outcome(
+            ctx, body, spec, name, status.idle_snapshot_started_at, now
+        )
+        if settled is Settled.READY:
+            return None
+        if settled is Settled.WAITING:
+            return {}
+        if name == own:
+            ctx.event_once(
+                body,
+                "warn",
+                "IdleSnapshotFailed",
+                f"snapshot {name}: {why}; kept paused instead of deleted after"
+                f" pausedTimeout {spec.lifecycle.paused_timeout}, workspace and all:"
+                " delete the Sandbox to let it go",
+                key=name,
+            )
+            return {}
+        # The idle policy's own failed: this deletion takes one of its own.
+    await ctx.kube.create(
+        SNAPSHOTS.path(meta["namespace"]),
+        snapshot_build.build_idle_snapshot(meta["name"], meta["namespace"], own),
+    )
+    ctx.event(body, "info", reason="IdleSnapshot", message=f"taking snapshot {own} before deleting")
+    return {"idle_snapshot": own, "idle_snapshot_started_at": iso(now)}
 
 
 async def lifecycle(
@@ -184,8 +216,7 @@ async def lifecycle(
     body, spec = view.body, view.valid_spec
     meta = body["metadata"]
     if status.paused_deadline and now >= parse_time(status.paused_deadline):
-        await _paused_too_long(ctx, body, spec, status, now)
-        return None
+        return await _paused_too_long(ctx, body, spec, status, now)
     info = None if became_ready(status, now) else await _agent_info(ctx, body, status, logger)
     full = _workspace_full(ctx, body, status, info, now)
     full.update(_limits(ctx, body, spec, status.evolve(**full), info, now))
@@ -233,22 +264,32 @@ async def lifecycle(
         )
         fields.update(idle_snapshot=name, idle_snapshot_started_at=iso(now))
         ctx.event(body, "info", reason="IdleSnapshot", message=f"taking snapshot {name}")
-        if spec.lifecycle.on_idle is OnIdle.PAUSE:
-            return fields  # paused once the snapshot is done (or timed out)
+        return fields  # acted on once the snapshot is done (or failed, or late)
+    action = spec.lifecycle.on_idle
     if decision.action is IdleAction.WAIT_SNAPSHOT:
         name = status.idle_snapshot or ""
         started = status.idle_snapshot_started_at
-        if not await idle_snapshot_settled(ctx, body, spec, name, started, now):
+        settled, why = await idle_snapshot_outcome(ctx, body, spec, name, started, now)
+        if settled is Settled.WAITING:
             return fields
-    action = spec.lifecycle.on_idle
+        if settled is Settled.FAILED:
+            # Without its snapshot, a sandbox due for deletion is paused instead:
+            # the workspace (its PVC) stays until someone deletes the Sandbox.
+            kept = ""
+            if action is OnIdle.DELETE:
+                kept = " instead of deleting it: the workspace is kept"
+            ctx.event(
+                body,
+                "warn",
+                reason="IdleSnapshotFailed",
+                message=f"snapshot {name}: {why}; pausing the sandbox{kept}",
+            )
+            action = OnIdle.PAUSE
     last = iso(decision.last_activity)
     logger.info("idle since %s; %s", last, action.value)
     metrics.TEARDOWNS.labels(f"idle_{action.value.lower()}").inc()
     ctx.event(body, "info", reason="IdleTimeout", message=f"idle since {last}: {action.value}")
     if action is OnIdle.DELETE:
-        if fields.get("idle_snapshot"):
-            # Teardown (the finalizer) waits for the snapshot it finds in status.
-            await write_status(ctx, body, status.evolve(**fields))
         await ctx.kube.delete(sandbox_path, uid=meta["uid"])
         return None
     fields["idle_paused_at"] = iso(now)
@@ -382,26 +423,34 @@ def idle_snapshot_timeout(spec: SandboxSpec | None, settings: Settings) -> float
     return parse_duration(timeout).total_seconds()
 
 
-async def idle_snapshot_settled(
+class Settled(Enum):
+    """Where the idle policy's Snapshot stands, for what waits on it."""
+
+    WAITING = "waiting"
+    READY = "ready"
+    FAILED = "failed"  # failed, gone, or not ready within its timeout
+
+
+async def idle_snapshot_outcome(
     ctx: OperatorContext,
     body: JSON,
     spec: SandboxSpec | None,
     name: str,
     started: str | None,
     now: datetime,
-) -> bool:
-    """Is the idle policy's Snapshot Ready or Failed, or has the wait for it run
-    out? A failure or timeout is reported (Event) and the teardown goes ahead:
-    the bound on the wait is the user's to set, and the Snapshot says why."""
+) -> tuple[Settled, str]:
+    """Is the idle policy's Snapshot Ready, still on its way, or failed (Failed,
+    missing, or not Ready within the timeout, which is the user's to set)? With
+    why it failed, for the Event its caller posts."""
     namespace = body["metadata"]["namespace"]
     snap = await ctx.kube.get(SNAPSHOTS.path(namespace, name))
     phase = ((snap or {}).get("status") or {}).get("phase")
     if phase == "Ready":
-        return True
+        return Settled.READY, ""
     timeout = idle_snapshot_timeout(spec, ctx.settings)
     late = started is not None and (now - parse_time(started)).total_seconds() > timeout
     if snap is not None and phase != "Failed" and not late:
-        return False
+        return Settled.WAITING, ""
     why = (
         "it does not exist"
         if snap is None
@@ -409,7 +458,4 @@ async def idle_snapshot_settled(
         if phase == "Failed"
         else f"it was not ready within {timeout:g}s"
     )
-    ctx.event(
-        body, "warn", reason="IdleSnapshotFailed", message=f"snapshot {name}: {why}; going ahead"
-    )
-    return True
+    return Settled.FAILED, why

@@ -33,7 +33,8 @@ from sandbox_operator.handlers.sandbox import deadlines, memory
 from sandbox_operator.handlers.sandbox.admission import SandboxIndex, admit
 from sandbox_operator.handlers.sandbox.environment import sync_environment, sync_files
 from sandbox_operator.handlers.sandbox.lifecycle import (
-    idle_snapshot_settled,
+    Settled,
+    idle_snapshot_outcome,
     lifecycle,
     paused_fields,
 )
@@ -307,8 +308,9 @@ async def _reconcile(
         fields["processes_from"] = None
     if not view.paused:
         fields["idle_paused_at"] = None
-        if old.idle_paused_at:
-            # Resumed: the next idle period takes a snapshot of its own.
+        if old.idle_paused_at or old.paused_since:
+            # Resumed: the next idle period takes a snapshot of its own (and one
+            # pausedTimeout was taking is not taken for the idle policy's).
             fields.update(idle_snapshot=None, idle_snapshot_started_at=None)
     observed = Observed(
         generation=view.generation,
@@ -395,11 +397,14 @@ async def teardown(ctx: OperatorContext, body: JSON, logger: kopf.Logger) -> Non
     if status.idle_snapshot and not status.idle_paused_at:
         spec, _ = parse_spec(body, ctx.settings)
         started = status.idle_snapshot_started_at
-        settled = await idle_snapshot_settled(
-            ctx, body, spec, status.idle_snapshot, started, now_utc()
-        )
-        if not settled:
-            raise kopf.TemporaryError(f"waiting for snapshot {status.idle_snapshot}", delay=2)
+        name = status.idle_snapshot
+        settled, why = await idle_snapshot_outcome(ctx, body, spec, name, started, now_utc())
+        if settled is Settled.WAITING:
+            raise kopf.TemporaryError(f"waiting for snapshot {name}", delay=2)
+        if settled is Settled.FAILED:
+            # Deleted by its user: the Sandbox goes, as it was asked to.
+            message = f"snapshot {name}: {why}; deleting as asked"
+            ctx.event(body, "warn", reason="IdleSnapshotFailed", message=message)
     forget(ctx, body)
     if status.memory is not None:  # a paused sandbox's saved pod: of no use any more
         await memory.drop(ctx, ref.namespace, status.memory, logger)
