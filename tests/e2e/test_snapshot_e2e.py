@@ -151,7 +151,7 @@ def test_idle_snapshot_before_delete_is_restorable(e2e: E2E) -> None:
     assert len(taken) == 1, taken
     name = taken[0]["metadata"]["name"]
     assert not taken[0]["metadata"].get("ownerReferences")
-    # The finalizer waited for it: it was done before the sandbox went.
+    # The idle policy waited for it: it was Ready before the sandbox went.
     assert taken[0]["status"]["phase"] == "Ready", taken[0]["status"]
 
     sandboxes.create("revived", {"workspace": {"fromSnapshot": name}})
