@@ -10,7 +10,7 @@
   kube-proxy on this machine may be using them).
 - CoreDNS: a main package of our own (devcluster/dns/coredns) against the
   pinned CoreDNS module, with the few plugins the Corefile names.
-- kube-network-policies: upstream's `standard` command, patched three times.
+- kube-network-policies: upstream's `standard` command, patched four ways.
   This kernel has no nftables `queue` expression (CONFIG_NFT_QUEUE is not
   set; `nft add rule ... queue` answers "No such file or directory"), so
   packets are sent to NFQUEUE through the xtables target over nft_compat
@@ -25,7 +25,14 @@
   refused by the sandbox's own ingress policy). Without the label, "strict
   mode" (cutting established connections when a policy changes) cannot work
   and is off: a policy change applies to new connections, which is what the
-  NetworkPolicy API promises.
+  NetworkPolicy API promises. And it fails closed for new pods: upstream
+  judges only addresses of pods it knows to have policies, and lets a packet
+  from a pod not in its informer yet through (no pod, no policy); a
+  sandbox's first connections, before its IP reached the enforcer, went
+  anywhere (seen under load: a sandbox with `egress: Internet` reached the
+  API server and another sandbox's agent port). Every address of the
+  cluster's pod subnet is diverted to the queue now, and a packet from one
+  that is no known pod is dropped until it is.
 
 Patches are applied to a copy of the module (`build.SourcePatch`); each is
 checked to apply to exactly the text it was written for, so a version bump
@@ -41,6 +48,8 @@ from devcluster import build, versions
 
 KUBE_PROXY_TABLE_ENV = "DEVCLUSTER_KUBE_PROXY_TABLE"
 NETWORK_POLICY_TABLE_ENV = "DEVCLUSTER_NETWORK_POLICY_TABLE"
+POD_SUBNET_ENV = "DEVCLUSTER_POD_SUBNET"
+POD_GATEWAY_ENV = "DEVCLUSTER_POD_GATEWAY"
 DNS_SOURCE = Path(__file__).resolve().parent / "dns"
 
 KUBE_PROXY_PATCHES = (
@@ -135,6 +144,76 @@ func devclusterQueue(num uint16, bypass bool) expr.Any {
         "established/related packets pass without the conntrack label: a label set "
         "through the NFQUEUE verdict does not stick on this kernel, so replies were "
         "judged as new connections the other way",
+    ),
+    build.SourcePatch(
+        "pkg/networkpolicy/devcluster_pods.go",
+        "",
+        f"""package networkpolicy
+
+import (
+\t"net"
+\t"net/netip"
+\t"os"
+)
+
+// The cluster's pod subnet (${POD_SUBNET_ENV}) and the node's own address in it
+// (${POD_GATEWAY_ENV}). A packet from an address of the subnet that is no pod
+// the enforcer knows yet is a new pod's whose IP has not reached the
+// enforcer's informer: upstream lets it through (no pod, no policy), which
+// is every policy off for a new pod's first second or so, longer on a busy
+// node. Here it is dropped until the pod is known, and every address of the
+// subnet is diverted to the queue so that such packets are judged at all.
+// Added by sandbox-operator's devcluster at build time.
+var devclusterSubnet, devclusterGateway = func() (netip.Prefix, netip.Addr) {{
+\tsubnet, err := netip.ParsePrefix(os.Getenv("{POD_SUBNET_ENV}"))
+\tif err != nil || subnet.Bits() < 20 {{
+\t\treturn netip.Prefix{{}}, netip.Addr{{}}
+\t}}
+\tgateway, _ := netip.ParseAddr(os.Getenv("{POD_GATEWAY_ENV}"))
+\treturn subnet.Masked(), gateway
+}}()
+
+// devclusterUnknownPod: is `ip` an address of the pod subnet (not the node's)?
+func devclusterUnknownPod(ip net.IP) bool {{
+\taddr, ok := netip.AddrFromSlice(ip)
+\tif !ok || !devclusterSubnet.IsValid() {{
+\t\treturn false
+\t}}
+\taddr = addr.Unmap()
+\treturn devclusterSubnet.Contains(addr) && addr != devclusterGateway
+}}
+
+// devclusterPodAddresses: every address of the pod subnet but the node's.
+func devclusterPodAddresses() []netip.Addr {{
+\tvar out []netip.Addr
+\tif !devclusterSubnet.IsValid() {{
+\t\treturn out
+\t}}
+\tfor addr := devclusterSubnet.Addr(); devclusterSubnet.Contains(addr); addr = addr.Next() {{
+\t\tif addr != devclusterGateway {{
+\t\t\tout = append(out, addr)
+\t\t}}
+\t}}
+\treturn out
+}}
+""",
+        "a packet from a pod the enforcer does not know yet is dropped, not let through",
+    ),
+    build.SourcePatch(
+        "pkg/networkpolicy/engine.go",
+        "\tdstPod, _ := e.podInfoProvider.GetPodInfoByIP(packet.DstIP.String())\n",
+        "\tdstPod, _ := e.podInfoProvider.GetPodInfoByIP(packet.DstIP.String())\n"
+        "\tif srcPod == nil && devclusterUnknownPod(packet.SrcIP) {\n"
+        '\t\tlogger.V(2).Info("Packet denied: from a pod not known yet")\n'
+        "\t\treturn false, nil\n"
+        "\t}\n",
+        "packets of pods not known yet are denied",
+    ),
+    build.SourcePatch(
+        "pkg/networkpolicy/engine.go",
+        "\treturn ipSet.UnsortedList(), false, nil\n",
+        "\tipSet.Insert(devclusterPodAddresses()...)\n\treturn ipSet.UnsortedList(), false, nil\n",
+        "every pod address is diverted to the queue, known or not",
     ),
     build.SourcePatch(
         "cmd/kube-network-policies/standard/main.go",

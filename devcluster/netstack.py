@@ -51,7 +51,7 @@ from pathlib import Path
 
 import yaml
 
-from devcluster import build, images, network, pki, probes
+from devcluster import build, images, netbuild, network, pki, probes
 from devcluster.controlplane import Component, run_kubectl
 
 CLUSTER_DOMAIN = "cluster.local"
@@ -467,7 +467,12 @@ def components(
                 "--strict-mode=false",
                 "--v=1",
             ],
-            env={"DEVCLUSTER_NETWORK_POLICY_TABLE": policy_table},
+            env={
+                netbuild.NETWORK_POLICY_TABLE_ENV: policy_table,
+                # Packets of pods it does not know yet are dropped (netbuild.py).
+                netbuild.POD_SUBNET_ENV: str(pod_net.subnet),
+                netbuild.POD_GATEWAY_ENV: str(pod_net.gateway),
+            },
             # Ready: rules synced and the queue bound (before that, packets of
             # selected pods are dropped: fail closed).
             ready=lambda: (

@@ -354,6 +354,59 @@ def test_egress_deny_all_blocks_pods_the_node_and_dns(
     assert locked[probes[2]].startswith("gaierror"), locked
 
 
+@contextlib.contextmanager
+def stray_address(cluster: LocalCluster, address: str) -> Iterator[str]:
+    """A network namespace on the cluster's bridge holding `address` of the pod
+    subnet, as a new pod's would be before its IP reaches the API (no pod in
+    the API has it); its name, for `ip netns exec`."""
+    net = cluster.pod_network
+    name, outside = f"stray-{uuid.uuid4().hex[:6]}", f"st{uuid.uuid4().hex[:10]}"
+    inside = f"{outside}i"
+    steps = [
+        ["ip", "netns", "add", name],
+        ["ip", "link", "add", outside, "type", "veth", "peer", "name", inside],
+        ["ip", "link", "set", inside, "netns", name],
+        ["ip", "link", "set", outside, "master", net.bridge, "up"],
+        ["ip", "-n", name, "addr", "add", f"{address}/{net.subnet.prefixlen}", "dev", inside],
+        ["ip", "-n", name, "link", "set", inside, "up"],
+        ["ip", "-n", name, "route", "add", "default", "via", str(net.gateway)],
+    ]
+    try:
+        for step in steps:
+            subprocess.run(step, check=True, capture_output=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "link", "del", outside], check=False, capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+
+
+def test_a_pod_the_enforcer_does_not_know_yet_reaches_nothing(
+    kube: KubeJSON, namespace: str, local_cluster: LocalCluster, pods: Pods
+) -> None:
+    """Without NRI the enforcer learns a pod's IP from the API, a moment after
+    the pod has it (longer on a busy node). Upstream lets that moment's
+    packets through; here they are dropped, whatever the policies say: a
+    sandbox's code has no first second without its egress policy."""
+    net = local_cluster.pod_network
+    target = web_server(pods, "open-target", {"app": "open-target"})  # no policy selects it
+    taken = {p["status"].get("podIP") for p in kube.list(core_path("pods"))}
+    address = str(net.subnet.broadcast_address - 3)
+    assert address not in taken
+    with host_listener(net.gateway) as port, stray_address(local_cluster, address) as netns:
+        for host, host_port in ((target, 8000), (str(net.gateway), port)):
+            code = f"import socket; socket.create_connection(({host!r}, {host_port}), timeout=3)"
+            ran = subprocess.run(
+                ["ip", "netns", "exec", netns, "python3", "-c", code],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert ran.returncode != 0, (host, "reached from an unknown pod address")
+            assert "TimeoutError" in ran.stderr, (host, ran.stderr)
+    # The same target from a pod the enforcer knows: reached.
+    assert probe(pods, "known", [f"tcp:{target}:8000"], delay=2)[f"tcp:{target}:8000"] == OK
+
+
 def test_the_operators_internet_egress_keeps_dns_and_public_addresses_only(
     kube: KubeJSON, namespace: str, local_cluster: LocalCluster, pods: Pods
 ) -> None:
