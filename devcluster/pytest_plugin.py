@@ -40,7 +40,7 @@ from typing import TypeVar
 
 import pytest
 
-from devcluster import build, hostdeps, images, netbuild, phases
+from devcluster import build, hostdeps, images, netbuild, phases, storage
 from devcluster.cluster import LocalCluster, node_binaries
 from devcluster.controlplane import ControlPlane, ControlPlaneError
 from devcluster.registry import sweep_orphans
@@ -175,22 +175,32 @@ def _prepare_node() -> None:
     phase of its own: together they are the largest cold cost of a run."""
     with phases.phase("node tier: host packages"):
         hostdeps.ensure()
-    with phases.phase("node tier: binaries (kubelet, kube-scheduler, crictl)"):
-        node_binaries(build_missing=True)
-    with phases.phase("node tier: binaries (kube-proxy, CoreDNS, kube-network-policies)"):
-        netbuild.network_binaries(build_missing=True)
-    # Several at once: a Debian image's build waits mostly on downloads and
-    # dpkg's writes, not on the CPU (cold: 7 minutes one after another). One
-    # row for all of them: the phase rows add up to the run's wall time.
-    specs = list(images.IMAGES.values())
-    with (
-        phases.phase(f"images ({len(specs)}, {IMAGE_BUILDS} at a time)"),
-        concurrent.futures.ThreadPoolExecutor(IMAGE_BUILDS) as pool,
-    ):
-        built = list(pool.map(images.ensure_built, specs))
+    # The images build beside the Go builds: the compiles want the CPU, an
+    # image's build waits mostly on downloads and dpkg's writes (cold, one
+    # after the other, they added up to 24 minutes before the first cluster
+    # start, which then waited on the CSI sidecars' build too).
+    with concurrent.futures.ThreadPoolExecutor(1) as side:
+        imaged = side.submit(_build_images)
+        with phases.phase("node tier: binaries (kubelet, kube-scheduler, crictl)"):
+            node_binaries(build_missing=True)
+        with phases.phase("node tier: binaries (kube-proxy, CoreDNS, kube-network-policies)"):
+            netbuild.network_binaries(build_missing=True)
+        with phases.phase("node tier: binaries (CSI driver and sidecars)"):
+            storage.storage_binaries(build_missing=True)
+        built = imaged.result()
     # The fixture's cluster imports every image: its seeded store too.
     with phases.phase("image seed store"):
         images.ensure_seed(built)
+
+
+def _build_images() -> list[images.BuiltImage]:
+    """Every image, several at once (cold, one after another: 7 minutes)."""
+    specs = list(images.IMAGES.values())
+    with (
+        phases.phase(f"images ({len(specs)}, {IMAGE_BUILDS} at a time, beside the Go builds)"),
+        concurrent.futures.ThreadPoolExecutor(IMAGE_BUILDS) as pool,
+    ):
+        return list(pool.map(images.ensure_built, specs))
 
 
 def _prepare(
