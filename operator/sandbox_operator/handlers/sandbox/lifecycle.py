@@ -194,12 +194,21 @@ async def _snapshot_before_delete(
             )
             return {}
         # The idle policy's own failed: this deletion takes one of its own.
+    return await _take_idle_snapshot(ctx, body, own, now, " before deleting")
+
+
+async def _take_idle_snapshot(
+    ctx: OperatorContext, body: JSON, name: str, now: datetime, why: str = ""
+) -> JSON:
+    """Create the Snapshot `name` of the sandbox's workspace; the status fields
+    that record it (what the idle policy and the finalizer wait on)."""
+    meta = body["metadata"]
     await ctx.kube.create(
         SNAPSHOTS.path(meta["namespace"]),
-        snapshot_build.build_idle_snapshot(meta["name"], meta["namespace"], own),
+        snapshot_build.build_idle_snapshot(meta["name"], meta["namespace"], name),
     )
-    ctx.event(body, "info", reason="IdleSnapshot", message=f"taking snapshot {own} before deleting")
-    return {"idle_snapshot": own, "idle_snapshot_started_at": iso(now)}
+    ctx.event(body, "info", reason="IdleSnapshot", message=f"taking snapshot {name}{why}")
+    return {"idle_snapshot": name, "idle_snapshot_started_at": iso(now)}
 
 
 async def lifecycle(
@@ -258,12 +267,7 @@ async def lifecycle(
     if decision.action is IdleAction.SNAPSHOT:
         deadline = parse_time(fields["idle_deadline"])
         name = snapshot_build.idle_snapshot_name(meta["name"], deadline)
-        await ctx.kube.create(
-            SNAPSHOTS.path(meta["namespace"]),
-            snapshot_build.build_idle_snapshot(meta["name"], meta["namespace"], name),
-        )
-        fields.update(idle_snapshot=name, idle_snapshot_started_at=iso(now))
-        ctx.event(body, "info", reason="IdleSnapshot", message=f"taking snapshot {name}")
+        fields.update(await _take_idle_snapshot(ctx, body, name, now))
         return fields  # acted on once the snapshot is done (or failed, or late)
     action = spec.lifecycle.on_idle
     if decision.action is IdleAction.WAIT_SNAPSHOT:
